@@ -1,0 +1,37 @@
+# Retina: the two commands a newcomer needs are `make demo` and `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STATE ?= .retina-cluster
+
+.PHONY: setup demo test test-fast lint bench proto cluster-up cluster-down cluster-status clean
+
+setup:
+	@bash scripts/setup.sh
+
+proto: setup
+	@$(PY) -m retina_common.codegen
+
+demo: setup
+	@$(PY) -m retina_common.demo
+
+test: setup
+	@$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	@$(VENV)/bin/ruff check .
+
+bench: setup
+	@$(PY) bench/bench_trans.py
+
+cluster-up: setup
+	@$(VENV)/bin/retina-cluster start --state-dir $(STATE)
+
+cluster-down: setup
+	@$(VENV)/bin/retina-cluster stop --state-dir $(STATE)
+
+cluster-status: setup
+	@$(VENV)/bin/retina-cluster status --state-dir $(STATE)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache retina_common/pb/*_pb2*.py retina_common/pb/*_pb2*.pyi

@@ -1,0 +1,1 @@
+"""CDC connector: source readers, durable changelog, UpdateRecord sender, recovery driver."""

@@ -1,0 +1,516 @@
+"""The catalog on PostgreSQL: schemas, tables, columns, paths and FILES.
+
+Rules enforced here (specification sections 2, C00.1, C00.5, C01):
+
+* every write reports success by returning its result and raises on any
+  failure; a publish barrier can rely on "returned" meaning "committed";
+* ``cleanupAt`` is set iff the type is RETIRED (checked here before SQL, and
+  by a CHECK constraint for anything that bypasses this layer);
+* :meth:`Catalog.get_files_by_type` is the single SQL enumeration entry
+  point; every other listing is built on it;
+* :meth:`Catalog.atomic_swap_files` is one database transaction with row
+  locks taken in file-id order, so two concurrent swaps over the same files
+  have exactly one winner.
+
+A broken connection during COMMIT raises :class:`CatalogOutcomeUnknown`;
+anything that fails before COMMIT raises an error meaning "nothing changed".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import psycopg2
+import psycopg2.errors
+import psycopg2.extensions
+import psycopg2.pool
+
+from retina_common import file_names
+from retina_common.catalog import schema as catalog_schema
+from retina_common.catalog.errors import (
+    AlreadyExistsError,
+    CatalogError,
+    CatalogOutcomeUnknown,
+    CatalogUnavailable,
+    ConstraintViolation,
+    FileTypeMismatch,
+    InvalidCatalogArgument,
+    NotFoundError,
+    SwapPrecondition,
+    SwapPreconditionError,
+)
+from retina_common.catalog.model import (
+    ColumnRecord,
+    ColumnSpec,
+    FileRecord,
+    FileType,
+    PathRecord,
+    SchemaRecord,
+    SwapResult,
+    TableRecord,
+    check_cleanup_at,
+    check_column_type,
+    check_name,
+)
+from retina_common.failpoints import (
+    CATALOG_ADD_FILE_AFTER_COMMIT,
+    CATALOG_ADD_FILE_BEFORE_COMMIT,
+    CATALOG_DELETE_FILES_AFTER_COMMIT,
+    CATALOG_DELETE_FILES_BEFORE_COMMIT,
+    CATALOG_SWAP_AFTER_COMMIT,
+    CATALOG_SWAP_BEFORE_COMMIT,
+    CATALOG_UPDATE_FILE_AFTER_COMMIT,
+    CATALOG_UPDATE_FILE_BEFORE_COMMIT,
+    Failpoint,
+)
+from retina_common.log import get_logger
+
+log = get_logger(component="catalog")
+T = TypeVar("T")
+
+_FILE_COLUMNS = "file_id, name, type, num_row_group, path_id, min_row_id, max_row_id, cleanup_at"
+_UNSET: Any = object()
+
+
+def _file(row: Sequence[Any]) -> FileRecord:
+    return FileRecord(file_id=row[0], name=row[1], type=FileType(row[2]), num_row_group=row[3],
+                      path_id=row[4], min_row_id=row[5], max_row_id=row[6], cleanup_at=row[7])
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Catalog:
+    """Thread-safe catalog client over a small psycopg2 connection pool."""
+
+    def __init__(self, dsn: str, *, pool_max: int = 8, connect_timeout_s: int = 5) -> None:
+        self._dsn = dsn
+        self._connect_timeout_s = connect_timeout_s
+        self._pool_max = pool_max
+        self._pool: psycopg2.pool.ThreadedConnectionPool | None = None
+        self._pool_lock = threading.Lock()
+
+    # --- connection handling ---------------------------------------------------
+    def _get_pool(self) -> psycopg2.pool.ThreadedConnectionPool:
+        with self._pool_lock:
+            if self._pool is None:
+                try:
+                    self._pool = psycopg2.pool.ThreadedConnectionPool(
+                        0, self._pool_max, self._dsn, connect_timeout=self._connect_timeout_s)
+                except psycopg2.Error as exc:
+                    raise CatalogUnavailable(f"cannot reach the catalog: {exc}") from exc
+            return self._pool
+
+    @contextmanager
+    def _connection(self) -> Iterator[Any]:
+        pool = self._get_pool()
+        try:
+            conn = pool.getconn()
+        except psycopg2.pool.PoolError as exc:
+            raise CatalogUnavailable(f"catalog connection pool exhausted: {exc}") from exc
+        except psycopg2.Error as exc:
+            raise CatalogUnavailable(f"cannot reach the catalog: {exc}") from exc
+        broken = False
+        try:
+            yield conn
+        except (psycopg2.OperationalError, psycopg2.InterfaceError, CatalogOutcomeUnknown):
+            broken = True
+            raise
+        finally:
+            if not broken and conn.closed == 0 and \
+                    conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+                conn.rollback()
+            pool.putconn(conn, close=broken or conn.closed != 0)
+
+    def _transaction(self, body: Callable[[Any], T], *, before_commit: Failpoint | None = None,
+                     after_commit: Failpoint | None = None) -> T:
+        """Run ``body(cursor)`` in one transaction and commit.
+
+        Errors before COMMIT roll back (nothing changed); a connection lost
+        during COMMIT is an unknown outcome.
+        """
+        with self._connection() as conn:
+            try:
+                with conn.cursor() as cur:
+                    result = body(cur)
+                if before_commit is not None:
+                    before_commit.hit()
+            except CatalogError:
+                conn.rollback()
+                raise
+            except psycopg2.Error as exc:
+                if conn.closed == 0:
+                    conn.rollback()
+                raise _translate(exc) from exc
+            try:
+                conn.commit()
+            except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
+                raise CatalogOutcomeUnknown(f"connection lost during COMMIT: {exc}") from exc
+            except psycopg2.Error as exc:  # deferred constraint / serialization at commit
+                raise _translate(exc) from exc
+            if after_commit is not None:
+                after_commit.hit()
+            return result
+
+    def _read(self, body: Callable[[Any], T]) -> T:
+        with self._connection() as conn:
+            try:
+                with conn.cursor() as cur:
+                    return body(cur)
+            except psycopg2.Error as exc:
+                raise _translate(exc) from exc
+            finally:
+                if conn.closed == 0:
+                    conn.rollback()
+
+    def bootstrap(self) -> int:
+        """Create or upgrade the catalog schema; see :mod:`retina_common.catalog.schema`."""
+        with self._connection() as conn:
+            try:
+                return catalog_schema.bootstrap(conn)
+            except psycopg2.Error as exc:
+                if conn.closed == 0:
+                    conn.rollback()
+                raise _translate(exc) from exc
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.closeall()
+                self._pool = None
+
+    # --- schemas, tables, columns, paths ------------------------------------------
+    def create_schema(self, name: str) -> SchemaRecord:
+        check_name("schema", name)
+
+        def body(cur: Any) -> SchemaRecord:
+            cur.execute("INSERT INTO schemas (name) VALUES (%s) RETURNING schema_id", (name,))
+            return SchemaRecord(cur.fetchone()[0], name)
+
+        return self._transaction(body)
+
+    def get_schema(self, name: str) -> SchemaRecord:
+        def body(cur: Any) -> SchemaRecord:
+            cur.execute("SELECT schema_id, name FROM schemas WHERE name = %s", (name,))
+            row = cur.fetchone()
+            if row is None:
+                raise NotFoundError(f"schema {name!r} does not exist")
+            return SchemaRecord(row[0], row[1])
+
+        return self._read(body)
+
+    def create_table(self, schema_name: str, name: str, columns: Sequence[ColumnSpec],
+                     primary_key: Sequence[str]) -> TableRecord:
+        """Create a table with its columns; a primary index id is allocated for it."""
+        check_name("table", name)
+        if not columns:
+            raise InvalidCatalogArgument("a table needs at least one column")
+        names = [check_name("column", c.name) for c in columns]
+        if len(set(names)) != len(names):
+            raise InvalidCatalogArgument("duplicate column name")
+        types = [check_column_type(c.type) for c in columns]
+        if not primary_key:
+            raise InvalidCatalogArgument("a table needs a primary key")
+        if len(set(primary_key)) != len(primary_key) or not set(primary_key) <= set(names):
+            raise InvalidCatalogArgument(
+                f"primary key {list(primary_key)} must name distinct columns")
+
+        def body(cur: Any) -> int:
+            cur.execute("SELECT schema_id FROM schemas WHERE name = %s", (schema_name,))
+            row = cur.fetchone()
+            if row is None:
+                raise NotFoundError(f"schema {schema_name!r} does not exist")
+            cur.execute("INSERT INTO tables (schema_id, name) VALUES (%s, %s) RETURNING table_id",
+                        (row[0], name))
+            table_id = cur.fetchone()[0]
+            for ordinal, (col, col_type) in enumerate(zip(names, types, strict=True)):
+                pk_position = primary_key.index(col) if col in primary_key else None
+                cur.execute("INSERT INTO columns (table_id, name, type, ordinal, pk_position) "
+                            "VALUES (%s, %s, %s, %s, %s)",
+                            (table_id, col, col_type, ordinal, pk_position))
+            return table_id
+
+        self._transaction(body)
+        return self.get_table(schema_name, name)
+
+    def get_table(self, schema_name: str, name: str) -> TableRecord:
+        def body(cur: Any) -> TableRecord:
+            cur.execute("SELECT t.table_id, t.schema_id, t.primary_index_id FROM tables t "
+                        "JOIN schemas s ON s.schema_id = t.schema_id "
+                        "WHERE s.name = %s AND t.name = %s", (schema_name, name))
+            row = cur.fetchone()
+            if row is None:
+                raise NotFoundError(f"table {schema_name}.{name} does not exist")
+            cur.execute("SELECT column_id, name, type, ordinal, pk_position FROM columns "
+                        "WHERE table_id = %s ORDER BY ordinal", (row[0],))
+            columns = tuple(ColumnRecord(*c) for c in cur.fetchall())
+            return TableRecord(table_id=row[0], schema_id=row[1], schema_name=schema_name,
+                               name=name, primary_index_id=row[2], columns=columns)
+
+        return self._read(body)
+
+    def list_tables(self, schema_name: str) -> list[str]:
+        def body(cur: Any) -> list[str]:
+            cur.execute("SELECT t.name FROM tables t JOIN schemas s ON s.schema_id = t.schema_id "
+                        "WHERE s.name = %s ORDER BY t.name", (schema_name,))
+            return [r[0] for r in cur.fetchall()]
+
+        return self._read(body)
+
+    def add_path(self, table_id: int, uri: str) -> PathRecord:
+        if not uri:
+            raise InvalidCatalogArgument("a path needs a URI")
+
+        def body(cur: Any) -> PathRecord:
+            cur.execute("INSERT INTO paths (table_id, uri) VALUES (%s, %s) RETURNING path_id",
+                        (table_id, uri))
+            return PathRecord(cur.fetchone()[0], table_id, uri)
+
+        return self._transaction(body)
+
+    def get_paths(self, table_id: int) -> list[PathRecord]:
+        def body(cur: Any) -> list[PathRecord]:
+            cur.execute("SELECT path_id, table_id, uri FROM paths WHERE table_id = %s "
+                        "ORDER BY path_id", (table_id,))
+            return [PathRecord(*r) for r in cur.fetchall()]
+
+        return self._read(body)
+
+    def get_path(self, path_id: int) -> PathRecord:
+        def body(cur: Any) -> PathRecord:
+            cur.execute("SELECT path_id, table_id, uri FROM paths WHERE path_id = %s", (path_id,))
+            row = cur.fetchone()
+            if row is None:
+                raise NotFoundError(f"path {path_id} does not exist")
+            return PathRecord(*row)
+
+        return self._read(body)
+
+    # --- FILES: writes ------------------------------------------------------------
+    def add_file(self, name: str, file_type: FileType, num_row_group: int, path_id: int,
+                 min_row_id: int | None = None, max_row_id: int | None = None,
+                 cleanup_at: int | None = None) -> FileRecord:
+        """Insert one file row; returns it as committed."""
+        file_type = FileType(file_type)
+        check_cleanup_at(file_type, cleanup_at)
+        _check_hull(file_type, min_row_id, max_row_id)
+        if not name or "/" in name:
+            raise InvalidCatalogArgument(f"bad file name {name!r}")
+        if num_row_group < 0:
+            raise InvalidCatalogArgument("num_row_group must not be negative")
+
+        def body(cur: Any) -> FileRecord:
+            cur.execute(
+                f"INSERT INTO files (name, type, num_row_group, path_id, min_row_id, max_row_id, "
+                f"cleanup_at) VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING {_FILE_COLUMNS}",
+                (name, int(file_type), num_row_group, path_id, min_row_id, max_row_id, cleanup_at))
+            return _file(cur.fetchone())
+
+        return self._transaction(body, before_commit=CATALOG_ADD_FILE_BEFORE_COMMIT,
+                                 after_commit=CATALOG_ADD_FILE_AFTER_COMMIT)
+
+    def update_file(self, file_id: int, *, file_type: FileType = _UNSET,
+                    num_row_group: int = _UNSET, min_row_id: int | None = _UNSET,
+                    max_row_id: int | None = _UNSET, cleanup_at: int | None = _UNSET,
+                    expected_type: FileType | None = None) -> FileRecord:
+        """Change some fields of one file in one transaction; returns the committed row.
+
+        ``expected_type`` guards the change: if the file is in another type
+        (e.g. a concurrent retire), :class:`FileTypeMismatch` is raised and
+        nothing changes. The resulting row is checked against the
+        cleanupAt and row-id-hull rules before it is written.
+        """
+
+        def body(cur: Any) -> FileRecord:
+            cur.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE file_id = %s FOR UPDATE",
+                        (file_id,))
+            row = cur.fetchone()
+            if row is None:
+                raise NotFoundError(f"file {file_id} does not exist")
+            current = _file(row)
+            if expected_type is not None and current.type != expected_type:
+                raise FileTypeMismatch(file_id, FileType(expected_type).name, current.type.name)
+            new_type = current.type if file_type is _UNSET else FileType(file_type)
+            new = FileRecord(
+                file_id=file_id, name=current.name, type=new_type,
+                num_row_group=current.num_row_group if num_row_group is _UNSET else num_row_group,
+                path_id=current.path_id,
+                min_row_id=current.min_row_id if min_row_id is _UNSET else min_row_id,
+                max_row_id=current.max_row_id if max_row_id is _UNSET else max_row_id,
+                cleanup_at=current.cleanup_at if cleanup_at is _UNSET else cleanup_at)
+            check_cleanup_at(new.type, new.cleanup_at)
+            _check_hull(new.type, new.min_row_id, new.max_row_id)
+            cur.execute(
+                f"UPDATE files SET type = %s, num_row_group = %s, min_row_id = %s, "
+                f"max_row_id = %s, cleanup_at = %s WHERE file_id = %s RETURNING {_FILE_COLUMNS}",
+                (int(new.type), new.num_row_group, new.min_row_id, new.max_row_id,
+                 new.cleanup_at, file_id))
+            return _file(cur.fetchone())
+
+        return self._transaction(body, before_commit=CATALOG_UPDATE_FILE_BEFORE_COMMIT,
+                                 after_commit=CATALOG_UPDATE_FILE_AFTER_COMMIT)
+
+    def delete_files(self, file_ids: Iterable[int]) -> int:
+        """Delete every listed file or none: a missing id raises and nothing is deleted."""
+        ids = sorted(set(file_ids))
+        if not ids:
+            raise InvalidCatalogArgument("no file id to delete")
+
+        def body(cur: Any) -> int:
+            cur.execute("DELETE FROM files WHERE file_id = ANY(%s) RETURNING file_id", (ids,))
+            deleted = {r[0] for r in cur.fetchall()}
+            missing = sorted(set(ids) - deleted)
+            if missing:
+                raise NotFoundError(f"files {missing} do not exist; nothing deleted")
+            return len(deleted)
+
+        return self._transaction(body, before_commit=CATALOG_DELETE_FILES_BEFORE_COMMIT,
+                                 after_commit=CATALOG_DELETE_FILES_AFTER_COMMIT)
+
+    def atomic_swap_files(self, new_file_id: int, old_file_ids: Iterable[int],
+                          cleanup_at: int) -> SwapResult:
+        """atomicSwapFiles (C01.6): TEMPORARY_GC → REGULAR and every old REGULAR →
+        RETIRED(cleanupAt), in one transaction, or nothing at all.
+
+        Row locks are taken in ascending file-id order (no deadlock between
+        swaps); the preconditions are checked on the locked rows, so of two
+        concurrent swaps over a common file exactly one commits and the other
+        raises :class:`SwapPreconditionError`.
+        """
+        old_list = list(old_file_ids)
+        old = sorted(set(old_list))
+        if not old:
+            raise SwapPreconditionError(SwapPrecondition.NO_OLD_FILES, None, "no old file")
+        if len(old) != len(old_list):
+            raise SwapPreconditionError(SwapPrecondition.DUPLICATE_OLD_FILES, None,
+                                        f"old file ids repeat: {old_list}")
+        if new_file_id in old:
+            raise SwapPreconditionError(SwapPrecondition.NEW_FILE_AMONG_OLD, new_file_id,
+                                        f"file {new_file_id} is both new and old")
+        check_cleanup_at(FileType.RETIRED, cleanup_at)
+
+        def body(cur: Any) -> SwapResult:
+            ids = sorted([new_file_id, *old])
+            cur.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE file_id = ANY(%s) "
+                        "ORDER BY file_id FOR UPDATE", (ids,))
+            rows = {r.file_id: r for r in map(_file, cur.fetchall())}
+            new = rows.get(new_file_id)
+            if new is None:
+                raise SwapPreconditionError(SwapPrecondition.NEW_FILE_MISSING, new_file_id,
+                                            f"new file {new_file_id} does not exist")
+            if new.type != FileType.TEMPORARY_GC:
+                raise SwapPreconditionError(SwapPrecondition.NEW_FILE_NOT_TEMPORARY_GC, new_file_id,
+                                            f"new file {new_file_id} is {new.type.name}")
+            for file_id in old:
+                row = rows.get(file_id)
+                if row is None:
+                    raise SwapPreconditionError(SwapPrecondition.OLD_FILE_MISSING, file_id,
+                                                f"old file {file_id} does not exist")
+                if row.type != FileType.REGULAR:
+                    raise SwapPreconditionError(SwapPrecondition.OLD_FILE_NOT_REGULAR, file_id,
+                                                f"old file {file_id} is {row.type.name}")
+                if row.path_id != new.path_id:
+                    raise SwapPreconditionError(
+                        SwapPrecondition.PATH_MISMATCH, file_id,
+                        f"old file {file_id} is in path {row.path_id}, new file in {new.path_id}")
+            cur.execute(f"UPDATE files SET type = %s WHERE file_id = %s RETURNING {_FILE_COLUMNS}",
+                        (int(FileType.REGULAR), new_file_id))
+            promoted = _file(cur.fetchone())
+            cur.execute(f"UPDATE files SET type = %s, cleanup_at = %s WHERE file_id = ANY(%s) "
+                        f"RETURNING {_FILE_COLUMNS}", (int(FileType.RETIRED), cleanup_at, old))
+            retired = tuple(sorted(map(_file, cur.fetchall()), key=lambda f: f.file_id))
+            return SwapResult(new_file=promoted, retired_files=retired)
+
+        result = self._transaction(body, before_commit=CATALOG_SWAP_BEFORE_COMMIT,
+                                   after_commit=CATALOG_SWAP_AFTER_COMMIT)
+        log.info("catalog_files_swapped", new_file=new_file_id, retired=old,
+                 cleanup_at=cleanup_at)
+        return result
+
+    # --- FILES: enumeration -----------------------------------------------------------
+    def get_file(self, file_id: int) -> FileRecord | None:
+        def body(cur: Any) -> FileRecord | None:
+            cur.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE file_id = %s", (file_id,))
+            row = cur.fetchone()
+            return None if row is None else _file(row)
+
+        return self._read(body)
+
+    def get_files_by_type(self, path_id: int | None, types: Iterable[FileType]) -> list[FileRecord]:
+        """getFilesByType: THE single SQL enumeration of FILES.
+
+        ``path_id=None`` enumerates across paths (sweepers and admin tools
+        only; never a query, planner, cache or GC-candidate path).
+        """
+        wanted = sorted({int(FileType(t)) for t in types})
+        if not wanted:
+            raise InvalidCatalogArgument("no file type to enumerate")
+
+        def body(cur: Any) -> list[FileRecord]:
+            if path_id is None:
+                cur.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE type = ANY(%s) "
+                            "ORDER BY file_id", (wanted,))
+            else:
+                cur.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE path_id = %s "
+                            "AND type = ANY(%s) ORDER BY file_id", (path_id, wanted))
+            return [_file(r) for r in cur.fetchall()]
+
+        return self._read(body)
+
+    def get_regular_files(self, path_id: int) -> list[FileRecord]:
+        """The only query-visible enumeration: REGULAR files of one path."""
+        return self.get_files_by_type(path_id, [FileType.REGULAR])
+
+    def list_temporary_files_due(self, ttl_ms: int, now_ms: int | None = None) -> list[FileRecord]:
+        """TEMPORARY_INGEST / TEMPORARY_GC files created at least ``ttl_ms`` ago.
+
+        The age comes from the UTC ``yyyyMMddHHmmss`` embedded in the file
+        name, not from cleanupAt (which is RETIRED-only). A name that does
+        not parse is logged and skipped, never deleted by guesswork.
+        """
+        if ttl_ms < 0:
+            raise InvalidCatalogArgument("ttl_ms must not be negative")
+        now_ms = _now_ms() if now_ms is None else now_ms
+        due = []
+        for f in self.get_files_by_type(None, [FileType.TEMPORARY_INGEST, FileType.TEMPORARY_GC]):
+            try:
+                created_ms = file_names.created_at_ms(f.name)
+            except ValueError as exc:
+                log.warning("catalog_temporary_file_name_unparsable", file_id=f.file_id,
+                            name=f.name, error=str(exc))
+                continue
+            if created_ms + ttl_ms <= now_ms:
+                due.append(f)
+        return due
+
+    def list_retired_files_due(self, now_ms: int | None = None) -> list[FileRecord]:
+        """RETIRED files whose cleanupAt has passed."""
+        now_ms = _now_ms() if now_ms is None else now_ms
+        return [f for f in self.get_files_by_type(None, [FileType.RETIRED])
+                if f.cleanup_at is not None and f.cleanup_at <= now_ms]
+
+
+def _check_hull(file_type: FileType, min_row_id: int | None, max_row_id: int | None) -> None:
+    if (min_row_id is None) != (max_row_id is None):
+        raise InvalidCatalogArgument("min_row_id and max_row_id are set together")
+    if min_row_id is not None and max_row_id is not None and not 0 <= min_row_id <= max_row_id:
+        raise InvalidCatalogArgument(f"bad row-id hull [{min_row_id}, {max_row_id}]")
+    if file_type == FileType.REGULAR and min_row_id is None:
+        raise InvalidCatalogArgument("a REGULAR file needs its row-id hull")
+
+
+def _translate(exc: psycopg2.Error) -> CatalogError:
+    if isinstance(exc, psycopg2.errors.UniqueViolation):
+        return AlreadyExistsError(str(exc).strip())
+    if isinstance(exc, psycopg2.errors.ForeignKeyViolation):
+        return NotFoundError(f"referenced object does not exist: {str(exc).strip()}")
+    if isinstance(exc, psycopg2.errors.CheckViolation | psycopg2.errors.NotNullViolation):
+        return ConstraintViolation(str(exc).strip())
+    if isinstance(exc, psycopg2.OperationalError | psycopg2.InterfaceError):
+        return CatalogUnavailable(f"catalog unavailable: {str(exc).strip()}")
+    return CatalogError(f"catalog error: {str(exc).strip()}")

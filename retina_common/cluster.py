@@ -1,0 +1,408 @@
+"""A private local cluster: etcd, PostgreSQL and the TransServer on free loopback ports.
+
+Used by ``retina-cluster`` (and so ``make demo``) and by the test fixtures,
+so the tests start exactly what an operator starts. Every instance has its
+own data directory; nothing touches a system-wide etcd or PostgreSQL.
+
+PostgreSQL's ``initdb`` refuses to run as root, so as root the server runs as
+the ``postgres`` user; its data directory is placed where that user can
+reach it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psycopg2
+import requests
+
+from retina_common.topology import Topology
+
+
+class ClusterError(Exception):
+    """A component of the local cluster could not be started or stopped."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str,
+             interval_s: float = 0.05) -> None:
+    """Poll ``condition`` until it holds; raise ClusterError at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except Exception as exc:  # the component is still coming up
+            last_error = exc
+        time.sleep(interval_s)
+    raise ClusterError(f"timed out after {timeout_s:.0f}s waiting for {what}"
+                       + (f" (last error: {last_error})" if last_error else ""))
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child is dead for our purposes
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def terminate(pid: int, timeout_s: float = 10.0, sig: int = signal.SIGTERM) -> None:
+    """Send ``sig`` and wait for the process to go; SIGKILL after the timeout."""
+    if not pid_alive(pid):
+        return
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _reap(pid)
+        if not pid_alive(pid):
+            return
+        time.sleep(0.05)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    wait_for(lambda: (_reap(pid), not pid_alive(pid))[1], 10, f"pid {pid} to die")
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+# --- etcd ---
+@dataclass
+class EtcdInstance:
+    data_dir: str
+    client_port: int
+    peer_port: int
+    pid: int = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def healthy(self) -> bool:
+        response = requests.get(f"http://{self.endpoint}/health", timeout=1)
+        return response.status_code == 200 and response.json().get("health") == "true"
+
+
+def start_etcd(data_dir: Path, log_path: Path, timeout_s: float = 30,
+               ports: tuple[int, int] | None = None) -> EtcdInstance:
+    """Start etcd; ``ports`` (client, peer) restarts it where it was before."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        raise ClusterError("etcd is not installed (run `make setup`)")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for _attempt in range(1 if ports else 3):
+        client_port, peer_port = ports or (free_port(), free_port())
+        inst = EtcdInstance(str(data_dir), client_port, peer_port)
+        peer = f"http://127.0.0.1:{inst.peer_port}"
+        client = f"http://127.0.0.1:{inst.client_port}"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [binary, "--name", "retina-local", "--data-dir", str(data_dir / "member-data"),
+                 "--listen-client-urls", client, "--advertise-client-urls", client,
+                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                 "--initial-cluster", f"retina-local={peer}",
+                 "--initial-cluster-state", "new", "--log-level", "warn"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        inst.pid = proc.pid
+        try:
+            wait_for(inst.healthy, timeout_s, f"etcd on {inst.endpoint}")
+            return inst
+        except ClusterError:
+            if proc.poll() is None:
+                raise
+            # lost a port race or a stale data dir: try again with new ports
+    raise ClusterError(f"etcd did not start; see {log_path}")
+
+
+# --- PostgreSQL ---
+def _pg_bin(name: str) -> str:
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"))
+    if not candidates:
+        raise ClusterError(f"PostgreSQL's {name} is not installed (run `make setup`)")
+    return str(candidates[-1])
+
+
+def _as_postgres(argv: list[str]) -> list[str]:
+    if os.geteuid() != 0:
+        return argv
+    return ["runuser", "-u", "postgres", "--", *argv]
+
+
+def _reachable_by_postgres(path: Path) -> bool:
+    if os.geteuid() != 0:
+        return True
+    pw = pwd.getpwnam("postgres")
+    for parent in [path, *path.parents]:
+        if not parent.exists():
+            continue
+        st = parent.stat()
+        if st.st_uid != pw.pw_uid and not st.st_mode & 0o001:
+            return False
+    return True
+
+
+def pg_data_dir_for(state_dir: Path) -> Path:
+    """``state_dir/pg`` if the postgres user can reach it, else a private /tmp directory."""
+    preferred = state_dir.resolve() / "pg"
+    if _reachable_by_postgres(preferred.parent):
+        return preferred
+    digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"retina-pg-{digest}"
+
+
+@dataclass
+class PostgresInstance:
+    data_dir: str
+    port: int
+    user: str = "retina"
+
+    def dsn(self, dbname: str = "retina") -> str:
+        return f"host=127.0.0.1 port={self.port} dbname={dbname} user={self.user}"
+
+    def create_database(self, name: str) -> None:
+        conn = psycopg2.connect(self.dsn("postgres"), connect_timeout=5)
+        try:
+            conn.autocommit = True
+            with conn.cursor() as cur:
+                cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,))
+                if cur.fetchone() is None:
+                    cur.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            conn.close()
+
+    def drop_database(self, name: str) -> None:
+        conn = psycopg2.connect(self.dsn("postgres"), connect_timeout=5)
+        try:
+            conn.autocommit = True
+            with conn.cursor() as cur:
+                cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            conn.close()
+
+    def accepting(self) -> bool:
+        conn = psycopg2.connect(self.dsn("postgres"), connect_timeout=2)
+        conn.close()
+        return True
+
+
+def start_postgres(data_dir: Path, log_path: Path, *, durable: bool = True,
+                   timeout_s: float = 60) -> PostgresInstance:
+    """initdb (first time only) and start a private server on a free port."""
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        pw = pwd.getpwnam("postgres")
+        data_dir.mkdir(mode=0o700, exist_ok=True)
+        os.chown(data_dir, pw.pw_uid, pw.pw_gid)
+        log_path.touch()
+        os.chown(log_path, pw.pw_uid, pw.pw_gid)
+    if not (data_dir / "PG_VERSION").exists():
+        result = subprocess.run(
+            _as_postgres([_pg_bin("initdb"), "-D", str(data_dir), "-U", "retina",
+                          "--auth=trust", "-E", "UTF8", "--no-instructions"]),
+            capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise ClusterError(f"initdb failed: {result.stderr.strip() or result.stdout.strip()}")
+    options = ["-c listen_addresses=127.0.0.1", f"-c unix_socket_directories={data_dir}",
+               "-c max_connections=200"]
+    if not durable:  # test fixtures: a real server, but without waiting on the disk
+        options += ["-c fsync=off", "-c synchronous_commit=off", "-c full_page_writes=off"]
+    for _attempt in range(3):
+        inst = PostgresInstance(str(data_dir), free_port())
+        result = subprocess.run(
+            _as_postgres([_pg_bin("pg_ctl"), "-D", str(data_dir), "-l", str(log_path), "-w",
+                          "-t", str(int(timeout_s)), "-o",
+                          " ".join([f"-p {inst.port}", *options]), "start"]),
+            capture_output=True, text=True, check=False)
+        if result.returncode == 0:
+            wait_for(inst.accepting, timeout_s, f"PostgreSQL on port {inst.port}")
+            return inst
+    raise ClusterError(f"PostgreSQL did not start: {result.stderr.strip()}; see {log_path}")
+
+
+def stop_postgres(data_dir: str) -> None:
+    if not (Path(data_dir) / "postmaster.pid").exists():
+        return
+    subprocess.run(_as_postgres([_pg_bin("pg_ctl"), "-D", data_dir, "-m", "fast", "-w",
+                                 "stop"]), capture_output=True, check=False)
+
+
+# --- configuration and the TransServer ---
+def write_config(path: Path, *, etcd_endpoint: str, dsn: str, topology_file: Path,
+                 storage_root: Path, trans_listen: str, trans_metrics: str,
+                 extra: Mapping[str, Mapping[str, object]] | None = None) -> None:
+    """Write a retina.toml every process of the local cluster reads."""
+    sections: dict[str, dict[str, object]] = {
+        "etcd": {"endpoints": [etcd_endpoint]},
+        "catalog": {"dsn": dsn},
+        "storage": {"root": str(storage_root)},
+        "trans": {"listen": trans_listen, "metrics_listen": trans_metrics},
+    }
+    for name, values in (extra or {}).items():
+        sections.setdefault(name, {}).update(values)
+    lines = [f"topology_file = {json.dumps(str(topology_file))}", 'log_level = "info"', ""]
+    for name, values in sections.items():
+        lines.append(f"[{name}]")
+        lines.extend(f"{key} = {json.dumps(value)}" for key, value in values.items())
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
+def start_process(argv: list[str], log_path: Path, env: Mapping[str, str] | None = None) -> int:
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+    return proc.pid
+
+
+def trans_server_argv(config_path: Path) -> list[str]:
+    return [sys.executable, "-m", "trans_gate", "--config", str(config_path)]
+
+
+def grpc_serving(address: str, service: str = "") -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# --- the whole local cluster ---
+@dataclass
+class ClusterState:
+    state_dir: str
+    etcd: EtcdInstance
+    postgres: PostgresInstance
+    config_path: str
+    topology_path: str
+    trans_listen: str
+    trans_metrics: str
+    trans_pid: int = 0
+    nodes: list[str] = field(default_factory=list)
+
+    def save(self) -> None:
+        Path(self.state_dir, "cluster.json").write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, state_dir: Path) -> ClusterState | None:
+        path = state_dir / "cluster.json"
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        data["etcd"] = EtcdInstance(**data["etcd"])
+        data["postgres"] = PostgresInstance(**data["postgres"])
+        return cls(**data)
+
+
+def start_cluster(state_dir: Path, *, nodes: list[str] | None = None, virtual_nodes: int = 8,
+                  durable: bool = True, start_trans: bool = True,
+                  log: Callable[[str], None] = print) -> ClusterState:
+    """Start etcd, PostgreSQL (catalog bootstrapped) and the TransServer under ``state_dir``."""
+    from retina_common.catalog import Catalog
+
+    state_dir = state_dir.resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(state_dir, 0o755)
+    logs = state_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    etcd = start_etcd(state_dir / "etcd", logs / "etcd.log")
+    log(f"etcd        http://{etcd.endpoint}  (data {state_dir / 'etcd'})")
+    try:
+        pg = start_postgres(pg_data_dir_for(state_dir), logs / "postgres.log", durable=durable)
+    except Exception:
+        terminate(etcd.pid)
+        raise
+    pg.create_database("retina")
+    catalog = Catalog(pg.dsn())
+    try:
+        catalog.bootstrap()
+    finally:
+        catalog.close()
+    log(f"postgresql  {pg.dsn()}  (data {pg.data_dir})")
+    nodes = nodes or [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    topology = Topology(tuple(nodes), virtual_nodes)
+    topology_path = state_dir / "topology.toml"
+    topology_path.write_text(topology.to_toml())
+    storage = state_dir / "storage"
+    storage.mkdir(exist_ok=True)
+    config_path = state_dir / "retina.toml"
+    state = ClusterState(str(state_dir), etcd, pg, str(config_path), str(topology_path),
+                         trans_listen=f"127.0.0.1:{free_port()}",
+                         trans_metrics=f"127.0.0.1:{free_port()}", nodes=list(topology.nodes))
+    write_config(config_path, etcd_endpoint=etcd.endpoint, dsn=pg.dsn(),
+                 topology_file=topology_path, storage_root=storage,
+                 trans_listen=state.trans_listen, trans_metrics=state.trans_metrics)
+    state.save()
+    if start_trans:
+        start_trans_server(state)
+        log(f"transserver {state.trans_listen}  (metrics http://{state.trans_metrics}/metrics)")
+    log(f"topology    {', '.join(topology.nodes)} / {virtual_nodes} virtual nodes "
+        f"(hash {topology.topology_hash[:12]})")
+    log(f"config      {config_path}")
+    return state
+
+
+def start_trans_server(state: ClusterState, env: Mapping[str, str] | None = None,
+                       timeout_s: float = 30) -> int:
+    log_path = Path(state.state_dir, "logs", "trans.log")
+    pid = start_process(trans_server_argv(Path(state.config_path)), log_path, env)
+    state.trans_pid = pid
+    state.save()
+    try:
+        wait_for(lambda: pid_alive(pid) and grpc_serving(state.trans_listen), timeout_s,
+                 f"the TransServer on {state.trans_listen}")
+    except ClusterError:
+        tail = log_path.read_text()[-2000:] if log_path.exists() else ""
+        raise ClusterError(f"TransServer did not become SERVING; log tail:\n{tail}") from None
+    return pid
+
+
+def stop_cluster(state: ClusterState, log: Callable[[str], None] = print) -> None:
+    if state.trans_pid:
+        terminate(state.trans_pid)
+        log("transserver stopped")
+    stop_postgres(state.postgres.data_dir)
+    log("postgresql  stopped")
+    if state.etcd.pid:
+        terminate(state.etcd.pid)
+        log("etcd        stopped")
+    state.trans_pid = 0
+    state.etcd.pid = 0
+    state.save()

@@ -1,0 +1,188 @@
+"""Process configuration: a TOML file with environment overrides.
+
+Every process reads the same file format; sections it does not use are
+ignored. An override is ``RETINA__<SECTION>__<KEY>=value`` (for example
+``RETINA__TRANS__LISTEN=127.0.0.1:18888``); lists are comma-separated. Unknown
+sections or keys, in the file or the environment, are configuration errors:
+a typo must not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "RETINA__"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+CONFIG_ENV = "RETINA_CONFIG"
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message names the offending setting."""
+
+
+@dataclass(frozen=True)
+class EtcdConfig:
+    endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
+    timeout_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class CatalogConfig:
+    dsn: str = "host=127.0.0.1 port=5432 dbname=retina user=retina"
+    pool_max: int = 8
+    connect_timeout_s: int = 5
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    # A local directory or any URI pyarrow.fs understands (s3://..., file://...).
+    root: str = "/var/lib/retina/data"
+
+
+@dataclass(frozen=True)
+class TransConfig:
+    listen: str = "127.0.0.1:18888"
+    metrics_listen: str = "127.0.0.1:9464"
+    write_lease_ms: int = 60_000
+    read_lease_ms: int = 600_000
+    max_lease_ms: int = 3_600_000
+    ts_block_size: int = 10_000
+    lease_sweep_interval_ms: int = 200
+    # Ended transactions remembered with their outcome (for clear refusals).
+    ended_cache_size: int = 100_000
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    # With Retina disabled there is nothing to gate (a plain lakehouse).
+    retina_enabled: bool = True
+    # A lifecycle value whose updatedAtMs is older than this is stale.
+    stale_after_ms: int = 15_000
+    # Back-off between re-establishing a broken lifecycle watch.
+    watch_retry_ms: int = 500
+
+
+@dataclass(frozen=True)
+class RetinaConfig:
+    listen: str = "127.0.0.1:18890"
+    metrics_listen: str = "127.0.0.1:9465"
+    # host:port as listed in the topology file; defaults to `listen`.
+    node_id: str = ""
+    lifecycle_ttl_s: int = 10
+
+
+@dataclass(frozen=True)
+class Config:
+    topology_file: str = "topology.toml"
+    log_level: str = "info"
+    etcd: EtcdConfig = field(default_factory=EtcdConfig)
+    catalog: CatalogConfig = field(default_factory=CatalogConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    trans: TransConfig = field(default_factory=TransConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    retina: RetinaConfig = field(default_factory=RetinaConfig)
+
+
+def _convert(name: str, kind: Any, raw: Any) -> Any:
+    """Coerce a TOML value or an environment string to the field's type."""
+    origin = typing.get_origin(kind)
+    if origin is tuple:
+        items = raw.split(",") if isinstance(raw, str) else raw
+        if not isinstance(items, list | tuple):
+            raise ConfigError(f"{name}: expected a list, got {raw!r}")
+        return tuple(str(i).strip() for i in items if str(i).strip())
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in _TRUE | _FALSE:
+            return raw.lower() in _TRUE
+        raise ConfigError(f"{name}: expected a boolean, got {raw!r}")
+    if kind in (int, float):
+        if isinstance(raw, bool):
+            raise ConfigError(f"{name}: expected a number, got {raw!r}")
+        try:
+            return kind(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name}: expected {kind.__name__}, got {raw!r}") from None
+    if kind is str:
+        if not isinstance(raw, str | int | float):
+            raise ConfigError(f"{name}: expected a string, got {raw!r}")
+        return str(raw)
+    raise ConfigError(f"{name}: unsupported setting type {kind!r}")
+
+
+def _apply(obj: Any, values: Mapping[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(type(obj))
+    changes: dict[str, Any] = {}
+    for key, raw in values.items():
+        if key not in hints:
+            raise ConfigError(f"unknown setting {where}{key}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(raw, Mapping):
+                raise ConfigError(f"{where}{key}: expected a section")
+            changes[key] = _apply(current, raw, f"{where}{key}.")
+        else:
+            changes[key] = _convert(f"{where}{key}", hints[key], raw)
+    return dataclasses.replace(obj, **changes)
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__")]
+        if not all(parts):
+            raise ConfigError(f"malformed override {name}")
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {name} conflicts with another override")
+        node[parts[-1]] = value
+    return tree
+
+
+def load_config(path: str | os.PathLike[str] | None = None,
+                env: Mapping[str, str] | None = None) -> Config:
+    """Load ``path`` (or ``$RETINA_CONFIG``), then apply environment overrides.
+
+    The topology file path, when relative, is resolved against the config
+    file's directory so that a config and its topology travel together.
+    """
+    env = os.environ if env is None else env
+    path = path or env.get(CONFIG_ENV)
+    config = Config()
+    base_dir = Path.cwd()
+    if path:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+        config = _apply(config, data, "")
+        base_dir = p.resolve().parent
+    config = _apply(config, _env_overrides(env), "")
+    topo = Path(config.topology_file)
+    if not topo.is_absolute():
+        config = dataclasses.replace(config, topology_file=str(base_dir / topo))
+    return config
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``host:port`` → (host, port); raises ConfigError on anything else."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"expected host:port, got {address!r}")
+    return host.strip("[]"), int(port)

@@ -1,0 +1,173 @@
+"""The failpoint catalogue: one named point before and after every durable step.
+
+Call sites import the point objects (``from retina_common.failpoints import
+TS_BLOCK_BEFORE_PERSIST``), so a misspelt name fails at import. Points are
+inert unless ``RETINA_FAILPOINTS`` names them::
+
+    RETINA_FAILPOINTS="trans.ts_block.after_persist=exit(137);catalog.swap.before_commit=sleep(2)"
+
+Actions: ``exit(code)`` (``os._exit``: no cleanup, no flush, like a kill),
+``raise`` / ``raise(message)`` (raises :class:`FailpointTriggered`),
+``sleep(seconds)``, ``off``. A suffix ``@K`` lets the first K-1 hits pass
+and acts from the K-th hit on (``exit(137)@2``: crash at the second block).
+A name not in the catalogue, or a malformed action, is an error at process
+start, never silently ignored.
+
+The same names appear in the crash-window tables of ``docs/``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+ENV_VAR = "RETINA_FAILPOINTS"
+
+
+class FailpointError(Exception):
+    """RETINA_FAILPOINTS names an unknown point or a malformed action."""
+
+
+class FailpointTriggered(RuntimeError):
+    """Raised by a point configured with ``raise``."""
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "exit" | "raise" | "sleep" | "off"
+    arg: str = ""
+    from_hit: int = 1
+
+
+_CATALOGUE: dict[str, Failpoint] = {}
+_active: dict[str, Action] = {}
+_hits: dict[str, int] = {}
+_loaded = False
+_lock = threading.Lock()
+
+
+class Failpoint:
+    """A named crash window. ``hit()`` runs the configured action, if any."""
+
+    __slots__ = ("description", "name")
+
+    def __init__(self, name: str, description: str) -> None:
+        if name in _CATALOGUE:
+            raise FailpointError(f"failpoint {name} declared twice")
+        self.name = name
+        self.description = description
+        _CATALOGUE[name] = self
+
+    def hit(self) -> None:
+        if not _loaded:
+            load_from_env()
+        action = _active.get(self.name)
+        if action is None or action.kind == "off":
+            return
+        with _lock:
+            _hits[self.name] = hit = _hits.get(self.name, 0) + 1
+        if hit < action.from_hit:
+            return
+        if action.kind == "sleep":
+            time.sleep(float(action.arg))
+        elif action.kind == "raise":
+            raise FailpointTriggered(action.arg or f"failpoint {self.name}")
+        elif action.kind == "exit":
+            # A crash, not a shutdown: nothing is flushed, no handler runs.
+            sys.stderr.write(f"failpoint {self.name}: exit({action.arg})\n")
+            sys.stderr.flush()
+            os._exit(int(action.arg))
+
+    def __repr__(self) -> str:
+        return f"Failpoint({self.name!r})"
+
+
+_ACTION = re.compile(r"^(exit|raise|sleep|off)(?:\((.*)\))?(?:@(\d+))?$")
+
+
+def parse_spec(spec: str) -> dict[str, Action]:
+    """Parse ``name=action;name=action``; raises FailpointError on any defect."""
+    result: dict[str, Action] = {}
+    for item in filter(None, (part.strip() for part in spec.split(";"))):
+        name, sep, action_text = item.partition("=")
+        name = name.strip()
+        if not sep:
+            raise FailpointError(f"{ENV_VAR}: '{item}' is not name=action")
+        if name not in _CATALOGUE:
+            raise FailpointError(f"{ENV_VAR}: unknown failpoint '{name}'")
+        match = _ACTION.match(action_text.strip())
+        if not match:
+            raise FailpointError(f"{ENV_VAR}: bad action '{action_text}' for {name}")
+        kind, arg = match.group(1), (match.group(2) or "").strip()
+        from_hit = int(match.group(3) or 1)
+        if from_hit < 1:
+            raise FailpointError(f"{ENV_VAR}: @K needs K >= 1 ({name})")
+        if kind == "exit" and not arg.lstrip("-").isdigit():
+            raise FailpointError(f"{ENV_VAR}: exit needs an integer code ({name})")
+        if kind == "sleep":
+            try:
+                float(arg)
+            except ValueError:
+                raise FailpointError(f"{ENV_VAR}: sleep needs seconds ({name})") from None
+        result[name] = Action(kind, arg, from_hit)
+    return result
+
+
+def load_from_env(env: Mapping[str, str] | None = None) -> dict[str, Action]:
+    """(Re)load the active points; processes call this first thing in main()."""
+    global _loaded
+    env = os.environ if env is None else env
+    actions = parse_spec(env.get(ENV_VAR, ""))
+    with _lock:
+        _active.clear()
+        _active.update(actions)
+        _hits.clear()
+        _loaded = True
+    return dict(actions)
+
+
+def catalogue() -> dict[str, str]:
+    """Every known failpoint name with its description."""
+    return {name: fp.description for name, fp in sorted(_CATALOGUE.items())}
+
+
+# --- TransServer: durable timestamp / transaction-id block allocation -------
+TS_BLOCK_BEFORE_PERSIST = Failpoint(
+    "trans.ts_block.before_persist",
+    "a new timestamp block is chosen but not yet written to etcd")
+TS_BLOCK_AFTER_PERSIST = Failpoint(
+    "trans.ts_block.after_persist",
+    "the new timestamp block is durable in etcd, no timestamp of it handed out yet")
+TXID_BLOCK_BEFORE_PERSIST = Failpoint(
+    "trans.txid_block.before_persist",
+    "a new transaction-id block is chosen but not yet written to etcd")
+TXID_BLOCK_AFTER_PERSIST = Failpoint(
+    "trans.txid_block.after_persist",
+    "the new transaction-id block is durable in etcd, no id of it handed out yet")
+
+# --- Catalog (PostgreSQL) ---
+CATALOG_BOOTSTRAP_BEFORE_COMMIT = Failpoint(
+    "catalog.bootstrap.before_commit",
+    "schema DDL executed inside the bootstrap transaction, not committed")
+CATALOG_ADD_FILE_BEFORE_COMMIT = Failpoint(
+    "catalog.add_file.before_commit", "file row inserted, transaction not committed")
+CATALOG_ADD_FILE_AFTER_COMMIT = Failpoint(
+    "catalog.add_file.after_commit", "file row committed, caller not yet told")
+CATALOG_UPDATE_FILE_BEFORE_COMMIT = Failpoint(
+    "catalog.update_file.before_commit", "file row updated, transaction not committed")
+CATALOG_UPDATE_FILE_AFTER_COMMIT = Failpoint(
+    "catalog.update_file.after_commit", "file update committed, caller not yet told")
+CATALOG_DELETE_FILES_BEFORE_COMMIT = Failpoint(
+    "catalog.delete_files.before_commit", "file rows deleted, transaction not committed")
+CATALOG_DELETE_FILES_AFTER_COMMIT = Failpoint(
+    "catalog.delete_files.after_commit", "file deletion committed, caller not yet told")
+CATALOG_SWAP_BEFORE_COMMIT = Failpoint(
+    "catalog.swap.before_commit",
+    "atomicSwapFiles: new file REGULAR and old files RETIRED inside the transaction, not committed")
+CATALOG_SWAP_AFTER_COMMIT = Failpoint(
+    "catalog.swap.after_commit", "atomicSwapFiles committed, caller not yet told")

@@ -1,0 +1,49 @@
+"""gRPC server plumbing shared by every process: health checking and reflection."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from retina_common.config import split_host_port
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class ServerHandle:
+    """A started-to-be gRPC server with its health servicer and bound port."""
+
+    def __init__(self, listen: str, max_workers: int, service_names: Iterable[str]) -> None:
+        host, port = split_host_port(listen)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers),
+            options=[("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                     ("grpc.so_reuseport", 0)])
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {listen}")
+        self.address = f"{host}:{self.port}"
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._names = tuple(service_names)
+        reflection.enable_server_reflection(
+            (*self._names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self.set_serving(False)
+
+    def set_serving(self, serving: bool) -> None:
+        """Overall ("") and per-service health status."""
+        status = SERVING if serving else NOT_SERVING
+        for name in ("", *self._names):
+            self.health.set(name, status)
+
+    def start(self) -> None:
+        self.server.start()
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace_s).wait()

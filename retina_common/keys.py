@@ -1,0 +1,29 @@
+"""The etcd keys of ARCHITECTURE.md, in one place."""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+LIFECYCLE_PREFIX = "/pixels/retina/lifecycle/"
+CHECKPOINT_PREFIX = "/pixels/retina/recovery/checkpoint/"
+# Exclusive upper bounds of every timestamp / transaction id ever reserved.
+TRANS_TIMESTAMP_KEY = "/pixels/trans/timestamp/upper"
+TRANS_ID_KEY = "/pixels/trans/transid/upper"
+
+
+def lifecycle_key(node_id: str) -> str:
+    """``/pixels/retina/lifecycle/<host:port>`` (leased, written by the Retina node)."""
+    return LIFECYCLE_PREFIX + node_id
+
+
+def node_of_lifecycle_key(key: str) -> str:
+    if not key.startswith(LIFECYCLE_PREFIX):
+        raise ValueError(f"{key} is not a lifecycle key")
+    return key[len(LIFECYCLE_PREFIX):]
+
+
+def checkpoint_slot_key(node_id: str, slot: str) -> str:
+    """``.../checkpoint/<url-encoded node id>/current`` or ``.../previous``."""
+    if slot not in ("current", "previous"):
+        raise ValueError(f"unknown checkpoint slot {slot}")
+    return f"{CHECKPOINT_PREFIX}{quote(node_id, safe='')}/{slot}"

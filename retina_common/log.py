@@ -1,0 +1,47 @@
+"""structlog set-up shared by every process: JSON lines on stdout.
+
+One event name per line; ``node``, ``state``, ``table``, ``vnode`` are bound
+where they apply. Secrets (the recovery token) are never logged: use
+:func:`token_hash` for the 8-hex-digit prefix that is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+           "error": logging.ERROR}
+
+
+def configure_logging(process: str, level: str = "info", **bound: Any) -> structlog.BoundLogger:
+    """Configure JSON logging for this process and return its root logger."""
+    if level.lower() not in _LEVELS:
+        raise ValueError(f"unknown log level {level!r}")
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(sort_keys=False),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level.lower()]),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stdout),
+        cache_logger_on_first_use=True,
+    )
+    return structlog.get_logger().bind(process=process, **bound)
+
+
+def get_logger(**bound: Any) -> Any:
+    """A lazy logger: safe at import time, rendered by whatever configure_logging set."""
+    return structlog.get_logger(**bound)
+
+
+def token_hash(token: str) -> str:
+    """First 8 hex digits of SHA-256 of a secret: safe for logs, metrics, etcd."""
+    return hashlib.sha256(token.encode()).hexdigest()[:8]

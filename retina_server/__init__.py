@@ -1,0 +1,1 @@
+"""Retina server: lifecycle, UpdateRecord, write buffer, publish, index, visibility, recovery."""

@@ -1,0 +1,5 @@
+import sys
+
+from retina_server.server import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""PySpark drivers: CDC replay, Storage GC rewrites and snapshot queries."""

@@ -1,0 +1,88 @@
+"""Fixtures: private etcd and PostgreSQL servers on free loopback ports.
+
+One etcd and one PostgreSQL server per test session (started exactly like
+``retina-cluster`` starts them); every test gets a fresh catalog database and
+an empty ``/pixels/`` key space.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from retina_common import failpoints
+from retina_common.catalog import Catalog
+from retina_common.cluster import (
+    EtcdInstance,
+    PostgresInstance,
+    start_etcd,
+    start_postgres,
+    stop_postgres,
+    terminate,
+)
+from retina_common.etcd import EtcdStore
+
+
+@pytest.fixture(scope="session")
+def base_dir() -> Iterator[Path]:
+    # Not pytest's tmp_path: it is 0700 under root and the postgres user must
+    # be able to reach its data directory.
+    path = Path(tempfile.mkdtemp(prefix="retina-test-"))
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def etcd_server(base_dir: Path) -> Iterator[EtcdInstance]:
+    inst = start_etcd(base_dir / "etcd", base_dir / "etcd.log")
+    yield inst
+    terminate(inst.pid)
+
+
+@pytest.fixture(scope="session")
+def pg_server(base_dir: Path) -> Iterator[PostgresInstance]:
+    inst = start_postgres(base_dir / "pg", base_dir / "postgres.log", durable=False)
+    yield inst
+    stop_postgres(inst.data_dir)
+
+
+@pytest.fixture
+def etcd(etcd_server: EtcdInstance) -> Iterator[EtcdStore]:
+    store = EtcdStore([etcd_server.endpoint], timeout_s=5)
+    store.delete_prefix("/pixels/")
+    yield store
+    store.delete_prefix("/pixels/")
+
+
+@pytest.fixture
+def catalog_dsn(pg_server: PostgresInstance) -> Iterator[str]:
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    pg_server.create_database(name)
+    yield pg_server.dsn(name)
+    pg_server.drop_database(name)
+
+
+@pytest.fixture
+def catalog(catalog_dsn: str) -> Iterator[Catalog]:
+    cat = Catalog(catalog_dsn)
+    cat.bootstrap()
+    yield cat
+    cat.close()
+
+
+@pytest.fixture
+def active_failpoints() -> Iterator[callable]:
+    """Enable failpoints in this test process; all are cleared afterwards."""
+
+    def enable(spec: str) -> None:
+        failpoints.load_from_env({failpoints.ENV_VAR: spec})
+
+    yield enable
+    failpoints.load_from_env({})

@@ -1,0 +1,143 @@
+"""Test helpers: real processes started the way an operator starts them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from retina_common.cluster import free_port, grpc_serving, write_config
+from retina_common.etcd import EtcdStore
+from retina_common.keys import lifecycle_key
+from retina_common.lifecycle_record import LifecycleRecord, LifecycleState
+from retina_common.pb import trans_pb2 as tpb
+from retina_common.pb import trans_pb2_grpc
+from retina_common.topology import Topology
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def eventually(condition: Callable[[], Any], timeout_s: float, what: str,
+               interval_s: float = 0.05) -> Any:
+    """Poll until ``condition()`` is truthy and return it; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = condition()
+        except Exception as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def put_lifecycle(store: EtcdStore, node: str, state: LifecycleState | str, *,
+                  updated_at_ms: int | None = None, lease_id: int = 0) -> None:
+    record = LifecycleRecord(state=LifecycleState(state), node=node, checkpoint_id=7,
+                             recovery_epoch=1, token_hash="0123abcd",
+                             updated_at_ms=now_ms() if updated_at_ms is None else updated_at_ms)
+    store.put(lifecycle_key(node), record.to_json(), lease_id=lease_id)
+
+
+class TransServerProcess:
+    """A real ``retina-trans`` process with its own config and topology files."""
+
+    def __init__(self, workdir: Path, etcd_endpoint: str, dsn: str, nodes: list[str], *,
+                 trans: Mapping[str, object] | None = None,
+                 gate: Mapping[str, object] | None = None) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = workdir
+        self.nodes = nodes
+        self.address = f"127.0.0.1:{free_port()}"
+        self.metrics = f"127.0.0.1:{free_port()}"
+        topology = workdir / "topology.toml"
+        topology.write_text(Topology(tuple(nodes), max(len(nodes), 4)).to_toml())
+        self.config_path = workdir / "retina.toml"
+        write_config(self.config_path, etcd_endpoint=etcd_endpoint, dsn=dsn,
+                     topology_file=topology, storage_root=workdir / "storage",
+                     trans_listen=self.address, trans_metrics=self.metrics,
+                     extra={"trans": dict(trans or {}), "gate": dict(gate or {})})
+        self.log_path = workdir / "trans.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._channel: grpc.Channel | None = None
+
+    def start(self, failpoints: str = "", wait: bool = True) -> TransServerProcess:
+        env = {**os.environ, "RETINA_FAILPOINTS": failpoints}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "trans_gate", "--config", str(self.config_path)],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        if wait:
+            eventually(lambda: self.alive() and grpc_serving(self.address), 30,
+                       f"TransServer SERVING ({self.log_tail()})")
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        return self.proc.wait(timeout=10)
+
+    def wait_exit(self, timeout_s: float = 30) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout_s)
+
+    def stop(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        if self.alive():
+            assert self.proc is not None
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def stub(self) -> trans_pb2_grpc.TransServiceStub:
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.address)
+        return trans_pb2_grpc.TransServiceStub(self._channel)
+
+    def reconnect(self) -> trans_pb2_grpc.TransServiceStub:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        return self.stub()
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text()[-chars:] if self.log_path.exists() else ""
+
+
+def rpc_error(call: Callable[[], Any]) -> grpc.RpcError:
+    """Run ``call``, which must fail with a gRPC status; return the error."""
+    try:
+        call()
+    except grpc.RpcError as exc:
+        return exc
+    raise AssertionError("the call succeeded but was expected to be refused")
+
+
+def begin_write(stub: trans_pb2_grpc.TransServiceStub, lease_ms: int = 0) -> tpb.BeginTransResponse:
+    return stub.BeginTrans(tpb.BeginTransRequest(read_only=False, lease_ms=lease_ms), timeout=10)
+
+
+def begin_read(stub: trans_pb2_grpc.TransServiceStub) -> tpb.BeginTransResponse:
+    return stub.BeginTrans(tpb.BeginTransRequest(read_only=True), timeout=10)

@@ -1,0 +1,476 @@
+"""The PostgreSQL catalog: schema bootstrap, FILES invariants, enumeration, atomicSwapFiles."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import psycopg2
+import pytest
+
+from retina_common import file_names
+from retina_common.catalog import (
+    AlreadyExistsError,
+    Catalog,
+    CatalogVersionError,
+    CleanupAtViolation,
+    ColumnSpec,
+    FileRecord,
+    FileType,
+    FileTypeMismatch,
+    InvalidCatalogArgument,
+    NotFoundError,
+    SwapPrecondition,
+    SwapPreconditionError,
+)
+from retina_common.catalog.schema import CURRENT_VERSION
+
+from .support import ROOT
+
+NODE = "127.0.0.1:18890"
+
+
+def name(age: timedelta = timedelta(0), seq: int = 0, vnode: int = 0) -> str:
+    return file_names.make(NODE, datetime.now(UTC) - age, seq, vnode)
+
+
+@pytest.fixture
+def path_id(catalog: Catalog) -> int:
+    catalog.create_schema("shop")
+    table = catalog.create_table("shop", "orders",
+                                 [ColumnSpec("id", "int64"), ColumnSpec("note", "string")], ["id"])
+    return catalog.add_path(table.table_id, "file:///data/shop/orders/p0").path_id
+
+
+def all_files(catalog: Catalog) -> list[FileRecord]:
+    return catalog.get_files_by_type(None, list(FileType))
+
+
+def regular(catalog: Catalog, path_id: int, seq: int, lo: int = 0) -> FileRecord:
+    return catalog.add_file(name(seq=seq), FileType.REGULAR, 1, path_id, lo, lo + 9)
+
+
+def gc_file(catalog: Catalog, path_id: int, seq: int) -> FileRecord:
+    return catalog.add_file(name(seq=seq), FileType.TEMPORARY_GC, 1, path_id, 1000 + seq,
+                            1100 + seq)
+
+
+# --- bootstrap ---
+def test_bootstrap_is_idempotent_and_versioned(catalog_dsn: str) -> None:
+    cat = Catalog(catalog_dsn)
+    assert cat.bootstrap() == 0
+    assert cat.bootstrap() == CURRENT_VERSION
+    cat.close()
+
+
+def test_bootstrap_refuses_a_newer_catalog(catalog: Catalog, catalog_dsn: str) -> None:
+    with psycopg2.connect(catalog_dsn) as conn, conn.cursor() as cur:
+        cur.execute("UPDATE catalog_version SET version = %s", (CURRENT_VERSION + 1,))
+    with pytest.raises(CatalogVersionError, match="newer"):
+        catalog.bootstrap()
+
+
+def test_bootstrap_refuses_an_unversioned_catalog(catalog_dsn: str) -> None:
+    with psycopg2.connect(catalog_dsn) as conn, conn.cursor() as cur:
+        cur.execute("CREATE TABLE files (id int)")
+    with pytest.raises(CatalogVersionError, match="no catalog_version"):
+        Catalog(catalog_dsn).bootstrap()
+
+
+def test_concurrent_bootstraps_serialise(catalog_dsn: str) -> None:
+    results: list[int] = []
+    errors: list[Exception] = []
+
+    def run() -> None:
+        cat = Catalog(catalog_dsn)
+        try:
+            results.append(cat.bootstrap())
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            cat.close()
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sorted(results) == [0, CURRENT_VERSION, CURRENT_VERSION, CURRENT_VERSION]
+
+
+# --- schemas and tables ---
+def test_tables_columns_primary_key_and_index_ids(catalog: Catalog) -> None:
+    catalog.create_schema("s")
+    t1 = catalog.create_table("s", "t1", [ColumnSpec("b", "string"), ColumnSpec("a", "int64"),
+                                          ColumnSpec("amount", "decimal(12,2)")], ["a", "b"])
+    t2 = catalog.create_table("s", "t2", [ColumnSpec("id", "int64")], ["id"])
+    assert [c.name for c in t1.columns] == ["b", "a", "amount"]
+    assert t1.primary_key == ("a", "b")
+    assert t1.primary_index_id != t2.primary_index_id
+    assert catalog.list_tables("s") == ["t1", "t2"]
+    assert catalog.get_table("s", "t1") == t1
+    with pytest.raises(AlreadyExistsError):
+        catalog.create_table("s", "t1", [ColumnSpec("id", "int64")], ["id"])
+    with pytest.raises(NotFoundError):
+        catalog.get_table("s", "nope")
+    with pytest.raises(NotFoundError):
+        catalog.create_table("nope", "t", [ColumnSpec("id", "int64")], ["id"])
+
+
+@pytest.mark.parametrize("columns, key", [
+    ([], ["id"]),
+    ([ColumnSpec("id", "int64")], []),
+    ([ColumnSpec("id", "int64")], ["other"]),
+    ([ColumnSpec("id", "int64"), ColumnSpec("id", "string")], ["id"]),
+    ([ColumnSpec("id", "varchar")], ["id"]),
+    ([ColumnSpec("bad name", "int64")], ["bad name"]),
+])
+def test_malformed_tables_are_refused_and_nothing_is_created(
+        catalog: Catalog, columns: list[ColumnSpec], key: list[str]) -> None:
+    catalog.create_schema("s")
+    with pytest.raises(InvalidCatalogArgument):
+        catalog.create_table("s", "t", columns, key)
+    assert catalog.list_tables("s") == []
+
+
+# --- FILES writes and the cleanupAt rule ---
+def test_add_update_delete_report_success_explicitly(catalog: Catalog, path_id: int) -> None:
+    added = catalog.add_file(name(seq=1), FileType.TEMPORARY_INGEST, 0, path_id)
+    assert added.type == FileType.TEMPORARY_INGEST and added.file_id > 0
+    published = catalog.update_file(added.file_id, file_type=FileType.REGULAR, num_row_group=2,
+                                    min_row_id=0, max_row_id=99,
+                                    expected_type=FileType.TEMPORARY_INGEST)
+    assert (published.type, published.min_row_id, published.max_row_id) == (FileType.REGULAR, 0, 99)
+    assert catalog.get_file(added.file_id) == published
+    assert catalog.delete_files([added.file_id]) == 1
+    assert catalog.get_file(added.file_id) is None
+
+
+def test_write_failures_raise_and_change_nothing(catalog: Catalog, path_id: int) -> None:
+    f = regular(catalog, path_id, 1)
+    before = all_files(catalog)
+    with pytest.raises(NotFoundError):
+        catalog.update_file(999_999, file_type=FileType.REGULAR)
+    with pytest.raises(FileTypeMismatch):  # e.g. a concurrent retire won
+        catalog.update_file(f.file_id, file_type=FileType.REGULAR,
+                            expected_type=FileType.TEMPORARY_INGEST)
+    with pytest.raises(NotFoundError, match="nothing deleted"):
+        catalog.delete_files([f.file_id, 999_999])
+    with pytest.raises(NotFoundError):
+        catalog.add_file(name(seq=2), FileType.TEMPORARY_INGEST, 0, 424242)
+    with pytest.raises(AlreadyExistsError):
+        catalog.add_file(f.name, FileType.TEMPORARY_INGEST, 0, path_id)
+    with pytest.raises(InvalidCatalogArgument, match="row-id hull"):
+        catalog.add_file(name(seq=3), FileType.REGULAR, 1, path_id)
+    with pytest.raises(InvalidCatalogArgument):
+        catalog.add_file(name(seq=4), FileType.TEMPORARY_GC, 1, path_id, 10, 5)
+    assert all_files(catalog) == before
+
+
+@pytest.mark.parametrize("file_type, cleanup_at", [
+    (FileType.REGULAR, 123), (FileType.TEMPORARY_INGEST, 123), (FileType.TEMPORARY_GC, 123),
+    (FileType.RETIRED, None),
+])
+def test_dao_refuses_cleanup_at_violations_before_sql(
+        catalog: Catalog, path_id: int, file_type: FileType, cleanup_at: int | None) -> None:
+    with pytest.raises(CleanupAtViolation):
+        catalog.add_file(name(seq=1), file_type, 1, path_id, 0, 9, cleanup_at)
+    assert all_files(catalog) == []
+
+
+def test_dao_refuses_cleanup_at_violations_on_update(catalog: Catalog, path_id: int) -> None:
+    f = regular(catalog, path_id, 1)
+    with pytest.raises(CleanupAtViolation):
+        catalog.update_file(f.file_id, file_type=FileType.RETIRED)
+    with pytest.raises(CleanupAtViolation):
+        catalog.update_file(f.file_id, cleanup_at=5)
+    retired = catalog.update_file(f.file_id, file_type=FileType.RETIRED, cleanup_at=5)
+    with pytest.raises(CleanupAtViolation):
+        catalog.update_file(f.file_id, cleanup_at=None)
+    assert catalog.get_file(f.file_id) == retired
+
+
+@pytest.mark.parametrize("sql", [
+    "INSERT INTO files (name, type, num_row_group, path_id, min_row_id, max_row_id, cleanup_at) "
+    "VALUES ('raw1', 1, 1, {path}, 0, 9, 1234)",  # REGULAR with cleanupAt
+    "INSERT INTO files (name, type, num_row_group, path_id) VALUES ('raw2', 3, 1, {path})",
+    "UPDATE files SET cleanup_at = 77 WHERE file_id = {file}",
+    "UPDATE files SET type = 3 WHERE file_id = {file}",  # RETIRED without cleanupAt
+    "INSERT INTO files (name, type, num_row_group, path_id) VALUES ('raw3', 4, 1, {path})",
+    "INSERT INTO files (name, type, num_row_group, path_id) VALUES ('raw4', 1, 1, {path})",
+    "INSERT INTO files (name, type, num_row_group, path_id, min_row_id, max_row_id) "
+    "VALUES ('raw5', 0, 1, {path}, 9, 3)",
+])
+def test_check_constraints_refuse_raw_sql(catalog: Catalog, catalog_dsn: str, path_id: int,
+                                          sql: str) -> None:
+    f = regular(catalog, path_id, 1)
+    before = all_files(catalog)
+    with psycopg2.connect(catalog_dsn) as conn, conn.cursor() as cur, \
+            pytest.raises(psycopg2.errors.CheckViolation):
+        cur.execute(sql.format(path=path_id, file=f.file_id))
+    assert all_files(catalog) == before
+
+
+def test_constraint_names_document_the_rules(catalog: Catalog, catalog_dsn: str) -> None:
+    with psycopg2.connect(catalog_dsn) as conn, conn.cursor() as cur:
+        cur.execute("SELECT conname FROM pg_constraint WHERE conrelid = 'files'::regclass "
+                    "AND contype = 'c'")
+        names = {r[0] for r in cur.fetchall()}
+        cur.execute("SELECT column_name FROM information_schema.columns "
+                    "WHERE table_name = 'files' ORDER BY ordinal_position")
+        columns = [r[0] for r in cur.fetchall()]
+    assert {"files_cleanup_at_iff_retired", "files_type_known"} <= names
+    assert columns == ["file_id", "name", "type", "num_row_group", "path_id", "min_row_id",
+                       "max_row_id", "cleanup_at"]
+
+
+# --- enumeration ---
+def test_enumeration_by_type_and_regular_only(catalog: Catalog, path_id: int) -> None:
+    other_path = catalog.add_path(catalog.get_table("shop", "orders").table_id,
+                                  "file:///data/shop/orders/p1").path_id
+    reg = regular(catalog, path_id, 1)
+    reg_other = regular(catalog, other_path, 2)
+    ingest = catalog.add_file(name(seq=3), FileType.TEMPORARY_INGEST, 0, path_id)
+    gc = gc_file(catalog, path_id, 4)
+    retired = catalog.add_file(name(seq=5), FileType.RETIRED, 1, path_id, 0, 9, cleanup_at=1)
+    assert catalog.get_regular_files(path_id) == [reg]
+    assert catalog.get_regular_files(other_path) == [reg_other]
+    assert catalog.get_files_by_type(path_id, [FileType.TEMPORARY_INGEST, FileType.TEMPORARY_GC]) \
+        == [ingest, gc]
+    assert catalog.get_files_by_type(None, [FileType.REGULAR]) == [reg, reg_other]
+    assert catalog.get_files_by_type(None, [FileType.RETIRED]) == [retired]
+    with pytest.raises(InvalidCatalogArgument):
+        catalog.get_files_by_type(path_id, [])
+
+
+def test_temporary_files_due_by_name_age(catalog: Catalog, path_id: int,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    old_ingest = catalog.add_file(name(timedelta(hours=2), seq=1), FileType.TEMPORARY_INGEST, 0,
+                                  path_id)
+    old_gc = catalog.add_file(name(timedelta(hours=3), seq=2), FileType.TEMPORARY_GC, 1, path_id,
+                              0, 5)
+    catalog.add_file(name(timedelta(minutes=1), seq=3), FileType.TEMPORARY_INGEST, 0, path_id)
+    catalog.add_file(name(timedelta(hours=5), seq=4), FileType.REGULAR, 1, path_id, 10, 20)
+    catalog.add_file("legacy-name-without-time.parquet", FileType.TEMPORARY_INGEST, 0, path_id)
+    due = catalog.list_temporary_files_due(ttl_ms=3_600_000)
+    assert due == [old_ingest, old_gc]
+    assert "catalog_temporary_file_name_unparsable" in capsys.readouterr().out
+
+
+def test_retired_files_due_by_cleanup_at(catalog: Catalog, path_id: int) -> None:
+    now = int(time.time() * 1000)
+    due = catalog.add_file(name(seq=1), FileType.RETIRED, 1, path_id, 0, 9, cleanup_at=now - 1)
+    catalog.add_file(name(seq=2), FileType.RETIRED, 1, path_id, 10, 19, cleanup_at=now + 60_000)
+    regular(catalog, path_id, 3, lo=20)
+    assert catalog.list_retired_files_due(now_ms=now) == [due]
+
+
+# --- atomicSwapFiles ---
+def test_swap_promotes_new_and_retires_old_together(catalog: Catalog, path_id: int) -> None:
+    a, b, keep = (regular(catalog, path_id, i, lo=10 * i) for i in (1, 2, 3))
+    new = gc_file(catalog, path_id, 4)
+    result = catalog.atomic_swap_files(new.file_id, [b.file_id, a.file_id], cleanup_at=555)
+    assert result.new_file.type == FileType.REGULAR
+    assert [(f.file_id, f.type, f.cleanup_at) for f in result.retired_files] == [
+        (a.file_id, FileType.RETIRED, 555), (b.file_id, FileType.RETIRED, 555)]
+    assert {f.file_id for f in catalog.get_regular_files(path_id)} == {keep.file_id, new.file_id}
+
+
+def _swap_case(catalog: Catalog, path_id: int, case: str) -> tuple[int, list[int]]:
+    a = regular(catalog, path_id, 1)
+    new = gc_file(catalog, path_id, 2)
+    if case == "new missing":
+        return 987_654, [a.file_id]
+    if case == "new not TEMPORARY_GC":
+        return regular(catalog, path_id, 3, lo=50).file_id, [a.file_id]
+    if case == "old missing":
+        return new.file_id, [a.file_id, 987_654]
+    if case == "old not REGULAR":
+        ingest = catalog.add_file(name(seq=4), FileType.TEMPORARY_INGEST, 0, path_id)
+        return new.file_id, [a.file_id, ingest.file_id]
+    if case == "old RETIRED":
+        gone = catalog.add_file(name(seq=5), FileType.RETIRED, 1, path_id, 0, 1, cleanup_at=1)
+        return new.file_id, [gone.file_id]
+    if case == "other path":
+        table = catalog.get_table("shop", "orders")
+        other = catalog.add_path(table.table_id, "file:///elsewhere").path_id
+        return new.file_id, [regular(catalog, other, 6, lo=70).file_id]
+    if case == "no old":
+        return new.file_id, []
+    if case == "duplicate old":
+        return new.file_id, [a.file_id, a.file_id]
+    assert case == "new among old"
+    return new.file_id, [a.file_id, new.file_id]
+
+
+@pytest.mark.parametrize("case, precondition", [
+    ("new missing", SwapPrecondition.NEW_FILE_MISSING),
+    ("new not TEMPORARY_GC", SwapPrecondition.NEW_FILE_NOT_TEMPORARY_GC),
+    ("old missing", SwapPrecondition.OLD_FILE_MISSING),
+    ("old not REGULAR", SwapPrecondition.OLD_FILE_NOT_REGULAR),
+    ("old RETIRED", SwapPrecondition.OLD_FILE_NOT_REGULAR),
+    ("other path", SwapPrecondition.PATH_MISMATCH),
+    ("no old", SwapPrecondition.NO_OLD_FILES),
+    ("duplicate old", SwapPrecondition.DUPLICATE_OLD_FILES),
+    ("new among old", SwapPrecondition.NEW_FILE_AMONG_OLD),
+])
+def test_swap_preconditions_change_nothing(catalog: Catalog, path_id: int, case: str,
+                                           precondition: SwapPrecondition) -> None:
+    new_id, old_ids = _swap_case(catalog, path_id, case)
+    before = all_files(catalog)
+    with pytest.raises(SwapPreconditionError) as err:
+        catalog.atomic_swap_files(new_id, old_ids, cleanup_at=1)
+    assert err.value.precondition == precondition
+    assert all_files(catalog) == before
+
+
+def _race(catalog_dsn: str, swaps: list[tuple[int, list[int]]]) -> list[object]:
+    """Run the swaps at the same moment, each on its own connection."""
+    barrier = threading.Barrier(len(swaps))
+    outcomes: list[object] = [None] * len(swaps)
+
+    def run(i: int) -> None:
+        cat = Catalog(catalog_dsn)
+        try:
+            barrier.wait()
+            outcomes[i] = cat.atomic_swap_files(swaps[i][0], swaps[i][1], cleanup_at=9)
+        except Exception as exc:
+            outcomes[i] = exc
+        finally:
+            cat.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(swaps))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return outcomes
+
+
+def test_two_concurrent_swaps_over_a_common_file_have_one_winner(
+        catalog: Catalog, catalog_dsn: str, path_id: int, active_failpoints: Callable) -> None:
+    # The sleep holds the first swap's row locks open so the two really overlap.
+    active_failpoints("catalog.swap.before_commit=sleep(0.3)")
+    for round_ in range(5):
+        a, b, c = (regular(catalog, path_id, 10 * round_ + i, lo=100 * round_ + 10 * i)
+                   for i in range(3))
+        g1, g2 = gc_file(catalog, path_id, 10 * round_ + 7), gc_file(catalog, path_id,
+                                                                    10 * round_ + 8)
+        outcomes = _race(catalog_dsn, [(g1.file_id, [a.file_id, b.file_id]),
+                                       (g2.file_id, [b.file_id, c.file_id])])
+        winners = [o for o in outcomes if not isinstance(o, Exception)]
+        losers = [o for o in outcomes if isinstance(o, Exception)]
+        assert len(winners) == 1 and len(losers) == 1, outcomes
+        assert isinstance(losers[0], SwapPreconditionError)
+        assert losers[0].precondition == SwapPrecondition.OLD_FILE_NOT_REGULAR
+        won = winners[0]
+        lost_new = g2 if won.new_file.file_id == g1.file_id else g1
+        assert catalog.get_file(lost_new.file_id).type == FileType.TEMPORARY_GC
+        retired = {f.file_id for f in catalog.get_files_by_type(path_id, [FileType.RETIRED])}
+        assert {f.file_id for f in won.retired_files} <= retired
+        assert b.file_id in retired
+
+
+def test_two_swaps_of_the_same_new_file_have_one_winner(
+        catalog: Catalog, catalog_dsn: str, path_id: int) -> None:
+    a, b = regular(catalog, path_id, 1), regular(catalog, path_id, 2, lo=20)
+    new = gc_file(catalog, path_id, 3)
+    outcomes = _race(catalog_dsn, [(new.file_id, [a.file_id]), (new.file_id, [b.file_id])])
+    errors = [o for o in outcomes if isinstance(o, Exception)]
+    assert len(errors) == 1
+    assert errors[0].precondition in (SwapPrecondition.NEW_FILE_NOT_TEMPORARY_GC,)
+    assert len(catalog.get_files_by_type(path_id, [FileType.RETIRED])) == 1
+
+
+# --- a real process killed at each commit failpoint ---
+def _cli(config: Path, failpoint: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "RETINA_FAILPOINTS": failpoint}
+    return subprocess.run([sys.executable, "-m", "retina_common.catalog.cli",
+                           "--config", str(config), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def cli_config(tmp_path: Path, catalog_dsn: str) -> Path:
+    path = tmp_path / "retina.toml"
+    path.write_text(f"[catalog]\ndsn = {json.dumps(catalog_dsn)}\n")
+    return path
+
+
+@pytest.mark.parametrize("point, committed", [("before_commit", False), ("after_commit", True)])
+def test_kill_during_swap(catalog: Catalog, path_id: int, cli_config: Path, point: str,
+                          committed: bool) -> None:
+    a, b = regular(catalog, path_id, 1), regular(catalog, path_id, 2, lo=20)
+    new = gc_file(catalog, path_id, 3)
+    result = _cli(cli_config, f"catalog.swap.{point}=exit(137)",
+                  "swap", str(new.file_id), str(a.file_id), str(b.file_id), "--cleanup-at", "7")
+    assert result.returncode == 137, result.stderr
+    types = {f.file_id: f.type for f in all_files(catalog)}
+    if committed:
+        assert types == {a.file_id: FileType.RETIRED, b.file_id: FileType.RETIRED,
+                         new.file_id: FileType.REGULAR}
+    else:
+        assert types == {a.file_id: FileType.REGULAR, b.file_id: FileType.REGULAR,
+                         new.file_id: FileType.TEMPORARY_GC}
+    # Either way the catalog is consistent and a retry converges.
+    retry = _cli(cli_config, "", "swap", str(new.file_id), str(a.file_id), str(b.file_id))
+    assert (retry.returncode == 0) != committed
+    assert {f.file_id for f in catalog.get_regular_files(path_id)} == {new.file_id}
+
+
+@pytest.mark.parametrize("point, committed", [("before_commit", False), ("after_commit", True)])
+def test_kill_during_update_file(catalog: Catalog, path_id: int, cli_config: Path, point: str,
+                                 committed: bool) -> None:
+    f = catalog.add_file(name(seq=1), FileType.TEMPORARY_INGEST, 0, path_id)
+    result = _cli(cli_config, f"catalog.update_file.{point}=exit(137)", "update-file",
+                  str(f.file_id), "--type", "REGULAR", "--rows", "0", "99",
+                  "--expect", "TEMPORARY_INGEST")
+    assert result.returncode == 137
+    after = catalog.get_file(f.file_id)
+    assert after.type == (FileType.REGULAR if committed else FileType.TEMPORARY_INGEST)
+    assert catalog.get_regular_files(path_id) == ([after] if committed else [])
+
+
+@pytest.mark.parametrize("step, args_of", [
+    ("add_file", lambda p, f: ["add-file", str(p), name(seq=9), "TEMPORARY_INGEST"]),
+    ("delete_files", lambda p, f: ["delete-files", str(f)]),
+])
+@pytest.mark.parametrize("point", ["before_commit", "after_commit"])
+def test_kill_during_add_and_delete(catalog: Catalog, path_id: int, cli_config: Path, step: str,
+                                    args_of: Callable, point: str) -> None:
+    f = regular(catalog, path_id, 1)
+    before = {x.file_id for x in all_files(catalog)}
+    result = _cli(cli_config, f"catalog.{step}.{point}=exit(137)", *args_of(path_id, f.file_id))
+    assert result.returncode == 137
+    after = {x.file_id for x in all_files(catalog)}
+    if point == "before_commit":
+        assert after == before
+    elif step == "add_file":
+        assert len(after - before) == 1 and before <= after
+    else:
+        assert after == before - {f.file_id}
+
+
+def test_cli_refusals_use_exit_code_1(catalog: Catalog, path_id: int, cli_config: Path) -> None:
+    f = regular(catalog, path_id, 1)
+    result = _cli(cli_config, "", "update-file", str(f.file_id), "--cleanup-at", "5")
+    assert result.returncode == 1 and "CleanupAtViolation" in result.stderr
+    assert catalog.get_file(f.file_id) == f
+
+
+def test_unreachable_catalog_is_reported_as_unavailable() -> None:
+    from retina_common.catalog import CatalogUnavailable
+    from retina_common.cluster import free_port
+
+    cat = Catalog(f"host=127.0.0.1 port={free_port()} dbname=x user=x", connect_timeout_s=2)
+    with pytest.raises(CatalogUnavailable):
+        cat.get_file(1)
+

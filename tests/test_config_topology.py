@@ -1,0 +1,108 @@
+"""Configuration, topology routing and file names (pure logic)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from retina_common import file_names
+from retina_common.config import ConfigError, load_config
+from retina_common.topology import Topology, TopologyError, load_topology
+
+
+def test_config_file_then_environment_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "retina.toml"
+    path.write_text('topology_file = "topo.toml"\n[trans]\nlisten = "127.0.0.1:1"\n'
+                    'ts_block_size = 7\n[etcd]\nendpoints = ["a:1"]\n')
+    env = {"RETINA__TRANS__TS_BLOCK_SIZE": "99", "RETINA__ETCD__ENDPOINTS": "a:1, b:2",
+           "RETINA__GATE__RETINA_ENABLED": "false"}
+    config = load_config(path, env)
+    assert config.trans.listen == "127.0.0.1:1"
+    assert config.trans.ts_block_size == 99
+    assert config.etcd.endpoints == ("a:1", "b:2")
+    assert config.gate.retina_enabled is False
+    assert config.topology_file == str(tmp_path / "topo.toml")
+
+
+@pytest.mark.parametrize("text, env, message", [
+    ("[trans]\nlistn = 'x'\n", {}, "unknown setting trans.listn"),
+    ("", {"RETINA__TRANS__NOPE": "1"}, "unknown setting trans.nope"),
+    ("[trans]\nts_block_size = 'many'\n", {}, "trans.ts_block_size"),
+    ("[gate]\nretina_enabled = 'perhaps'\n", {}, "gate.retina_enabled"),
+    ("not toml = = =", {}, "not valid TOML"),
+])
+def test_config_refuses_unknown_or_malformed_settings(tmp_path: Path, text: str,
+                                                      env: dict[str, str], message: str) -> None:
+    path = tmp_path / "retina.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, env)
+
+
+def test_missing_config_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "absent.toml", {})
+
+
+def test_routing_is_deterministic_and_covers_every_vnode() -> None:
+    topo = Topology(("127.0.0.1:2", "127.0.0.1:1"), 8)
+    assert topo.nodes == ("127.0.0.1:1", "127.0.0.1:2")
+    assert [topo.node_of_vnode(v) for v in range(8)] == ["127.0.0.1:1", "127.0.0.1:2"] * 4
+    assert topo.vnodes_of("127.0.0.1:2") == (1, 3, 5, 7)
+    # BLAKE2b-64, big-endian, mod vnodes: pinned so that a change of the
+    # documented hash cannot slip in unnoticed.
+    assert topo.vnode_of_key(b"key-1") == int.from_bytes(
+        __import__("hashlib").blake2b(b"key-1", digest_size=8).digest(), "big") % 8
+    spread = {topo.vnode_of_key(f"k{i}".encode()) for i in range(200)}
+    assert spread == set(range(8))
+
+
+def test_topology_hash_changes_with_membership_and_vnodes() -> None:
+    base = Topology(("127.0.0.1:1", "127.0.0.1:2"), 8)
+    same = Topology(("127.0.0.1:2", "127.0.0.1:1"), 8)
+    assert base.topology_hash == same.topology_hash
+    assert base.topology_hash != Topology(("127.0.0.1:1", "127.0.0.1:3"), 8).topology_hash
+    assert base.topology_hash != Topology(("127.0.0.1:1", "127.0.0.1:2"), 16).topology_hash
+
+
+@pytest.mark.parametrize("text, message", [
+    ("virtual_nodes = 4\nnodes = []\n", "no Retina node"),
+    ("virtual_nodes = 1\nnodes = ['a:1', 'b:2']\n", "cannot cover"),
+    ("virtual_nodes = 4\nnodes = ['a:1', 'a:1']\n", "twice"),
+    ("virtual_nodes = 4\nnodes = ['nohostport']\n", "bad node id"),
+    ("virtual_nodes = 0\nnodes = ['a:1']\n", "at least 1"),
+    ("virtual_nodes = 4\nnodes = ['a:1']\nextra = 1\n", "unknown keys"),
+])
+def test_bad_topology_files_are_refused(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "topology.toml"
+    path.write_text(text)
+    with pytest.raises(TopologyError, match=message):
+        load_topology(path)
+
+
+def test_topology_round_trips_through_its_file(tmp_path: Path) -> None:
+    topo = Topology(("10.0.0.2:7000", "10.0.0.1:7000"), 12)
+    path = tmp_path / "topology.toml"
+    path.write_text(topo.to_toml())
+    assert load_topology(path) == topo
+
+
+def test_file_names_embed_node_time_seq_vnode() -> None:
+    created = datetime(2026, 3, 4, 5, 6, 7, tzinfo=UTC)
+    name = file_names.make("my_host-a:18890", created, 42, 3)
+    assert name == "my_host-a-18890_20260304050607_42_3.parquet"
+    parsed = file_names.parse(name)
+    assert (parsed.node_id, parsed.created_at, parsed.seq, parsed.vnode) == (
+        "my_host-a:18890", created, 42, 3)
+    assert file_names.created_at_ms(name) == int(created.timestamp() * 1000)
+
+
+@pytest.mark.parametrize("name", [
+    "x.parquet", "h-1_2026_1_1.parquet", "h-1_20261399000000_1_1.parquet",
+    "h-1_20260101000000_a_1.parquet", "h_20260101000000_1_1.parquet", "h-1_20260101000000_1_1.pxl",
+])
+def test_unparsable_file_names_raise(name: str) -> None:
+    with pytest.raises(ValueError):
+        file_names.parse(name)

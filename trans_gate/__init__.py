@@ -1,0 +1,1 @@
+"""TransServer: timestamps, transactions, HWM, safe GC timestamp and the query gate."""

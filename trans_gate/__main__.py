@@ -1,0 +1,5 @@
+import sys
+
+from trans_gate.server import main
+
+sys.exit(main())

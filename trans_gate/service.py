@@ -1,0 +1,175 @@
+"""TransService over gRPC: maps calls onto the transaction table, the gate and the catalog."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import grpc
+from prometheus_client import Counter, Gauge, Histogram
+
+from retina_common.catalog import Catalog, CatalogError, CatalogUnavailable, NotFoundError
+from retina_common.log import get_logger
+from retina_common.pb import trans_pb2 as pb
+from retina_common.pb import trans_pb2_grpc as pb_grpc
+from trans_gate.gate import GateDecision, QueryAvailabilityGate
+from trans_gate.timestamps import CounterFenced
+from trans_gate.transactions import Transaction, TransactionTable, TransError, TransKind
+
+log = get_logger(component="trans_service")
+
+BEGIN_TOTAL = Counter("trans_begin_total", "Transactions begun", ["kind"])
+END_TOTAL = Counter("trans_end_total", "Transactions ended", ["kind", "outcome"])
+GATE_REFUSALS = Counter("trans_gate_refusals_total",
+                        "Read-only transactions refused by the query gate", ["reason"])
+GATE_DECISION_SECONDS = Histogram(
+    "trans_gate_decision_seconds", "Time to decide a read-only BeginTrans at the gate",
+    buckets=(0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01))
+HWM_GAUGE = Gauge("trans_high_watermark", "Current high watermark")
+LIST_FILES_TOTAL = Counter("trans_list_query_files_total", "ListQueryFiles calls", ["outcome"])
+
+_STATUS = {
+    "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
+    "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION,
+    "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+    "INTERNAL": grpc.StatusCode.INTERNAL,
+}
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    context.abort(code, message)
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+class TransService(pb_grpc.TransServiceServicer):
+    def __init__(self, table: TransactionTable, gate: QueryAvailabilityGate, catalog: Catalog,
+                 on_fenced: Callable[[], None]) -> None:
+        self._table = table
+        self._gate = gate
+        self._catalog = catalog
+        self._on_fenced = on_fenced
+
+    # --- helpers ---------------------------------------------------------------------
+    def _call(self, context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except TransError as exc:
+            _abort(context, _STATUS[exc.code], str(exc))
+        except CounterFenced as exc:
+            self._on_fenced()
+            _abort(context, grpc.StatusCode.UNAVAILABLE,
+                   f"this TransServer was fenced by another instance: {exc}")
+
+    def _gate_check(self, context: grpc.ServicerContext) -> GateDecision:
+        started = time.perf_counter()
+        decision = self._gate.check()
+        GATE_DECISION_SECONDS.observe(time.perf_counter() - started)
+        if not decision.admitted:
+            for reason in set(decision.refusal_reasons.values()) or {"watch"}:
+                GATE_REFUSALS.labels(reason=str(reason)).inc()
+            _abort(context, grpc.StatusCode.UNAVAILABLE, decision.message)
+        return decision
+
+    def _begin(self, read_only: bool, count: int, lease_ms: int,
+               context: grpc.ServicerContext) -> list[Transaction]:
+        kind = TransKind.READ if read_only else TransKind.WRITE
+        if read_only:
+            self._gate_check(context)
+        created = self._call(context, lambda: self._table.begin(kind, count, lease_ms))
+        BEGIN_TOTAL.labels(kind=kind.value).inc(len(created))
+        return created
+
+    @staticmethod
+    def _response(trans: Transaction) -> pb.BeginTransResponse:
+        return pb.BeginTransResponse(trans_id=trans.trans_id, timestamp=trans.timestamp,
+                                     lease_expires_at_ms=trans.lease_expires_at_ms)
+
+    # --- RPCs -----------------------------------------------------------------------------
+    def BeginTrans(self, request: pb.BeginTransRequest,
+                   context: grpc.ServicerContext) -> pb.BeginTransResponse:
+        (trans,) = self._begin(request.read_only, 1, request.lease_ms, context)
+        return self._response(trans)
+
+    def BeginTransBatch(self, request: pb.BeginTransBatchRequest,
+                        context: grpc.ServicerContext) -> pb.BeginTransBatchResponse:
+        created = self._begin(request.read_only, request.count, request.lease_ms, context)
+        return pb.BeginTransBatchResponse(transactions=[self._response(t) for t in created])
+
+    def CommitTrans(self, request: pb.CommitTransRequest,
+                    context: grpc.ServicerContext) -> pb.CommitTransResponse:
+        hwm = self._call(context, lambda: self._table.commit([request.trans_id]))
+        END_TOTAL.labels(kind="any", outcome="committed").inc()
+        HWM_GAUGE.set(hwm)
+        return pb.CommitTransResponse(high_watermark=hwm)
+
+    def CommitTransBatch(self, request: pb.CommitTransBatchRequest,
+                         context: grpc.ServicerContext) -> pb.CommitTransBatchResponse:
+        hwm = self._call(context, lambda: self._table.commit(request.trans_ids))
+        END_TOTAL.labels(kind="any", outcome="committed").inc(len(request.trans_ids))
+        HWM_GAUGE.set(hwm)
+        return pb.CommitTransBatchResponse(high_watermark=hwm)
+
+    def RollbackTrans(self, request: pb.RollbackTransRequest,
+                      context: grpc.ServicerContext) -> pb.RollbackTransResponse:
+        hwm = self._call(context, lambda: self._table.rollback(request.trans_id))
+        END_TOTAL.labels(kind="any", outcome="rolled_back").inc()
+        HWM_GAUGE.set(hwm)
+        return pb.RollbackTransResponse(high_watermark=hwm)
+
+    def ExtendTransLease(self, request: pb.ExtendTransLeaseRequest,
+                         context: grpc.ServicerContext) -> pb.ExtendTransLeaseResponse:
+        expires = self._call(context,
+                             lambda: self._table.extend_lease(request.trans_id, request.lease_ms))
+        return pb.ExtendTransLeaseResponse(lease_expires_at_ms=expires)
+
+    def MarkTransOffloaded(self, request: pb.MarkTransOffloadedRequest,
+                           context: grpc.ServicerContext) -> pb.MarkTransOffloadedResponse:
+        self._call(context, lambda: self._table.mark_offloaded(request.trans_id))
+        return pb.MarkTransOffloadedResponse()
+
+    def GetHighWatermark(self, request: pb.GetHighWatermarkRequest,
+                         context: grpc.ServicerContext) -> pb.GetHighWatermarkResponse:
+        return pb.GetHighWatermarkResponse(high_watermark=self._table.high_watermark())
+
+    def GetSafeGcTimestamp(self, request: pb.GetSafeGcTimestampRequest,
+                           context: grpc.ServicerContext) -> pb.GetSafeGcTimestampResponse:
+        return pb.GetSafeGcTimestampResponse(safe_gc_ts=self._table.safe_gc_ts())
+
+    def ListQueryFiles(self, request: pb.ListQueryFilesRequest,
+                       context: grpc.ServicerContext) -> pb.ListQueryFilesResponse:
+        """REGULAR files of a table, only for a live read-only transaction, and only
+        while the gate is still open (a node that left READY closes planning too)."""
+        if not request.schema_name or not request.table_name:
+            LIST_FILES_TOTAL.labels(outcome="invalid").inc()
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                   "schema_name and table_name are required")
+        try:
+            trans = self._call(context, lambda: self._table.live_read(request.trans_id))
+        except Exception:
+            LIST_FILES_TOTAL.labels(outcome="refused").inc()
+            raise
+        decision = self._gate.check()
+        if not decision.admitted:
+            LIST_FILES_TOTAL.labels(outcome="gate_closed").inc()
+            _abort(context, grpc.StatusCode.UNAVAILABLE, decision.message)
+        try:
+            table = self._catalog.get_table(request.schema_name, request.table_name)
+            files = []
+            for path in self._catalog.get_paths(table.table_id):
+                for f in self._catalog.get_regular_files(path.path_id):
+                    files.append(pb.QueryFile(
+                        file_id=f.file_id, name=f.name, path_id=path.path_id, path_uri=path.uri,
+                        num_row_group=f.num_row_group, min_row_id=f.min_row_id or 0,
+                        max_row_id=f.max_row_id or 0))
+        except NotFoundError as exc:
+            LIST_FILES_TOTAL.labels(outcome="not_found").inc()
+            _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
+        except CatalogUnavailable as exc:
+            LIST_FILES_TOTAL.labels(outcome="catalog_unavailable").inc()
+            _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+        except CatalogError as exc:
+            LIST_FILES_TOTAL.labels(outcome="catalog_error").inc()
+            _abort(context, grpc.StatusCode.INTERNAL, str(exc))
+        LIST_FILES_TOTAL.labels(outcome="ok").inc()
+        return pb.ListQueryFilesResponse(snapshot_ts=trans.timestamp, files=files)
