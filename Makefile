@@ -13,7 +13,7 @@ proto: setup
 	@$(PY) -m retina_common.codegen
 
 demo: setup
-	@$(PY) -m retina_common.demo
+	@$(PY) scripts/demo.py $(DEMO_ARGS)
 
 test: setup
 	@$(PY) -m pytest $(PYTEST_ARGS)
