@@ -335,8 +335,6 @@ def start_cluster(state_dir: Path, *, nodes: list[str] | None = None, virtual_no
                   durable: bool = True, start_trans: bool = True,
                   log: Callable[[str], None] = print) -> ClusterState:
     """Start etcd, PostgreSQL (catalog bootstrapped) and the TransServer under ``state_dir``."""
-    from retina_common.catalog import Catalog
-
     state_dir = state_dir.resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(state_dir, 0o755)
@@ -344,11 +342,24 @@ def start_cluster(state_dir: Path, *, nodes: list[str] | None = None, virtual_no
     logs.mkdir(exist_ok=True)
     etcd = start_etcd(state_dir / "etcd", logs / "etcd.log")
     log(f"etcd        http://{etcd.endpoint}  (data {state_dir / 'etcd'})")
+    pg_dir = pg_data_dir_for(state_dir)
     try:
-        pg = start_postgres(pg_data_dir_for(state_dir), logs / "postgres.log", durable=durable)
-    except Exception:
+        return _start_rest(state_dir, etcd, pg_dir, nodes=nodes, virtual_nodes=virtual_nodes,
+                           durable=durable, start_trans=start_trans, log=log)
+    except BaseException:
+        # Leave nothing half-started behind a failed start.
+        stop_postgres(str(pg_dir))
         terminate(etcd.pid)
         raise
+
+
+def _start_rest(state_dir: Path, etcd: EtcdInstance, pg_dir: Path, *, nodes: list[str] | None,
+                virtual_nodes: int, durable: bool, start_trans: bool,
+                log: Callable[[str], None]) -> ClusterState:
+    from retina_common.catalog import Catalog
+
+    logs = state_dir / "logs"
+    pg = start_postgres(pg_dir, logs / "postgres.log", durable=durable)
     pg.create_database("retina")
     catalog = Catalog(pg.dsn())
     try:
@@ -371,7 +382,12 @@ def start_cluster(state_dir: Path, *, nodes: list[str] | None = None, virtual_no
                  trans_listen=state.trans_listen, trans_metrics=state.trans_metrics)
     state.save()
     if start_trans:
-        start_trans_server(state)
+        try:
+            start_trans_server(state)
+        except BaseException:
+            if state.trans_pid:
+                terminate(state.trans_pid)
+            raise
         log(f"transserver {state.trans_listen}  (metrics http://{state.trans_metrics}/metrics)")
     log(f"topology    {', '.join(topology.nodes)} / {virtual_nodes} virtual nodes "
         f"(hash {topology.topology_hash[:12]})")

@@ -164,20 +164,25 @@ def load_config(path: str | os.PathLike[str] | None = None,
     config = Config()
     base_dir = Path.cwd()
     if path:
-        p = Path(path)
-        try:
-            data = tomllib.loads(p.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {p} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
-        config = _apply(config, data, "")
-        base_dir = p.resolve().parent
+        config = _apply(config, read_toml(path, "config file"), "")
+        base_dir = Path(path).resolve().parent
     config = _apply(config, _env_overrides(env), "")
     topo = Path(config.topology_file)
     if not topo.is_absolute():
         config = dataclasses.replace(config, topology_file=str(base_dir / topo))
     return config
+
+
+def read_toml(path: str | os.PathLike[str], what: str,
+              error: type[ConfigError] = ConfigError) -> dict[str, Any]:
+    """Parse a TOML file; a missing or invalid file raises ``error`` naming it."""
+    p = Path(path)
+    try:
+        return tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise error(f"{what} {p} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise error(f"{what} {p} is not valid TOML: {exc}") from None
 
 
 def split_host_port(address: str) -> tuple[str, int]:

@@ -79,6 +79,16 @@ def _prefix_end(prefix: str) -> str:
     return raw.decode()
 
 
+_CONNECT_FAILURES = ("connection refused", "failed to establish a new connection",
+                     "name or service not known", "no route to host")
+
+
+def _never_sent(exc: Exception) -> bool:
+    """True when the connection failed before the request could be sent."""
+    text = str(exc).lower()
+    return any(marker in text for marker in _CONNECT_FAILURES)
+
+
 def _kv(item: dict[str, Any]) -> KeyValue:
     return KeyValue(
         key=_unb64(item.get("key")).decode(),
@@ -130,9 +140,9 @@ class EtcdStore:
             try:
                 result = client.post(client.get_url(path), data=json.dumps(payload))
             except etcd_exc.ConnectionFailedError as exc:
-                # Refused or reset before an answer; for writes a reset may
-                # still have landed, which the caller learns by re-reading.
-                if write and "refused" not in str(exc).lower():
+                # A write whose connection broke after it was sent may have
+                # landed; the caller learns which by re-reading.
+                if write and not _never_sent(exc):
                     raise EtcdOutcomeUnknown(f"etcd {path}: {exc}") from exc
                 last = exc
                 continue

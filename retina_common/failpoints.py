@@ -154,6 +154,8 @@ TXID_BLOCK_AFTER_PERSIST = Failpoint(
 CATALOG_BOOTSTRAP_BEFORE_COMMIT = Failpoint(
     "catalog.bootstrap.before_commit",
     "schema DDL executed inside the bootstrap transaction, not committed")
+CATALOG_BOOTSTRAP_AFTER_COMMIT = Failpoint(
+    "catalog.bootstrap.after_commit", "catalog schema committed, caller not yet told")
 CATALOG_ADD_FILE_BEFORE_COMMIT = Failpoint(
     "catalog.add_file.before_commit", "file row inserted, transaction not committed")
 CATALOG_ADD_FILE_AFTER_COMMIT = Failpoint(

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tomllib
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from retina_common.config import ConfigError, split_host_port
+from retina_common.config import ConfigError, read_toml, split_host_port
 
 
 class TopologyError(ConfigError):
@@ -86,12 +85,7 @@ class Topology:
 
 def load_topology(path: str | Path) -> Topology:
     p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise TopologyError(f"topology file {p} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise TopologyError(f"topology file {p} is not valid TOML: {exc}") from None
+    data = read_toml(p, "topology file", TopologyError)
     unknown = set(data) - {"virtual_nodes", "nodes"}
     if unknown:
         raise TopologyError(f"topology file {p}: unknown keys {sorted(unknown)}")

@@ -84,6 +84,22 @@ def test_bootstrap_refuses_an_unversioned_catalog(catalog_dsn: str) -> None:
         Catalog(catalog_dsn).bootstrap()
 
 
+@pytest.mark.parametrize("point, committed", [("before_commit", False), ("after_commit", True)])
+def test_kill_during_bootstrap(catalog_dsn: str, tmp_path: Path, point: str,
+                               committed: bool) -> None:
+    config = tmp_path / "retina.toml"
+    config.write_text(f"[catalog]\ndsn = {json.dumps(catalog_dsn)}\n")
+    result = _cli(config, f"catalog.bootstrap.{point}=exit(137)", "bootstrap")
+    assert result.returncode == 137
+    with psycopg2.connect(catalog_dsn) as conn, conn.cursor() as cur:
+        cur.execute("SELECT to_regclass('files') IS NOT NULL, "
+                    "to_regclass('catalog_version') IS NOT NULL")
+        assert cur.fetchone() == (committed, committed)
+    again = _cli(config, "", "bootstrap")
+    assert again.returncode == 0
+    assert json.loads(again.stdout)["previous_version"] == (CURRENT_VERSION if committed else 0)
+
+
 def test_concurrent_bootstraps_serialise(catalog_dsn: str) -> None:
     results: list[int] = []
     errors: list[Exception] = []

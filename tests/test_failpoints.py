@@ -17,7 +17,7 @@ def test_every_durable_step_of_this_layer_is_catalogued() -> None:
     names = set(failpoints.catalogue())
     for step in ("trans.ts_block", "trans.txid_block"):
         assert {f"{step}.before_persist", f"{step}.after_persist"} <= names
-    for step in ("add_file", "update_file", "delete_files", "swap"):
+    for step in ("bootstrap", "add_file", "update_file", "delete_files", "swap"):
         assert {f"catalog.{step}.before_commit", f"catalog.{step}.after_commit"} <= names
 
 

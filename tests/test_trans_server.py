@@ -94,22 +94,29 @@ def test_timestamps_survive_kill9_restart(trans_factory: Callable[..., TransServ
     assert hwm >= max(before)  # everything of the previous incarnation has ended
 
 
+@pytest.mark.parametrize("counter", ["ts_block", "txid_block"])
 @pytest.mark.parametrize("point", ["before_persist", "after_persist"])
-def test_kill_at_timestamp_block_failpoints(trans_factory: Callable[..., TransServerProcess],
-                                            etcd: EtcdStore, point: str) -> None:
+def test_kill_at_block_failpoints(trans_factory: Callable[..., TransServerProcess],
+                                  etcd: EtcdStore, counter: str, point: str) -> None:
     server = trans_factory(trans={"ts_block_size": 4})
     # Hit 1 is the reservation at start-up; hit 2 is the first block taken while serving.
-    server.start(failpoints=f"trans.ts_block.{point}=exit(137)@2")
+    server.start(failpoints=f"trans.{counter}.{point}=exit(137)@2")
     issued = []
     with pytest.raises(grpc.RpcError):
         for _ in range(10):
-            issued.append(begin_write(server.stub()).timestamp)
+            issued.append(begin_write(server.stub()))
     assert server.wait_exit() == 137
     assert len(issued) == 4  # the first block, then the crash while taking the second
     server.start()
-    later = [begin_write(server.reconnect()).timestamp for _ in range(6)]
-    assert min(later) > max(issued)
-    assert later == sorted(set(later))
+    stub = server.reconnect()
+    later = [begin_write(stub) for _ in range(6)]
+    for field in ("timestamp", "trans_id"):
+        before = [getattr(t, field) for t in issued]
+        after = [getattr(t, field) for t in later]
+        assert min(after) > max(before), field
+        assert after == sorted(set(after)), field
+    err = rpc_error(lambda: stub.CommitTrans(tpb.CommitTransRequest(trans_id=issued[0].trans_id)))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "restart" in err.details()
 
 
 # --- transactions and the HWM ---

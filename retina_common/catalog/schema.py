@@ -12,7 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from retina_common.catalog.errors import CatalogVersionError
-from retina_common.failpoints import CATALOG_BOOTSTRAP_BEFORE_COMMIT
+from retina_common.failpoints import (
+    CATALOG_BOOTSTRAP_AFTER_COMMIT,
+    CATALOG_BOOTSTRAP_BEFORE_COMMIT,
+)
 
 CURRENT_VERSION = 1
 _ADVISORY_LOCK = 0x5245_5449_4E41  # "RETINA"
@@ -118,4 +121,5 @@ def bootstrap(conn: Any) -> int:
                         (CURRENT_VERSION,))
     CATALOG_BOOTSTRAP_BEFORE_COMMIT.hit()
     conn.commit()
+    CATALOG_BOOTSTRAP_AFTER_COMMIT.hit()
     return found
