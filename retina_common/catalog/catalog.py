@@ -194,16 +194,6 @@ class Catalog:
 
         return self._transaction(body)
 
-    def get_schema(self, name: str) -> SchemaRecord:
-        def body(cur: Any) -> SchemaRecord:
-            cur.execute("SELECT schema_id, name FROM schemas WHERE name = %s", (name,))
-            row = cur.fetchone()
-            if row is None:
-                raise NotFoundError(f"schema {name!r} does not exist")
-            return SchemaRecord(row[0], row[1])
-
-        return self._read(body)
-
     def create_table(self, schema_name: str, name: str, columns: Sequence[ColumnSpec],
                      primary_key: Sequence[str]) -> TableRecord:
         """Create a table with its columns; a primary index id is allocated for it."""
@@ -281,15 +271,6 @@ class Catalog:
 
         return self._read(body)
 
-    def get_path(self, path_id: int) -> PathRecord:
-        def body(cur: Any) -> PathRecord:
-            cur.execute("SELECT path_id, table_id, uri FROM paths WHERE path_id = %s", (path_id,))
-            row = cur.fetchone()
-            if row is None:
-                raise NotFoundError(f"path {path_id} does not exist")
-            return PathRecord(*row)
-
-        return self._read(body)
 
     # --- FILES: writes ------------------------------------------------------------
     def add_file(self, name: str, file_type: FileType, num_row_group: int, path_id: int,
