@@ -77,6 +77,15 @@ class RetinaConfig:
     # host:port as listed in the topology file; defaults to `listen`.
     node_id: str = ""
     lifecycle_ttl_s: int = 10
+    # Node-local durable state (primary index, MainIndex, sequences).
+    state_dir: str = "/var/lib/retina/state"
+    # Rows per write-buffer block (one row group) and blocks per ingest file.
+    block_rows: int = 4096
+    blocks_per_file: int = 4
+    # An open file older than this is sealed and published even if not full.
+    flush_interval_ms: int = 1000
+    close_workers: int = 2
+    max_rows_per_request: int = 100_000
 
 
 @dataclass(frozen=True)

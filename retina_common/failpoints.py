@@ -173,3 +173,30 @@ CATALOG_SWAP_BEFORE_COMMIT = Failpoint(
     "atomicSwapFiles: new file REGULAR and old files RETIRED inside the transaction, not committed")
 CATALOG_SWAP_AFTER_COMMIT = Failpoint(
     "catalog.swap.after_commit", "atomicSwapFiles committed, caller not yet told")
+
+# --- Retina ingest publish (docs/write-paths/ingest-publish.md) -----------------
+INGEST_ALLOC_BEFORE = Failpoint(
+    "ingest.alloc.before_catalog", "a new ingest file is chosen, not yet in the catalog")
+INGEST_ALLOC_AFTER = Failpoint(
+    "ingest.alloc.after_catalog", "the ingest file is TEMPORARY_INGEST in the catalog, no row yet")
+INGEST_CLOSE_BEFORE = Failpoint(
+    "ingest.close.before", "file bytes built in memory, nothing written to storage")
+INGEST_CLOSE_AFTER = Failpoint(
+    "ingest.close.after", "file written, fsynced and renamed into place, not yet checked")
+INGEST_INDEX_FLUSH_BEFORE = Failpoint(
+    "ingest.index_flush.before", "file closed and checked, MainIndex ranges only in memory")
+INGEST_INDEX_FLUSH_AFTER = Failpoint(
+    "ingest.index_flush.after",
+    "MainIndex ranges of the file durable, catalog still TEMPORARY_INGEST")
+INGEST_CATALOG_BEFORE = Failpoint(
+    "ingest.catalog_regular.before", "about to mark the file REGULAR in the catalog")
+INGEST_CATALOG_AFTER = Failpoint(
+    "ingest.catalog_regular.after", "the file is REGULAR in the catalog, not yet registered")
+INGEST_REGISTRY_BEFORE = Failpoint(
+    "ingest.registry.before", "about to register the file in the ingest registry")
+INGEST_REGISTRY_AFTER = Failpoint(
+    "ingest.registry.after", "registered and its visibility adopted, blocks still in the buffer")
+INGEST_CLEANUP_BEFORE = Failpoint(
+    "ingest.cleanup.before", "about to drop the file's blocks from the write buffer")
+INGEST_CLEANUP_AFTER = Failpoint(
+    "ingest.cleanup.after", "the file's blocks are gone from the write buffer; publish complete")

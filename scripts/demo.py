@@ -21,7 +21,6 @@ import os
 import shutil
 import signal
 import sys
-import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,11 +38,11 @@ from retina_common.cluster import (
     wait_for,
 )
 from retina_common.etcd import EtcdStore
-from retina_common.keys import lifecycle_key
-from retina_common.lifecycle_record import LifecycleRecord, LifecycleState
+from retina_common.lifecycle_record import LifecycleState
 from retina_common.log import configure_logging
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.pb import trans_pb2_grpc
+from retina_common.standin import StandInLifecycle
 
 
 class DemoFailure(Exception):
@@ -58,41 +57,6 @@ def check(condition: bool, what: str) -> None:
 
 def step(title: str) -> None:
     print(f"\n== {title}")
-
-
-class StandInLifecycle:
-    """Writes READY/RECOVERING lifecycle values with a lease and a heartbeat,
-    as a Retina node will. A stand-in until the lifecycle coordinator exists."""
-
-    def __init__(self, store: EtcdStore, nodes: list[str]) -> None:
-        self._store = store
-        self._states = dict.fromkeys(nodes, LifecycleState.READY)
-        self._lease = store.grant_lease(10)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def set(self, node: str, state: LifecycleState) -> None:
-        self._states[node] = state
-        self._publish()
-
-    def _publish(self) -> None:
-        for node, state in self._states.items():
-            record = LifecycleRecord(state, node, None, 1, "", int(time.time() * 1000))
-            self._store.put(lifecycle_key(node), record.to_json(), lease_id=self._lease)
-
-    def _run(self) -> None:
-        while not self._stop.wait(2):
-            self._store.keepalive(self._lease)
-            self._publish()
-
-    def start(self) -> None:
-        self._publish()
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._store.revoke_lease(self._lease)
 
 
 def refused(call: Any) -> grpc.RpcError | None:
@@ -152,8 +116,7 @@ def run(state: ClusterState) -> dict[str, Any]:
     w = stub.BeginTrans(tpb.BeginTransRequest(read_only=False), timeout=5)
     stub.CommitTrans(tpb.CommitTransRequest(trans_id=w.trans_id), timeout=5)
     check(w.timestamp > 0, f"write transactions are not gated (ts {w.timestamp})")
-    lifecycle = StandInLifecycle(etcd, state.nodes)
-    lifecycle.start()
+    lifecycle = StandInLifecycle(etcd, state.nodes, refresh_s=2).start()
     print(f"  ..  stand-in lifecycle heartbeat: {', '.join(state.nodes)} READY")
 
     def admitted() -> bool:

@@ -272,6 +272,15 @@ class Catalog:
         return self._read(body)
 
 
+    def list_paths(self) -> list[PathRecord]:
+        """Every path of every table (start-up and admin tools)."""
+
+        def body(cur: Any) -> list[PathRecord]:
+            cur.execute("SELECT path_id, table_id, uri FROM paths ORDER BY path_id")
+            return [PathRecord(*r) for r in cur.fetchall()]
+
+        return self._read(body)
+
     # --- FILES: writes ------------------------------------------------------------
     def add_file(self, name: str, file_type: FileType, num_row_group: int, path_id: int,
                  min_row_id: int | None = None, max_row_id: int | None = None,

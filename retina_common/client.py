@@ -1,0 +1,79 @@
+"""Building UpdateRecord requests from rows (used by drivers, tools and tests).
+
+``TableWriter`` encodes rows with :mod:`retina_common.codec`, routes every row
+by its primary key to a virtual node and so to a node, and groups one
+transaction's effects into one ``TableUpdateData`` per virtual node. A
+replace (CDC INSERT/UPDATE/upsert) is a DELETE and an INSERT of the same key
+in the same ``TableUpdateData``; Retina applies the DELETE first.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from retina_common.catalog import TableRecord
+from retina_common.codec import encode_primary_key, encode_value
+from retina_common.pb import retina_pb2 as pb
+from retina_common.topology import Topology
+
+Row = Mapping[str, Any]
+
+
+class TableWriter:
+    def __init__(self, table: TableRecord, topology: Topology) -> None:
+        self.table = table
+        self.topology = topology
+        self._types = {c.name: c.type for c in table.columns}
+        self._pk = table.primary_key
+
+    def key(self, row: Row) -> bytes:
+        return encode_primary_key([self._types[c] for c in self._pk], [row[c] for c in self._pk])
+
+    def _index_key(self, key: bytes, ts: int) -> pb.IndexKey:
+        return pb.IndexKey(table_id=self.table.table_id, index_id=self.table.primary_index_id,
+                           key=key, timestamp=ts)
+
+    def updates(self, ts: int, *, deletes: Iterable[Row] = (), inserts: Iterable[Row] = (),
+                replaces: Iterable[Row] = ()) -> dict[str, list[pb.TableUpdateData]]:
+        """node id -> TableUpdateData (one per virtual node) for one transaction at ``ts``.
+
+        ``deletes`` need only the key columns; ``replaces`` are full rows sent
+        as DELETE + INSERT.
+        """
+        by_vnode: dict[int, pb.TableUpdateData] = {}
+
+        def tud(key: bytes) -> pb.TableUpdateData:
+            vnode = self.topology.vnode_of_key(key)
+            if vnode not in by_vnode:
+                by_vnode[vnode] = pb.TableUpdateData(
+                    table_name=self.table.name, primary_index_id=self.table.primary_index_id,
+                    timestamp=ts, virtual_node_id=vnode)
+            return by_vnode[vnode]
+
+        replaces = list(replaces)
+        for row in [*deletes, *replaces]:
+            key = self.key(row)
+            tud(key).delete_data.add().index_keys.append(self._index_key(key, ts))
+        for row in [*inserts, *replaces]:
+            key = self.key(row)
+            item = tud(key).insert_data.add()
+            item.index_keys.append(self._index_key(key, ts))
+            item.col_values.extend(encode_value(c.type, row.get(c.name))
+                                   for c in self.table.columns)
+        per_node: dict[str, list[pb.TableUpdateData]] = defaultdict(list)
+        for vnode, data in sorted(by_vnode.items()):
+            per_node[self.topology.node_of_vnode(vnode)].append(data)
+        return dict(per_node)
+
+
+def requests_by_node(schema: str, updates: Iterable[dict[str, list[pb.TableUpdateData]]]
+                     ) -> dict[str, pb.UpdateRecordRequest]:
+    """Merge several tables' updates into one request per node."""
+    merged: dict[str, pb.UpdateRecordRequest] = {}
+    for per_node in updates:
+        for node, datas in per_node.items():
+            request = merged.setdefault(node, pb.UpdateRecordRequest(schema_name=schema))
+            request.table_update_data.extend(datas)
+    return merged

@@ -1,0 +1,319 @@
+"""RetinaNode: the data plane of one Retina node, wired from parts passed in.
+
+It owns the node's virtual nodes of the topology, one StreamBuffer and one
+StreamPublisher per stream ``(tableId, virtualNodeId)``, the visibility
+index, the ingest registry and the LocalIndexService. The gRPC layer
+(``service.py``) and the UpdateRecord apply path (``update_record.py``) call
+into it; nothing here knows about gRPC.
+
+Start-up (until the recovery protocol takes it over): this node's REGULAR
+files in the catalog are adopted (registry and visibility rebuilt from their
+footers, with no deletes), its TEMPORARY_INGEST files are deleted from
+storage and the catalog, and write buffers start empty. Published rows
+survive a crash; unpublished ones are redone by the CDC side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from prometheus_client import Gauge
+from pyroaring import BitMap
+
+from retina_common import failpoints as fp
+from retina_common import file_names
+from retina_common.catalog import (
+    AlreadyExistsError,
+    Catalog,
+    CatalogError,
+    FileRecord,
+    FileType,
+    TableRecord,
+)
+from retina_common.codec import arrow_type
+from retina_common.log import get_logger
+from retina_common.storage import delete_quietly, read_bytes
+from retina_common.topology import Topology
+from retina_server.index import LocalIndexService
+from retina_server.publisher import META_PREFIX, IngestPipeline, StreamPublisher
+from retina_server.registry import IngestFileMeta, IngestFileMetadataRegistry
+from retina_server.visibility import RGVisibility, VisibilityError, VisibilityIndex
+from retina_server.write_buffer import COMMIT_TS, IngestFile, StreamBuffer
+
+log = get_logger(component="node")
+
+FILE_ID = "_file_id"
+MEMTABLE_ROWS = Gauge("retina_write_buffer_rows", "Rows held in write buffers (all streams)")
+BUFFER_FILES = Gauge("retina_write_buffer_files", "Unpublished ingest files in write buffers")
+REGISTERED_FILES = Gauge("retina_registered_files", "Published files in the ingest registry")
+
+
+class NodeFailedClosed(Exception):
+    """The node hit an unrecoverable write error and refuses every further write."""
+
+
+@dataclass(frozen=True)
+class BufferSettings:
+    block_rows: int = 4096
+    blocks_per_file: int = 4
+    flush_interval_ms: int = 1000
+    close_workers: int = 2
+
+
+@dataclass
+class Stream:
+    table: TableRecord
+    vnode: int
+    path_id: int
+    path_uri: str
+    schema: pa.Schema
+    buffer: StreamBuffer
+    publisher: StreamPublisher
+
+
+def table_schema(table: TableRecord) -> pa.Schema:
+    fields = [pa.field(c.name, arrow_type(c.type)) for c in table.columns]
+    return pa.schema([*fields, pa.field(COMMIT_TS, pa.int64(), nullable=False)])
+
+
+class RetinaNode:
+    def __init__(self, node_id: str, topology: Topology, catalog: Catalog,
+                 index: LocalIndexService, storage_root: str, settings: BufferSettings,
+                 clock_ms: Callable[[], int]) -> None:
+        self.node_id = node_id
+        self.topology = topology
+        self.owned_vnodes = frozenset(topology.vnodes_of(node_id))
+        self.catalog = catalog
+        self.index = index
+        self.visibility = VisibilityIndex()
+        self.registry = IngestFileMetadataRegistry()
+        self._storage_root = storage_root.rstrip("/")
+        self._settings = settings
+        self._clock_ms = clock_ms
+        self._streams: dict[tuple[int, int], Stream] = {}
+        self._tables: dict[tuple[str, str], TableRecord] = {}
+        self._lock = threading.Lock()
+        self._buffer_files: dict[int, IngestFile] = {}
+        self.failure: str | None = None
+        self.pipeline = IngestPipeline(node_id, settings.close_workers, self.fail_closed)
+        self._stop = threading.Event()
+        self._flusher = threading.Thread(target=self._flush_loop, name="flush-timer", daemon=True)
+
+    # --- failure ---
+    def fail_closed(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+            log.critical("node_failed_closed", node=self.node_id, reason=reason)
+
+    def check_writable(self) -> None:
+        if self.failure is not None:
+            raise NodeFailedClosed(f"writer failed closed: {self.failure}")
+
+    # --- tables and streams ---
+    def table(self, schema_name: str, table_name: str) -> TableRecord:
+        key = (schema_name, table_name)
+        table = self._tables.get(key)
+        if table is None:
+            table = self.catalog.get_table(schema_name, table_name)  # NotFoundError propagates
+            self._tables[key] = table
+        return table
+
+    def _path_of(self, table: TableRecord) -> tuple[int, str]:
+        paths = self.catalog.get_paths(table.table_id)
+        if not paths:
+            uri = f"{self._storage_root}/{table.schema_name}/{table.name}"
+            with contextlib.suppress(AlreadyExistsError):  # another node created it
+                self.catalog.add_path(table.table_id, uri)
+            paths = self.catalog.get_paths(table.table_id)
+        return paths[0].path_id, paths[0].uri
+
+    def stream(self, table: TableRecord, vnode: int) -> Stream:
+        key = (table.table_id, vnode)
+        with self._lock:
+            stream = self._streams.get(key)
+            if stream is not None:
+                return stream
+            path_id, path_uri = self._path_of(table)
+            schema = table_schema(table)
+            buffer = StreamBuffer(
+                table.table_id, vnode, block_rows=self._settings.block_rows,
+                blocks_per_file=self._settings.blocks_per_file,
+                allocate_file=lambda buf, first: self._allocate_file(buf, first, path_id,
+                                                                     path_uri))
+            publisher = StreamPublisher(buffer, self.catalog, self.index, self.registry,
+                                        self.visibility, self.fail_closed,
+                                        on_published=self._forget_published)
+            stream = Stream(table, vnode, path_id, path_uri, schema, buffer, publisher)
+            self._streams[key] = stream
+            return stream
+
+    def streams_of_table(self, table_id: int) -> list[Stream]:
+        with self._lock:
+            return [s for (t, _v), s in sorted(self._streams.items()) if t == table_id]
+
+    def _allocate_file(self, buffer: StreamBuffer, _first_hint: int, path_id: int,
+                       path_uri: str) -> IngestFile:
+        """Register a new TEMPORARY_INGEST file for a stream (called under its lock)."""
+        seq = self.index.allocate("file_seq")
+        first_block = self.index.allocate(f"block:{buffer.table_id}:{buffer.vnode}",
+                                          self._settings.blocks_per_file)
+        buffer.next_block_id = first_block
+        now = datetime.now(UTC)
+        name = file_names.make(self.node_id, now, seq, buffer.vnode)
+        fp.INGEST_ALLOC_BEFORE.hit()
+        record = self.catalog.add_file(name, FileType.TEMPORARY_INGEST, 0, path_id)
+        fp.INGEST_ALLOC_AFTER.hit()
+        file = IngestFile(record.file_id, name, path_id, path_uri, buffer.table_id,
+                          buffer.vnode, first_block, int(now.timestamp() * 1000))
+        with self._lock:
+            self._buffer_files[file.file_id] = file
+        return file
+
+    # --- baseline and visibility lookups ---
+    def in_baseline(self, file_id: int) -> bool:
+        """The baseline visible file set: registered files and live write-buffer files."""
+        return file_id in self.registry or file_id in self._buffer_files
+
+    def rg_visibility(self, file_id: int, rg_id: int) -> RGVisibility:
+        try:
+            return self.visibility.get(file_id, rg_id)
+        except VisibilityError:
+            file = self._buffer_files.get(file_id)
+            if file is None or rg_id >= len(file.blocks):
+                raise
+            return file.blocks[rg_id].visibility
+
+    def query_visibility(self, file_id: int, rg_ids: list[int],
+                         ts: int) -> list[tuple[int, int, BitMap]]:
+        """(rgId, rowCount, deleted bitmap at ts) of a published or buffered file."""
+        if not self.in_baseline(file_id):
+            raise VisibilityError(f"file {file_id} is not served by {self.node_id}")
+        wanted = rg_ids or (self.visibility.row_groups(file_id) or
+                            list(range(len(self._buffer_files[file_id].blocks))))
+        out = []
+        for rg in wanted:
+            entry = self.rg_visibility(file_id, rg)
+            out.append((rg, entry.row_count, entry.deleted_at(ts)))
+        return out
+
+    # --- sealing and publishing ---
+    def submit_sealed(self, stream: Stream) -> None:
+        for file in stream.buffer.take_sealed():
+            self.pipeline.submit(file, stream.schema, stream.publisher)
+
+    def _flush_loop(self) -> None:
+        interval = self._settings.flush_interval_ms / 1000
+        while not self._stop.wait(interval / 4):
+            self.flush(older_than_ms=self._settings.flush_interval_ms)
+
+    def flush(self, older_than_ms: int = 0) -> None:
+        """Seal open files older than ``older_than_ms`` and hand sealed files to the pipeline."""
+        now = self._clock_ms()
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            with stream.buffer.lock:
+                file = stream.buffer.open_file
+                if file is not None and now - file.created_ms >= older_than_ms:
+                    stream.buffer.seal_open_file()
+                self.submit_sealed(stream)
+        self._update_gauges()
+
+    def _forget_published(self, file: IngestFile) -> None:
+        with self._lock:
+            self._buffer_files.pop(file.file_id, None)
+
+    def _update_gauges(self) -> None:
+        with self._lock:
+            files = list(self._buffer_files.values())
+        MEMTABLE_ROWS.set(sum(f.row_count for f in files))
+        BUFFER_FILES.set(len(files))
+        REGISTERED_FILES.set(len(self.registry.all()))
+
+    def start(self) -> None:
+        self._flusher.start()
+
+    def shutdown(self, timeout_s: float = 30) -> None:
+        """Shutdown flush: everything appended goes through the same publisher."""
+        self._stop.set()
+        self._flusher.join(timeout=5)
+        if self.failure is None:
+            self.flush(older_than_ms=0)
+            self.pipeline.wait_idle(timeout_s)
+        self.pipeline.shutdown()
+
+    # --- reads ---
+    def write_buffer_rows(self, table: TableRecord, ts: int) -> pa.Table:
+        """Rows of this node's unpublished files visible at ``ts``, with ``_file_id``."""
+        schema = table_schema(table).append(pa.field(FILE_ID, pa.int64(), nullable=False))
+        parts = []
+        for stream in self.streams_of_table(table.table_id):
+            with stream.buffer.lock:
+                snapshot = [(f.file_id, b.visibility, list(b.batches), b.visible_size)
+                            for f in stream.buffer.files for b in f.blocks if b.visible_size]
+            for file_id, visibility, batches, visible in snapshot:
+                rows = pa.Table.from_batches(batches, stream.schema).slice(0, visible)
+                keep = visible_mask(rows, visibility.deleted_at(ts), ts)
+                rows = rows.filter(keep)
+                if rows.num_rows:
+                    rows = rows.append_column(FILE_ID, pa.array([file_id] * rows.num_rows,
+                                                                pa.int64()))
+                    parts.append(rows)
+        return pa.concat_tables(parts) if parts else schema.empty_table()
+
+    # --- start-up (interim, until the recovery protocol) ---
+    def adopt_published_files(self) -> None:
+        """Adopt this node's REGULAR files; drop its TEMPORARY_INGEST leftovers."""
+        mine: list[tuple[int, str, FileRecord]] = []
+        for file in self.catalog.get_files_by_type(
+                None, [FileType.REGULAR, FileType.TEMPORARY_INGEST]):
+            try:
+                parsed = file_names.parse(file.name)
+            except ValueError:
+                continue
+            if parsed.node_id == self.node_id:
+                mine.append((file.file_id, file.name, file))
+        adopted = dropped = 0
+        paths = {p.path_id: p.uri for p in self.catalog.list_paths()}
+        for file_id, name, record in mine:
+            path = paths[record.path_id]
+            if record.type == FileType.TEMPORARY_INGEST:
+                self._drop_temporary(file_id, path, name)
+                dropped += 1
+                continue
+            meta = pq.ParquetFile(pa.BufferReader(read_bytes(path, name))).metadata
+            kv = {k.decode()[len(META_PREFIX):]: v.decode()
+                  for k, v in (meta.metadata or {}).items() if k.decode().startswith(META_PREFIX)}
+            self.registry.register(IngestFileMeta(
+                file_id, int(kv["table_id"]), int(kv["vnode"]), int(kv["first_block_id"]),
+                int(kv["min_commit_ts"]), int(kv["max_commit_ts"])))
+            self.visibility.add_file(file_id, [meta.row_group(i).num_rows
+                                               for i in range(meta.num_row_groups)])
+            adopted += 1
+        log.info("startup_files_adopted", node=self.node_id, adopted=adopted,
+                 temporary_dropped=dropped)
+        self._update_gauges()
+
+    def _drop_temporary(self, file_id: int, path_uri: str, name: str) -> None:
+        delete_quietly(path_uri, name)
+        with contextlib.suppress(CatalogError):
+            self.catalog.delete_files([file_id])
+
+
+def visible_mask(rows: pa.Table, deleted: BitMap, ts: int) -> pa.Array:
+    """Rows committed at or before ``ts`` and not deleted at ``ts``."""
+    keep = pc.less_equal(rows.column(COMMIT_TS), pa.scalar(ts, pa.int64()))
+    if len(deleted):
+        alive = np.ones(rows.num_rows, dtype=bool)
+        idx = np.frombuffer(deleted.to_array(), dtype=np.uint32)
+        alive[idx[idx < rows.num_rows]] = False
+        keep = pc.and_(keep, pa.array(alive))
+    return keep

@@ -1,0 +1,238 @@
+"""UpdateRecord: validate a request completely, then apply it in the protocol's order.
+
+Validation (no side effect) refuses, with the status of ARCHITECTURE.md and
+nothing applied: a key timestamp that differs from its TableUpdateData's
+(single-source commit timestamp, C03.6), an unknown table, a wrong primary
+index id, a wrong key count, a value that does not decode, duplicate keys in
+one insert batch, a key that does not route to the named virtual node, a
+virtual node this node does not own, an oversized request, and a standalone
+INSERT of a key that is live (ALREADY_EXISTS: a CDC insert is always sent as
+DELETE + INSERT, so a retried one converges instead).
+
+Apply, per TableUpdateData in request order (section 5, "Unified write order"):
+
+* DELETE: resolvePrimary → visibility delete at T → tombstonePrimaryResolved.
+  A key that is missing, tombstoned or an orphan changes nothing; a row is
+  counted once however often the request deletes it.
+* INSERT: append pending → putMainIndexEntries → putPrimaryEntriesOnly →
+  publishPendingAppend(visible). If a step fails, the rows are compensated
+  (visibility delete at T, restorePrimaryEntries, publish hidden); if the
+  compensation fails too, the node fails closed.
+
+A CDC replace is a DELETE and an INSERT of the same key in one
+TableUpdateData, so the DELETE goes first. The request is acknowledged
+all-or-nothing; a failure after a prefix was applied leaves effects that a
+retry of the same request converges over (re-deleting is idempotent, and
+the re-insert of a replace supersedes the first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from retina_common.catalog import NotFoundError, TableRecord
+from retina_common.codec import EncodingError, decode_column
+from retina_common.pb import retina_pb2 as pb
+from retina_server.index import IndexBackendError, Resolution, RowIdRange
+from retina_server.node import NodeFailedClosed, RetinaNode, Stream
+from retina_server.write_buffer import AppendHandle, PublishMode
+
+
+class ApplyError(Exception):
+    """A refused or failed request; ``code`` is a gRPC status name."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class PreparedUpdate:
+    table: TableRecord
+    vnode: int
+    ts: int
+    delete_keys: list[bytes]
+    insert_keys: list[bytes]
+    insert_columns: list[pa.Array]
+
+
+def _invalid(message: str) -> ApplyError:
+    return ApplyError("INVALID_ARGUMENT", message)
+
+
+def prepare(node: RetinaNode, request: pb.UpdateRecordRequest,
+            max_rows: int) -> list[PreparedUpdate]:
+    """Validate and decode the whole request; raises ApplyError, changes nothing."""
+    if not request.schema_name:
+        raise _invalid("schema_name is required")
+    if not request.table_update_data:
+        raise _invalid("the request has no table_update_data")
+    rows = sum(len(t.delete_data) + len(t.insert_data) for t in request.table_update_data)
+    if rows > max_rows:
+        raise _invalid(f"request carries {rows} rows; the limit is {max_rows}")
+    return [_prepare_one(node, request.schema_name, tud) for tud in request.table_update_data]
+
+
+def _keys(table: TableRecord, tud: pb.TableUpdateData, items: list, what: str,
+          node: RetinaNode) -> list[bytes]:
+    keys = []
+    for i, item in enumerate(items):
+        if len(item.index_keys) != 1:
+            raise _invalid(f"{tud.table_name}: {what} {i} has {len(item.index_keys)} index keys; "
+                           "exactly one (the primary key) is expected")
+        key = item.index_keys[0]
+        if key.timestamp != tud.timestamp:
+            raise _invalid(f"{tud.table_name}: {what} {i} key timestamp {key.timestamp} differs "
+                           f"from the update timestamp {tud.timestamp}")
+        if key.table_id != table.table_id or key.index_id != table.primary_index_id:
+            raise _invalid(f"{tud.table_name}: {what} {i} names table {key.table_id} index "
+                           f"{key.index_id}, not {table.table_id}/{table.primary_index_id}")
+        if not key.key:
+            raise _invalid(f"{tud.table_name}: {what} {i} has an empty key")
+        if node.topology.vnode_of_key(key.key) != tud.virtual_node_id:
+            raise _invalid(f"{tud.table_name}: {what} {i} key routes to virtual node "
+                           f"{node.topology.vnode_of_key(key.key)}, not {tud.virtual_node_id}")
+        keys.append(key.key)
+    return keys
+
+
+def _prepare_one(node: RetinaNode, schema_name: str, tud: pb.TableUpdateData) -> PreparedUpdate:
+    try:
+        table = node.table(schema_name, tud.table_name)
+    except NotFoundError:
+        raise _invalid(f"unknown table {schema_name}.{tud.table_name}") from None
+    if tud.primary_index_id != table.primary_index_id:
+        raise _invalid(f"{tud.table_name}: primary index {tud.primary_index_id} is not the "
+                       f"table's ({table.primary_index_id})")
+    if tud.timestamp <= 0:
+        raise _invalid(f"{tud.table_name}: timestamp must be positive")
+    vnode = tud.virtual_node_id
+    if not 0 <= vnode < node.topology.virtual_nodes:
+        raise _invalid(f"{tud.table_name}: virtual node {vnode} does not exist")
+    if vnode not in node.owned_vnodes:
+        raise ApplyError("FAILED_PRECONDITION",
+                         f"virtual node {vnode} belongs to {node.topology.node_of_vnode(vnode)}, "
+                         f"not {node.node_id}")
+    delete_keys = _keys(table, tud, list(tud.delete_data), "delete", node)
+    insert_keys = _keys(table, tud, list(tud.insert_data), "insert", node)
+    if len(set(insert_keys)) != len(insert_keys):
+        raise _invalid(f"{tud.table_name}: duplicate keys in one insert batch")
+    columns: list[pa.Array] = []
+    if insert_keys:
+        width = len(table.columns)
+        for i, row in enumerate(tud.insert_data):
+            if len(row.col_values) != width:
+                raise _invalid(f"{tud.table_name}: insert {i} has {len(row.col_values)} values "
+                               f"for {width} columns")
+        for c, column in enumerate(table.columns):
+            try:
+                columns.append(decode_column(column.type,
+                                             [row.col_values[c] for row in tud.insert_data]))
+            except EncodingError as exc:
+                raise _invalid(f"{tud.table_name}.{column.name}: {exc}") from None
+    return PreparedUpdate(table, vnode, tud.timestamp, delete_keys, insert_keys, columns)
+
+
+def _check_no_live_inserts(node: RetinaNode, updates: list[PreparedUpdate]) -> None:
+    """Refuse a standalone INSERT of a live key (ALREADY_EXISTS), before anything applies."""
+    live: dict[tuple[int, bytes], bool] = {}
+    for u in updates:
+        tid = u.table.table_id
+        for key in u.delete_keys:
+            live[(tid, key)] = False
+        deleted = set(u.delete_keys)
+        unknown = [k for k in u.insert_keys if k not in deleted and (tid, k) not in live]
+        for k, r in zip(unknown, node.index.resolve_primary(tid, unknown, node.in_baseline),
+                        strict=True):
+            if r.status == Resolution.BACKEND_ERROR:
+                raise ApplyError("UNAVAILABLE", "primary index backend error")
+            live[(tid, k)] = r.status == Resolution.FOUND
+        clash = [k for k in u.insert_keys if k not in deleted and live.get((tid, k))]
+        if clash:
+            raise ApplyError("ALREADY_EXISTS",
+                             f"{u.table.name}: INSERT of {len(clash)} live key(s) without a "
+                             "DELETE; send a replace (DELETE + INSERT)")
+        for key in u.insert_keys:
+            live[(tid, key)] = True
+
+
+def apply(node: RetinaNode, updates: list[PreparedUpdate]) -> pb.UpdateRecordResponse:
+    node.check_writable()
+    streams = {(u.table.table_id, u.vnode): node.stream(u.table, u.vnode) for u in updates}
+    order = [streams[k] for k in sorted(streams)]
+    response = pb.UpdateRecordResponse()
+    with contextlib.ExitStack() as stack:
+        for stream in order:  # a fixed lock order: no deadlock between requests
+            stack.enter_context(stream.buffer.lock)
+        _check_no_live_inserts(node, updates)
+        for u in updates:
+            stream = streams[(u.table.table_id, u.vnode)]
+            deleted = _apply_deletes(node, u)
+            inserted = _apply_inserts(node, stream, u)
+            response.results.add(table_name=u.table.name, virtual_node_id=u.vnode,
+                                 deleted_rows=deleted, inserted_rows=inserted)
+            response.deleted_rows += deleted
+            response.inserted_rows += inserted
+    for stream in order:
+        node.submit_sealed(stream)
+    return response
+
+
+def _apply_deletes(node: RetinaNode, u: PreparedUpdate) -> int:
+    if not u.delete_keys:
+        return 0
+    tid = u.table.table_id
+    keys = list(dict.fromkeys(u.delete_keys))
+    resolved = node.index.resolve_primary(tid, keys, node.in_baseline)
+    if any(r.status == Resolution.BACKEND_ERROR for r in resolved):
+        raise ApplyError("UNAVAILABLE", "primary index backend error")
+    by_rg: dict[tuple[int, int], list[int]] = defaultdict(list)
+    found_keys = []
+    for key, r in zip(keys, resolved, strict=True):
+        if r.status == Resolution.FOUND and r.location is not None:
+            by_rg[(r.location.file_id, r.location.rg_id)].append(r.location.rg_row_offset)
+            found_keys.append(key)
+    deleted = sum(node.rg_visibility(f, rg).delete(rows, u.ts) for (f, rg), rows in by_rg.items())
+    if found_keys:
+        node.index.tombstone_primary_resolved(tid, found_keys, u.ts)
+    return deleted
+
+
+def _apply_inserts(node: RetinaNode, stream: Stream, u: PreparedUpdate) -> int:
+    n = len(u.insert_keys)
+    if not n:
+        return 0
+    ts_column = pa.array(np.full(n, u.ts, dtype=np.int64))
+    batch = pa.RecordBatch.from_arrays([*u.insert_columns, ts_column], schema=stream.schema)
+    first_row_id = node.index.allocate_row_ids(n)
+    handles = stream.buffer.append_pending(batch, u.ts, first_row_id)
+    previous = None
+    try:
+        node.index.put_main_index_entries(
+            RowIdRange(h.row_id_start, h.count, h.file.file_id, h.block.rg_id, h.start)
+            for h in handles)
+        previous = node.index.put_primary_entries_only(
+            u.table.table_id, u.insert_keys, range(first_row_id, first_row_id + n), u.ts)
+    except IndexBackendError as exc:
+        _compensate(node, stream, u, handles, previous)
+        raise ApplyError("UNAVAILABLE", f"insert failed and was compensated: {exc}") from exc
+    stream.buffer.publish(handles, PublishMode.VISIBLE)
+    return n
+
+
+def _compensate(node: RetinaNode, stream: Stream, u: PreparedUpdate,
+                handles: list[AppendHandle], previous: list | None) -> None:
+    try:
+        for h in handles:
+            h.block.visibility.delete(range(h.start, h.start + h.count), u.ts)
+        if previous is not None:
+            node.index.restore_primary_entries(u.table.table_id, previous)
+        stream.buffer.publish(handles, PublishMode.HIDDEN)
+    except Exception as exc:
+        node.fail_closed(f"compensation of a failed insert failed: {exc}")
+        raise NodeFailedClosed(str(exc)) from exc

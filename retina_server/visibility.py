@@ -1,0 +1,187 @@
+"""Row-group visibility: which rows of a row group are deleted at a snapshot.
+
+Per ``(fileId, rgId)`` an :class:`RGVisibility` holds a base timestamp, a base
+bitmap of rows deleted at or before it (a compressed roaring bitmap: close to
+one bit per row, far less when deletes are sparse), and a deletion chain of
+``(row, ts)`` items newer than the base. ``deleted_at(ts)`` is the base plus
+every chain item with ``ts <= snapshot``.
+
+Invariants (specification C03.7, section 5):
+
+* DELETE_FORK: a DELETE at ``T <= baseTimestamp`` is folded copy-on-write
+  into the base bitmap (no chain item); ``T > baseTimestamp`` appends a chain
+  item at ``T``. Readers holding the old base never see it change.
+* FOLD_SAFE: folding up to ``safe_ts`` moves chain items with ``ts <= safe_ts``
+  into the base and sets ``baseTimestamp = safe_ts``; callers pass a
+  ``safe_ts`` below every live snapshot, so no snapshot's answer changes.
+* DELETE_IDEMPOTENT: deleting a row that is already deleted at or before
+  ``T`` changes nothing, so a retried request converges.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from pyroaring import BitMap
+
+
+class VisibilityError(Exception):
+    """An operation names a row group or row that does not exist."""
+
+
+class RGVisibility:
+    __slots__ = ("_base", "_base_ts", "_chain", "_lock", "row_count")
+
+    def __init__(self, row_count: int = 0, base_ts: int = 0,
+                 base: BitMap | None = None) -> None:
+        self.row_count = row_count
+        self._base_ts = base_ts
+        self._base = BitMap() if base is None else base
+        self._chain: list[tuple[int, int]] = []  # (ts, row), appended in apply order
+        self._lock = threading.Lock()
+
+    @property
+    def base_timestamp(self) -> int:
+        return self._base_ts
+
+    def grow(self, row_count: int) -> None:
+        """An open write-buffer row group gained rows."""
+        with self._lock:
+            self.row_count = max(self.row_count, row_count)
+
+    def delete(self, rows: Iterable[int], ts: int) -> int:
+        """Delete ``rows`` at ``ts``; returns how many were not deleted before."""
+        rows = list(rows)
+        for row in rows:
+            if not 0 <= row < self.row_count:
+                raise VisibilityError(f"row {row} outside [0, {self.row_count})")
+        with self._lock:
+            current = self._deleted_locked(ts)
+            fresh = [r for r in dict.fromkeys(rows) if r not in current]
+            if not fresh:
+                return 0
+            if ts <= self._base_ts:
+                base = BitMap(self._base)  # copy-on-write: readers keep the old base
+                base.update(fresh)
+                self._base = base
+            else:
+                self._chain.extend((ts, r) for r in fresh)
+            return len(fresh)
+
+    def _deleted_locked(self, ts: int) -> BitMap:
+        result = BitMap(self._base)
+        result.update(row for t, row in self._chain if t <= ts)
+        return result
+
+    def deleted_at(self, ts: int) -> BitMap:
+        """Rows deleted at snapshot ``ts`` (a new bitmap the caller owns)."""
+        with self._lock:
+            return self._deleted_locked(ts)
+
+    def fold(self, safe_ts: int) -> int:
+        """Fold chain items with ``ts <= safe_ts`` into the base; returns items folded."""
+        with self._lock:
+            if safe_ts <= self._base_ts:
+                return 0
+            folded = [row for t, row in self._chain if t <= safe_ts]
+            if folded:
+                base = BitMap(self._base)
+                base.update(folded)
+                self._base = base
+                self._chain = [(t, r) for t, r in self._chain if t > safe_ts]
+            self._base_ts = safe_ts
+            return len(folded)
+
+    def snapshot(self) -> tuple[int, BitMap, list[tuple[int, int]]]:
+        """(base_ts, base bitmap, chain) for a checkpoint."""
+        with self._lock:
+            return self._base_ts, BitMap(self._base), list(self._chain)
+
+    def memory_bytes(self) -> int:
+        with self._lock:
+            return len(self._base.serialize()) + 16 * len(self._chain)
+
+
+@dataclass(frozen=True)
+class RGKey:
+    file_id: int
+    rg_id: int
+
+
+class VisibilityIndex:
+    """The RGVisibilityIndex of one node: ``(fileId, rgId) -> RGVisibility``."""
+
+    def __init__(self) -> None:
+        self._entries: dict[RGKey, RGVisibility] = {}
+        self._lock = threading.Lock()
+
+    def add_file(self, file_id: int, row_counts: Iterable[int], base_ts: int = 0) -> None:
+        with self._lock:
+            for rg_id, count in enumerate(row_counts):
+                key = RGKey(file_id, rg_id)
+                if key in self._entries:
+                    raise VisibilityError(f"visibility of file {file_id} rg {rg_id} exists")
+                self._entries[key] = RGVisibility(count, base_ts)
+
+    def add_row_group(self, file_id: int, rg_id: int, base_ts: int = 0) -> RGVisibility:
+        with self._lock:
+            key = RGKey(file_id, rg_id)
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._entries[key] = RGVisibility(0, base_ts)
+            return entry
+
+    def adopt(self, file_id: int, rg_id: int, entry: RGVisibility) -> None:
+        """Take over a write-buffer block's visibility object when its file is published."""
+        with self._lock:
+            key = RGKey(file_id, rg_id)
+            current = self._entries.get(key)
+            if current is not None and current is not entry:
+                raise VisibilityError(f"visibility of file {file_id} rg {rg_id} exists")
+            self._entries[key] = entry
+
+    def get(self, file_id: int, rg_id: int) -> RGVisibility:
+        entry = self._entries.get(RGKey(file_id, rg_id))
+        if entry is None:
+            raise VisibilityError(f"no visibility for file {file_id} rg {rg_id}")
+        return entry
+
+    def has_file(self, file_id: int) -> bool:
+        return RGKey(file_id, 0) in self._entries
+
+    def row_groups(self, file_id: int) -> list[int]:
+        with self._lock:
+            return sorted(k.rg_id for k in self._entries if k.file_id == file_id)
+
+    def remove_file(self, file_id: int) -> None:
+        with self._lock:
+            for key in [k for k in self._entries if k.file_id == file_id]:
+                del self._entries[key]
+
+    def files(self) -> set[int]:
+        with self._lock:
+            return {k.file_id for k in self._entries}
+
+    def fold_all(self, safe_ts: int) -> int:
+        with self._lock:
+            entries = list(self._entries.values())
+        return sum(e.fold(safe_ts) for e in entries)
+
+    def __iter__(self) -> Iterator[tuple[RGKey, RGVisibility]]:
+        with self._lock:
+            return iter(list(self._entries.items()))
+
+
+def bitmap_to_bytes(bitmap: BitMap, row_count: int) -> bytes:
+    """Dense little-endian bitset of ``row_count`` bits (bit i = row i deleted)."""
+    out = bytearray((row_count + 7) // 8)
+    for row in bitmap:
+        if row < row_count:
+            out[row >> 3] |= 1 << (row & 7)
+    return bytes(out)
+
+
+def bytes_to_rows(data: bytes, row_count: int) -> list[int]:
+    return [i for i in range(row_count) if data[i >> 3] >> (i & 7) & 1]

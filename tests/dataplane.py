@@ -1,0 +1,223 @@
+"""Harness for data-plane tests: a TransServer, Retina nodes, tables, a writer and a model.
+
+Every process is real (``retina-trans``, ``retina-server``), with real etcd,
+PostgreSQL and storage. The lifecycle keys come from the stand-in publisher
+until the lifecycle coordinator exists.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from retina_common.catalog import Catalog, ColumnSpec, TableRecord
+from retina_common.client import TableWriter, requests_by_node
+from retina_common.cluster import free_port, write_config
+from retina_common.etcd import EtcdStore
+from retina_common.pb import retina_pb2 as rpb
+from retina_common.pb import retina_pb2_grpc
+from retina_common.pb import trans_pb2 as tpb
+from retina_common.reader import SnapshotReader
+from retina_common.standin import StandInLifecycle
+from retina_common.topology import Topology
+
+from .support import ROOT, TransServerProcess, eventually
+
+SCHEMA = "shop"
+TABLES: dict[str, tuple[list[ColumnSpec], list[str]]] = {
+    "orders": ([ColumnSpec("id", "int64"), ColumnSpec("customer", "string"),
+                ColumnSpec("amount", "decimal(12,2)"), ColumnSpec("note", "string")], ["id"]),
+    "events": ([ColumnSpec("tenant", "int32"), ColumnSpec("seq", "int64"),
+                ColumnSpec("payload", "binary"), ColumnSpec("ok", "boolean")], ["tenant", "seq"]),
+}
+
+
+class RetinaProcess:
+    def __init__(self, node: str, config_path: Path, workdir: Path) -> None:
+        self.node = node
+        self.config_path = config_path
+        self.log_path = workdir / f"retina-{node.replace(':', '-')}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.channel: grpc.Channel | None = None
+
+    def start(self, failpoints: str = "", wait: bool = True) -> RetinaProcess:
+        env = {**os.environ, "RETINA_FAILPOINTS": failpoints, "RETINA__RETINA__LISTEN": self.node,
+               "RETINA__RETINA__METRICS_LISTEN": "off"}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "retina_server", "--config", str(self.config_path)],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.channel = grpc.insecure_channel(self.node)
+        if wait:
+            def up() -> bool:
+                assert self.proc is not None
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"retina {self.node} exited: {self.log_tail()}")
+                grpc.channel_ready_future(self.channel).result(timeout=1)
+                return True
+            eventually(up, 60, f"Retina {self.node} to listen")
+        return self
+
+    @property
+    def stub(self) -> retina_pb2_grpc.RetinaWorkerServiceStub:
+        assert self.channel is not None
+        return retina_pb2_grpc.RetinaWorkerServiceStub(self.channel)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_exit(self, timeout_s: float = 60) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout_s)
+
+    def stop(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        if self.alive():
+            assert self.proc is not None
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def kill9(self) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text()[-chars:] if self.log_path.exists() else ""
+
+
+@dataclass
+class Model:
+    """What every table must contain after each committed transaction."""
+
+    rows: dict[str, dict[bytes, dict[str, Any]]] = field(default_factory=dict)
+    history: list[tuple[int, dict[str, dict[bytes, dict[str, Any]]]]] = field(default_factory=list)
+
+    def snapshot(self) -> dict[str, dict[bytes, dict[str, Any]]]:
+        return {t: dict(r) for t, r in self.rows.items()}
+
+
+class DataPlane:
+    def __init__(self, workdir: Path, etcd: EtcdStore, catalog: Catalog, dsn: str,
+                 nodes: int = 2, virtual_nodes: int = 8,
+                 retina: Mapping[str, object] | None = None) -> None:
+        self.workdir = workdir
+        self.etcd = etcd
+        self.catalog = catalog
+        self.nodes = [f"127.0.0.1:{free_port()}" for _ in range(nodes)]
+        self.topology = Topology(tuple(self.nodes), virtual_nodes)
+        self.trans = TransServerProcess(workdir / "trans", etcd.endpoint, dsn, self.nodes,
+                                        gate={"stale_after_ms": 5000})
+        self.trans.workdir.joinpath("topology.toml").write_text(self.topology.to_toml())
+        self.config_path = workdir / "retina.toml"
+        settings = {"state_dir": str(workdir / "state"), "block_rows": 64, "blocks_per_file": 2,
+                    "flush_interval_ms": 300, **(retina or {})}
+        write_config(self.config_path, etcd_endpoint=etcd.endpoint, dsn=dsn,
+                     topology_file=self.trans.workdir / "topology.toml",
+                     storage_root=workdir / "storage", trans_listen=self.trans.address,
+                     trans_metrics="off", extra={"retina": settings})
+        catalog.create_schema(SCHEMA)
+        self.tables: dict[str, TableRecord] = {
+            name: catalog.create_table(SCHEMA, name, cols, pk) for name, (cols, pk) in
+            TABLES.items()}
+        self.writers = {n: TableWriter(t, self.topology) for n, t in self.tables.items()}
+        self.retinas = {n: RetinaProcess(n, self.config_path, workdir) for n in self.nodes}
+        self.lifecycle: StandInLifecycle | None = None
+        self.reader: SnapshotReader | None = None
+        self.model = Model({name: {} for name in self.tables})
+
+    def start(self, failpoints: Mapping[str, str] | None = None) -> DataPlane:
+        self.trans.start()
+        for node, proc in self.retinas.items():
+            proc.start((failpoints or {}).get(node, ""))
+        self.lifecycle = StandInLifecycle(self.etcd, self.nodes, ttl_s=10).start()
+        self.reader = SnapshotReader(self.trans.address, self.topology)
+        eventually(self.gate_open, 15, "the query gate to admit")
+        return self
+
+    def gate_open(self) -> bool:
+        stub = self.trans.stub()
+        try:
+            r = stub.BeginTrans(tpb.BeginTransRequest(read_only=True), timeout=5)
+        except grpc.RpcError:
+            return False
+        stub.CommitTrans(tpb.CommitTransRequest(trans_id=r.trans_id), timeout=5)
+        return True
+
+    def stop(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+        if self.lifecycle is not None:
+            self.lifecycle.stop()
+        for proc in self.retinas.values():
+            proc.stop()
+        self.trans.stop()
+
+    # --- writing -------------------------------------------------------------------
+    def commit(self, changes: Mapping[str, Mapping[str, Iterable[Mapping[str, Any]]]]
+               ) -> tuple[int, dict[str, rpb.UpdateRecordResponse]]:
+        """One source transaction: ``{table: {"deletes"|"inserts"|"replaces": rows}}``.
+
+        Sends one request per node, commits after every node acknowledged,
+        and updates the model. Returns the timestamp and the responses.
+        """
+        stub = self.trans.stub()
+        trans = stub.BeginTrans(tpb.BeginTransRequest(), timeout=10)
+        ts = trans.timestamp
+        per_table = []
+        for table, ops in changes.items():
+            per_table.append(self.writers[table].updates(ts, **{k: list(v) for k, v in
+                                                                ops.items()}))
+        responses = {}
+        try:
+            for node, request in requests_by_node(SCHEMA, per_table).items():
+                responses[node] = self.retinas[node].stub.UpdateRecord(request, timeout=30)
+        except grpc.RpcError:
+            stub.RollbackTrans(tpb.RollbackTransRequest(trans_id=trans.trans_id), timeout=10)
+            raise
+        stub.CommitTrans(tpb.CommitTransRequest(trans_id=trans.trans_id), timeout=10)
+        for table, ops in changes.items():
+            rows = self.model.rows[table]
+            writer = self.writers[table]
+            for row in ops.get("deletes", ()):
+                rows.pop(writer.key(row), None)
+            for row in [*ops.get("inserts", ()), *ops.get("replaces", ())]:
+                rows[writer.key(row)] = dict(row)
+        self.model.history.append((ts, self.model.snapshot()))
+        return ts, responses
+
+    # --- reading -------------------------------------------------------------------
+    def read(self, table: str) -> dict[bytes, dict[str, Any]]:
+        assert self.reader is not None
+        snap = self.reader.read(SCHEMA, table)
+        writer = self.writers[table]
+        out = {}
+        for row in snap.table.to_pylist():
+            key = writer.key(row)
+            assert key not in out, f"duplicate row for key {row}"
+            out[key] = row
+        return out
+
+    def read_at(self, table: str, ts: int) -> dict[bytes, dict[str, Any]]:
+        """Read at an older snapshot ``ts`` under a live gated read transaction.
+
+        Valid while nothing folds visibility (no GC runs in these tests)."""
+        assert self.reader is not None
+        with self.reader.transaction() as live:
+            pinned = tpb.BeginTransResponse(trans_id=live.trans_id, timestamp=ts)
+            snap = self.reader.read_in(pinned, SCHEMA, table)
+        writer = self.writers[table]
+        return {writer.key(r): r for r in snap.table.to_pylist()}
