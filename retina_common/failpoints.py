@@ -9,7 +9,8 @@ inert unless ``RETINA_FAILPOINTS`` names them::
 Actions: ``exit(code)`` (``os._exit``: no cleanup, no flush, like a kill),
 ``raise`` / ``raise(message)`` (raises :class:`FailpointTriggered`),
 ``sleep(seconds)``, ``off``. A suffix ``@K`` lets the first K-1 hits pass
-and acts from the K-th hit on (``exit(137)@2``: crash at the second block).
+and acts from the K-th hit on (``exit(137)@2``: crash at the second block);
+``*N`` acts on N hits only (``sleep(2)*1``: slow down the first hit alone).
 A name not in the catalogue, or a malformed action, is an error at process
 start, never silently ignored.
 
@@ -42,6 +43,7 @@ class Action:
     kind: str  # "exit" | "raise" | "sleep" | "off"
     arg: str = ""
     from_hit: int = 1
+    times: int = 0  # 0 = every hit from from_hit on
 
 
 _CATALOGUE: dict[str, Failpoint] = {}
@@ -71,7 +73,7 @@ class Failpoint:
             return
         with _lock:
             _hits[self.name] = hit = _hits.get(self.name, 0) + 1
-        if hit < action.from_hit:
+        if hit < action.from_hit or (action.times and hit >= action.from_hit + action.times):
             return
         if action.kind == "sleep":
             time.sleep(float(action.arg))
@@ -87,7 +89,7 @@ class Failpoint:
         return f"Failpoint({self.name!r})"
 
 
-_ACTION = re.compile(r"^(exit|raise|sleep|off)(?:\((.*)\))?(?:@(\d+))?$")
+_ACTION = re.compile(r"^(exit|raise|sleep|off)(?:\((.*?)\))?(?:@(\d+))?(?:\*(\d+))?$")
 
 
 def parse_spec(spec: str) -> dict[str, Action]:
@@ -114,7 +116,7 @@ def parse_spec(spec: str) -> dict[str, Action]:
                 float(arg)
             except ValueError:
                 raise FailpointError(f"{ENV_VAR}: sleep needs seconds ({name})") from None
-        result[name] = Action(kind, arg, from_hit)
+        result[name] = Action(kind, arg, from_hit, int(match.group(4) or 0))
     return result
 
 

@@ -60,8 +60,12 @@ class RetinaProcess:
                 assert self.proc is not None
                 if self.proc.poll() is not None:
                     raise AssertionError(f"retina {self.node} exited: {self.log_tail()}")
-                grpc.channel_ready_future(self.channel).result(timeout=1)
-                return True
+                future = grpc.channel_ready_future(self.channel)
+                try:
+                    future.result(timeout=1)
+                    return True
+                finally:  # a pending future would keep polling a closed channel
+                    future.cancel()
             eventually(up, 60, f"Retina {self.node} to listen")
         return self
 
@@ -124,7 +128,7 @@ class DataPlane:
         self.trans.workdir.joinpath("topology.toml").write_text(self.topology.to_toml())
         self.config_path = workdir / "retina.toml"
         settings = {"state_dir": str(workdir / "state"), "block_rows": 64, "blocks_per_file": 2,
-                    "flush_interval_ms": 300, **(retina or {})}
+                    "flush_interval_ms": 300, "max_rows_per_request": 500, **(retina or {})}
         write_config(self.config_path, etcd_endpoint=etcd.endpoint, dsn=dsn,
                      topology_file=self.trans.workdir / "topology.toml",
                      storage_root=workdir / "storage", trans_listen=self.trans.address,

@@ -43,6 +43,16 @@ def test_raise_acts_from_the_kth_hit(active_failpoints) -> None:
     failpoints.CATALOG_SWAP_AFTER_COMMIT.hit()  # not configured: inert
 
 
+def test_times_limits_how_many_hits_act(active_failpoints) -> None:
+    active_failpoints("catalog.swap.before_commit=raise@2*2")
+    point = failpoints.CATALOG_SWAP_BEFORE_COMMIT
+    point.hit()
+    for _ in range(2):
+        with pytest.raises(FailpointTriggered):
+            point.hit()
+    point.hit()  # the third acting hit would be the fourth: inert again
+
+
 def test_exit_kills_the_process_without_cleanup() -> None:
     code = ("import atexit, sys\n"
             "atexit.register(lambda: print('cleanup ran'))\n"

@@ -49,11 +49,14 @@ def test_proto_carries_every_field_of_the_recovery_protocol() -> None:
 
 
 @pytest.fixture
-def retina(tmp_path: Path, etcd: EtcdStore) -> Iterator[str]:
+def retina(tmp_path: Path, etcd: EtcdStore, catalog_dsn: str) -> Iterator[str]:
     node = f"127.0.0.1:{free_port()}"
     (tmp_path / "topology.toml").write_text(Topology((node, "127.0.0.1:1"), 4).to_toml())
     config = tmp_path / "retina.toml"
     config.write_text(f'[retina]\nlisten = "{node}"\nmetrics_listen = "off"\n'
+                      f'state_dir = "{tmp_path / "state"}"\n'
+                      f'[storage]\nroot = "{tmp_path / "storage"}"\n'
+                      f'[catalog]\ndsn = "{catalog_dsn}"\n'
                       f'[etcd]\nendpoints = ["{etcd.endpoint}"]\n')
     proc = subprocess.Popen([sys.executable, "-m", "retina_server", "--config", str(config)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -69,9 +72,10 @@ def test_unbuilt_rpcs_answer_unimplemented_and_health_is_not_serving(
         retina: str, etcd: EtcdStore) -> None:
     with grpc.insecure_channel(retina) as channel:
         stub = retina_pb2_grpc.RetinaWorkerServiceStub(channel)
-        for call in (lambda: stub.UpdateRecord(rpb.UpdateRecordRequest(), timeout=5),
-                     lambda: stub.GetRetinaStatus(rpb.GetRetinaStatusRequest(), timeout=5),
-                     lambda: stub.MarkReady(rpb.MarkReadyRequest(), timeout=5)):
+        for call in (lambda: stub.GetRetinaStatus(rpb.GetRetinaStatusRequest(), timeout=5),
+                     lambda: stub.GetRecoveryReplayTs(rpb.GetRecoveryReplayTsRequest(), timeout=5),
+                     lambda: stub.MarkReady(rpb.MarkReadyRequest(), timeout=5),
+                     lambda: stub.AddVisibility(rpb.AddVisibilityRequest(), timeout=5)):
             assert rpc_error(call).code() == grpc.StatusCode.UNIMPLEMENTED
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
         assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
