@@ -202,3 +202,11 @@ INGEST_CLEANUP_BEFORE = Failpoint(
     "ingest.cleanup.before", "about to drop the file's blocks from the write buffer")
 INGEST_CLEANUP_AFTER = Failpoint(
     "ingest.cleanup.after", "the file's blocks are gone from the write buffer; publish complete")
+
+# --- Retina UpdateRecord ---------------------------------------------------------
+PRIMARY_COMMIT_BEFORE = Failpoint(
+    "index.primary_commit.before",
+    "a request's primary-index writes staged in LMDB, not committed; inserts not visible")
+PRIMARY_COMMIT_AFTER = Failpoint(
+    "index.primary_commit.after",
+    "a request's primary-index writes durable; its inserts not yet published visible")

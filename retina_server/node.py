@@ -244,7 +244,8 @@ class RetinaNode:
     def shutdown(self, timeout_s: float = 30) -> None:
         """Shutdown flush: everything appended goes through the same publisher."""
         self._stop.set()
-        self._flusher.join(timeout=5)
+        if self._flusher.is_alive():
+            self._flusher.join(timeout=5)
         if self.failure is None:
             self.flush(older_than_ms=0)
             self.pipeline.wait_idle(timeout_s)

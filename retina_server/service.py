@@ -62,6 +62,9 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
         except CatalogError as exc:
             log.error("catalog_error", error=str(exc))
             _abort(context, grpc.StatusCode.INTERNAL, str(exc))
+        except Exception as exc:  # a bug or an injected fault: fail closed, say so
+            log.error("rpc_internal_error", error=str(exc), error_type=type(exc).__name__)
+            _abort(context, grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     def _update(self, request: pb.UpdateRecordRequest) -> pb.UpdateRecordResponse:
         started = time.perf_counter()

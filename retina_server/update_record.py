@@ -16,8 +16,15 @@ Apply, per TableUpdateData in request order (section 5, "Unified write order"):
   counted once however often the request deletes it.
 * INSERT: append pending → putMainIndexEntries → putPrimaryEntriesOnly →
   publishPendingAppend(visible). If a step fails, the rows are compensated
-  (visibility delete at T, restorePrimaryEntries, publish hidden); if the
-  compensation fails too, the node fails closed.
+  (visibility delete at T, primary entries rolled back, publish hidden); if
+  the compensation fails too, the node fails closed.
+
+Every primary-index write of a request is one durable LMDB transaction (one
+fsync per request): the inserts' rows become visible only after it
+committed, so "putPrimaryEntriesOnly before publish visible" holds for the
+durable state too. If the commit fails, every staged insert of the request
+is compensated; DELETE effects already applied to visibility stay, and a
+retry converges over them (re-deleting changes nothing).
 
 A CDC replace is a DELETE and an INSERT of the same key in one
 TableUpdateData, so the DELETE goes first. The request is acknowledged
@@ -166,18 +173,30 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate]) -> pb.UpdateRecordRes
     streams = {(u.table.table_id, u.vnode): node.stream(u.table, u.vnode) for u in updates}
     order = [streams[k] for k in sorted(streams)]
     response = pb.UpdateRecordResponse()
+    staged: list[tuple[Stream, PreparedUpdate, list[AppendHandle]]] = []
     with contextlib.ExitStack() as stack:
         for stream in order:  # a fixed lock order: no deadlock between requests
             stack.enter_context(stream.buffer.lock)
-        _check_no_live_inserts(node, updates)
-        for u in updates:
-            stream = streams[(u.table.table_id, u.vnode)]
-            deleted = _apply_deletes(node, u)
-            inserted = _apply_inserts(node, stream, u)
-            response.results.add(table_name=u.table.name, virtual_node_id=u.vnode,
-                                 deleted_rows=deleted, inserted_rows=inserted)
-            response.deleted_rows += deleted
-            response.inserted_rows += inserted
+        try:
+            with node.index.write_batch():
+                _check_no_live_inserts(node, updates)
+                for u in updates:
+                    stream = streams[(u.table.table_id, u.vnode)]
+                    deleted = _apply_deletes(node, u)
+                    inserted = _stage_inserts(node, stream, u, staged)
+                    response.results.add(table_name=u.table.name, virtual_node_id=u.vnode,
+                                         deleted_rows=deleted, inserted_rows=inserted)
+                    response.deleted_rows += deleted
+                    response.inserted_rows += inserted
+        except BaseException as exc:
+            for stream, u, handles in staged:
+                _compensate(node, stream, u, handles)
+            if isinstance(exc, IndexBackendError):
+                raise ApplyError("UNAVAILABLE", f"request failed and was compensated: {exc}") \
+                    from exc
+            raise
+        for stream, _u, handles in staged:
+            stream.buffer.publish(handles, PublishMode.VISIBLE)
     for stream in order:
         node.submit_sealed(stream)
     return response
@@ -203,7 +222,12 @@ def _apply_deletes(node: RetinaNode, u: PreparedUpdate) -> int:
     return deleted
 
 
-def _apply_inserts(node: RetinaNode, stream: Stream, u: PreparedUpdate) -> int:
+def _stage_inserts(node: RetinaNode, stream: Stream, u: PreparedUpdate,
+                   staged: list[tuple[Stream, PreparedUpdate, list[AppendHandle]]]) -> int:
+    """Append pending → putMainIndexEntries → putPrimaryEntriesOnly (in the batch).
+
+    The handles are recorded in ``staged`` as soon as they exist, so a
+    failure at any later point compensates them."""
     n = len(u.insert_keys)
     if not n:
         return 0
@@ -211,27 +235,21 @@ def _apply_inserts(node: RetinaNode, stream: Stream, u: PreparedUpdate) -> int:
     batch = pa.RecordBatch.from_arrays([*u.insert_columns, ts_column], schema=stream.schema)
     first_row_id = node.index.allocate_row_ids(n)
     handles = stream.buffer.append_pending(batch, u.ts, first_row_id)
-    previous = None
-    try:
-        node.index.put_main_index_entries(
-            RowIdRange(h.row_id_start, h.count, h.file.file_id, h.block.rg_id, h.start)
-            for h in handles)
-        previous = node.index.put_primary_entries_only(
-            u.table.table_id, u.insert_keys, range(first_row_id, first_row_id + n), u.ts)
-    except IndexBackendError as exc:
-        _compensate(node, stream, u, handles, previous)
-        raise ApplyError("UNAVAILABLE", f"insert failed and was compensated: {exc}") from exc
-    stream.buffer.publish(handles, PublishMode.VISIBLE)
+    staged.append((stream, u, handles))
+    node.index.put_main_index_entries(
+        RowIdRange(h.row_id_start, h.count, h.file.file_id, h.block.rg_id, h.start)
+        for h in handles)
+    node.index.put_primary_entries_only(
+        u.table.table_id, u.insert_keys, range(first_row_id, first_row_id + n), u.ts)
     return n
 
 
 def _compensate(node: RetinaNode, stream: Stream, u: PreparedUpdate,
-                handles: list[AppendHandle], previous: list | None) -> None:
+                handles: list[AppendHandle]) -> None:
+    """Hide rows whose primary entries were rolled back with the batch."""
     try:
         for h in handles:
             h.block.visibility.delete(range(h.start, h.start + h.count), u.ts)
-        if previous is not None:
-            node.index.restore_primary_entries(u.table.table_id, previous)
         stream.buffer.publish(handles, PublishMode.HIDDEN)
     except Exception as exc:
         node.fail_closed(f"compensation of a failed insert failed: {exc}")

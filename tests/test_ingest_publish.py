@@ -98,6 +98,8 @@ def test_files_closing_out_of_order_publish_in_first_block_order(
 
 # (failpoint, is the second file's data published when the process dies there?)
 CRASH_POINTS = [
+    ("index.primary_commit.before", False),
+    ("index.primary_commit.after", False),
     ("ingest.alloc.before_catalog", False),
     ("ingest.alloc.after_catalog", False),
     ("ingest.close.before", False),
@@ -147,3 +149,27 @@ def test_kill_at_each_publish_failpoint(make_plane: Callable[..., DataPlane], ca
     plane.commit({"orders": {"replaces": [order(i) for i in ids[:3]],
                              "inserts": [order(i) for i in ids[8:] if i not in visible]}})
     assert plane.read("orders") == plane.model.rows["orders"]
+
+
+def test_failed_request_is_compensated_and_a_retry_converges(
+        make_plane: Callable[..., DataPlane]) -> None:
+    # The first primary-index commit after start-up fails (once); the request's
+    # inserts must stay invisible, and the same request retried must converge.
+    plane = make_plane("index.primary_commit.before=raise(injected)@2*1",
+                       flush_interval_ms=200, block_rows=64)
+    plane.commit({"orders": {"inserts": [order(i) for i in range(20)]}})
+    model_before = dict(plane.model.rows["orders"])
+    changes = {"orders": {"deletes": [{"id": 1}, {"id": 2}],
+                          "replaces": [order(3)], "inserts": [order(100), order(101)]}}
+    with pytest.raises(grpc.RpcError) as err:
+        plane.commit(changes)
+    assert err.value.code() == grpc.StatusCode.INTERNAL and "injected" in err.value.details()
+    got = {r["id"] for r in plane.read("orders").values()}
+    assert not {100, 101} & got, "a failed request's inserts are never visible"
+    assert got <= {r["id"] for r in model_before.values()}
+    plane.model.rows["orders"] = model_before
+    plane.commit(changes)  # the CDC side retries the same transaction's effects
+    assert plane.read("orders") == plane.model.rows["orders"]
+    eventually(lambda: plane.read("orders") == plane.model.rows["orders"] and
+               all(f == FileType.REGULAR for f in files(plane.catalog).values()), 15,
+               "everything published")

@@ -1,0 +1,185 @@
+"""Retina data-plane benchmark: UpdateRecord throughput, snapshot reads, QueryVisibility.
+
+Starts a private cluster (etcd, PostgreSQL, TransServer) and one Retina
+node owning every virtual node, over loopback gRPC. Requests are built
+before the clock starts; each batch is one write transaction (BeginTrans,
+UpdateRecord, CommitTrans) and the figures count UpdateRecord time only,
+then the whole transaction. ``--profile`` also runs the replace apply path
+in this process under cProfile and prints where the time goes.
+
+    .venv/bin/python bench/bench_dataplane.py --batches 40 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import platform
+import pstats
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from decimal import Decimal
+from pathlib import Path
+
+import grpc
+
+from retina_common.catalog import Catalog, ColumnSpec
+from retina_common.client import TableWriter, requests_by_node
+from retina_common.cluster import free_port, start_cluster, stop_cluster, wait_for, write_config
+from retina_common.etcd import EtcdStore
+from retina_common.log import configure_logging
+from retina_common.pb import retina_pb2 as rpb
+from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
+from retina_common.pb import trans_pb2 as tpb
+from retina_common.reader import SnapshotReader
+from retina_common.standin import StandInLifecycle
+from retina_common.topology import Topology
+
+BATCH = 1000
+
+
+def row(i: int, version: int = 0) -> dict:
+    return {"id": i, "customer": f"customer-{i % 997}", "amount": Decimal(i % 100000) / 100,
+            "note": f"v{version}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, default=40, help="batches of 1000 rows per phase")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    configure_logging("bench", "warning")
+    work = Path(tempfile.mkdtemp(prefix="retina-bench-dp-"))
+    node = f"127.0.0.1:{free_port()}"
+    print(f"setup: {platform.platform()}, {os.cpu_count()} cores, Python "
+          f"{platform.python_version()}; one Retina node (all 8 vnodes), TransServer, etcd and "
+          f"PostgreSQL on this machine; loopback gRPC; batches of {BATCH} rows, "
+          f"{args.batches} per phase; block 4096 rows, 4 blocks per file")
+    state = start_cluster(work, nodes=[node], virtual_nodes=8, log=lambda _m: None)
+    topology = Topology((node,), 8)
+    config = work / "retina-node.toml"
+    write_config(config, etcd_endpoint=state.etcd.endpoint, dsn=state.postgres.dsn(),
+                 topology_file=Path(state.topology_path), storage_root=work / "storage",
+                 trans_listen=state.trans_listen, trans_metrics="off",
+                 extra={"retina": {"listen": node, "metrics_listen": "off",
+                                   "state_dir": str(work / "state")}})
+    catalog = Catalog(state.postgres.dsn())
+    catalog.create_schema("bench")
+    table = catalog.create_table("bench", "orders", [
+        ColumnSpec("id", "int64"), ColumnSpec("customer", "string"),
+        ColumnSpec("amount", "decimal(12,2)"), ColumnSpec("note", "string")], ["id"])
+    log = open(work / "retina.log", "wb")  # noqa: SIM115 - closed in finally
+    retina = subprocess.Popen([sys.executable, "-m", "retina_server", "--config", str(config)],
+                              stdout=log, stderr=subprocess.STDOUT)
+    lifecycle = StandInLifecycle(EtcdStore([state.etcd.endpoint]), [node]).start()
+    try:
+        channel = grpc.insecure_channel(node)
+        grpc.channel_ready_future(channel).result(timeout=60)
+        stub = retina_pb2_grpc.RetinaWorkerServiceStub(channel)
+        trans = trans_pb2_grpc.TransServiceStub(grpc.insecure_channel(state.trans_listen))
+        writer = TableWriter(table, topology)
+        n = args.batches
+
+        def phase(name: str, build) -> None:
+            stamps = [trans.BeginTrans(tpb.BeginTransRequest(), timeout=10) for _ in range(n)]
+            requests = [requests_by_node("bench", [writer.updates(t.timestamp, **build(b))])[node]
+                        for b, t in enumerate(stamps)]
+            apply_s = []
+            t0 = time.perf_counter()
+            for t, request in zip(stamps, requests, strict=True):
+                a0 = time.perf_counter()
+                stub.UpdateRecord(request, timeout=60)
+                apply_s.append(time.perf_counter() - a0)
+                trans.CommitTrans(tpb.CommitTransRequest(trans_id=t.trans_id), timeout=10)
+            total = time.perf_counter() - t0
+            rows = n * BATCH
+            print(f"{name:<28} {rows / sum(apply_s):>10,.0f} rows/s UpdateRecord "
+                  f"({rows / total:,.0f} rows/s with Begin/Commit); per batch p50 "
+                  f"{statistics.median(apply_s) * 1000:.1f} ms")
+
+        phase("insert-only", lambda b: {"inserts": [row(b * BATCH + i) for i in range(BATCH)]})
+        phase("replace (DELETE+INSERT)",
+              lambda b: {"replaces": [row(b * BATCH + i, 1) for i in range(BATCH)]})
+        phase("delete-only", lambda b: {"deletes": [{"id": b * BATCH + i}
+                                                    for i in range(0, BATCH, 2)] +
+                                        [{"id": b * BATCH + i} for i in range(1, BATCH, 2)]})
+        phase("insert-only (refill)",
+              lambda b: {"inserts": [row(n * BATCH + b * BATCH + i) for i in range(BATCH)]})
+
+        reader = SnapshotReader(state.trans_listen, topology)
+        wait_for(lambda: reader.read("bench", "orders").buffer_rows == 0, 60, "publish")
+        t0 = time.perf_counter()
+        snap = reader.read("bench", "orders")
+        elapsed = time.perf_counter() - t0
+        print(f"{'snapshot read':<28} {snap.table.num_rows / elapsed:>10,.0f} rows/s "
+              f"({snap.table.num_rows} rows from {snap.files_read} files in {elapsed:.2f} s)")
+        listing = None
+        with reader.transaction() as r:
+            listing = trans.ListQueryFiles(tpb.ListQueryFilesRequest(
+                trans_id=r.trans_id, schema_name="bench", table_name="orders"), timeout=10)
+            latencies = []
+            for i in range(500):
+                f = listing.files[i % len(listing.files)]
+                q0 = time.perf_counter()
+                stub.QueryVisibility(rpb.QueryVisibilityRequest(file_id=f.file_id,
+                                                                timestamp=r.timestamp))
+                latencies.append((time.perf_counter() - q0) * 1000)
+        latencies.sort()
+        print(f"{'QueryVisibility (whole file)':<28} p50 {statistics.median(latencies):.3f} ms, "
+              f"p99 {latencies[int(0.99 * len(latencies))]:.3f} ms "
+              f"({listing.files[0].num_row_group} row groups of 4096 rows)")
+        reader.close()
+        channel.close()
+        if args.profile:
+            profile_apply(state.postgres.dsn(), work, topology, node, table)
+    finally:
+        lifecycle.stop()
+        retina.terminate()
+        retina.wait(timeout=60)
+        log.close()
+        catalog.close()
+        stop_cluster(state, log=lambda _m: None)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def profile_apply(dsn: str, work: Path, topology: Topology, node_id: str, table) -> None:
+    """Replace batches applied in-process (no gRPC) under cProfile."""
+    from retina_server.index import LocalIndexService
+    from retina_server.node import BufferSettings, RetinaNode
+    from retina_server.update_record import apply, prepare
+
+    catalog = Catalog(dsn)
+    node = RetinaNode(node_id, topology, catalog, LocalIndexService(work / "profile-index"),
+                      "file://" + str(work / "profile-storage"), BufferSettings(),
+                      lambda: int(time.time() * 1000))
+    writer = TableWriter(table, topology)
+    inserts = [requests_by_node("bench", [writer.updates(
+        10**9 + b, inserts=[row(10**7 + b * BATCH + i) for i in range(BATCH)])])[node_id]
+        for b in range(10)]
+    replaces = [requests_by_node("bench", [writer.updates(
+        10**9 + 100 + b, replaces=[row(10**7 + b * BATCH + i, 2) for i in range(BATCH)])])[node_id]
+        for b in range(10)]
+    for request in inserts:
+        apply(node, prepare(node, request, 10**6))
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    for request in replaces:
+        apply(node, prepare(node, request, 10**6))
+    profiler.disable()
+    elapsed = time.perf_counter() - t0
+    print(f"\nin-process replace apply (no gRPC, profiled): {10 * BATCH / elapsed:,.0f} rows/s")
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("cumulative").print_stats(18)
+    node.shutdown()
+    catalog.close()
+
+
+if __name__ == "__main__":
+    main()
