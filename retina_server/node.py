@@ -52,8 +52,7 @@ log = get_logger(component="node")
 
 FILE_ID = "_file_id"
 MEMTABLE_ROWS = Gauge("retina_write_buffer_rows", "Rows held in write buffers (all streams)")
-BUFFER_FILES = Gauge("retina_write_buffer_files", "Unpublished ingest files in write buffers")
-REGISTERED_FILES = Gauge("retina_registered_files", "Published files in the ingest registry")
+FILES = Gauge("retina_files", "This node's files by catalog type", ["type"])
 
 
 class NodeFailedClosed(Exception):
@@ -225,6 +224,7 @@ class RetinaNode:
                 if file is not None and now - file.created_ms >= older_than_ms:
                     stream.buffer.seal_open_file()
                 self.submit_sealed(stream)
+        self.check_registry_covers_visibility()
         self._update_gauges()
 
     def _forget_published(self, file: IngestFile) -> None:
@@ -235,8 +235,17 @@ class RetinaNode:
         with self._lock:
             files = list(self._buffer_files.values())
         MEMTABLE_ROWS.set(sum(f.row_count for f in files))
-        BUFFER_FILES.set(len(files))
-        REGISTERED_FILES.set(len(self.registry.all()))
+        FILES.labels(type="TEMPORARY_INGEST").set(len(files))
+        FILES.labels(type="REGULAR").set(len(self.registry.all()))
+
+    def check_registry_covers_visibility(self) -> None:
+        """REGISTRY_COVERS_VISIBILITY: every file in the visibility index is registered.
+
+        A miss means a publish/retire ordering bug; the node fails closed."""
+        missing = sorted(f for f in self.visibility.files() if f not in self.registry)
+        if missing:
+            self.fail_closed(f"files {missing[:5]} are in the visibility index but not in the "
+                             "ingest registry")
 
     def start(self) -> None:
         self._flusher.start()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from decimal import Decimal
@@ -20,7 +23,7 @@ from retina_common.etcd import EtcdStore
 from retina_common.storage import read_bytes
 
 from .dataplane import DataPlane
-from .support import eventually
+from .support import ROOT, eventually
 
 ONE_FILE_PER_BLOCK = {"block_rows": 8, "blocks_per_file": 1, "flush_interval_ms": 600_000}
 
@@ -173,3 +176,31 @@ def test_failed_request_is_compensated_and_a_retry_converges(
     eventually(lambda: plane.read("orders") == plane.model.rows["orders"] and
                all(f == FileType.REGULAR for f in files(plane.catalog).values()), 15,
                "everything published")
+
+
+def test_shutdown_flush_publishes_through_the_same_publisher(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane(block_rows=64)  # nothing fills a block; only the shutdown flushes
+    ids = ids_in_vnode(plane, 5, 5)
+    plane.commit({"orders": {"inserts": [order(i) for i in ids]}})
+    assert files(catalog) and FileType.REGULAR not in files(catalog).values()
+    retina = plane.retinas[plane.nodes[0]]
+    retina.stop()  # SIGTERM: stop taking writes, flush, publish, exit
+    assert retina.proc is not None and retina.proc.returncode == 0
+    assert list(files(catalog).values()) == [FileType.REGULAR]
+    retina.start()
+    assert {r["id"] for r in plane.read("orders").values()} == set(ids)
+
+
+def test_retina_query_prints_the_snapshot(make_plane: Callable[..., DataPlane]) -> None:
+    plane = make_plane()
+    plane.commit({"orders": {"inserts": [order(i) for i in range(12)]}})
+    plane.commit({"orders": {"deletes": [{"id": 4}]}})
+    env = {**os.environ, "RETINA__TRANS__LISTEN": plane.trans.address}
+    result = subprocess.run([sys.executable, "-m", "retina_common.reader", "shop.orders",
+                             "--config", str(plane.config_path), "--format", "json"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert sorted(r["id"] for r in rows) == [i for i in range(12) if i != 4]
+    assert "11 rows at snapshot" in result.stderr
