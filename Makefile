@@ -23,6 +23,7 @@ lint: setup
 
 bench: setup
 	@$(PY) bench/bench_trans.py
+	@$(PY) bench/bench_dataplane.py
 
 cluster-up: setup
 	@$(VENV)/bin/retina-cluster start --state-dir $(STATE)
