@@ -316,6 +316,7 @@ class ClusterState:
     trans_metrics: str
     trans_pid: int = 0
     nodes: list[str] = field(default_factory=list)
+    retina_pids: dict[str, int] = field(default_factory=dict)
 
     def save(self) -> None:
         Path(self.state_dir, "cluster.json").write_text(json.dumps(asdict(self), indent=2))
@@ -410,7 +411,44 @@ def start_trans_server(state: ClusterState, env: Mapping[str, str] | None = None
     return pid
 
 
+def retina_server_argv(config_path: Path) -> list[str]:
+    return [sys.executable, "-m", "retina_server", "--config", str(config_path)]
+
+
+def start_retina_servers(state: ClusterState, env: Mapping[str, str] | None = None,
+                         timeout_s: float = 60) -> None:
+    """Start one ``retina-server`` per topology node and wait until each listens."""
+    import grpc
+
+    for node in state.nodes:
+        host, port = node.rsplit(":", 1)
+        log_path = Path(state.state_dir, "logs", f"retina-{host}-{port}.log")
+        pid = start_process(retina_server_argv(Path(state.config_path)), log_path, {
+            "RETINA__RETINA__LISTEN": node, "RETINA__RETINA__METRICS_LISTEN": "off",
+            "RETINA__RETINA__STATE_DIR": str(Path(state.state_dir, "retina-state")),
+            **(env or {})})
+        state.retina_pids[node] = pid
+        state.save()
+
+        def listening(n: str = node, p: int = pid, logged: Path = log_path) -> bool:
+            if not pid_alive(p):
+                raise ClusterError(f"retina-server {n} exited; see {logged}")
+            with grpc.insecure_channel(n) as channel:
+                future = grpc.channel_ready_future(channel)
+                try:
+                    future.result(timeout=1)
+                finally:
+                    future.cancel()
+            return True
+
+        wait_for(listening, timeout_s, f"retina-server {node}")
+
+
 def stop_cluster(state: ClusterState, log: Callable[[str], None] = print) -> None:
+    for node, pid in list(state.retina_pids.items()):
+        terminate(pid, timeout_s=60)
+        log(f"retina      {node} stopped")
+    state.retina_pids.clear()
     if state.trans_pid:
         terminate(state.trans_pid)
         log("transserver stopped")

@@ -20,6 +20,7 @@ from retina_common.cluster import (
     grpc_serving,
     pid_alive,
     start_cluster,
+    start_retina_servers,
     stop_cluster,
 )
 
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dir", default=".retina-cluster")
     parser.add_argument("--nodes", help="expected Retina nodes, comma-separated host:port")
     parser.add_argument("--virtual-nodes", type=int, default=8)
+    parser.add_argument("--retina", action="store_true",
+                        help="also start one retina-server per topology node")
     args = parser.parse_args(argv)
     state_dir = Path(args.state_dir)
     state = ClusterState.load(state_dir)
@@ -64,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
                       "(retina-cluster stop first)", file=sys.stderr)
                 return 1
             nodes = args.nodes.split(",") if args.nodes else None
-            start_cluster(state_dir, nodes=nodes, virtual_nodes=args.virtual_nodes)
+            state = start_cluster(state_dir, nodes=nodes, virtual_nodes=args.virtual_nodes)
+            if args.retina:
+                start_retina_servers(state)
+                print(f"retina      {', '.join(state.nodes)}")
             print(f"\nexport RETINA_CONFIG={state_dir.resolve() / 'retina.toml'}")
             return 0
         if state is None:
