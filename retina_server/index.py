@@ -203,6 +203,13 @@ class LocalIndexService:
         with self._lock:
             return self._buffer.find(row_id) or self._flushed.find(row_id)
 
+    def locations_of(self, row_ids: Sequence[int]) -> list[RowLocation | None]:
+        """location_of for a batch, under one lock acquisition."""
+        buffer_find, flushed_find = self._buffer.find, self._flushed.find
+        with self._lock:
+            return [None if r == TOMBSTONE else (buffer_find(r) or flushed_find(r))
+                    for r in row_ids]
+
     def flush_file(self, file_id: int) -> int:
         """flushIndexEntriesOfFile: make a file's ranges durable; returns rows flushed."""
         with self._lock:
@@ -298,24 +305,29 @@ class LocalIndexService:
     def resolve_primary(self, table_id: int, keys: Sequence[bytes],
                         baseline: Callable[[int], bool]) -> list[Resolved]:
         """resolvePrimary for each key against the baseline visible file set."""
+        prefix = _KEY_PREFIX.pack(table_id)
+        full = [prefix + k for k in keys]
         try:
             batch = getattr(self._batch, "txn", None)
             if batch is not None:
-                values = [batch.get(primary_key(table_id, k)) for k in keys]
+                values = [batch.get(k) for k in full]
             else:
                 with self._env.begin() as txn:
-                    values = [txn.get(primary_key(table_id, k)) for k in keys]
+                    found = dict(txn.cursor().getmulti(full))
+                values = [found.get(k) for k in full]
         except lmdb.Error as exc:
             log.error("primary_index_read_failed", table=table_id, error=str(exc))
             return [Resolved(Resolution.BACKEND_ERROR)] * len(keys)
+        unpack = _VALUE.unpack
+        row_ids = [TOMBSTONE if v is None else unpack(v)[0] for v in values]
+        locations = self.locations_of(row_ids)
+        in_baseline = {f: baseline(f) for f in {loc.file_id for loc in locations if loc}}
+        missing = Resolved(Resolution.NOT_FOUND_OR_ORPHAN)
         out = []
-        for value in values:
+        for value, row_id, location in zip(values, row_ids, locations, strict=True):
             if value is None:
-                out.append(Resolved(Resolution.NOT_FOUND_OR_ORPHAN))
-                continue
-            row_id, _ts = _VALUE.unpack(value)
-            location = self.location_of(row_id) if row_id != TOMBSTONE else None
-            if location is None or not baseline(location.file_id):
+                out.append(missing)
+            elif location is None or not in_baseline[location.file_id]:
                 out.append(Resolved(Resolution.NOT_FOUND_OR_ORPHAN, row_id))
             else:
                 out.append(Resolved(Resolution.FOUND, row_id, location))
@@ -325,12 +337,14 @@ class LocalIndexService:
                what: str) -> list[tuple[bytes, bytes | None]]:
         """Put (key, rowId, ts) items in one durable LMDB transaction; returns old values."""
         previous = []
+        prefix, pack = _KEY_PREFIX.pack(table_id), _VALUE.pack
         try:
             with self._txn() as txn:
+                get, put = txn.get, txn.put
                 for key, row_id, ts in items:
-                    full = primary_key(table_id, key)
-                    previous.append((key, txn.get(full)))
-                    txn.put(full, _VALUE.pack(row_id, ts))
+                    full = prefix + key
+                    previous.append((key, get(full)))
+                    put(full, pack(row_id, ts))
         except lmdb.Error as exc:
             raise IndexBackendError(f"{what} failed: {exc}") from exc
         return previous

@@ -87,24 +87,39 @@ def prepare(node: RetinaNode, request: pb.UpdateRecordRequest,
 
 def _keys(table: TableRecord, tud: pb.TableUpdateData, items: list, what: str,
           node: RetinaNode) -> list[bytes]:
-    keys = []
-    for i, item in enumerate(items):
-        if len(item.index_keys) != 1:
-            raise _invalid(f"{tud.table_name}: {what} {i} has {len(item.index_keys)} index keys; "
-                           "exactly one (the primary key) is expected")
-        key = item.index_keys[0]
-        if key.timestamp != tud.timestamp:
-            raise _invalid(f"{tud.table_name}: {what} {i} key timestamp {key.timestamp} differs "
-                           f"from the update timestamp {tud.timestamp}")
-        if key.table_id != table.table_id or key.index_id != table.primary_index_id:
-            raise _invalid(f"{tud.table_name}: {what} {i} names table {key.table_id} index "
-                           f"{key.index_id}, not {table.table_id}/{table.primary_index_id}")
-        if not key.key:
-            raise _invalid(f"{tud.table_name}: {what} {i} has an empty key")
-        if node.topology.vnode_of_key(key.key) != tud.virtual_node_id:
-            raise _invalid(f"{tud.table_name}: {what} {i} key routes to virtual node "
-                           f"{node.topology.vnode_of_key(key.key)}, not {tud.virtual_node_id}")
-        keys.append(key.key)
+    """The primary-key bytes of ``items``; every rule is checked batch-wise and the
+    first offending row is named."""
+    if not items:
+        return []
+    name = tud.table_name
+    counts = [len(item.index_keys) for item in items]
+    if any(c != 1 for c in counts):
+        i = next(i for i, c in enumerate(counts) if c != 1)
+        raise _invalid(f"{name}: {what} {i} has {counts[i]} index keys; exactly one (the "
+                       "primary key) is expected")
+    index_keys = [item.index_keys[0] for item in items]
+    ts = tud.timestamp
+    stamps = [k.timestamp for k in index_keys]
+    if stamps.count(ts) != len(stamps):
+        i = next(i for i, s in enumerate(stamps) if s != ts)
+        raise _invalid(f"{name}: {what} {i} key timestamp {stamps[i]} differs from the update "
+                       f"timestamp {ts}")
+    ids = [(k.table_id, k.index_id) for k in index_keys]
+    expected = (table.table_id, table.primary_index_id)
+    if ids.count(expected) != len(ids):
+        i = next(i for i, x in enumerate(ids) if x != expected)
+        raise _invalid(f"{name}: {what} {i} names table {ids[i][0]} index {ids[i][1]}, not "
+                       f"{expected[0]}/{expected[1]}")
+    keys = [k.key for k in index_keys]
+    if not all(keys):
+        raise _invalid(f"{name}: {what} {keys.index(b'')} has an empty key")
+    route = node.topology.vnode_of_key
+    vnode = tud.virtual_node_id
+    routes = [route(k) for k in keys]
+    if routes.count(vnode) != len(routes):
+        i = next(i for i, v in enumerate(routes) if v != vnode)
+        raise _invalid(f"{name}: {what} {i} key routes to virtual node {routes[i]}, "
+                       f"not {vnode}")
     return keys
 
 

@@ -39,7 +39,8 @@ class RGVisibility:
         self.row_count = row_count
         self._base_ts = base_ts
         self._base = BitMap() if base is None else base
-        self._chain: list[tuple[int, int]] = []  # (ts, row), appended in apply order
+        # The deletion chain: row -> the earliest timestamp it was deleted at.
+        self._chain: dict[int, int] = {}
         self._lock = threading.Lock()
 
     @property
@@ -58,21 +59,26 @@ class RGVisibility:
             if not 0 <= row < self.row_count:
                 raise VisibilityError(f"row {row} outside [0, {self.row_count})")
         with self._lock:
-            current = self._deleted_locked(ts)
-            fresh = [r for r in dict.fromkeys(rows) if r not in current]
+            base, chain = self._base, self._chain
+            # O(1) per row: deleted at or before ts already means nothing to do.
+            fresh = [r for r in dict.fromkeys(rows)
+                     if r not in base and chain.get(r, ts + 1) > ts]
             if not fresh:
                 return 0
             if ts <= self._base_ts:
-                base = BitMap(self._base)  # copy-on-write: readers keep the old base
+                base = BitMap(base)  # copy-on-write: readers keep the old base
                 base.update(fresh)
                 self._base = base
+                for r in fresh:  # an older chain item of the row is now covered
+                    chain.pop(r, None)
             else:
-                self._chain.extend((ts, r) for r in fresh)
+                for r in fresh:  # an out-of-order earlier delete lowers the row's ts
+                    chain[r] = ts
             return len(fresh)
 
     def _deleted_locked(self, ts: int) -> BitMap:
         result = BitMap(self._base)
-        result.update(row for t, row in self._chain if t <= ts)
+        result.update(row for row, t in self._chain.items() if t <= ts)
         return result
 
     def deleted_at(self, ts: int) -> BitMap:
@@ -85,19 +91,20 @@ class RGVisibility:
         with self._lock:
             if safe_ts <= self._base_ts:
                 return 0
-            folded = [row for t, row in self._chain if t <= safe_ts]
+            folded = [row for row, t in self._chain.items() if t <= safe_ts]
             if folded:
                 base = BitMap(self._base)
                 base.update(folded)
                 self._base = base
-                self._chain = [(t, r) for t, r in self._chain if t > safe_ts]
+                self._chain = {r: t for r, t in self._chain.items() if t > safe_ts}
             self._base_ts = safe_ts
             return len(folded)
 
     def snapshot(self) -> tuple[int, BitMap, list[tuple[int, int]]]:
-        """(base_ts, base bitmap, chain) for a checkpoint."""
+        """(base_ts, base bitmap, chain as (ts, row) in ts order) for a checkpoint."""
         with self._lock:
-            return self._base_ts, BitMap(self._base), list(self._chain)
+            chain = sorted((t, r) for r, t in self._chain.items())
+            return self._base_ts, BitMap(self._base), chain
 
     def memory_bytes(self) -> int:
         with self._lock:

@@ -77,3 +77,13 @@ def test_memory_is_about_a_bit_per_row_or_less() -> None:
     sparse = RGVisibility(row_count=1_000_000, base_ts=10)
     sparse.delete(range(0, 1_000_000, 1000), ts=5)
     assert sparse.memory_bytes() <= 1_000_000 / 8 / 10
+
+
+def test_out_of_order_deletes_keep_the_earliest_timestamp() -> None:
+    rg = RGVisibility(row_count=4)
+    assert rg.delete([1], ts=10) == 1
+    assert rg.delete([1], ts=5) == 1  # a replayed, earlier delete of the same row
+    assert rg.deleted_at(5) == BitMap([1]) and rg.deleted_at(4) == BitMap()
+    assert rg.delete([1], ts=7) == 0
+    assert rg.snapshot()[2] == [(5, 1)]
+
