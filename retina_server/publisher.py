@@ -37,8 +37,11 @@ from retina_common.catalog import (
     Catalog,
     CatalogError,
     CatalogOutcomeUnknown,
+    ConstraintViolation,
     FileType,
     FileTypeMismatch,
+    InvalidCatalogArgument,
+    NotFoundError,
 )
 from retina_common.log import get_logger
 from retina_common.storage import file_uri, read_bytes, write_durably
@@ -179,6 +182,10 @@ class StreamPublisher:
                 if exc.actual == FileType.REGULAR.name:
                     return  # an earlier attempt committed (outcome was unknown)
                 self._on_fatal(f"file {file.file_id} became {exc.actual} before publish")
+                raise
+            except (NotFoundError, ConstraintViolation, InvalidCatalogArgument) as exc:
+                # Not transient: the row vanished or the update breaks a catalog rule.
+                self._on_fatal(f"file {file.file_id} cannot be published: {exc}")
                 raise
             except (CatalogOutcomeUnknown, CatalogError) as exc:
                 PUBLISH_RETRIES.inc()
