@@ -1,0 +1,81 @@
+"""Lifecycle phases, the transition table, and the leased lifecycle key against real etcd."""
+
+from __future__ import annotations
+
+import pytest
+
+from retina_common.etcd import EtcdStore
+from retina_common.keys import lifecycle_key
+from retina_common.lifecycle_record import LifecycleRecord, LifecycleState
+from retina_server.lifecycle import (
+    TRANSITIONS,
+    IllegalTransition,
+    LifecyclePublisher,
+    LifecycleStateMachine,
+    Phase,
+    WritePolicy,
+)
+
+from .support import eventually
+
+HAPPY_PATH = [Phase.LOADING_CHECKPOINT, Phase.CLEANSING, Phase.AWAITING_REPLAY, Phase.BARRIER,
+              Phase.READY]
+
+
+def test_the_happy_path_and_what_each_phase_admits() -> None:
+    seen = []
+    sm = LifecycleStateMachine(on_change=lambda old, new, _why: seen.append((old, new)))
+    policies = {}
+    for phase in HAPPY_PATH:
+        policies[sm.phase] = (sm.state, sm.write_policy(), sm.reads_allowed())
+        sm.transition(phase)
+    policies[sm.phase] = (sm.state, sm.write_policy(), sm.reads_allowed())
+    assert policies[Phase.STARTING] == (LifecycleState.RECOVERING, WritePolicy.NONE, False)
+    assert policies[Phase.CLEANSING] == (LifecycleState.RECOVERING, WritePolicy.NONE, False)
+    assert policies[Phase.AWAITING_REPLAY] == (LifecycleState.RECOVERING,
+                                               WritePolicy.REPLAY_ONLY, False)
+    assert policies[Phase.BARRIER] == (LifecycleState.RECOVERING, WritePolicy.NONE, False)
+    assert policies[Phase.READY] == (LifecycleState.READY, WritePolicy.ALL, True)
+    assert [new for _old, new in seen] == HAPPY_PATH
+
+
+def test_ready_is_reachable_only_through_the_barrier() -> None:
+    assert [p for p, targets in TRANSITIONS.items() if Phase.READY in targets] == [Phase.BARRIER]
+    sm = LifecycleStateMachine()
+    with pytest.raises(IllegalTransition):
+        sm.transition(Phase.READY)  # no shortcut, not even for a fresh start
+    sm.transition(Phase.LOADING_CHECKPOINT)
+    with pytest.raises(IllegalTransition):
+        sm.transition(Phase.AWAITING_REPLAY)  # cleansing cannot be skipped
+    assert sm.phase == Phase.LOADING_CHECKPOINT
+
+
+def test_failed_is_final_and_reachable_from_every_phase() -> None:
+    for stop_at in range(len(HAPPY_PATH) + 1):
+        sm = LifecycleStateMachine()
+        for phase in HAPPY_PATH[:stop_at]:
+            sm.transition(phase)
+        sm.fail("boom")
+        sm.fail("again")  # idempotent
+        assert sm.state == LifecycleState.FAILED and sm.reason == "boom"
+        assert sm.write_policy() == WritePolicy.NONE and not sm.reads_allowed()
+        with pytest.raises(IllegalTransition):
+            sm.transition(Phase.STARTING)
+
+
+def test_publisher_writes_a_leased_fresh_value_and_never_the_token(etcd: EtcdStore) -> None:
+    node = "127.0.0.1:40123"
+    clock = [1_000]
+    publisher = LifecyclePublisher(etcd, node, ttl_s=1, clock_ms=lambda: clock[0])
+    publisher.publish(LifecycleState.RECOVERING, checkpoint_id=3, recovery_epoch=2,
+                      token_hash="abcdef12")
+    record = LifecycleRecord.parse(node, etcd.get(lifecycle_key(node)).value)
+    assert (record.state, record.checkpoint_id, record.token_hash) == (
+        LifecycleState.RECOVERING, 3, "abcdef12")
+    assert etcd.get(lifecycle_key(node)).lease != 0
+    publisher.start()
+    clock[0] = 5_000
+    eventually(lambda: LifecycleRecord.parse(node, etcd.get(lifecycle_key(node)).value)
+               .updated_at_ms == 5_000, 5, "the heartbeat to refresh updatedAtMs")
+    publisher.stop()  # revokes the lease: the key goes at once
+    assert etcd.get(lifecycle_key(node)) is None
