@@ -210,3 +210,15 @@ PRIMARY_COMMIT_BEFORE = Failpoint(
 PRIMARY_COMMIT_AFTER = Failpoint(
     "index.primary_commit.after",
     "a request's primary-index writes durable; its inserts not yet published visible")
+
+# --- Retina recovery checkpoint (docs/write-paths/checkpoint.md) -----------------
+CHECKPOINT_BODY_BEFORE = Failpoint(
+    "checkpoint.before_body_write", "checkpoint body encoded in memory, nothing on storage")
+CHECKPOINT_BODY_AFTER = Failpoint(
+    "checkpoint.after_body_write", "body durable on storage, no slot points at it")
+CHECKPOINT_SWAP_BEFORE = Failpoint(
+    "checkpoint.before_pointer_swap", "about to swap current/previous in etcd")
+CHECKPOINT_SWAP_AFTER = Failpoint(
+    "checkpoint.after_pointer_swap", "current is the new body, previous the old current")
+CHECKPOINT_CLEANUP_BEFORE = Failpoint(
+    "checkpoint.before_cleanup", "slots swapped; bodies no slot references not yet deleted")

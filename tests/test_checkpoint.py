@@ -1,0 +1,184 @@
+"""Checkpoint bodies and the two-slot store, against real etcd and storage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from pyroaring import BitMap
+
+from retina_common.etcd import EtcdStore
+from retina_common.failpoints import FailpointTriggered
+from retina_common.keys import checkpoint_slot_key
+from retina_server.checkpoint import (
+    CheckpointBody,
+    CheckpointConflict,
+    CheckpointHeader,
+    CheckpointStore,
+    CheckpointUnusable,
+    CorruptCheckpoint,
+    FileEntry,
+    ForeignCheckpoint,
+    RGEntry,
+    decode,
+    encode,
+)
+from retina_server.replay_ts import IngestSegment, SegmentKind
+
+NODE, TOPO = "127.0.0.1:18890", "ab" * 32
+
+
+def body(checkpoint_id: int, applied_ts: int = 100, node: str = NODE) -> CheckpointBody:
+    return CheckpointBody(
+        CheckpointHeader(node, checkpoint_id, 7, 1_700_000_000_000, applied_ts, TOPO),
+        files=[FileEntry(11, 1, 0, 0, 5, 90, 8192, 0, 8191, 2)],
+        segments=[IngestSegment(1, 0, SegmentKind.ADMITTED, 11, 0, 2, 8192, 5, 90),
+                  IngestSegment(1, 0, SegmentKind.OPEN, 12, 2, 1, 10, 95, 99)],
+        row_groups=[RGEntry(11, 0, 4096, applied_ts, BitMap([1, 7, 4000])),
+                    RGEntry(11, 1, 4096, applied_ts, BitMap())])
+
+
+def decode_ok(data: bytes) -> CheckpointBody:
+    return decode(data, expect_node=NODE, expect_topology_hash=TOPO)
+
+
+def test_round_trip() -> None:
+    original = body(3)
+    back = decode_ok(encode(original))
+    assert back.header == original.header and back.files == original.files
+    assert back.segments == original.segments
+    assert all(a.same(b) for a, b in zip(back.row_groups, original.row_groups, strict=True))
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: d[:-1],  # truncated
+    lambda d: d[: len(d) // 2],
+    lambda d: d[:40] + bytes([d[40] ^ 0x01]) + d[41:],  # one bit flipped in the header
+    lambda d: d[:-20] + bytes([d[-20] ^ 0x80]) + d[-19:],  # one bit flipped in a bitmap
+    lambda d: b"XXXXXXXX" + d[8:],
+    lambda d: d + b"\0",
+])
+def test_damage_is_detected_never_read_as_absent(damage: Callable[[bytes], bytes]) -> None:
+    with pytest.raises(CorruptCheckpoint):
+        decode_ok(damage(encode(body(3))))
+
+
+def test_foreign_bodies_are_refused() -> None:
+    with pytest.raises(ForeignCheckpoint):
+        decode_ok(encode(body(3, node="127.0.0.1:1")))
+    with pytest.raises(ForeignCheckpoint):
+        decode(encode(body(3)), expect_node=NODE, expect_topology_hash="cd" * 32)
+
+
+def test_body_size_is_about_a_bit_per_row_at_worst() -> None:
+    rows = 10 * 65536
+    dense = BitMap(range(0, rows, 2))
+    big = CheckpointBody(body(1).header, [], [],
+                         [RGEntry(1, i, 65536, 5, BitMap(x - i * 65536 for x in dense
+                                                         if i * 65536 <= x < (i + 1) * 65536))
+                          for i in range(10)])
+    assert len(encode(big)) <= rows / 8 * 1.05 + 10 * 64
+
+
+@pytest.fixture
+def store(tmp_path: Path, etcd: EtcdStore) -> CheckpointStore:
+    return CheckpointStore(etcd, NODE, "file://" + str(tmp_path / "storage"), TOPO)
+
+
+def bodies_on_disk(tmp_path: Path) -> list[str]:
+    directory = tmp_path / "storage" / "_checkpoints" / NODE.replace(":", "-")
+    return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+
+
+def test_publish_swaps_current_and_previous(store: CheckpointStore, tmp_path: Path) -> None:
+    assert store.load() is None  # no pointer at all: a fresh node
+    store.publish(body(1))
+    store.publish(body(2))
+    loaded = store.load()
+    assert loaded is not None and loaded.slot == "current"
+    assert loaded.body.header.checkpoint_id == 2
+    store.publish(body(3))
+    # Body 1 is referenced by no slot any more: cleaned up. 2 and 3 stay.
+    assert bodies_on_disk(tmp_path) == [f"ckpt-{i:020d}.bin" for i in (2, 3)]
+
+
+def test_a_damaged_current_falls_back_to_previous(store: CheckpointStore, tmp_path: Path) -> None:
+    store.publish(body(1))
+    store.publish(body(2))
+    newest = tmp_path / "storage" / "_checkpoints" / NODE.replace(":", "-") / \
+        f"ckpt-{2:020d}.bin"
+    data = bytearray(newest.read_bytes())
+    data[100] ^= 0x04
+    newest.write_bytes(bytes(data))
+    loaded = store.load()
+    assert loaded is not None and loaded.slot == "previous"
+    assert loaded.body.header.checkpoint_id == 1 and "current" in loaded.rejected[0]
+    (newest.parent / f"ckpt-{1:020d}.bin").write_bytes(b"truncated")
+    with pytest.raises(CheckpointUnusable):
+        store.load()  # both bad: FAILED territory, never "no checkpoint"
+
+
+def test_a_malformed_pointer_is_unusable_not_absent(store: CheckpointStore,
+                                                    etcd: EtcdStore) -> None:
+    etcd.put(checkpoint_slot_key(NODE, "current"), b"{not json")
+    with pytest.raises(CheckpointUnusable):
+        store.load()
+
+
+@pytest.mark.parametrize("point", ["checkpoint.before_body_write", "checkpoint.after_body_write",
+                                   "checkpoint.before_pointer_swap"])
+def test_a_crash_before_the_swap_keeps_the_previous_checkpoint(
+        store: CheckpointStore, tmp_path: Path, active_failpoints, point: str) -> None:
+    store.publish(body(1))
+    active_failpoints(f"{point}=raise")
+    with pytest.raises(FailpointTriggered):
+        store.publish(body(2))
+    active_failpoints("")
+    loaded = store.load()
+    assert loaded is not None and loaded.body.header.checkpoint_id == 1
+    store.publish(body(3))  # the orphan body 2 (if written) is cleaned up now
+    assert bodies_on_disk(tmp_path) == [f"ckpt-{i:020d}.bin" for i in (1, 3)]
+
+
+@pytest.mark.parametrize("point", ["checkpoint.after_pointer_swap", "checkpoint.before_cleanup"])
+def test_a_crash_after_the_swap_uses_the_new_checkpoint(
+        store: CheckpointStore, active_failpoints, point: str) -> None:
+    store.publish(body(1))
+    active_failpoints(f"{point}=raise")
+    with pytest.raises(FailpointTriggered):
+        store.publish(body(2))
+    active_failpoints("")
+    loaded = store.load()
+    assert loaded is not None and loaded.body.header.checkpoint_id == 2
+
+
+def test_a_concurrent_writer_is_refused(store: CheckpointStore, tmp_path: Path,
+                                        etcd: EtcdStore, active_failpoints) -> None:
+    import threading
+
+    from .support import eventually
+
+    store.publish(body(1))
+    other = CheckpointStore(etcd, NODE, "file://" + str(tmp_path / "storage"), TOPO)
+    # A reads `current`, writes its body, then pauses before its swap (the first hit only).
+    active_failpoints("checkpoint.before_pointer_swap=sleep(2)*1")
+    outcome: list[BaseException | None] = []
+
+    def publish_a() -> None:
+        try:
+            store.publish(body(2))
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    a = threading.Thread(target=publish_a)
+    a.start()
+    eventually(lambda: f"ckpt-{2:020d}.bin" in bodies_on_disk(tmp_path), 10,
+               "A to write its body")
+    other.publish(body(3))  # B swaps first
+    a.join(timeout=30)
+    assert len(outcome) == 1 and isinstance(outcome[0], CheckpointConflict)
+    loaded = store.load()
+    assert loaded is not None and loaded.body.header.checkpoint_id == 3
+    assert etcd.get(checkpoint_slot_key(NODE, "previous")) is not None
