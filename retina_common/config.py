@@ -86,6 +86,8 @@ class RetinaConfig:
     flush_interval_ms: int = 1000
     close_workers: int = 2
     max_rows_per_request: int = 100_000
+    # Recovery checkpoints while READY (also on demand: CreateCheckpoint).
+    checkpoint_interval_ms: int = 60_000
 
 
 @dataclass(frozen=True)

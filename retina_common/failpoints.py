@@ -222,3 +222,12 @@ CHECKPOINT_SWAP_AFTER = Failpoint(
     "checkpoint.after_pointer_swap", "current is the new body, previous the old current")
 CHECKPOINT_CLEANUP_BEFORE = Failpoint(
     "checkpoint.before_cleanup", "slots swapped; bodies no slot references not yet deleted")
+
+# --- Retina recovery (docs/recovery.md) -------------------------------------------
+RECOVERY_CLEANSING_BEFORE = Failpoint(
+    "recovery.cleansing.before", "checkpoint loaded, nothing cleansed or retired yet")
+RECOVERY_CLEANSING_AFTER = Failpoint(
+    "recovery.cleansing.after", "cleansing done (files retired, leftovers deleted), "
+    "replay starts not yet published")
+MARK_READY_BARRIER = Failpoint(
+    "recovery.mark_ready.barrier", "MarkReady accepted: replay entry closed, not yet READY")

@@ -1,7 +1,12 @@
 """LocalIndexService: the primary index, the MainIndex and row-id allocation of one node.
 
-* **Primary index** (LMDB, durable on every write transaction): ``(tableId,
-  primary-key bytes) -> rowId``, or a tombstone once the row is deleted.
+* **Primary index** (LMDB, durable on every write transaction), multi-version:
+  ``(tableId, primary-key bytes, ts) -> rowId`` or a tombstone. resolvePrimary
+  at T reads the latest version at or before T. Versions are what makes
+  recovery exact: cleansing drops every version written at or after its
+  scope's replay start (``truncate_versions``), so the index is back at the
+  state the replay starts from, however far ahead of the checkpoint it was
+  when the process died.
 * **MainIndex**: ``rowId range -> RowLocation(fileId, rgId, rgRowOffset)``.
   Ranges of rows still in the write buffer live in the MainIndexBuffer
   (memory); ``flush_file`` makes a file's ranges durable in SQLite: buffer
@@ -40,8 +45,10 @@ from retina_common.log import get_logger
 
 log = get_logger(component="index")
 
-_KEY_PREFIX = struct.Struct(">q")
-_VALUE = struct.Struct(">qq")  # rowId (-1 = tombstone), timestamp
+_TABLE = struct.Struct(">q")
+_LEN = struct.Struct(">I")
+_TS = struct.Struct(">Q")  # big-endian, so versions of a key sort by timestamp
+_ROW = struct.Struct(">q")  # rowId, or TOMBSTONE
 TOMBSTONE = -1
 
 
@@ -84,8 +91,15 @@ class RowIdRange:
         return self.row_id_start + self.count
 
 
-def primary_key(table_id: int, key: bytes) -> bytes:
-    return _KEY_PREFIX.pack(table_id) + key
+def _version_prefix(table_id: int, key: bytes) -> bytes:
+    """tableId | len(key) | key: unambiguous, so no key's versions mix with another's."""
+    return _TABLE.pack(table_id) + _LEN.pack(len(key)) + key
+
+
+def _split_prefix(prefix: bytes) -> tuple[int, bytes]:
+    (table_id,) = _TABLE.unpack(prefix[:8])
+    (length,) = _LEN.unpack(prefix[8:12])
+    return table_id, prefix[12:12 + length]
 
 
 class _RangeMap:
@@ -129,7 +143,11 @@ class LocalIndexService:
                  map_size: int = 8 << 30) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self._env = lmdb.open(str(directory / "primary.lmdb"), map_size=map_size, sync=True,
-                              metasync=True, max_dbs=1)
+                              metasync=True, max_dbs=2)
+        # Versions: tableId|len|key|ts -> rowId or TOMBSTONE; and ts|tableId|len|key -> ''
+        # so that recovery can drop everything written after a replay start.
+        self._primary = self._env.open_db(b"primary_versions")
+        self._by_ts = self._env.open_db(b"primary_by_ts")
         self._sqlite = sqlite3.connect(str(directory / "main_index.sqlite"),
                                        check_same_thread=False, isolation_level=None)
         self._sqlite.execute("PRAGMA journal_mode=WAL")
@@ -281,7 +299,7 @@ class LocalIndexService:
         if getattr(self._batch, "txn", None) is not None:
             yield  # already inside a batch
             return
-        txn = self._env.begin(write=True)
+        txn = self._env.begin(write=True, db=self._primary)
         self._batch.txn = txn
         try:
             yield
@@ -303,29 +321,44 @@ class LocalIndexService:
             self._batch.txn = None
 
     def resolve_primary(self, table_id: int, keys: Sequence[bytes],
-                        baseline: Callable[[int], bool]) -> list[Resolved]:
-        """resolvePrimary for each key against the baseline visible file set."""
-        prefix = _KEY_PREFIX.pack(table_id)
-        full = [prefix + k for k in keys]
-        try:
-            batch = getattr(self._batch, "txn", None)
-            if batch is not None:
-                values = [batch.get(k) for k in full]
-            else:
-                with self._env.begin() as txn:
-                    found = dict(txn.cursor().getmulti(full))
-                values = [found.get(k) for k in full]
-        except lmdb.Error as exc:
-            log.error("primary_index_read_failed", table=table_id, error=str(exc))
+                        baseline: Callable[[int], bool], ts: int) -> list[Resolved]:
+        """resolvePrimary at ``ts``: each key's latest version at or before ``ts``
+        (a tombstone at exactly ``ts`` is looked past), against the baseline set."""
+        pairs = self._candidates(table_id, keys, ts)
+        if pairs is None:
             return [Resolved(Resolution.BACKEND_ERROR)] * len(keys)
-        unpack = _VALUE.unpack
-        row_ids = [TOMBSTONE if v is None else unpack(v)[0] for v in values]
-        locations = self.locations_of(row_ids)
+        latest = [at if at is not None and at != TOMBSTONE else before for at, before in pairs]
+        return self._classify(latest, baseline)
+
+    def resolve_for_delete(self, table_id: int, keys: Sequence[bytes],
+                           baseline: Callable[[int], bool], ts: int
+                           ) -> list[list[Resolved]] | None:
+        """The rows a DELETE at ``ts`` removes, per key (None on a backend error).
+
+        DELETE_TARGETS: the key's predecessor (its latest version before
+        ``ts``) and a row at exactly ``ts`` if there is one. A row at exactly
+        ``ts`` can only be a stale copy of this same event, left by a retry or
+        applied before a crash that a replay now redoes; the replayed INSERT
+        puts a fresh copy back. A tombstone at exactly ``ts`` is looked past.
+        In normal operation there is no version at ``ts`` and this is exactly
+        resolvePrimary.
+        """
+        pairs = self._candidates(table_id, keys, ts)
+        if pairs is None:
+            return None
+        at_ts = self._classify([at if at != TOMBSTONE else None for at, _ in pairs], baseline)
+        before = self._classify([b for _, b in pairs], baseline)
+        return [[r for r in (a, b) if r.status == Resolution.FOUND]
+                for a, b in zip(at_ts, before, strict=True)]
+
+    def _classify(self, row_ids: Sequence[int | None],
+                  baseline: Callable[[int], bool]) -> list[Resolved]:
+        locations = self.locations_of([TOMBSTONE if r is None else r for r in row_ids])
         in_baseline = {f: baseline(f) for f in {loc.file_id for loc in locations if loc}}
         missing = Resolved(Resolution.NOT_FOUND_OR_ORPHAN)
         out = []
-        for value, row_id, location in zip(values, row_ids, locations, strict=True):
-            if value is None:
+        for row_id, location in zip(row_ids, locations, strict=True):
+            if row_id is None or row_id == TOMBSTONE:
                 out.append(missing)
             elif location is None or not in_baseline[location.file_id]:
                 out.append(Resolved(Resolution.NOT_FOUND_OR_ORPHAN, row_id))
@@ -333,18 +366,54 @@ class LocalIndexService:
                 out.append(Resolved(Resolution.FOUND, row_id, location))
         return out
 
+    def _candidates(self, table_id: int, keys: Sequence[bytes],
+                    ts: int) -> list[tuple[int | None, int | None]] | None:
+        """Per key: (the version at exactly ts, the latest version before ts); each a
+        rowId, TOMBSTONE or None. None on a backend error."""
+        try:
+            batch = getattr(self._batch, "txn", None)
+            if batch is not None:
+                return self._scan(batch, table_id, keys, ts)
+            with self._env.begin(db=self._primary) as txn:
+                return self._scan(txn, table_id, keys, ts)
+        except lmdb.Error as exc:
+            log.error("primary_index_read_failed", table=table_id, error=str(exc))
+            return None
+
+    def _scan(self, txn: lmdb.Transaction, table_id: int, keys: Sequence[bytes],
+              ts: int) -> list[tuple[int | None, int | None]]:
+        cursor = txn.cursor(db=self._primary)
+        bound, own = _TS.pack(ts + 1), _TS.pack(ts)
+        unpack = _ROW.unpack
+        out: list[tuple[int | None, int | None]] = []
+        for key in keys:
+            prefix = _version_prefix(table_id, key)
+            at: int | None = None
+            before: int | None = None
+            moved = cursor.prev() if cursor.set_range(prefix + bound) else cursor.last()
+            if moved and cursor.key().startswith(prefix):
+                if cursor.key() == prefix + own:
+                    at = unpack(cursor.value())[0]
+                    moved = cursor.prev() and cursor.key().startswith(prefix)
+                if moved:
+                    before = unpack(cursor.value())[0]
+            out.append((at, before))
+        return out
+
     def _write(self, table_id: int, items: Iterable[tuple[bytes, int, int]],
-               what: str) -> list[tuple[bytes, bytes | None]]:
-        """Put (key, rowId, ts) items in one durable LMDB transaction; returns old values."""
+               what: str) -> list[tuple[bytes, int, bytes | None]]:
+        """Write versions (key, rowId, ts) in the open batch (or a transaction of their
+        own); returns what each (key, ts) held before, for restorePrimaryEntries."""
         previous = []
-        prefix, pack = _KEY_PREFIX.pack(table_id), _VALUE.pack
+        pack_ts, pack_row = _TS.pack, _ROW.pack
         try:
             with self._txn() as txn:
-                get, put = txn.get, txn.put
                 for key, row_id, ts in items:
-                    full = prefix + key
-                    previous.append((key, get(full)))
-                    put(full, pack(row_id, ts))
+                    prefix = _version_prefix(table_id, key)
+                    version = prefix + pack_ts(ts)
+                    previous.append((key, ts, txn.get(version, db=self._primary)))
+                    txn.put(version, pack_row(row_id), db=self._primary)
+                    txn.put(pack_ts(ts) + prefix, b"", db=self._by_ts)
         except lmdb.Error as exc:
             raise IndexBackendError(f"{what} failed: {exc}") from exc
         return previous
@@ -356,13 +425,13 @@ class LocalIndexService:
         if batch is not None:
             yield batch
             return
-        with self._env.begin(write=True) as txn:
+        with self._env.begin(write=True, db=self._primary) as txn:
             yield txn
 
     def put_primary_entries_only(self, table_id: int, keys: Sequence[bytes],
                                  row_ids: Sequence[int], ts: int
-                                 ) -> list[tuple[bytes, bytes | None]]:
-        """putPrimaryEntriesOnly: key -> new rowId; returns the previous values
+                                 ) -> list[tuple[bytes, int, bytes | None]]:
+        """putPrimaryEntriesOnly: a version key@ts -> new rowId; returns what was there
         (for restorePrimaryEntries)."""
         return self._write(table_id, ((k, r, ts) for k, r in zip(keys, row_ids, strict=True)),
                            "putPrimaryEntriesOnly")
@@ -378,15 +447,46 @@ class LocalIndexService:
                     "updatePrimaryResolved")
 
     def restore_primary_entries(self, table_id: int,
-                                previous: Sequence[tuple[bytes, bytes | None]]) -> None:
+                                previous: Sequence[tuple[bytes, int, bytes | None]]) -> None:
         """restorePrimaryEntries: undo a putPrimaryEntriesOnly (compensation)."""
         try:
             with self._txn() as txn:
-                for key, value in previous:
-                    full = primary_key(table_id, key)
+                for key, ts, value in previous:
+                    prefix = _version_prefix(table_id, key)
+                    version = prefix + _TS.pack(ts)
                     if value is None:
-                        txn.delete(full)
+                        txn.delete(version, db=self._primary)
+                        txn.delete(_TS.pack(ts) + prefix, db=self._by_ts)
                     else:
-                        txn.put(full, value)
+                        txn.put(version, value, db=self._primary)
         except lmdb.Error as exc:
             raise IndexBackendError(f"restorePrimaryEntries failed: {exc}") from exc
+
+    def truncate_versions(self, min_ts: int, start_of: Callable[[int, bytes], int]) -> int:
+        """Remove every version written at or after its scope's replay start.
+
+        ``start_of(table_id, key)`` gives the scope's start; only versions at or
+        after ``min_ts`` (the smallest start) are looked at, through the
+        by-timestamp index. Recovery calls this during cleansing so that the
+        index holds exactly the state as of each replay start; replay redoes
+        the rest. Returns the number of versions removed.
+        """
+        removed = 0
+        try:
+            with self._env.begin(write=True) as txn:
+                cursor = txn.cursor(db=self._by_ts)
+                if not cursor.set_range(_TS.pack(min_ts)):
+                    return 0
+                doomed = []
+                for entry in cursor.iternext(keys=True, values=False):
+                    ts = _TS.unpack(entry[:8])[0]
+                    table_id, key = _split_prefix(entry[8:])
+                    if ts >= start_of(table_id, key):
+                        doomed.append((entry, entry[8:] + entry[:8]))
+                for by_ts, version in doomed:
+                    txn.delete(by_ts, db=self._by_ts)
+                    txn.delete(version, db=self._primary)
+                    removed += 1
+        except lmdb.Error as exc:
+            raise IndexBackendError(f"primary index truncation failed: {exc}") from exc
+        return removed

@@ -6,11 +6,9 @@ index, the ingest registry and the LocalIndexService. The gRPC layer
 (``service.py``) and the UpdateRecord apply path (``update_record.py``) call
 into it; nothing here knows about gRPC.
 
-Start-up (until the recovery protocol takes it over): this node's REGULAR
-files in the catalog are adopted (registry and visibility rebuilt from their
-footers, with no deletes), its TEMPORARY_INGEST files are deleted from
-storage and the catalog, and write buffers start empty. Published rows
-survive a crash; unpublished ones are redone by the CDC side.
+Start-up is the recovery coordinator's (recovery.py): it rebuilds the
+registry and the visibility index from the checkpoint during cleansing; the
+write buffers always start empty.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from datetime import UTC, datetime
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from prometheus_client import Gauge
 from pyroaring import BitMap
 
@@ -33,18 +30,15 @@ from retina_common import file_names
 from retina_common.catalog import (
     AlreadyExistsError,
     Catalog,
-    CatalogError,
-    FileRecord,
     FileType,
     TableRecord,
 )
 from retina_common.codec import arrow_type
 from retina_common.log import get_logger
-from retina_common.storage import delete_quietly, read_bytes
 from retina_common.topology import Topology
 from retina_server.index import LocalIndexService
-from retina_server.publisher import META_PREFIX, IngestPipeline, StreamPublisher
-from retina_server.registry import IngestFileMeta, IngestFileMetadataRegistry
+from retina_server.publisher import IngestPipeline, StreamPublisher
+from retina_server.registry import IngestFileMetadataRegistry
 from retina_server.visibility import RGVisibility, VisibilityError, VisibilityIndex
 from retina_server.write_buffer import COMMIT_TS, IngestFile, StreamBuffer
 
@@ -102,6 +96,8 @@ class RetinaNode:
         self._lock = threading.Lock()
         self._buffer_files: dict[int, IngestFile] = {}
         self.failure: str | None = None
+        # Called once when the node fails closed (the lifecycle goes FAILED).
+        self.on_fail_closed: Callable[[str], None] = lambda _reason: None
         self.pipeline = IngestPipeline(node_id, settings.close_workers, self.fail_closed)
         self._stop = threading.Event()
         self._flusher = threading.Thread(target=self._flush_loop, name="flush-timer", daemon=True)
@@ -111,6 +107,7 @@ class RetinaNode:
         if self.failure is None:
             self.failure = reason
             log.critical("node_failed_closed", node=self.node_id, reason=reason)
+            self.on_fail_closed(reason)
 
     def check_writable(self) -> None:
         if self.failure is not None:
@@ -153,6 +150,14 @@ class RetinaNode:
             stream = Stream(table, vnode, path_id, path_uri, schema, buffer, publisher)
             self._streams[key] = stream
             return stream
+
+    def all_streams(self) -> list[Stream]:
+        with self._lock:
+            return [s for _k, s in sorted(self._streams.items())]
+
+    def invalidate_caches(self) -> None:
+        """READY hook: forget cached table metadata (it may have changed while recovering)."""
+        self._tables.clear()
 
     def streams_of_table(self, table_id: int) -> list[Stream]:
         with self._lock:
@@ -278,44 +283,6 @@ class RetinaNode:
                                                                 pa.int64()))
                     parts.append(rows)
         return pa.concat_tables(parts) if parts else schema.empty_table()
-
-    # --- start-up (interim, until the recovery protocol) ---
-    def adopt_published_files(self) -> None:
-        """Adopt this node's REGULAR files; drop its TEMPORARY_INGEST leftovers."""
-        mine: list[tuple[int, str, FileRecord]] = []
-        for file in self.catalog.get_files_by_type(
-                None, [FileType.REGULAR, FileType.TEMPORARY_INGEST]):
-            try:
-                parsed = file_names.parse(file.name)
-            except ValueError:
-                continue
-            if parsed.node_id == self.node_id:
-                mine.append((file.file_id, file.name, file))
-        adopted = dropped = 0
-        paths = {p.path_id: p.uri for p in self.catalog.list_paths()}
-        for file_id, name, record in mine:
-            path = paths[record.path_id]
-            if record.type == FileType.TEMPORARY_INGEST:
-                self._drop_temporary(file_id, path, name)
-                dropped += 1
-                continue
-            meta = pq.ParquetFile(pa.BufferReader(read_bytes(path, name))).metadata
-            kv = {k.decode()[len(META_PREFIX):]: v.decode()
-                  for k, v in (meta.metadata or {}).items() if k.decode().startswith(META_PREFIX)}
-            self.registry.register(IngestFileMeta(
-                file_id, int(kv["table_id"]), int(kv["vnode"]), int(kv["first_block_id"]),
-                int(kv["min_commit_ts"]), int(kv["max_commit_ts"])))
-            self.visibility.add_file(file_id, [meta.row_group(i).num_rows
-                                               for i in range(meta.num_row_groups)])
-            adopted += 1
-        log.info("startup_files_adopted", node=self.node_id, adopted=adopted,
-                 temporary_dropped=dropped)
-        self._update_gauges()
-
-    def _drop_temporary(self, file_id: int, path_uri: str, name: str) -> None:
-        delete_quietly(path_uri, name)
-        with contextlib.suppress(CatalogError):
-            self.catalog.delete_files([file_id])
 
 
 def visible_mask(rows: pa.Table, deleted: BitMap, ts: int) -> pa.Array:

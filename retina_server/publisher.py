@@ -130,12 +130,12 @@ class StreamPublisher:
         self._on_fatal = on_fatal
         self._on_published = on_published
         self._retry_s = retry_s
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # held for a whole publish; checkpoints take it
         self._closed: dict[int, IngestFile] = {}
 
     def closed(self, file: IngestFile) -> None:
         """A file finished closing; publish it and any successors now in order."""
-        with self._lock:
+        with self.lock:
             self._closed[file.first_block_id] = file
             while self._stream.files and \
                     self._stream.files[0].first_block_id in self._closed:
@@ -153,7 +153,8 @@ class StreamPublisher:
         fp.INGEST_REGISTRY_BEFORE.hit()
         self._registry.register(IngestFileMeta(
             file.file_id, file.table_id, file.vnode, file.first_block_id,
-            file.min_commit_ts or 0, file.max_commit_ts or 0))
+            file.min_commit_ts or 0, file.max_commit_ts or 0, file.row_count,
+            file.min_row_id or 0, file.max_row_id or 0, len(file.blocks), len(file.blocks)))
         for block in file.blocks:  # the same RGVisibility objects move over
             self._visibility.adopt(file.file_id, block.rg_id, block.visibility)
         fp.INGEST_REGISTRY_AFTER.hit()

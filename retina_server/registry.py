@@ -32,6 +32,12 @@ class IngestFileMeta:
     first_block_id: int
     file_min_commit_ts: int
     file_max_commit_ts: int
+    # What cleansing cross-checks against the catalog row.
+    record_num: int = 0
+    min_row_id: int = 0
+    max_row_id: int = 0
+    num_row_group: int = 0
+    block_count: int = 0
 
 
 class IngestFileMetadataRegistry:

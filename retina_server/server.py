@@ -1,14 +1,16 @@
 """The Retina server process: ``retina-server --config retina.toml``.
 
-Wiring only: configuration, topology membership, the catalog, the node-local
-index, the data plane (``RetinaNode``), the gRPC service, ``/metrics``,
-health and reflection. On start, this node's published files are adopted
-(see ``RetinaNode.adopt_published_files``); on SIGTERM, writes stop, every
-appended row goes through the publisher (shutdown flush), then the process exits.
+The constructor-like part of ``main`` only wires parts together (catalog,
+etcd, node-local index, data plane, lifecycle, checkpoint store, recovery
+coordinator, gRPC). Then the process starts RECOVERING: the gRPC server comes
+up (GetRetinaStatus answers at once), the recovery coordinator loads and
+cleanses the checkpoint and derives the replay starts, and the node waits
+for the CDC side's replay and MarkReady. Background work (flush timer,
+periodic checkpoints) starts only from the READY hook.
 
-The lifecycle (RECOVERING/READY/FAILED, MarkReady) is not built yet: health
-stays NOT_SERVING and no lifecycle key is written, so the query gate keeps
-queries refused unless something else vouches for the node.
+On SIGTERM: health NOT_SERVING, gRPC stops; if READY, the write buffers are
+flushed through the publisher and a final checkpoint is taken; the
+lifecycle lease is revoked, so the gate refuses at once.
 
 Exit codes: 0 stopped, 2 configuration, 4 a dependency unreachable at start.
 """
@@ -23,20 +25,35 @@ import time
 from pathlib import Path
 from types import FrameType
 
+import grpc
+
 from retina_common import failpoints
 from retina_common.catalog import Catalog, CatalogError
-from retina_common.config import ConfigError, load_config, split_host_port
+from retina_common.config import Config, ConfigError, load_config, split_host_port
+from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.grpc_server import ServerHandle
 from retina_common.log import configure_logging
 from retina_common.metrics import serve_metrics
-from retina_common.pb import retina_pb2, retina_pb2_grpc
+from retina_common.pb import retina_pb2, retina_pb2_grpc, trans_pb2, trans_pb2_grpc
 from retina_common.storage import root_uri
-from retina_common.topology import load_topology
+from retina_common.topology import Topology, load_topology
+from retina_server.checkpoint import CheckpointStore
 from retina_server.index import LocalIndexService
+from retina_server.lifecycle import LifecyclePublisher, LifecycleStateMachine, Phase
 from retina_server.node import BufferSettings, RetinaNode
+from retina_server.recovery import RecoveryCoordinator
 from retina_server.service import RetinaService
 
 SERVICE_NAME = retina_pb2.DESCRIPTOR.services_by_name["RetinaWorkerService"].full_name
+
+
+def _settings(config: Config) -> tuple[str, Topology]:
+    topology = load_topology(config.topology_file)
+    node_id = config.retina.node_id or config.retina.listen
+    split_host_port(node_id)
+    if node_id not in topology.nodes:
+        raise ConfigError(f"node {node_id} is not in the topology {list(topology.nodes)}")
+    return node_id, topology
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,37 +63,59 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config)
         failpoints.load_from_env()
-        topology = load_topology(config.topology_file)
-        node_id = config.retina.node_id or config.retina.listen
-        host, port = split_host_port(node_id)
-        if node_id not in topology.nodes:
-            raise ConfigError(f"node {node_id} is not in the topology {list(topology.nodes)}")
+        node_id, topology = _settings(config)
     except (ConfigError, failpoints.FailpointError) as exc:
         print(f"retina-server: {exc}", file=sys.stderr)
         return 2
     rc = config.retina
+    host, port = split_host_port(node_id)
     log = configure_logging("retina", config.log_level, node=node_id)
     catalog = Catalog(config.catalog.dsn, pool_max=config.catalog.pool_max,
                       connect_timeout_s=config.catalog.connect_timeout_s)
+    etcd = EtcdStore(config.etcd.endpoints, config.etcd.timeout_s)
+    trans = trans_pb2_grpc.TransServiceStub(grpc.insecure_channel(config.trans.listen))
     try:
         catalog.bootstrap()
         index = LocalIndexService(Path(rc.state_dir) / f"{host}-{port}" / "index")
-        node = RetinaNode(node_id, topology, catalog, index, root_uri(config.storage.root),
+        storage = root_uri(config.storage.root)
+        node = RetinaNode(node_id, topology, catalog, index, storage,
                           BufferSettings(rc.block_rows, rc.blocks_per_file, rc.flush_interval_ms,
                                          rc.close_workers), lambda: int(time.time() * 1000))
-        node.adopt_published_files()
         handle = ServerHandle(rc.listen, max_workers=16, service_names=[SERVICE_NAME])
     except (CatalogError, OSError) as exc:
         log.error("retina_server_start_failed", error=str(exc), error_type=type(exc).__name__)
         return 4
-    retina_pb2_grpc.add_RetinaWorkerServiceServicer_to_server(
-        RetinaService(node, rc.max_rows_per_request), handle.server)
-    metrics_port = serve_metrics(rc.metrics_listen)
-    node.start()
-    handle.start()
-    log.info("retina_server_started", listen=handle.address, metrics_port=metrics_port,
-             vnodes=list(topology.vnodes_of(node_id)), topology_hash=topology.topology_hash[:16])
+    machine = LifecycleStateMachine()
+    publisher = LifecyclePublisher(etcd, node_id, rc.lifecycle_ttl_s)
     stop = threading.Event()
+
+    def checkpoints() -> None:
+        while not stop.wait(rc.checkpoint_interval_ms / 1000):
+            try:
+                recovery.create_checkpoint()
+            except Exception as exc:
+                log.error("checkpoint_failed", error=str(exc), error_type=type(exc).__name__)
+
+    def on_ready() -> None:
+        node.invalidate_caches()
+        node.start()
+        try:
+            recovery.create_checkpoint()  # so that every later restart has a pointer
+        except Exception as exc:
+            log.error("checkpoint_failed", error=str(exc), error_type=type(exc).__name__)
+        threading.Thread(target=checkpoints, name="checkpoints", daemon=True).start()
+        handle.set_serving(True)
+
+    recovery = RecoveryCoordinator(
+        node, catalog, CheckpointStore(etcd, node_id, storage, topology.topology_hash),
+        machine, publisher,
+        lambda: trans.GetHighWatermark(trans_pb2.GetHighWatermarkRequest(),
+                                       timeout=10).high_watermark,
+        index.allocate("recovery_epoch") + 1, on_ready)
+    node.on_fail_closed = recovery.fail
+    retina_pb2_grpc.add_RetinaWorkerServiceServicer_to_server(
+        RetinaService(node, recovery, machine, rc.max_rows_per_request), handle.server)
+    metrics_port = serve_metrics(rc.metrics_listen)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info("retina_server_signal", signal=signal.Signals(signum).name)
@@ -84,12 +123,29 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    handle.start()
+    log.info("retina_server_started", listen=handle.address, metrics_port=metrics_port,
+             vnodes=list(topology.vnodes_of(node_id)), topology_hash=topology.topology_hash[:16],
+             recovery_epoch=recovery.recovery_epoch)
+    publisher.start()
+    try:
+        recovery.run_startup()
+    except (CatalogError, EtcdError, OSError) as exc:
+        log.error("recovery_start_failed", error=str(exc), error_type=type(exc).__name__)
+        recovery.fail(f"start-up failed: {exc}")
     stop.wait()
+    handle.set_serving(False)
     handle.stop()
-    node.shutdown()
+    if machine.phase == Phase.READY and node.failure is None:
+        node.shutdown()
+        try:
+            recovery.create_checkpoint()
+        except Exception as exc:
+            log.error("checkpoint_failed", error=str(exc), error_type=type(exc).__name__)
+    publisher.stop(revoke=True)
     index.close()
     catalog.close()
-    log.info("retina_server_stopped", failure=node.failure)
+    log.info("retina_server_stopped", phase=machine.phase.value, failure=node.failure)
     return 0
 
 

@@ -1,9 +1,11 @@
-"""RetinaWorkerService over gRPC: maps calls onto the node and the UpdateRecord apply path.
+"""RetinaWorkerService over gRPC: maps calls onto the node, the apply path and recovery.
 
-Built here: UpdateRecord, StreamUpdateRecord, QueryVisibility, GetWriteBuffer,
-AddWriteBuffer. The lifecycle and recovery RPCs (GetRetinaStatus,
-GetRecoveryReplayTs, MarkReady, CreateCheckpoint), AddVisibility and
-Register/UnregisterOffload answer UNIMPLEMENTED until their server side exists.
+Every data RPC is gated by the lifecycle phase (lifecycle.py): ordinary
+writes only when READY (UNAVAILABLE while RECOVERING, FAILED_PRECONDITION when
+FAILED); recovery-replay writes only in AWAITING_REPLAY with this attempt's
+context; reads only when READY. AddVisibility and Register/UnregisterOffload
+belong to Storage GC and query offload and answer UNIMPLEMENTED until those
+exist.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from retina_common.log import get_logger
 from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc as pb_grpc
 from retina_server.index import IndexBackendError
+from retina_server.lifecycle import LifecycleStateMachine, Phase
 from retina_server.node import NodeFailedClosed, RetinaNode
+from retina_server.recovery import RecoveryCoordinator, RecoveryRefusal
 from retina_server.update_record import ApplyError, apply, prepare
 from retina_server.visibility import VisibilityError, bitmap_to_bytes
 
@@ -38,15 +42,29 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -
     raise AssertionError("unreachable")
 
 
+MODES = {pb.VNODE: "VNODE", pb.NODE: "NODE"}
+
+
 class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
-    def __init__(self, node: RetinaNode, max_rows_per_request: int) -> None:
+    def __init__(self, node: RetinaNode, recovery: RecoveryCoordinator,
+                 machine: LifecycleStateMachine, max_rows_per_request: int) -> None:
         self._node = node
+        self._recovery = recovery
+        self._machine = machine
         self._max_rows = max_rows_per_request
+
+    def _require_ready(self) -> None:
+        phase = self._machine.phase
+        if phase == Phase.READY:
+            return
+        if phase == Phase.FAILED:
+            raise ApplyError("FAILED_PRECONDITION", f"the node is FAILED: {self._machine.reason}")
+        raise ApplyError("UNAVAILABLE", f"the node is RECOVERING ({phase.value}); retry later")
 
     def _guard(self, context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
-        except ApplyError as exc:
+        except (ApplyError, RecoveryRefusal) as exc:
             REFUSED.labels(code=exc.code).inc()
             _abort(context, grpc.StatusCode[exc.code], str(exc))
         except NodeFailedClosed as exc:
@@ -68,16 +86,41 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
 
     def _update(self, request: pb.UpdateRecordRequest) -> pb.UpdateRecordResponse:
         started = time.perf_counter()
-        self._node.check_writable()
         if request.HasField("recovery_replay_context"):
-            raise ApplyError("FAILED_PRECONDITION",
-                             "no recovery attempt is in progress on this node")
-        response = apply(self._node, prepare(self._node, request, self._max_rows))
+            response = self._replay(request)
+        else:
+            self._require_ready()
+            self._node.check_writable()
+            response = apply(self._node, prepare(self._node, request, self._max_rows))
         response.request_id = request.request_id
         APPLIED_ROWS.labels(op="delete").inc(response.deleted_rows)
         APPLIED_ROWS.labels(op="insert").inc(response.inserted_rows)
         APPLY_SECONDS.observe(time.perf_counter() - started)
         return response
+
+    def _replay(self, request: pb.UpdateRecordRequest) -> pb.UpdateRecordResponse:
+        """A recovery-replay write: this attempt, at or above its replay start, no
+        standalone INSERT; counted in flight so that MarkReady can drain it."""
+        ctx = request.recovery_replay_context
+        if self._machine.phase == Phase.READY:
+            raise ApplyError("FAILED_PRECONDITION",
+                             "no recovery attempt is in progress on this node")
+        mode = MODES.get(ctx.replay_mode)
+        if mode is None:
+            raise ApplyError("INVALID_ARGUMENT", "replay_mode must be VNODE or NODE")
+        with self._recovery.replay_request(ctx.recovery_attempt_token, ctx.checkpoint_id):
+            updates = prepare(self._node, request, self._max_rows)
+            for u in updates:
+                start = self._recovery.replay_start(mode, u.vnode)
+                if u.ts < start:
+                    raise ApplyError("FAILED_PRECONDITION",
+                                     f"timestamp {u.ts} is below the replay start {start} of "
+                                     f"virtual node {u.vnode} ({mode} mode)")
+                if not set(u.insert_keys) <= set(u.delete_keys):
+                    raise ApplyError("FAILED_PRECONDITION",
+                                     "a standalone INSERT during replay: send DELETE + INSERT")
+            self._node.check_writable()
+            return apply(self._node, updates)
 
     def UpdateRecord(self, request: pb.UpdateRecordRequest,
                      context: grpc.ServicerContext) -> pb.UpdateRecordResponse:
@@ -91,6 +134,7 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
     def GetWriteBuffer(self, request: pb.GetWriteBufferRequest,
                        context: grpc.ServicerContext) -> pb.GetWriteBufferResponse:
         def run() -> pb.GetWriteBufferResponse:
+            self._require_ready()
             table = self._node.table(request.schema_name, request.table_name)
             rows = self._node.write_buffer_rows(table, request.timestamp)
             sink = pa.BufferOutputStream()
@@ -103,6 +147,7 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
     def QueryVisibility(self, request: pb.QueryVisibilityRequest,
                         context: grpc.ServicerContext) -> pb.QueryVisibilityResponse:
         def run() -> pb.QueryVisibilityResponse:
+            self._require_ready()
             groups = self._node.query_visibility(request.file_id, list(request.rg_ids),
                                                  request.timestamp)
             return pb.QueryVisibilityResponse(file_id=request.file_id, row_groups=[
@@ -114,8 +159,60 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
     def AddWriteBuffer(self, request: pb.AddWriteBufferRequest,
                        context: grpc.ServicerContext) -> pb.AddWriteBufferResponse:
         def run() -> pb.AddWriteBufferResponse:
+            self._require_ready()
             table = self._node.table(request.schema_name, request.table_name)
             for vnode in sorted(self._node.owned_vnodes):
                 self._node.stream(table, vnode)
             return pb.AddWriteBufferResponse()
+        return self._guard(context, run)
+
+    def GetRetinaStatus(self, request: pb.GetRetinaStatusRequest,
+                        context: grpc.ServicerContext) -> pb.GetRetinaStatusResponse:
+        s = self._recovery.status()
+        return pb.GetRetinaStatusResponse(
+            state=pb.LifecycleState.Value(str(s["state"])),
+            recovery_attempt_token=str(s["token"]), checkpoint_id=int(s["checkpoint_id"]),
+            recovery_epoch=int(s["recovery_epoch"]), replay_ts_ready=bool(s["replay_ts_ready"]),
+            node_id=self._node.node_id, phase=str(s["phase"]),
+            failure_reason=str(s["failure_reason"]))
+
+    def GetRecoveryReplayTs(self, request: pb.GetRecoveryReplayTsRequest,
+                            context: grpc.ServicerContext) -> pb.GetRecoveryReplayTsResponse:
+        def run() -> pb.GetRecoveryReplayTsResponse:
+            if self._machine.phase not in (Phase.AWAITING_REPLAY, Phase.BARRIER):
+                raise RecoveryRefusal("FAILED_PRECONDITION" if self._machine.phase in (
+                    Phase.READY, Phase.FAILED) else "UNAVAILABLE",
+                    f"replay starts are not available in {self._machine.phase.value}")
+            self._recovery.check_attempt(request.recovery_attempt_token, request.checkpoint_id)
+            mode = MODES.get(request.replay_mode)
+            if mode is None:
+                raise RecoveryRefusal("INVALID_ARGUMENT", "replay_mode must be VNODE or NODE")
+            starts = self._recovery.attempt.starts
+            assert starts is not None
+            return pb.GetRecoveryReplayTsResponse(
+                replay_mode=request.replay_mode, checkpoint_id=request.checkpoint_id,
+                checkpoint_applied_ts=starts.checkpoint_applied_ts,
+                vnode_replay_from_ts=starts.vnode_replay_from_ts,
+                node_replay_from_ts=starts.node_replay_from_ts,
+                scopes=[pb.ScopeReplayTs(
+                    table_id=s.table_id, virtual_node_id=s.vnode,
+                    scope_replay_from_ts=s.scope_replay_from_ts,
+                    earliest_unsafe_insert_ts=s.earliest_unsafe_insert_ts)
+                    for s in starts.scopes])
+        return self._guard(context, run)
+
+    def MarkReady(self, request: pb.MarkReadyRequest,
+                  context: grpc.ServicerContext) -> pb.MarkReadyResponse:
+        def run() -> pb.MarkReadyResponse:
+            self._recovery.mark_ready(request.recovery_attempt_token, request.checkpoint_id)
+            return pb.MarkReadyResponse(state=pb.READY)
+        return self._guard(context, run)
+
+    def CreateCheckpoint(self, request: pb.CreateCheckpointRequest,
+                         context: grpc.ServicerContext) -> pb.CreateCheckpointResponse:
+        def run() -> pb.CreateCheckpointResponse:
+            pointer = self._recovery.create_checkpoint()
+            return pb.CreateCheckpointResponse(
+                checkpoint_id=pointer.checkpoint_id,
+                checkpoint_applied_ts=pointer.checkpoint_applied_ts, body_length=pointer.length)
         return self._guard(context, run)

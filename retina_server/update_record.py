@@ -169,8 +169,8 @@ def _check_no_live_inserts(node: RetinaNode, updates: list[PreparedUpdate]) -> N
             live[(tid, key)] = False
         deleted = set(u.delete_keys)
         unknown = [k for k in u.insert_keys if k not in deleted and (tid, k) not in live]
-        for k, r in zip(unknown, node.index.resolve_primary(tid, unknown, node.in_baseline),
-                        strict=True):
+        for k, r in zip(unknown, node.index.resolve_primary(tid, unknown, node.in_baseline,
+                                                             u.ts), strict=True):
             if r.status == Resolution.BACKEND_ERROR:
                 raise ApplyError("UNAVAILABLE", "primary index backend error")
             live[(tid, k)] = r.status == Resolution.FOUND
@@ -222,14 +222,16 @@ def _apply_deletes(node: RetinaNode, u: PreparedUpdate) -> int:
         return 0
     tid = u.table.table_id
     keys = list(dict.fromkeys(u.delete_keys))
-    resolved = node.index.resolve_primary(tid, keys, node.in_baseline)
-    if any(r.status == Resolution.BACKEND_ERROR for r in resolved):
+    targets = node.index.resolve_for_delete(tid, keys, node.in_baseline, u.ts)
+    if targets is None:
         raise ApplyError("UNAVAILABLE", "primary index backend error")
     by_rg: dict[tuple[int, int], list[int]] = defaultdict(list)
     found_keys = []
-    for key, r in zip(keys, resolved, strict=True):
-        if r.status == Resolution.FOUND and r.location is not None:
+    for key, rows in zip(keys, targets, strict=True):
+        for r in rows:
+            assert r.location is not None
             by_rg[(r.location.file_id, r.location.rg_id)].append(r.location.rg_row_offset)
+        if rows:
             found_keys.append(key)
     deleted = sum(node.rg_visibility(f, rg).delete(rows, u.ts) for (f, rg), rows in by_rg.items())
     if found_keys:

@@ -1,8 +1,11 @@
-"""Harness for data-plane tests: a TransServer, Retina nodes, tables, a writer and a model.
+"""Harness for data-plane and recovery tests: a TransServer, Retina nodes, tables,
+a writer, a changelog, a model, and a recovery driver standing in for the CDC side.
 
 Every process is real (``retina-trans``, ``retina-server``), with real etcd,
-PostgreSQL and storage. The lifecycle keys come from the stand-in publisher
-until the lifecycle coordinator exists.
+PostgreSQL and storage. A Retina node starts RECOVERING; ``recover`` drives it
+the way the CDC connector does: GetRetinaStatus → GetRecoveryReplayTs →
+replay the changelog from the reported starts (inclusive, DELETE + INSERT,
+with the RecoveryReplayContext) → MarkReady.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import SnapshotReader
-from retina_common.standin import StandInLifecycle
 from retina_common.topology import Topology
 
 from .support import ROOT, TransServerProcess, eventually
@@ -139,18 +141,75 @@ class DataPlane:
             TABLES.items()}
         self.writers = {n: TableWriter(t, self.topology) for n, t in self.tables.items()}
         self.retinas = {n: RetinaProcess(n, self.config_path, workdir) for n in self.nodes}
-        self.lifecycle: StandInLifecycle | None = None
         self.reader: SnapshotReader | None = None
         self.model = Model({name: {} for name in self.tables})
+        # Every committed source transaction: (timestamp, changes), in commit order.
+        self.changelog: list[tuple[int, dict]] = []
 
-    def start(self, failpoints: Mapping[str, str] | None = None) -> DataPlane:
+    def start(self, failpoints: Mapping[str, str] | None = None,
+              recover: bool = True) -> DataPlane:
         self.trans.start()
         for node, proc in self.retinas.items():
             proc.start((failpoints or {}).get(node, ""))
-        self.lifecycle = StandInLifecycle(self.etcd, self.nodes, ttl_s=10).start()
         self.reader = SnapshotReader(self.trans.address, self.topology)
-        eventually(self.gate_open, 15, "the query gate to admit")
+        if recover:
+            for node in self.nodes:
+                self.recover(node)
+            eventually(self.gate_open, 15, "the query gate to admit")
         return self
+
+    def status(self, node: str) -> rpb.GetRetinaStatusResponse:
+        return self.retinas[node].stub.GetRetinaStatus(rpb.GetRetinaStatusRequest(), timeout=10)
+
+    def wait_replay_ready(self, node: str, timeout_s: float = 60) -> rpb.GetRetinaStatusResponse:
+        def ready() -> rpb.GetRetinaStatusResponse | None:
+            s = self.status(node)
+            return s if s.replay_ts_ready or s.state in (rpb.FAILED, rpb.READY) else None
+        return eventually(ready, timeout_s, f"{node} to derive its replay starts")
+
+    def replay_requests(self, node: str, starts: rpb.GetRecoveryReplayTsResponse,
+                        mode: int, context: rpb.RecoveryReplayContext
+                        ) -> list[rpb.UpdateRecordRequest]:
+        """The changelog from the replay starts, as this node's replay requests."""
+        out = []
+        for ts, changes in self.changelog:
+            per_table = [self.writers[t].updates(
+                ts, deletes=ops.get("deletes", ()),
+                replaces=[*ops.get("inserts", ()), *ops.get("replaces", ())])
+                for t, ops in changes.items()]
+            request = requests_by_node(SCHEMA, per_table).get(node)
+            if request is None:
+                continue
+            keep = [tud for tud in request.table_update_data if tud.timestamp >= (
+                starts.node_replay_from_ts if mode == rpb.NODE
+                else starts.vnode_replay_from_ts[tud.virtual_node_id])]
+            if keep:
+                del request.table_update_data[:]
+                request.table_update_data.extend(keep)
+                request.recovery_replay_context.CopyFrom(context)
+                out.append(request)
+        return out
+
+    def recover(self, node: str, mode: int = rpb.VNODE) -> rpb.GetRecoveryReplayTsResponse | None:
+        """Drive one node from RECOVERING to READY; returns the replay starts used."""
+        status = self.wait_replay_ready(node)
+        if status.state == rpb.READY:
+            return None
+        assert status.state == rpb.RECOVERING, f"{node}: {status.failure_reason}"
+        stub = self.retinas[node].stub
+        starts = stub.GetRecoveryReplayTs(rpb.GetRecoveryReplayTsRequest(
+            recovery_attempt_token=status.recovery_attempt_token,
+            checkpoint_id=status.checkpoint_id, replay_mode=mode), timeout=10)
+        context = rpb.RecoveryReplayContext(recovery_attempt_token=status.recovery_attempt_token,
+                                            checkpoint_id=status.checkpoint_id, replay_mode=mode)
+        for request in self.replay_requests(node, starts, mode, context):
+            stub.UpdateRecord(request, timeout=30)
+        stub.MarkReady(rpb.MarkReadyRequest(recovery_attempt_token=status.recovery_attempt_token,
+                                            checkpoint_id=status.checkpoint_id), timeout=60)
+        return starts
+
+    def checkpoint(self, node: str) -> rpb.CreateCheckpointResponse:
+        return self.retinas[node].stub.CreateCheckpoint(rpb.CreateCheckpointRequest(), timeout=30)
 
     def gate_open(self) -> bool:
         stub = self.trans.stub()
@@ -164,8 +223,6 @@ class DataPlane:
     def stop(self) -> None:
         if self.reader is not None:
             self.reader.close()
-        if self.lifecycle is not None:
-            self.lifecycle.stop()
         for proc in self.retinas.values():
             proc.stop()
         self.trans.stop()
@@ -201,6 +258,8 @@ class DataPlane:
             for row in [*ops.get("inserts", ()), *ops.get("replaces", ())]:
                 rows[writer.key(row)] = dict(row)
         self.model.history.append((ts, self.model.snapshot()))
+        self.changelog.append((ts, {t: {k: list(v) for k, v in ops.items()}
+                                    for t, ops in changes.items()}))
         return ts, responses
 
     # --- reading -------------------------------------------------------------------

@@ -18,18 +18,18 @@ def test_resolve_put_tombstone_and_orphans(tmp_path: Path) -> None:
     first = index.allocate_row_ids(2)
     index.put_main_index_entries([RowIdRange(first, 2, file_id=5, rg_id=0, rg_row_offset=10)])
     index.put_primary_entries_only(1, [b"a", b"b"], [first, first + 1], ts=3)
-    found = index.resolve_primary(1, [b"a", b"b", b"zz"], everything)
+    found = index.resolve_primary(1, [b"a", b"b", b"zz"], everything, 10)
     assert [r.status for r in found] == [Resolution.FOUND, Resolution.FOUND,
                                          Resolution.NOT_FOUND_OR_ORPHAN]
     assert found[1].location == RowLocation(5, 0, 11)
     # Same key bytes in another table are another key.
-    assert index.resolve_primary(2, [b"a"], everything)[0].status == \
+    assert index.resolve_primary(2, [b"a"], everything, 10)[0].status == \
         Resolution.NOT_FOUND_OR_ORPHAN
     # A row in a file outside the baseline is an orphan, not a match.
-    assert index.resolve_primary(1, [b"a"], lambda f: f != 5)[0].status == \
+    assert index.resolve_primary(1, [b"a"], lambda f: f != 5, 10)[0].status == \
         Resolution.NOT_FOUND_OR_ORPHAN
     index.tombstone_primary_resolved(1, [b"a"], ts=4)
-    assert index.resolve_primary(1, [b"a"], everything)[0].status == \
+    assert index.resolve_primary(1, [b"a"], everything, 10)[0].status == \
         Resolution.NOT_FOUND_OR_ORPHAN
 
 
@@ -40,7 +40,7 @@ def test_restore_undoes_a_put(tmp_path: Path) -> None:
     index.put_primary_entries_only(1, [b"k"], [r], ts=1)
     previous = index.put_primary_entries_only(1, [b"k", b"new"], [r + 1, r + 1], ts=2)
     index.restore_primary_entries(1, previous)
-    got = index.resolve_primary(1, [b"k", b"new"], everything)
+    got = index.resolve_primary(1, [b"k", b"new"], everything, 10)
     assert got[0].row_id == r and got[1].status == Resolution.NOT_FOUND_OR_ORPHAN
 
 
@@ -57,8 +57,48 @@ def test_main_index_flush_is_durable_and_buffers_are_not(tmp_path: Path) -> None
     reopened = LocalIndexService(tmp_path)
     assert reopened.location_of(a + 2) == RowLocation(10, 0, 2)
     assert reopened.location_of(b) is None  # file 11 was never flushed: dropped with memory
-    resolved = reopened.resolve_primary(1, [b"x", b"y"], everything)
+    resolved = reopened.resolve_primary(1, [b"x", b"y"], everything, 10)
     assert [r.status for r in resolved] == [Resolution.FOUND, Resolution.NOT_FOUND_OR_ORPHAN]
     assert reopened.allocate_row_ids(1) > b + 2  # never reused after a restart
     reopened.delete_main_index_range(10)
     assert reopened.location_of(a) is None and reopened.flushed_row_count(10) is None
+
+
+def test_versions_resolve_by_timestamp_and_truncate_from_a_start(tmp_path: Path) -> None:
+    index = LocalIndexService(tmp_path)
+    r = index.allocate_row_ids(3)
+    index.put_main_index_entries([RowIdRange(r, 3, 1, 0, 0)])
+    index.put_primary_entries_only(1, [b"k"], [r], ts=10)
+    index.tombstone_primary_resolved(1, [b"k"], ts=20)
+    index.put_primary_entries_only(1, [b"k"], [r + 1], ts=30)
+    index.put_primary_entries_only(1, [b"k2"], [r + 2], ts=25)
+    at = {ts: index.resolve_primary(1, [b"k"], everything, ts)[0] for ts in (5, 15, 20, 25, 35)}
+    assert at[5].status == Resolution.NOT_FOUND_OR_ORPHAN
+    assert at[15].row_id == r and at[25].status == Resolution.NOT_FOUND_OR_ORPHAN
+    # A DELETE at 20 looks past its own tombstone at 20 (a retry or a replay).
+    assert at[20].row_id == r
+    assert at[35].row_id == r + 1
+    # A key that is a prefix of another never sees the other's versions.
+    assert index.resolve_primary(1, [b"k2"], everything, 40)[0].row_id == r + 2
+    # Back to the state as of 20 for key k (start 20), 30 for k2 (start 30).
+    removed = index.truncate_versions(20, lambda _t, key: 20 if key == b"k" else 30)
+    assert removed == 2
+    assert index.resolve_primary(1, [b"k"], everything, 99)[0].row_id == r
+    assert index.resolve_primary(1, [b"k2"], everything, 99)[0].row_id == r + 2
+
+
+def test_delete_targets_the_predecessor_and_a_stale_copy_at_its_own_timestamp(
+        tmp_path: Path) -> None:
+    index = LocalIndexService(tmp_path)
+    r = index.allocate_row_ids(3)
+    index.put_main_index_entries([RowIdRange(r, 3, 1, 0, 0)])
+    index.put_primary_entries_only(1, [b"k"], [r], ts=12)  # a replayed re-insert
+    index.put_primary_entries_only(1, [b"k"], [r + 1], ts=16)  # a stale copy of event 16
+    targets = index.resolve_for_delete(1, [b"k"], everything, 16)
+    assert targets is not None
+    assert sorted(t.row_id for t in targets[0]) == [r, r + 1]
+    # Normal operation: nothing at the delete's own timestamp, only the predecessor.
+    assert [t.row_id for t in index.resolve_for_delete(1, [b"k"], everything, 20)[0]] == [r + 1]
+    index.tombstone_primary_resolved(1, [b"k"], ts=20)
+    assert [t.row_id for t in index.resolve_for_delete(1, [b"k"], everything, 20)[0]] == [r + 1]
+    assert index.resolve_for_delete(1, [b"k"], everything, 25)[0] == []
