@@ -31,13 +31,12 @@ import grpc
 from retina_common.catalog import Catalog, ColumnSpec
 from retina_common.client import TableWriter, requests_by_node
 from retina_common.cluster import free_port, start_cluster, stop_cluster, wait_for, write_config
-from retina_common.etcd import EtcdStore
 from retina_common.log import configure_logging
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import SnapshotReader
-from retina_common.standin import StandInLifecycle
+from retina_common.recovery_driver import drive_recovery
 from retina_common.topology import Topology
 
 BATCH = 1000
@@ -77,11 +76,11 @@ def main() -> None:
     log = open(work / "retina.log", "wb")  # noqa: SIM115 - closed in finally
     retina = subprocess.Popen([sys.executable, "-m", "retina_server", "--config", str(config)],
                               stdout=log, stderr=subprocess.STDOUT)
-    lifecycle = StandInLifecycle(EtcdStore([state.etcd.endpoint]), [node]).start()
     try:
         channel = grpc.insecure_channel(node)
         grpc.channel_ready_future(channel).result(timeout=60)
         stub = retina_pb2_grpc.RetinaWorkerServiceStub(channel)
+        drive_recovery(stub)  # a fresh node: nothing to replay, then MarkReady
         trans = trans_pb2_grpc.TransServiceStub(grpc.insecure_channel(state.trans_listen))
         writer = TableWriter(table, topology)
         n = args.batches
@@ -140,7 +139,6 @@ def main() -> None:
         if args.profile:
             profile_apply(state.postgres.dsn(), work, topology, node, table)
     finally:
-        lifecycle.stop()
         retina.terminate()
         retina.wait(timeout=60)
         log.close()

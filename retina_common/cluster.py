@@ -417,31 +417,39 @@ def retina_server_argv(config_path: Path) -> list[str]:
 
 def start_retina_servers(state: ClusterState, env: Mapping[str, str] | None = None,
                          timeout_s: float = 60) -> None:
-    """Start one ``retina-server`` per topology node and wait until each listens."""
+    """Start one ``retina-server`` per topology node and wait until each listens.
+
+    A node starts RECOVERING; something must drive it to READY
+    (``retina_common.recovery_driver``), as the CDC connector does."""
+    for node in state.nodes:
+        start_retina_server(state, node, env, timeout_s)
+
+
+def start_retina_server(state: ClusterState, node: str, env: Mapping[str, str] | None = None,
+                        timeout_s: float = 60) -> None:
     import grpc
 
-    for node in state.nodes:
-        host, port = node.rsplit(":", 1)
-        log_path = Path(state.state_dir, "logs", f"retina-{host}-{port}.log")
-        pid = start_process(retina_server_argv(Path(state.config_path)), log_path, {
-            "RETINA__RETINA__LISTEN": node, "RETINA__RETINA__METRICS_LISTEN": "off",
-            "RETINA__RETINA__STATE_DIR": str(Path(state.state_dir, "retina-state")),
-            **(env or {})})
-        state.retina_pids[node] = pid
-        state.save()
+    host, port = node.rsplit(":", 1)
+    log_path = Path(state.state_dir, "logs", f"retina-{host}-{port}.log")
+    pid = start_process(retina_server_argv(Path(state.config_path)), log_path, {
+        "RETINA__RETINA__LISTEN": node, "RETINA__RETINA__METRICS_LISTEN": "off",
+        "RETINA__RETINA__STATE_DIR": str(Path(state.state_dir, "retina-state")),
+        **(env or {})})
+    state.retina_pids[node] = pid
+    state.save()
 
-        def listening(n: str = node, p: int = pid, logged: Path = log_path) -> bool:
-            if not pid_alive(p):
-                raise ClusterError(f"retina-server {n} exited; see {logged}")
-            with grpc.insecure_channel(n) as channel:
-                future = grpc.channel_ready_future(channel)
-                try:
-                    future.result(timeout=1)
-                finally:
-                    future.cancel()
-            return True
+    def listening() -> bool:
+        if not pid_alive(pid):
+            raise ClusterError(f"retina-server {node} exited; see {log_path}")
+        with grpc.insecure_channel(node) as channel:
+            future = grpc.channel_ready_future(channel)
+            try:
+                future.result(timeout=1)
+            finally:
+                future.cancel()
+        return True
 
-        wait_for(listening, timeout_s, f"retina-server {node}")
+    wait_for(listening, timeout_s, f"retina-server {node}")
 
 
 def stop_cluster(state: ClusterState, log: Callable[[str], None] = print) -> None:

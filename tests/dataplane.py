@@ -28,6 +28,7 @@ from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import SnapshotReader
+from retina_common.recovery_driver import drive_recovery, replay_requests, wait_replay_ready
 from retina_common.topology import Topology
 
 from .support import ROOT, TransServerProcess, eventually
@@ -162,51 +163,19 @@ class DataPlane:
         return self.retinas[node].stub.GetRetinaStatus(rpb.GetRetinaStatusRequest(), timeout=10)
 
     def wait_replay_ready(self, node: str, timeout_s: float = 60) -> rpb.GetRetinaStatusResponse:
-        def ready() -> rpb.GetRetinaStatusResponse | None:
-            s = self.status(node)
-            return s if s.replay_ts_ready or s.state in (rpb.FAILED, rpb.READY) else None
-        return eventually(ready, timeout_s, f"{node} to derive its replay starts")
+        return wait_replay_ready(self.retinas[node].stub, timeout_s)
 
     def replay_requests(self, node: str, starts: rpb.GetRecoveryReplayTsResponse,
                         mode: int, context: rpb.RecoveryReplayContext
                         ) -> list[rpb.UpdateRecordRequest]:
         """The changelog from the replay starts, as this node's replay requests."""
-        out = []
-        for ts, changes in self.changelog:
-            per_table = [self.writers[t].updates(
-                ts, deletes=ops.get("deletes", ()),
-                replaces=[*ops.get("inserts", ()), *ops.get("replaces", ())])
-                for t, ops in changes.items()]
-            request = requests_by_node(SCHEMA, per_table).get(node)
-            if request is None:
-                continue
-            keep = [tud for tud in request.table_update_data if tud.timestamp >= (
-                starts.node_replay_from_ts if mode == rpb.NODE
-                else starts.vnode_replay_from_ts[tud.virtual_node_id])]
-            if keep:
-                del request.table_update_data[:]
-                request.table_update_data.extend(keep)
-                request.recovery_replay_context.CopyFrom(context)
-                out.append(request)
-        return out
+        del mode  # carried by the context
+        return list(replay_requests(node, SCHEMA, self.writers, self.changelog, starts, context))
 
     def recover(self, node: str, mode: int = rpb.VNODE) -> rpb.GetRecoveryReplayTsResponse | None:
         """Drive one node from RECOVERING to READY; returns the replay starts used."""
-        status = self.wait_replay_ready(node)
-        if status.state == rpb.READY:
-            return None
-        assert status.state == rpb.RECOVERING, f"{node}: {status.failure_reason}"
-        stub = self.retinas[node].stub
-        starts = stub.GetRecoveryReplayTs(rpb.GetRecoveryReplayTsRequest(
-            recovery_attempt_token=status.recovery_attempt_token,
-            checkpoint_id=status.checkpoint_id, replay_mode=mode), timeout=10)
-        context = rpb.RecoveryReplayContext(recovery_attempt_token=status.recovery_attempt_token,
-                                            checkpoint_id=status.checkpoint_id, replay_mode=mode)
-        for request in self.replay_requests(node, starts, mode, context):
-            stub.UpdateRecord(request, timeout=30)
-        stub.MarkReady(rpb.MarkReadyRequest(recovery_attempt_token=status.recovery_attempt_token,
-                                            checkpoint_id=status.checkpoint_id), timeout=60)
-        return starts
+        return drive_recovery(self.retinas[node].stub, mode=mode, replay=lambda starts, ctx:
+                              self.replay_requests(node, starts, mode, ctx))
 
     def checkpoint(self, node: str) -> rpb.CreateCheckpointResponse:
         return self.retinas[node].stub.CreateCheckpoint(rpb.CreateCheckpointRequest(), timeout=30)

@@ -1,0 +1,163 @@
+"""Recovery benchmark: checkpoint size and write time, and start -> replayTsReady.
+
+Builds the durable state of one Retina node directly, at the size the issue
+names (default 1,000 published files, 10 million rows):
+
+* 1,000 real Parquet ingest files (one row group of 10,000 rows each), with
+  REGULAR catalog rows and MainIndex flush markers;
+* a checkpoint that admits them, with 1% of the rows deleted, published
+  through the real store (body + etcd two-slot swap).
+
+Then it starts a real ``retina-server`` and measures the time from process
+start to ``replayTsReady`` (load, validate, cleanse every entry against the
+catalog, footer checks, rewind). Figures are printed; nothing is asserted.
+
+    .venv/bin/python bench/bench_recovery.py --files 1000 --rows-per-file 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pyroaring import BitMap
+
+from retina_common import file_names
+from retina_common.catalog import Catalog, ColumnSpec, FileType
+from retina_common.cluster import free_port, start_cluster, stop_cluster, write_config
+from retina_common.etcd import EtcdStore
+from retina_common.log import configure_logging
+from retina_common.pb import retina_pb2_grpc
+from retina_common.recovery_driver import wait_replay_ready
+from retina_common.storage import write_durably
+from retina_common.topology import Topology
+from retina_server.checkpoint import (
+    CheckpointBody,
+    CheckpointHeader,
+    CheckpointStore,
+    FileEntry,
+    RGEntry,
+)
+from retina_server.index import LocalIndexService, RowIdRange
+from retina_server.replay_ts import IngestSegment, SegmentKind
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--files", type=int, default=1000)
+    parser.add_argument("--rows-per-file", type=int, default=10_000)
+    parser.add_argument("--deleted", type=float, default=0.01, help="fraction of rows deleted")
+    args = parser.parse_args()
+    configure_logging("bench", "warning")
+    work = Path(tempfile.mkdtemp(prefix="retina-bench-rec-"))
+    os.chmod(work, 0o755)
+    node = f"127.0.0.1:{free_port()}"
+    total = args.files * args.rows_per_file
+    print(f"setup: {platform.platform()}, {os.cpu_count()} cores, Python "
+          f"{platform.python_version()}; {args.files} files x {args.rows_per_file} rows = "
+          f"{total:,} rows, {args.deleted:.0%} deleted; local storage, etcd and PostgreSQL "
+          "on this machine")
+    state = start_cluster(work, nodes=[node], virtual_nodes=8, log=lambda _m: None)
+    topology = Topology((node,), 8)
+    try:
+        catalog = Catalog(state.postgres.dsn())
+        catalog.create_schema("bench")
+        table = catalog.create_table("bench", "orders", [
+            ColumnSpec("id", "int64"), ColumnSpec("note", "string")], ["id"])
+        storage = "file://" + str(work / "storage")
+        path = catalog.add_path(table.table_id, f"{storage}/bench/orders")
+        index = LocalIndexService(work / "state" / node.replace(":", "-") / "index")
+        rng = random.Random(1)
+        files, segments, rgs = [], [], []
+        built = time.perf_counter()
+        now = datetime.now(UTC)
+        for i in range(args.files):
+            vnode = i % 8
+            first_row = index.allocate_row_ids(args.rows_per_file)
+            lo_ts, hi_ts = 10 + i * 10, 10 + i * 10 + 9
+            ids = np.arange(first_row, first_row + args.rows_per_file, dtype=np.int64)
+            data = pa.table({"id": ids, "note": pa.array(["x"] * args.rows_per_file),
+                             "_commit_ts": np.full(args.rows_per_file, hi_ts, dtype=np.int64)})
+            data = data.set_column(2, "_commit_ts", pa.array(
+                np.linspace(lo_ts, hi_ts, args.rows_per_file).astype(np.int64)))
+            name = file_names.make(node, now, i, vnode)
+            sink = pa.BufferOutputStream()
+            pq.write_table(data, sink, row_group_size=args.rows_per_file)
+            write_durably(path.uri, name, sink.getvalue().to_pybytes())
+            record = catalog.add_file(name, FileType.TEMPORARY_INGEST, 0, path.path_id)
+            catalog.update_file(record.file_id, file_type=FileType.REGULAR, num_row_group=1,
+                                min_row_id=first_row,
+                                max_row_id=first_row + args.rows_per_file - 1)
+            index.put_main_index_entries([RowIdRange(first_row, args.rows_per_file,
+                                                     record.file_id, 0, 0)])
+            index.flush_file(record.file_id)
+            files.append(FileEntry(record.file_id, table.table_id, vnode, i * 4, lo_ts, hi_ts,
+                                   args.rows_per_file, first_row,
+                                   first_row + args.rows_per_file - 1, 1))
+            segments.append(IngestSegment(table.table_id, vnode, SegmentKind.ADMITTED,
+                                          record.file_id, i * 4, 1, args.rows_per_file,
+                                          lo_ts, hi_ts))
+            deleted = BitMap(rng.sample(range(args.rows_per_file),
+                                        int(args.rows_per_file * args.deleted)))
+            rgs.append(RGEntry(record.file_id, 0, args.rows_per_file, 10 + args.files * 10,
+                               deleted))
+        index.close()
+        print(f"state built in {time.perf_counter() - built:.1f}s")
+        body = CheckpointBody(CheckpointHeader(node, 1, 1, int(time.time() * 1000),
+                                               10 + args.files * 10, topology.topology_hash),
+                              files, segments, rgs)
+        store = CheckpointStore(EtcdStore([state.etcd.endpoint]), node, storage,
+                                topology.topology_hash)
+        t0 = time.perf_counter()
+        pointer = store.publish(body)
+        write_s = time.perf_counter() - t0
+        print(f"checkpoint body: {pointer.length:,} bytes = {pointer.length * 8 / total:.3f} "
+              f"bits per row ({pointer.length / args.files:,.0f} bytes per row group of "
+              f"{args.rows_per_file} rows); encode + write + fsync + etcd swap {write_s * 1000:.0f}"
+              " ms")
+        config = work / "retina-node.toml"
+        write_config(config, etcd_endpoint=state.etcd.endpoint, dsn=state.postgres.dsn(),
+                     topology_file=Path(state.topology_path), storage_root=work / "storage",
+                     trans_listen=state.trans_listen, trans_metrics="off",
+                     extra={"retina": {"listen": node, "metrics_listen": "off",
+                                       "state_dir": str(work / "state")}})
+        log = open(work / "retina.log", "wb")  # noqa: SIM115 - closed below
+        t0 = time.perf_counter()
+        retina = subprocess.Popen([sys.executable, "-m", "retina_server", "--config",
+                                   str(config)], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            channel = grpc.insecure_channel(node)
+            grpc.channel_ready_future(channel).result(timeout=120)
+            listening_s = time.perf_counter() - t0
+            status = wait_replay_ready(retina_pb2_grpc.RetinaWorkerServiceStub(channel), 600)
+            ready_s = time.perf_counter() - t0
+            print(f"process start -> gRPC listening {listening_s:.2f}s -> replayTsReady "
+                  f"{ready_s:.2f}s (state {status.phase}, checkpoint {status.checkpoint_id}; "
+                  "includes Python start-up and imports)")
+            channel.close()
+        finally:
+            retina.terminate()
+            retina.wait(timeout=60)
+            log.close()
+        catalog.close()
+    finally:
+        stop_cluster(state, log=lambda _m: None)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

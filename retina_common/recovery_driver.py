@@ -1,0 +1,87 @@
+"""Driving a Retina node through recovery, as the CDC side does (specification section 6).
+
+``drive_recovery``: GetRetinaStatus until the replay starts are ready →
+GetRecoveryReplayTs (VNODE or NODE mode) → replay from those starts,
+inclusive, DELETE + INSERT only, with the RecoveryReplayContext → MarkReady.
+A fresh node goes through exactly the same steps, with nothing to replay.
+
+``replay_requests`` turns an in-memory changelog into one node's replay
+requests. The CDC connector's durable changelog will feed the same driver.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from retina_common.client import TableWriter, requests_by_node
+from retina_common.pb import retina_pb2 as pb
+from retina_common.pb import retina_pb2_grpc
+
+# One committed source transaction: (timestamp, {table: {"deletes"|"inserts"|"replaces": rows}})
+ChangelogEntry = tuple[int, Mapping[str, Mapping[str, Iterable[Mapping[str, Any]]]]]
+
+
+class RecoveryFailed(Exception):
+    """The node is FAILED; the reason is the node's own."""
+
+
+def wait_replay_ready(stub: retina_pb2_grpc.RetinaWorkerServiceStub,
+                      timeout_s: float = 60) -> pb.GetRetinaStatusResponse:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = stub.GetRetinaStatus(pb.GetRetinaStatusRequest(), timeout=10)
+        if status.replay_ts_ready or status.state in (pb.READY, pb.FAILED):
+            return status
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{status.node_id} did not derive its replay starts "
+                               f"within {timeout_s}s (phase {status.phase})")
+        time.sleep(0.05)
+
+
+def replay_requests(node: str, schema: str, writers: Mapping[str, TableWriter],
+                    changelog: Iterable[ChangelogEntry], starts: pb.GetRecoveryReplayTsResponse,
+                    context: pb.RecoveryReplayContext) -> Iterator[pb.UpdateRecordRequest]:
+    """The changelog from the replay starts as ``node``'s replay requests: every
+    insert and replace as DELETE + INSERT, every delete as DELETE."""
+    for ts, changes in changelog:
+        per_table = [writers[t].updates(
+            ts, deletes=ops.get("deletes", ()),
+            replaces=[*ops.get("inserts", ()), *ops.get("replaces", ())])
+            for t, ops in changes.items()]
+        request = requests_by_node(schema, per_table).get(node)
+        if request is None:
+            continue
+        keep = [tud for tud in request.table_update_data if tud.timestamp >= (
+            starts.node_replay_from_ts if context.replay_mode == pb.NODE
+            else starts.vnode_replay_from_ts[tud.virtual_node_id])]
+        if keep:
+            del request.table_update_data[:]
+            request.table_update_data.extend(keep)
+            request.recovery_replay_context.CopyFrom(context)
+            yield request
+
+
+def drive_recovery(stub: retina_pb2_grpc.RetinaWorkerServiceStub, *,
+                   replay: Callable[[pb.GetRecoveryReplayTsResponse, pb.RecoveryReplayContext],
+                                    Iterable[pb.UpdateRecordRequest]] | None = None,
+                   mode: int = pb.VNODE, timeout_s: float = 60
+                   ) -> pb.GetRecoveryReplayTsResponse | None:
+    """Take one node from RECOVERING to READY; returns the replay starts used
+    (None if it was READY already)."""
+    status = wait_replay_ready(stub, timeout_s)
+    if status.state == pb.READY:
+        return None
+    if status.state == pb.FAILED:
+        raise RecoveryFailed(f"{status.node_id}: {status.failure_reason}")
+    token, checkpoint_id = status.recovery_attempt_token, status.checkpoint_id
+    starts = stub.GetRecoveryReplayTs(pb.GetRecoveryReplayTsRequest(
+        recovery_attempt_token=token, checkpoint_id=checkpoint_id, replay_mode=mode), timeout=10)
+    context = pb.RecoveryReplayContext(recovery_attempt_token=token,
+                                       checkpoint_id=checkpoint_id, replay_mode=mode)
+    for request in (replay(starts, context) if replay else ()):
+        stub.UpdateRecord(request, timeout=60)
+    stub.MarkReady(pb.MarkReadyRequest(recovery_attempt_token=token,
+                                       checkpoint_id=checkpoint_id), timeout=timeout_s)
+    return starts
