@@ -156,7 +156,10 @@ def main() -> None:
         catalog.close()
     finally:
         stop_cluster(state, log=lambda _m: None)
-        shutil.rmtree(work, ignore_errors=True)
+        if os.environ.get("RETINA_BENCH_KEEP"):
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

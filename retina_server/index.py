@@ -39,11 +39,14 @@ from enum import StrEnum
 from pathlib import Path
 
 import lmdb
+from prometheus_client import Counter
 
 from retina_common import failpoints as fp
 from retina_common.log import get_logger
 
 log = get_logger(component="index")
+ORPHANS = Counter("retina_index_orphans_total",
+                  "Primary-index versions resolved to a row outside the baseline file set")
 
 _TABLE = struct.Struct(">q")
 _LEN = struct.Struct(">I")
@@ -361,6 +364,7 @@ class LocalIndexService:
             if row_id is None or row_id == TOMBSTONE:
                 out.append(missing)
             elif location is None or not in_baseline[location.file_id]:
+                ORPHANS.inc()
                 out.append(Resolved(Resolution.NOT_FOUND_OR_ORPHAN, row_id))
             else:
                 out.append(Resolved(Resolution.FOUND, row_id, location))

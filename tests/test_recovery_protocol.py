@@ -343,3 +343,24 @@ def test_cdc_connector_refuses_to_pretend() -> None:
     result = subprocess.run([sys.executable, "-m", "cdc_client.main"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "not available" in result.stderr
+
+
+@pytest.mark.parametrize("point", ["recovery.cleansing.after", "recovery.mark_ready.barrier"])
+def test_a_crash_inside_recovery_recovers_again(make_plane: Callable[..., DataPlane],
+                                                point: str) -> None:
+    plane = make_plane()
+    node = plane.nodes[0]
+    workload(plane, random.Random(17), 10, 0)
+    plane.checkpoint(node)
+    workload(plane, random.Random(18), 8, 10_000)
+    retina = plane.retinas[node]
+    retina.kill9()
+    in_barrier = point == "recovery.mark_ready.barrier"
+    retina.start(failpoints=f"{point}=exit(137)", wait=in_barrier)
+    if in_barrier:
+        with pytest.raises(grpc.RpcError):
+            plane.recover(node)  # the process dies inside the barrier
+    assert retina.wait_exit() == 137
+    retina.start()
+    plane.recover(node)
+    assert plane.read("orders") == plane.model.rows["orders"]
