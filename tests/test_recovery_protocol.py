@@ -77,6 +77,30 @@ def workload(plane: DataPlane, rng: random.Random, steps: int, start_id: int) ->
     return next_id
 
 
+def crash_after_checkpoint(plane: DataPlane, seed: int, steps: int = 10) -> str:
+    """Workload, checkpoint, more workload, SIGKILL, restart: returns the node."""
+    node = plane.nodes[0]
+    workload(plane, random.Random(seed), steps, 0)
+    plane.checkpoint(node)
+    workload(plane, random.Random(seed + 1), steps, 10_000)
+    plane.retinas[node].kill9()
+    plane.retinas[node].start()
+    return node
+
+
+def open_attempt(plane: DataPlane, node: str
+                 ) -> tuple[rpb.GetRetinaStatusResponse, rpb.GetRecoveryReplayTsResponse,
+                            rpb.RecoveryReplayContext]:
+    """GetRetinaStatus and GetRecoveryReplayTs (VNODE) of the node's recovery attempt."""
+    status = plane.wait_replay_ready(node)
+    starts = plane.retinas[node].stub.GetRecoveryReplayTs(rpb.GetRecoveryReplayTsRequest(
+        recovery_attempt_token=status.recovery_attempt_token,
+        checkpoint_id=status.checkpoint_id, replay_mode=rpb.VNODE))
+    context = rpb.RecoveryReplayContext(recovery_attempt_token=status.recovery_attempt_token,
+                                        checkpoint_id=status.checkpoint_id, replay_mode=rpb.VNODE)
+    return status, starts, context
+
+
 # --- a fresh node and the MarkReady barrier ------------------------------------------------------
 def test_a_fresh_node_is_recovering_until_mark_ready(make_plane: Callable[..., DataPlane],
                                                      etcd: EtcdStore) -> None:
@@ -173,19 +197,9 @@ def test_recovery_equals_a_run_that_never_crashed(make_plane: Callable[..., Data
 
 def test_replay_protocol_violations_change_nothing(make_plane: Callable[..., DataPlane]) -> None:
     plane = make_plane()
-    node = plane.nodes[0]
-    workload(plane, random.Random(5), 10, 0)
-    plane.checkpoint(node)
-    workload(plane, random.Random(6), 5, 10_000)
-    plane.retinas[node].kill9()
-    plane.retinas[node].start()
-    status = plane.wait_replay_ready(node)
+    node = crash_after_checkpoint(plane, 5)
+    _status, starts, good = open_attempt(plane, node)
     stub = plane.retinas[node].stub
-    starts = stub.GetRecoveryReplayTs(rpb.GetRecoveryReplayTsRequest(
-        recovery_attempt_token=status.recovery_attempt_token,
-        checkpoint_id=status.checkpoint_id, replay_mode=rpb.VNODE))
-    good = rpb.RecoveryReplayContext(recovery_attempt_token=status.recovery_attempt_token,
-                                     checkpoint_id=status.checkpoint_id, replay_mode=rpb.VNODE)
     vnode = plane.topology.vnodes_of(node)[0]
     start = starts.vnode_replay_from_ts[vnode]
     key_row = next(order(i) for i in range(10**6, 10**7)
@@ -223,19 +237,9 @@ def test_replay_protocol_violations_change_nothing(make_plane: Callable[..., Dat
 def test_a_second_crash_during_recovery_recovers_again(
         make_plane: Callable[..., DataPlane]) -> None:
     plane = make_plane()
-    node = plane.nodes[0]
-    workload(plane, random.Random(9), 12, 0)
-    plane.checkpoint(node)
-    workload(plane, random.Random(10), 12, 10_000)
-    plane.retinas[node].kill9()
-    plane.retinas[node].start()
-    status = plane.wait_replay_ready(node)
+    node = crash_after_checkpoint(plane, 9, steps=12)
+    status, starts, context = open_attempt(plane, node)
     stub = plane.retinas[node].stub
-    starts = stub.GetRecoveryReplayTs(rpb.GetRecoveryReplayTsRequest(
-        recovery_attempt_token=status.recovery_attempt_token,
-        checkpoint_id=status.checkpoint_id, replay_mode=rpb.VNODE))
-    context = rpb.RecoveryReplayContext(recovery_attempt_token=status.recovery_attempt_token,
-                                        checkpoint_id=status.checkpoint_id, replay_mode=rpb.VNODE)
     requests = plane.replay_requests(node, starts, rpb.VNODE, context)
     for request in requests[: len(requests) // 2]:  # half the replay, then a crash
         stub.UpdateRecord(request)
