@@ -1,9 +1,10 @@
-"""A stand-in for the Retina lifecycle coordinator, for the demo and the tests.
+"""A stand-in lifecycle publisher for the demo's query-gate walkthrough.
 
-It writes READY (or any state) lifecycle values for a set of nodes on its own
-lease and refreshes them, exactly as a Retina node will once the lifecycle
-coordinator exists. No Retina process uses it: the Retina server never claims
-READY on its own before the recovery protocol is built.
+It writes READY (or any state) lifecycle values for a set of node ids on its
+own lease and refreshes them, the way a Retina node does, so the gate can be
+shown before any Retina process runs. Real nodes publish their own state
+(``retina_server.lifecycle.LifecyclePublisher``) and reach READY only
+through MarkReady.
 """
 
 from __future__ import annotations

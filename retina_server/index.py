@@ -405,9 +405,10 @@ class LocalIndexService:
         return out
 
     def _write(self, table_id: int, items: Iterable[tuple[bytes, int, int]],
-               what: str) -> list[tuple[bytes, int, bytes | None]]:
+               what: str, keep_previous: bool = True) -> list[tuple[bytes, int, bytes | None]]:
         """Write versions (key, rowId, ts) in the open batch (or a transaction of their
-        own); returns what each (key, ts) held before, for restorePrimaryEntries."""
+        own); returns what each (key, ts) held before, for restorePrimaryEntries
+        (skipped with ``keep_previous=False``: inside a batch, the abort is the undo)."""
         previous = []
         pack_ts, pack_row = _TS.pack, _ROW.pack
         try:
@@ -415,7 +416,8 @@ class LocalIndexService:
                 for key, row_id, ts in items:
                     prefix = _version_prefix(table_id, key)
                     version = prefix + pack_ts(ts)
-                    previous.append((key, ts, txn.get(version, db=self._primary)))
+                    if keep_previous:
+                        previous.append((key, ts, txn.get(version, db=self._primary)))
                     txn.put(version, pack_row(row_id), db=self._primary)
                     txn.put(pack_ts(ts) + prefix, b"", db=self._by_ts)
         except lmdb.Error as exc:
@@ -433,16 +435,17 @@ class LocalIndexService:
             yield txn
 
     def put_primary_entries_only(self, table_id: int, keys: Sequence[bytes],
-                                 row_ids: Sequence[int], ts: int
+                                 row_ids: Sequence[int], ts: int, *, keep_previous: bool = True
                                  ) -> list[tuple[bytes, int, bytes | None]]:
         """putPrimaryEntriesOnly: a version key@ts -> new rowId; returns what was there
         (for restorePrimaryEntries)."""
         return self._write(table_id, ((k, r, ts) for k, r in zip(keys, row_ids, strict=True)),
-                           "putPrimaryEntriesOnly")
+                           "putPrimaryEntriesOnly", keep_previous)
 
     def tombstone_primary_resolved(self, table_id: int, keys: Sequence[bytes], ts: int) -> None:
         """tombstonePrimaryResolved: the keys' rows were deleted at ``ts``."""
-        self._write(table_id, ((k, TOMBSTONE, ts) for k in keys), "tombstonePrimaryResolved")
+        self._write(table_id, ((k, TOMBSTONE, ts) for k in keys), "tombstonePrimaryResolved",
+                    keep_previous=False)
 
     def update_primary_resolved(self, table_id: int, keys: Sequence[bytes],
                                 row_ids: Sequence[int], ts: int) -> None:

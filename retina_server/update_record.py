@@ -256,8 +256,9 @@ def _stage_inserts(node: RetinaNode, stream: Stream, u: PreparedUpdate,
     node.index.put_main_index_entries(
         RowIdRange(h.row_id_start, h.count, h.file.file_id, h.block.rg_id, h.start)
         for h in handles)
-    node.index.put_primary_entries_only(
-        u.table.table_id, u.insert_keys, range(first_row_id, first_row_id + n), u.ts)
+    node.index.put_primary_entries_only(  # the batch's abort is the undo
+        u.table.table_id, u.insert_keys, range(first_row_id, first_row_id + n), u.ts,
+        keep_previous=False)
     return n
 
 
