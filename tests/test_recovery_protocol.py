@@ -254,10 +254,15 @@ def test_a_second_crash_during_recovery_recovers_again(
 
 
 # --- checkpoints: crashes and damage ---
-def test_a_crash_during_checkpoint_publish_uses_the_previous_one(
-        make_plane: Callable[..., DataPlane]) -> None:
+@pytest.mark.parametrize("point, swapped", [
+    ("checkpoint.before_body_write", False), ("checkpoint.after_body_write", False),
+    ("checkpoint.before_pointer_swap", False), ("checkpoint.after_pointer_swap", True),
+    ("checkpoint.before_cleanup", True),
+])
+def test_a_crash_at_each_checkpoint_failpoint_leaves_a_usable_checkpoint(
+        make_plane: Callable[..., DataPlane], point: str, swapped: bool) -> None:
     # Hit 1 is the checkpoint taken on READY; hit 2 the explicit one below; hit 3 dies.
-    plane = make_plane(failpoints="checkpoint.before_pointer_swap=exit(137)@3")
+    plane = make_plane(failpoints=f"{point}=exit(137)@3")
     node = plane.nodes[0]
     workload(plane, random.Random(11), 10, 0)
     kept = plane.checkpoint(node).checkpoint_id
@@ -266,7 +271,8 @@ def test_a_crash_during_checkpoint_publish_uses_the_previous_one(
         plane.checkpoint(node)
     assert plane.retinas[node].wait_exit() == 137
     plane.retinas[node].start()
-    assert plane.wait_replay_ready(node).checkpoint_id == kept
+    # Before the swap the previous checkpoint is current; after it, the new one.
+    assert plane.wait_replay_ready(node).checkpoint_id == (kept + 1 if swapped else kept)
     plane.recover(node)
     assert plane.read("orders") == plane.model.rows["orders"]
 
