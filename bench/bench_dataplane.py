@@ -19,8 +19,6 @@ import platform
 import pstats
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from decimal import Decimal
@@ -30,7 +28,13 @@ import grpc
 
 from retina_common.catalog import Catalog, ColumnSpec
 from retina_common.client import TableWriter, requests_by_node
-from retina_common.cluster import free_port, start_cluster, stop_cluster, wait_for, write_config
+from retina_common.cluster import (
+    free_port,
+    start_cluster,
+    start_retina_server,
+    stop_cluster,
+    wait_for,
+)
 from retina_common.log import configure_logging
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
@@ -62,21 +66,13 @@ def main() -> None:
           f"{args.batches} per phase; block 4096 rows, 4 blocks per file")
     state = start_cluster(work, nodes=[node], virtual_nodes=8, log=lambda _m: None)
     topology = Topology((node,), 8)
-    config = work / "retina-node.toml"
-    write_config(config, etcd_endpoint=state.etcd.endpoint, dsn=state.postgres.dsn(),
-                 topology_file=Path(state.topology_path), storage_root=work / "storage",
-                 trans_listen=state.trans_listen, trans_metrics="off",
-                 extra={"retina": {"listen": node, "metrics_listen": "off",
-                                   "state_dir": str(work / "state")}})
     catalog = Catalog(state.postgres.dsn())
     catalog.create_schema("bench")
     table = catalog.create_table("bench", "orders", [
         ColumnSpec("id", "int64"), ColumnSpec("customer", "string"),
         ColumnSpec("amount", "decimal(12,2)"), ColumnSpec("note", "string")], ["id"])
-    log = open(work / "retina.log", "wb")  # noqa: SIM115 - closed in finally
-    retina = subprocess.Popen([sys.executable, "-m", "retina_server", "--config", str(config)],
-                              stdout=log, stderr=subprocess.STDOUT)
     try:
+        start_retina_server(state, node)
         channel = grpc.insecure_channel(node)
         grpc.channel_ready_future(channel).result(timeout=60)
         stub = retina_pb2_grpc.RetinaWorkerServiceStub(channel)
@@ -139,9 +135,6 @@ def main() -> None:
         if args.profile:
             profile_apply(state.postgres.dsn(), work, topology, node, table)
     finally:
-        retina.terminate()
-        retina.wait(timeout=60)
-        log.close()
         catalog.close()
         stop_cluster(state, log=lambda _m: None)
         shutil.rmtree(work, ignore_errors=True)

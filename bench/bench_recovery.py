@@ -22,8 +22,6 @@ import os
 import platform
 import random
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -37,7 +35,7 @@ from pyroaring import BitMap
 
 from retina_common import file_names
 from retina_common.catalog import Catalog, ColumnSpec, FileType
-from retina_common.cluster import free_port, start_cluster, stop_cluster, write_config
+from retina_common.cluster import free_port, start_cluster, start_retina_server, stop_cluster
 from retina_common.etcd import EtcdStore
 from retina_common.log import configure_logging
 from retina_common.pb import retina_pb2_grpc
@@ -80,7 +78,8 @@ def main() -> None:
             ColumnSpec("id", "int64"), ColumnSpec("note", "string")], ["id"])
         storage = "file://" + str(work / "storage")
         path = catalog.add_path(table.table_id, f"{storage}/bench/orders")
-        index = LocalIndexService(work / "state" / node.replace(":", "-") / "index")
+        # Where start_retina_server puts the node's state (RETINA__RETINA__STATE_DIR).
+        index = LocalIndexService(work / "retina-state" / node.replace(":", "-") / "index")
         rng = random.Random(1)
         files, segments, rgs = [], [], []
         built = time.perf_counter()
@@ -129,30 +128,15 @@ def main() -> None:
               f"bits per row ({pointer.length / args.files:,.0f} bytes per row group of "
               f"{args.rows_per_file} rows); encode + write + fsync + etcd swap {write_s * 1000:.0f}"
               " ms")
-        config = work / "retina-node.toml"
-        write_config(config, etcd_endpoint=state.etcd.endpoint, dsn=state.postgres.dsn(),
-                     topology_file=Path(state.topology_path), storage_root=work / "storage",
-                     trans_listen=state.trans_listen, trans_metrics="off",
-                     extra={"retina": {"listen": node, "metrics_listen": "off",
-                                       "state_dir": str(work / "state")}})
-        log = open(work / "retina.log", "wb")  # noqa: SIM115 - closed below
         t0 = time.perf_counter()
-        retina = subprocess.Popen([sys.executable, "-m", "retina_server", "--config",
-                                   str(config)], stdout=log, stderr=subprocess.STDOUT)
-        try:
-            channel = grpc.insecure_channel(node)
-            grpc.channel_ready_future(channel).result(timeout=120)
-            listening_s = time.perf_counter() - t0
+        start_retina_server(state, node, timeout_s=120)
+        listening_s = time.perf_counter() - t0
+        with grpc.insecure_channel(node) as channel:
             status = wait_replay_ready(retina_pb2_grpc.RetinaWorkerServiceStub(channel), 600)
-            ready_s = time.perf_counter() - t0
-            print(f"process start -> gRPC listening {listening_s:.2f}s -> replayTsReady "
-                  f"{ready_s:.2f}s (state {status.phase}, checkpoint {status.checkpoint_id}; "
-                  "includes Python start-up and imports)")
-            channel.close()
-        finally:
-            retina.terminate()
-            retina.wait(timeout=60)
-            log.close()
+        ready_s = time.perf_counter() - t0
+        print(f"process start -> gRPC listening {listening_s:.2f}s -> replayTsReady "
+              f"{ready_s:.2f}s (state {status.phase}, checkpoint {status.checkpoint_id}; "
+              "includes Python start-up and imports)")
         catalog.close()
     finally:
         stop_cluster(state, log=lambda _m: None)
