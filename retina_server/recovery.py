@@ -375,7 +375,9 @@ class RecoveryCoordinator:
         if self._machine.phase != Phase.READY:
             raise RecoveryRefusal("UNAVAILABLE", "checkpoints are taken only while READY")
         with self._checkpoint_lock:
-            applied = self._hwm() - 1
+            # HWM - 1 (every write at or below it has been applied), but never
+            # below 0: before the first commit there is nothing to have applied.
+            applied = max(self._hwm() - 1, 0)
             body = self.build_body(applied)
             self._node.check_registry_covers_visibility()
             if self._node.failure:

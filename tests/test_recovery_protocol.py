@@ -374,3 +374,18 @@ def test_a_crash_inside_recovery_recovers_again(make_plane: Callable[..., DataPl
     retina.start()
     plane.recover(node)
     assert plane.read("orders") == plane.model.rows["orders"]
+
+
+def test_a_crash_before_any_later_checkpoint_recovers(
+        make_plane: Callable[..., DataPlane]) -> None:
+    # The only checkpoint is the one taken on READY, when nothing had been written
+    # yet (HWM 0): recovery must still work from it.
+    plane = make_plane()
+    node = plane.nodes[0]
+    workload(plane, random.Random(21), 8, 0)
+    plane.retinas[node].kill9()
+    plane.retinas[node].start()
+    status = plane.wait_replay_ready(node)
+    assert status.state == rpb.RECOVERING, status.failure_reason
+    plane.recover(node)
+    assert plane.read("orders") == plane.model.rows["orders"]
