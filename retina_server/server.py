@@ -41,7 +41,7 @@ from retina_server.checkpoint import CheckpointStore
 from retina_server.index import LocalIndexService
 from retina_server.lifecycle import LifecyclePublisher, LifecycleStateMachine, Phase
 from retina_server.node import BufferSettings, RetinaNode
-from retina_server.recovery import RecoveryCoordinator
+from retina_server.recovery import RecoveryCoordinator, RecoveryRefusal
 from retina_server.service import RetinaService
 
 SERVICE_NAME = retina_pb2.DESCRIPTOR.services_by_name["RetinaWorkerService"].full_name
@@ -106,12 +106,17 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=checkpoints, name="checkpoints", daemon=True).start()
         handle.set_serving(True)
 
+    def high_watermark() -> int:
+        try:
+            return trans.GetHighWatermark(trans_pb2.GetHighWatermarkRequest(),
+                                          timeout=10).high_watermark
+        except grpc.RpcError as exc:  # a dependency down: retry later, not a bug
+            raise RecoveryRefusal("UNAVAILABLE",
+                                  f"TransServer unreachable: {exc.code().name}") from exc
+
     recovery = RecoveryCoordinator(
         node, catalog, CheckpointStore(etcd, node_id, storage, topology.topology_hash),
-        machine, publisher,
-        lambda: trans.GetHighWatermark(trans_pb2.GetHighWatermarkRequest(),
-                                       timeout=10).high_watermark,
-        index.allocate("recovery_epoch") + 1, on_ready)
+        machine, publisher, high_watermark, index.allocate("recovery_epoch") + 1, on_ready)
     node.on_fail_closed = recovery.fail
     retina_pb2_grpc.add_RetinaWorkerServiceServicer_to_server(
         RetinaService(node, recovery, machine, rc.max_rows_per_request), handle.server)

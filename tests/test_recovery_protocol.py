@@ -389,3 +389,11 @@ def test_a_crash_before_any_later_checkpoint_recovers(
     assert status.state == rpb.RECOVERING, status.failure_reason
     plane.recover(node)
     assert plane.read("orders") == plane.model.rows["orders"]
+
+
+def test_checkpoint_without_a_transserver_is_unavailable(
+        make_plane: Callable[..., DataPlane]) -> None:
+    plane = make_plane()
+    plane.trans.stop()
+    err = rpc_error(lambda: plane.checkpoint(plane.nodes[0]))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "TransServer" in err.details()
