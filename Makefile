@@ -24,6 +24,7 @@ lint: setup
 bench: setup
 	@$(PY) bench/bench_trans.py
 	@$(PY) bench/bench_dataplane.py
+	@$(PY) bench/bench_recovery.py
 
 cluster-up: setup
 	@$(VENV)/bin/retina-cluster start --state-dir $(STATE)
