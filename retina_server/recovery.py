@@ -427,8 +427,9 @@ class RecoveryCoordinator:
         return {
             "state": self._machine.state.value,
             "phase": phase.value,
-            "token": self.attempt.token if phase in (Phase.AWAITING_REPLAY, Phase.BARRIER,
-                                                     Phase.CLEANSING) else "",
+            # Shown only once the replay starts exist: before that it is of no use.
+            "token": self.attempt.token if phase in (Phase.AWAITING_REPLAY, Phase.BARRIER)
+            else "",
             "checkpoint_id": self.attempt.checkpoint_id,
             "recovery_epoch": self.recovery_epoch,
             "replay_ts_ready": self.attempt.starts is not None and phase != Phase.FAILED,
