@@ -146,6 +146,10 @@ class RecoveryCoordinator:
                                 token_hash=self.attempt.token_hash
                                 if self._machine.phase != Phase.READY else "")
 
+    def announce(self) -> None:
+        """Publish the current (RECOVERING) state at once, before start-up work."""
+        self._publish()
+
     def fail(self, reason: str) -> None:
         with self._cond:
             self._replay_open = False

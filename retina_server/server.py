@@ -128,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    try:
+        # RECOVERING replaces a crashed predecessor's READY value before anything
+        # else, so the gate closes as early as this process can make it.
+        recovery.announce()
+    except EtcdError as exc:
+        log.error("lifecycle_announce_failed", error=str(exc))
     handle.start()
     log.info("retina_server_started", listen=handle.address, metrics_port=metrics_port,
              vnodes=list(topology.vnodes_of(node_id)), topology_hash=topology.topology_hash[:16],

@@ -252,8 +252,12 @@ def data_plane(state: ClusterState) -> dict[str, Any]:
     os.kill(state.retina_pids[victim], signal.SIGKILL)
     started = time.monotonic()
     start_retina_server(state, victim)
-    refused_now = refused(lambda: trans.BeginTrans(tpb.BeginTransRequest(read_only=True),
-                                                   timeout=5))
+    def gate_refuses() -> grpc.RpcError | None:
+        return refused(lambda: trans.BeginTrans(tpb.BeginTransRequest(read_only=True),
+                                                timeout=5))
+
+    wait_for(lambda: gate_refuses() is not None, 15, "the gate to see the node RECOVERING")
+    refused_now = gate_refuses()
     check(refused_now is not None, f"kill -9 {victim}, restart: queries refused while it "
                                    f"recovers ({refused_now.details() if refused_now else ''})")
     starts = drive_recovery(retinas[victim], replay=lambda s, ctx: replay_requests(

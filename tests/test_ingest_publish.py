@@ -128,7 +128,7 @@ def test_kill_at_each_publish_failpoint(make_plane: Callable[..., DataPlane], ca
         plane.commit({"orders": {"inserts": [order(i) for i in ids[8:]]}})
     assert retina.wait_exit() == 137
     retina.start()
-    assert not plane.gate_open(), "queries are refused while the node is RECOVERING"
+    eventually(lambda: not plane.gate_open(), 15, "queries refused while RECOVERING")
     plane.recover(node)
     eventually(plane.gate_open, 15, "the gate to admit after MarkReady")
     # Nothing lost, nothing duplicated (read() fails on a duplicate key).

@@ -186,7 +186,7 @@ def test_recovery_equals_a_run_that_never_crashed(make_plane: Callable[..., Data
     plane.retinas[victim].kill9()
     plane.retinas[victim].start()
     assert plane.status(victim).state == rpb.RECOVERING
-    assert not plane.gate_open()
+    eventually(lambda: not plane.gate_open(), 15, "queries refused while RECOVERING")
     starts = plane.recover(victim, mode)
     assert starts is not None and starts.checkpoint_id > 0
     assert 0 < starts.node_replay_from_ts <= starts.checkpoint_applied_ts
