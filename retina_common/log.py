@@ -22,6 +22,10 @@ def configure_logging(process: str, level: str = "info", **bound: Any) -> struct
     """Configure JSON logging for this process and return its root logger."""
     if level.lower() not in _LEVELS:
         raise ValueError(f"unknown log level {level!r}")
+    # One line at a time even into a file or a pipe: a crash must not eat the
+    # last lines, which are the ones an operator needs.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

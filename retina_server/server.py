@@ -12,12 +12,14 @@ On SIGTERM: health NOT_SERVING, gRPC stops; if READY, the write buffers are
 flushed through the publisher and a final checkpoint is taken; the
 lifecycle lease is revoked, so the gate refuses at once.
 
-Exit codes: 0 stopped, 2 configuration, 4 a dependency unreachable at start.
+Exit codes: 0 stopped, 2 configuration, 4 a dependency unreachable at start,
+5 the shutdown did not finish within its deadline (the next start recovers).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -45,6 +47,7 @@ from retina_server.recovery import RecoveryCoordinator, RecoveryRefusal
 from retina_server.service import RetinaService
 
 SERVICE_NAME = retina_pb2.DESCRIPTOR.services_by_name["RetinaWorkerService"].full_name
+SHUTDOWN_DEADLINE_S = 25.0
 
 
 def _settings(config: Config) -> tuple[str, Topology]:
@@ -122,8 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         RetinaService(node, recovery, machine, rc.max_rows_per_request), handle.server)
     metrics_port = serve_metrics(rc.metrics_listen)
 
+    received: list[str] = []
+
     def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("retina_server_signal", signal=signal.Signals(signum).name)
+        # Nothing but a flag here: logging from a signal handler can deadlock on
+        # a lock another thread holds.
+        received.append(signal.Signals(signum).name)
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -145,15 +152,28 @@ def main(argv: list[str] | None = None) -> int:
         log.error("recovery_start_failed", error=str(exc), error_type=type(exc).__name__)
         recovery.fail(f"start-up failed: {exc}")
     stop.wait()
-    handle.set_serving(False)
-    handle.stop()
-    if machine.phase == Phase.READY and node.failure is None:
-        node.shutdown()
-        try:
-            recovery.create_checkpoint()
-        except Exception as exc:
-            log.error("checkpoint_failed", error=str(exc), error_type=type(exc).__name__)
-    publisher.stop(revoke=True)
+    log.info("retina_server_stopping", signal=received[0] if received else None,
+             phase=machine.phase.value)
+
+    def shut_down() -> None:
+        handle.set_serving(False)
+        handle.stop()
+        if machine.phase == Phase.READY and node.failure is None:
+            node.shutdown()
+            try:
+                recovery.create_checkpoint()
+            except Exception as exc:
+                log.error("checkpoint_failed", error=str(exc), error_type=type(exc).__name__)
+        publisher.stop(revoke=True)
+
+    worker = threading.Thread(target=shut_down, name="shutdown", daemon=True)
+    worker.start()
+    worker.join(SHUTDOWN_DEADLINE_S)
+    if worker.is_alive():
+        # Whatever blocks, a stop must not hang: exiting now is a crash, and the
+        # next start recovers from it like from any other.
+        log.error("shutdown_forced", deadline_s=SHUTDOWN_DEADLINE_S)
+        os._exit(5)
     index.close()
     catalog.close()
     log.info("retina_server_stopped", phase=machine.phase.value, failure=node.failure)

@@ -312,8 +312,8 @@ def test_damaged_checkpoints_fall_back_or_fail_closed(make_plane: Callable[..., 
     failed = eventually(lambda: (s := plane.status(node)).state == rpb.FAILED and s, 30,
                         "the node to fail closed")
     assert "checkpoint" in failed.failure_reason
-    assert lifecycle_state(etcd, node) == "FAILED"
-    assert not plane.gate_open()
+    eventually(lambda: lifecycle_state(etcd, node) == "FAILED", 10, "FAILED in etcd")
+    eventually(lambda: not plane.gate_open(), 15, "the gate to refuse a FAILED node")
 
 
 def test_no_checkpoint_but_regular_files_fails_closed(make_plane: Callable[..., DataPlane],

@@ -119,6 +119,7 @@ class TransServer:
 
     def wait(self) -> int:
         self._stop.wait()
+        self._log.info("trans_server_stopping")
         self.handle.set_serving(False)
         self.watcher.stop()
         self.handle.stop()
@@ -148,9 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("trans_server_start_failed", error=str(exc), error_type=type(exc).__name__)
         return 4
 
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("trans_server_signal", signal=signal.Signals(signum).name)
-        server.request_stop()
+    def on_signal(_signum: int, _frame: FrameType | None) -> None:
+        server.request_stop()  # only a flag: no logging from a signal handler
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
