@@ -151,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CatalogError, EtcdError, OSError) as exc:
         log.error("recovery_start_failed", error=str(exc), error_type=type(exc).__name__)
         recovery.fail(f"start-up failed: {exc}")
-    stop.wait()
+    # Wait in slices: a process-directed signal may land on one of gRPC's threads,
+    # and then only a main thread that wakes up runs the Python handler.
+    while not stop.wait(0.2):
+        pass
     log.info("retina_server_stopping", signal=received[0] if received else None,
              phase=machine.phase.value)
 

@@ -118,7 +118,10 @@ class TransServer:
         self._stop.set()
 
     def wait(self) -> int:
-        self._stop.wait()
+        # In slices: a signal delivered to a gRPC thread is only handled once
+        # the main thread runs Python code again.
+        while not self._stop.wait(0.2):
+            pass
         self._log.info("trans_server_stopping")
         self.handle.set_serving(False)
         self.watcher.stop()
