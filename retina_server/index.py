@@ -266,10 +266,6 @@ class LocalIndexService:
             (file_id,)).fetchone()
         return None if found is None else int(found[0])
 
-    def ranges_of_file(self, file_id: int) -> list[RowIdRange]:
-        with self._lock:
-            return self._flushed.of_file(file_id) + self._buffer.of_file(file_id)
-
     def delete_main_index_range(self, file_id: int) -> None:
         """deleteMainIndexRange: forget every range of a file (after it is retired)."""
         with self._lock:
@@ -286,11 +282,6 @@ class LocalIndexService:
             self._flushed.remove_file(file_id)
             self._buffer.remove_file(file_id)
 
-    def drop_buffer_of_file(self, file_id: int) -> None:
-        with self._lock:
-            self._buffer.remove_file(file_id)
-
-    # --- primary index ---
     @contextmanager
     def write_batch(self) -> Iterator[None]:
         """Every primary-index write inside the block is one durable LMDB transaction.

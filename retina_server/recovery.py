@@ -164,7 +164,8 @@ class RecoveryCoordinator:
         except CheckpointUnusable as exc:
             self.fail(f"no usable checkpoint: {exc}")
             return
-        mine = self._my_files()
+        files = self._catalog.get_files_by_type(None, list(FileType))
+        mine = self._my_files(files)
         regular = [f for f in mine if f.type == FileType.REGULAR]
         if loaded is None and regular:
             self.fail(f"no checkpoint, but the catalog holds {len(regular)} REGULAR files of "
@@ -175,7 +176,7 @@ class RecoveryCoordinator:
         applied = loaded.body.header.checkpoint_applied_ts if loaded else 0
         self.attempt = Attempt(self.attempt.token,
                                loaded.body.header.checkpoint_id if loaded else 0, applied)
-        segments, kept = self.cleanse(loaded, mine)
+        segments, kept = self.cleanse(loaded, files, mine)
         starts = derive(applied, segments, self._node.owned_vnodes, self._all_table_ids())
         self._rewind_to_starts(starts, kept)
         fp.RECOVERY_CLEANSING_AFTER.hit()
@@ -190,10 +191,12 @@ class RecoveryCoordinator:
             self._replay_open = True
         self._move(Phase.AWAITING_REPLAY)
 
-    def _my_files(self) -> list[FileRecord]:
+    def _my_files(self, files: list[FileRecord]) -> list[FileRecord]:
+        """This node's REGULAR and TEMPORARY_INGEST files (by the name's node id)."""
         mine = []
-        for f in self._catalog.get_files_by_type(
-                None, [FileType.REGULAR, FileType.TEMPORARY_INGEST]):
+        for f in files:
+            if f.type not in (FileType.REGULAR, FileType.TEMPORARY_INGEST):
+                continue
             with contextlib.suppress(ValueError):
                 if file_names.parse(f.name).node_id == self._node.node_id:
                     mine.append(f)
@@ -228,12 +231,13 @@ class RecoveryCoordinator:
         log.info("recovery_rewound", node=self._node.node_id, index_versions_removed=removed,
                  rows_hidden=hidden)
 
-    def cleanse(self, loaded: LoadedCheckpoint | None, mine: list[FileRecord]
+    def cleanse(self, loaded: LoadedCheckpoint | None, files: list[FileRecord],
+                mine: list[FileRecord]
                 ) -> tuple[list[IngestSegment], list[tuple[FileEntry, str, str]]]:
         """Cleansing (section 4); returns the segment chain replay starts derive from and
         the kept entries with their path URI and file name."""
         body = loaded.body if loaded else None
-        catalog = {f.file_id: f for f in self._catalog.get_files_by_type(None, list(FileType))}
+        catalog = {f.file_id: f for f in files}
         paths = {p.path_id: p for p in self._catalog.list_paths()}
         rgs: dict[int, list[RGEntry]] = defaultdict(list)
         for rg in body.row_groups if body else []:

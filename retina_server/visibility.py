@@ -21,7 +21,7 @@ Invariants (specification C03.7, section 5):
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pyroaring import BitMap
@@ -132,14 +132,6 @@ class VisibilityIndex:
                     raise VisibilityError(f"visibility of file {file_id} rg {rg_id} exists")
                 self._entries[key] = RGVisibility(count, base_ts)
 
-    def add_row_group(self, file_id: int, rg_id: int, base_ts: int = 0) -> RGVisibility:
-        with self._lock:
-            key = RGKey(file_id, rg_id)
-            entry = self._entries.get(key)
-            if entry is None:
-                entry = self._entries[key] = RGVisibility(0, base_ts)
-            return entry
-
     def adopt(self, file_id: int, rg_id: int, entry: RGVisibility) -> None:
         """Take over a write-buffer block's visibility object when its file is published."""
         with self._lock:
@@ -170,16 +162,6 @@ class VisibilityIndex:
     def files(self) -> set[int]:
         with self._lock:
             return {k.file_id for k in self._entries}
-
-    def fold_all(self, safe_ts: int) -> int:
-        with self._lock:
-            entries = list(self._entries.values())
-        return sum(e.fold(safe_ts) for e in entries)
-
-    def __iter__(self) -> Iterator[tuple[RGKey, RGVisibility]]:
-        with self._lock:
-            return iter(list(self._entries.items()))
-
 
 def bitmap_to_bytes(bitmap: BitMap, row_count: int) -> bytes:
     """Dense little-endian bitset of ``row_count`` bits (bit i = row i deleted)."""

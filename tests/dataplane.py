@@ -10,9 +10,6 @@ with the RecoveryReplayContext) → MarkReady.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +28,7 @@ from retina_common.reader import SnapshotReader
 from retina_common.recovery_driver import drive_recovery, replay_requests, wait_replay_ready
 from retina_common.topology import Topology
 
-from .support import ROOT, TransServerProcess, eventually
+from .support import ChildProcess, TransServerProcess, eventually
 
 SCHEMA = "shop"
 TABLES: dict[str, tuple[list[ColumnSpec], list[str]]] = {
@@ -42,26 +39,22 @@ TABLES: dict[str, tuple[list[ColumnSpec], list[str]]] = {
 }
 
 
-class RetinaProcess:
+class RetinaProcess(ChildProcess):
+    module = "retina_server"
+    stop_timeout_s = 60.0
+
     def __init__(self, node: str, config_path: Path, workdir: Path) -> None:
+        super().__init__(config_path, workdir / f"retina-{node.replace(':', '-')}.log")
         self.node = node
-        self.config_path = config_path
-        self.log_path = workdir / f"retina-{node.replace(':', '-')}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
         self.channel: grpc.Channel | None = None
 
     def start(self, failpoints: str = "", wait: bool = True) -> RetinaProcess:
-        env = {**os.environ, "RETINA_FAILPOINTS": failpoints, "RETINA__RETINA__LISTEN": self.node,
-               "RETINA__RETINA__METRICS_LISTEN": "off"}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "retina_server", "--config", str(self.config_path)],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.spawn(failpoints, {"RETINA__RETINA__LISTEN": self.node,
+                                "RETINA__RETINA__METRICS_LISTEN": "off"})
         self.channel = grpc.insecure_channel(self.node)
         if wait:
             def up() -> bool:
-                assert self.proc is not None
-                if self.proc.poll() is not None:
+                if not self.alive():
                     raise AssertionError(f"retina {self.node} exited: {self.log_tail()}")
                 future = grpc.channel_ready_future(self.channel)
                 try:
@@ -77,33 +70,10 @@ class RetinaProcess:
         assert self.channel is not None
         return retina_pb2_grpc.RetinaWorkerServiceStub(self.channel)
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def wait_exit(self, timeout_s: float = 60) -> int:
-        assert self.proc is not None
-        return self.proc.wait(timeout=timeout_s)
-
     def stop(self) -> None:
         if self.channel is not None:
             self.channel.close()
-        if self.alive():
-            assert self.proc is not None
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-    def kill9(self) -> None:
-        if self.alive():
-            assert self.proc is not None
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text()[-chars:] if self.log_path.exists() else ""
+        self.terminate()
 
 
 @dataclass

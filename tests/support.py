@@ -53,8 +53,59 @@ def put_lifecycle(store: EtcdStore, node: str, state: LifecycleState | str, *,
     store.put(lifecycle_key(node), record.to_json(), lease_id=lease_id)
 
 
-class TransServerProcess:
+class ChildProcess:
+    """A real process of ours (``python -m MODULE --config ...``) logging to a file."""
+
+    module = ""
+    stop_timeout_s = 15.0
+
+    def __init__(self, config_path: Path, log_path: Path) -> None:
+        self.config_path = config_path
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def spawn(self, failpoints: str, env: Mapping[str, str] | None = None) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", self.module, "--config", str(self.config_path)],
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                env={**os.environ, "RETINA_FAILPOINTS": failpoints, **(env or {})})
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self) -> int | None:
+        """SIGKILL (if it still runs); returns the exit status."""
+        if self.proc is None:
+            return None
+        if self.alive():
+            self.proc.send_signal(signal.SIGKILL)
+        return self.proc.wait(timeout=10)
+
+    def wait_exit(self, timeout_s: float = 60) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout_s)
+
+    def terminate(self) -> None:
+        """SIGTERM, then SIGKILL if it has not gone within ``stop_timeout_s``."""
+        if not self.alive():
+            return
+        assert self.proc is not None
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text()[-chars:] if self.log_path.exists() else ""
+
+
+class TransServerProcess(ChildProcess):
     """A real ``retina-trans`` process with its own config and topology files."""
+
+    module = "trans_gate"
 
     def __init__(self, workdir: Path, etcd_endpoint: str, dsn: str, nodes: list[str], *,
                  trans: Mapping[str, object] | None = None,
@@ -66,50 +117,25 @@ class TransServerProcess:
         self.metrics = f"127.0.0.1:{free_port()}"
         topology = workdir / "topology.toml"
         topology.write_text(Topology(tuple(nodes), max(len(nodes), 4)).to_toml())
-        self.config_path = workdir / "retina.toml"
+        super().__init__(workdir / "retina.toml", workdir / "trans.log")
         write_config(self.config_path, etcd_endpoint=etcd_endpoint, dsn=dsn,
                      topology_file=topology, storage_root=workdir / "storage",
                      trans_listen=self.address, trans_metrics=self.metrics,
                      extra={"trans": dict(trans or {}), "gate": dict(gate or {})})
-        self.log_path = workdir / "trans.log"
-        self.proc: subprocess.Popen[bytes] | None = None
         self._channel: grpc.Channel | None = None
 
     def start(self, failpoints: str = "", wait: bool = True) -> TransServerProcess:
-        env = {**os.environ, "RETINA_FAILPOINTS": failpoints}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "trans_gate", "--config", str(self.config_path)],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.spawn(failpoints)
         if wait:
             eventually(lambda: self.alive() and grpc_serving(self.address), 30,
                        f"TransServer SERVING ({self.log_tail()})")
         return self
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill9(self) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        return self.proc.wait(timeout=10)
-
-    def wait_exit(self, timeout_s: float = 30) -> int:
-        assert self.proc is not None
-        return self.proc.wait(timeout=timeout_s)
-
     def stop(self) -> None:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
-        if self.alive():
-            assert self.proc is not None
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        self.terminate()
 
     def stub(self) -> trans_pb2_grpc.TransServiceStub:
         if self._channel is None:
@@ -122,8 +148,6 @@ class TransServerProcess:
             self._channel = None
         return self.stub()
 
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text()[-chars:] if self.log_path.exists() else ""
 
 
 def rpc_error(call: Callable[[], Any]) -> grpc.RpcError:

@@ -13,14 +13,11 @@ from decimal import Decimal
 from pathlib import Path
 
 import grpc
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from retina_common import file_names
 from retina_common.catalog import Catalog, FileType
 from retina_common.etcd import EtcdStore
-from retina_common.storage import read_bytes
 
 from .dataplane import DataPlane
 from .support import ROOT, eventually
@@ -61,14 +58,6 @@ def files(catalog: Catalog) -> dict[int, FileType]:
     return {f.file_id: f.type for f in catalog.get_files_by_type(None, list(FileType))}
 
 
-def rows_in_regular_files(catalog: Catalog) -> set[int]:
-    """The storage truth: ids in every REGULAR file, read straight from storage."""
-    ids: set[int] = set()
-    paths = {p.path_id: p.uri for p in catalog.list_paths()}
-    for f in catalog.get_files_by_type(None, [FileType.REGULAR]):
-        table = pq.read_table(pa.BufferReader(read_bytes(paths[f.path_id], f.name)))
-        ids.update(table.column("id").to_pylist())
-    return ids
 
 
 def test_files_closing_out_of_order_publish_in_first_block_order(
