@@ -1,19 +1,208 @@
-"""``retina-cdc``: the CDC connector process.
+"""``retina-cdc --config retina.toml``: the CDC connector process.
 
-The connector (sources, durable changelog, recovery driver) is not built
-yet. Rather than pretend, the command refuses to start with a clear message
-and exit code 2, so no deployment can mistake it for a running connector.
+Wires a source (``cdc.source``: ``postgres`` logical replication or
+``debezium-file``), the durable changelog, the committed-position store, the
+TransServer and every Retina node of the topology into a
+:class:`~cdc_client.connector.Connector`, watches the Retina lifecycle keys
+(a change triggers the recovery driver at once), runs changelog retention,
+and serves ``/metrics``.
+
+Exit codes: 0 stopped by a signal; 2 configuration; 3 stopped by a refusal
+or a malformed source event (the log says which; nothing of the offending
+transaction was applied); 4 a dependency unreachable at start.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
+import signal
 import sys
+import threading
+from types import FrameType
+
+import grpc
+import structlog
+
+from cdc_client.changelog import Changelog, CorruptChangelog
+from cdc_client.connector import Connector, ConnectorStopped, Settings
+from cdc_client.positions import ConnectorFenced, PositionStore
+from cdc_client.retention import run_retention
+from cdc_client.source import Source, SourceError
+from cdc_client.translate import MalformedChange, TableMap
+from retina_common import failpoints
+from retina_common.catalog import Catalog, CatalogError, TableRecord
+from retina_common.config import CdcConfig, Config, ConfigError, load_config
+from retina_common.etcd import EtcdError, EtcdStore
+from retina_common.keys import LIFECYCLE_PREFIX
+from retina_common.log import configure_logging
+from retina_common.metrics import serve_metrics
+from retina_common.pb import retina_pb2 as pb
+from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
+from retina_common.storage import root_uri
+from retina_common.topology import Topology, load_topology
+
+STOPPED_BY_REFUSAL = 3
+
+
+def changelog_root(config: Config) -> str:
+    return config.cdc.changelog_root or f"{root_uri(config.storage.root)}/_changelog"
+
+
+def settings_of(cdc: CdcConfig) -> Settings:
+    modes = {"vnode": pb.VNODE, "node": pb.NODE}
+    if cdc.replay_mode not in modes:
+        raise ConfigError(f"cdc.replay_mode: expected vnode or node, got {cdc.replay_mode!r}")
+    return Settings(schema=cdc.schema, batch_max_transactions=cdc.batch_max_transactions,
+                    batch_max_rows=cdc.batch_max_rows, batch_max_delay_ms=cdc.batch_max_delay_ms,
+                    write_lease_ms=cdc.write_lease_ms, replay_mode=modes[cdc.replay_mode],
+                    request_max_rows=cdc.request_max_rows, drive_recovery=cdc.drive_recovery,
+                    node_check_interval_s=cdc.node_check_interval_ms / 1000)
+
+
+def open_source(cdc: CdcConfig, start_after: str | None) -> Source:
+    if cdc.source == "postgres":
+        if not cdc.source_dsn:
+            raise ConfigError("cdc.source_dsn is required for the postgres source")
+        from cdc_client.sources.postgres import PostgresSource
+        return PostgresSource(cdc.source_dsn, slot=cdc.slot, publication=cdc.publication,
+                              tables=list(cdc.source_tables) or None, start_after=start_after)
+    if cdc.source == "debezium-file":
+        if not cdc.debezium_dir:
+            raise ConfigError("cdc.debezium_dir is required for the debezium-file source")
+        from pathlib import Path
+
+        from cdc_client.sources.debezium import DebeziumFileSource
+        return DebeziumFileSource(Path(cdc.debezium_dir), start_after=start_after)
+    raise ConfigError(f"cdc.source: expected postgres or debezium-file, got {cdc.source!r}")
+
+
+def table_map(catalog: Catalog, schema: str) -> TableMap:
+    @functools.cache
+    def lookup(schema_name: str, name: str) -> TableRecord | None:
+        try:
+            return catalog.get_table(schema_name, name)
+        except CatalogError:
+            return None
+    return TableMap(schema, lookup)
+
+
+def node_stubs(topology: Topology) -> dict[str, retina_pb2_grpc.RetinaWorkerServiceStub]:
+    return {n: retina_pb2_grpc.RetinaWorkerServiceStub(grpc.insecure_channel(n))
+            for n in topology.nodes}
+
+
+class _Background:
+    """The lifecycle watch (re-opened when it breaks) and the retention timer."""
+
+    def __init__(self, etcd: EtcdStore, connector: Connector, changelog: Changelog,
+                 topology: Topology, retention_interval_s: int, stop: threading.Event) -> None:
+        self._etcd = etcd
+        self._connector = connector
+        self._changelog = changelog
+        self._topology = topology
+        self._interval = retention_interval_s
+        self._stop = stop
+
+    def start(self) -> None:
+        threading.Thread(target=self._watch, name="lifecycle-watch", daemon=True).start()
+        threading.Thread(target=self._retention, name="retention", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            broken = threading.Event()
+            try:
+                _kvs, revision = self._etcd.get_prefix(LIFECYCLE_PREFIX)
+                watch = self._etcd.watch_prefix(
+                    LIFECYCLE_PREFIX, revision + 1,
+                    lambda _e: self._connector.nodes_changed(),
+                    lambda _reason, b=broken: b.set())
+            except EtcdError as exc:
+                log.warning("cdc_watch_failed", error=str(exc))
+                self._stop.wait(1)
+                continue
+            while not self._stop.is_set() and not broken.wait(0.5):
+                pass
+            watch.cancel()
+            self._connector.nodes_changed()  # events may have been missed
+
+    def _retention(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                run_retention(self._changelog, self._etcd, self._topology)
+            except (EtcdError, OSError, CorruptChangelog) as exc:
+                log.warning("cdc_retention_failed", error=str(exc))
+
+
+log = structlog.get_logger("cdc")
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("retina-cdc: the CDC connector is not available in this build "
-          "(see docs/operations.md, 'What is not built yet')", file=sys.stderr)
-    return 2
+    parser = argparse.ArgumentParser(prog="retina-cdc", description=__doc__)
+    parser.add_argument("--config", help="TOML config file (default: $RETINA_CONFIG)")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+        failpoints.load_from_env()
+        topology = load_topology(config.topology_file)
+        settings = settings_of(config.cdc)
+    except (ConfigError, failpoints.FailpointError) as exc:
+        print(f"retina-cdc: {exc}", file=sys.stderr)
+        return 2
+    configure_logging("cdc", config.log_level, connector=config.cdc.name)
+    stop = threading.Event()
+    try:
+        etcd = EtcdStore(config.etcd.endpoints, config.etcd.timeout_s)
+        positions = PositionStore(etcd, config.cdc.name)
+        committed = positions.load()
+        catalog = Catalog(config.catalog.dsn, pool_max=2,
+                          connect_timeout_s=config.catalog.connect_timeout_s)
+        source = open_source(config.cdc, committed.position if committed else None)
+    except ConfigError as exc:
+        print(f"retina-cdc: {exc}", file=sys.stderr)
+        return 2
+    except (EtcdError, CatalogError, OSError, SourceError) as exc:
+        log.error("cdc_start_failed", error=str(exc), error_type=type(exc).__name__)
+        return 4
+    except Exception as exc:  # psycopg2 errors of the source connection
+        log.error("cdc_start_failed", error=str(exc), error_type=type(exc).__name__)
+        return 4
+    changelog = Changelog(changelog_root(config))
+    trans = trans_pb2_grpc.TransServiceStub(grpc.insecure_channel(config.trans.listen))
+    connector = Connector(source=source, changelog=changelog, positions=positions, trans=trans,
+                          nodes=node_stubs(topology), tables=table_map(catalog, config.cdc.schema),
+                          topology=topology, settings=settings)
+    serve_metrics(config.cdc.metrics_listen)
+
+    def on_signal(_signum: int, _frame: FrameType | None) -> None:
+        stop.set()  # only a flag: see retina_server.server
+        connector.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    _Background(etcd, connector, changelog, topology, config.cdc.retention_interval_s,
+                stop).start()
+    exit_code = [0]
+    worker = threading.Thread(target=_run, args=(connector, stop, exit_code), name="connector")
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.2)  # a signal delivered to another thread must still be seen
+    source.close()
+    return exit_code[0]
+
+
+def _run(connector: Connector, stop: threading.Event, exit_code: list[int]) -> None:
+    try:
+        connector.run()
+    except (MalformedChange, SourceError, ConnectorFenced, CorruptChangelog) as exc:
+        log.error("cdc_stopped_malformed", error=str(exc), error_type=type(exc).__name__)
+        exit_code[0] = STOPPED_BY_REFUSAL
+    except ConnectorStopped as exc:
+        if not stop.is_set():
+            log.error("cdc_stopped_refused", error=str(exc))
+            exit_code[0] = STOPPED_BY_REFUSAL
+    finally:
+        stop.set()
 
 
 if __name__ == "__main__":

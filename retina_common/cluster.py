@@ -239,7 +239,10 @@ def start_postgres(data_dir: Path, log_path: Path, *, durable: bool = True,
         if result.returncode != 0:
             raise ClusterError(f"initdb failed: {result.stderr.strip() or result.stdout.strip()}")
     options = ["-c listen_addresses=127.0.0.1", f"-c unix_socket_directories={data_dir}",
-               "-c max_connections=200"]
+               "-c max_connections=200",
+               # The same server hosts the demo's source database, which the
+               # CDC connector reads by logical replication (pgoutput).
+               "-c wal_level=logical", "-c max_wal_senders=20", "-c max_replication_slots=20"]
     if not durable:  # test fixtures: a real server, but without waiting on the disk
         options += ["-c fsync=off", "-c synchronous_commit=off", "-c full_page_writes=off"]
     for _attempt in range(3):

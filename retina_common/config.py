@@ -91,6 +91,35 @@ class RetinaConfig:
 
 
 @dataclass(frozen=True)
+class CdcConfig:
+    # Names the committed-position key in etcd; one running connector per name.
+    name: str = "retina-cdc"
+    metrics_listen: str = "127.0.0.1:9466"
+    source: str = "postgres"  # "postgres" | "debezium-file"
+    source_dsn: str = ""
+    slot: str = "retina_cdc"
+    publication: str = "retina_cdc"
+    # Source tables as schema.table; empty: every table of the publication.
+    source_tables: tuple[str, ...] = ()
+    debezium_dir: str = ""
+    # The Retina schema the source tables map to (same table names).
+    schema: str = "public"
+    # Empty: <storage.root>/_changelog
+    changelog_root: str = ""
+    batch_max_transactions: int = 500
+    batch_max_rows: int = 5000
+    batch_max_delay_ms: int = 20
+    write_lease_ms: int = 15_000
+    replay_mode: str = "vnode"  # "vnode" | "node"
+    # false: an operator replays recovering nodes (spark_jobs/cdc_replay.py);
+    # the connector then only waits for them to become READY.
+    drive_recovery: bool = True
+    request_max_rows: int = 5000
+    node_check_interval_ms: int = 1000
+    retention_interval_s: int = 60
+
+
+@dataclass(frozen=True)
 class Config:
     topology_file: str = "topology.toml"
     log_level: str = "info"
@@ -100,6 +129,7 @@ class Config:
     trans: TransConfig = field(default_factory=TransConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     retina: RetinaConfig = field(default_factory=RetinaConfig)
+    cdc: CdcConfig = field(default_factory=CdcConfig)
 
 
 def _convert(name: str, kind: Any, raw: Any) -> Any:

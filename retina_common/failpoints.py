@@ -231,3 +231,21 @@ RECOVERY_CLEANSING_AFTER = Failpoint(
     "replay starts not yet published")
 MARK_READY_BARRIER = Failpoint(
     "recovery.mark_ready.barrier", "MarkReady accepted: replay entry closed, not yet READY")
+
+# --- CDC connector (docs/write-paths/cdc-changelog.md) ------------------------------
+CDC_BATCH_AFTER_BEGIN = Failpoint(
+    "cdc.batch.after_begin", "timestamps allocated for a batch, nothing in the changelog")
+CDC_CHANGELOG_AFTER_SEGMENTS = Failpoint(
+    "cdc.changelog.after_segments", "segments durable, no batch record names them")
+CDC_CHANGELOG_AFTER_RECORD = Failpoint(
+    "cdc.changelog.after_record", "batch durable in the changelog, nothing sent")
+CDC_SEND_BETWEEN_NODES = Failpoint(
+    "cdc.send.between_nodes", "one Retina node acknowledged the batch, others not yet")
+CDC_SEND_AFTER_ALL = Failpoint(
+    "cdc.send.after_all", "every Retina node acknowledged, transactions not committed")
+CDC_COMMIT_AFTER = Failpoint(
+    "cdc.commit.after", "batch committed at the TransServer, position not stored")
+CDC_POSITION_AFTER_STORE = Failpoint(
+    "cdc.position.after_store", "committed position stored in etcd, source not acknowledged")
+CDC_REPLAY_AFTER_REQUEST = Failpoint(
+    "cdc.replay.after_request", "one recovery replay request acknowledged, more to send")

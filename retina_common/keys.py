@@ -27,3 +27,12 @@ def checkpoint_slot_key(node_id: str, slot: str) -> str:
     if slot not in ("current", "previous"):
         raise ValueError(f"unknown checkpoint slot {slot}")
     return f"{CHECKPOINT_PREFIX}{quote(node_id, safe='')}/{slot}"
+
+
+CDC_PREFIX = "/pixels/cdc/"
+
+
+def cdc_position_key(connector: str) -> str:
+    """``/pixels/cdc/<connector>/position``: the last committed source position
+    and timestamp, CAS-fenced so two connectors of one name cannot interleave."""
+    return f"{CDC_PREFIX}{quote(connector, safe='')}/position"

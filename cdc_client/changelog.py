@@ -1,0 +1,256 @@
+"""The durable changelog: every source transaction, with its Retina timestamp
+and source position, stored before anything is sent (specification section 6).
+
+Layout under the changelog root (a local directory or any pyarrow.fs URI)::
+
+    segments/vnode=0003/<firstTs>-<lastTs>.parquet   one per batch and virtual node
+    batches/<firstTs>-<lastTs>.rec                   the batch record (the commit point)
+
+A batch (one or more source transactions, timestamps ascending) is durable
+once its batch record is: segments are written and fsynced first, then the
+record naming them with their length and CRC32C. A segment no record names
+(a crash between the two) is never read and is removed by retention. Rows
+carry the encoded primary key and column values exactly as UpdateRecord
+sends them, so replay never re-encodes and never consults the source.
+
+A segment row is one net effect of one transaction on one key: ``op`` 0 is a
+DELETE, 1 a CDC replace (DELETE + INSERT of the same key). Replay reads a
+virtual node from a timestamp, inclusive, in (ts, seq) order.
+
+The record format: ``RCLB1 <length> <crc32c>\\n`` then a JSON body of that
+length. A corrupt record or segment raises :class:`CorruptChangelog`; it is
+never read as absent.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import crc32c
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from retina_common import storage
+from retina_common.failpoints import (
+    CDC_CHANGELOG_AFTER_RECORD,
+    CDC_CHANGELOG_AFTER_SEGMENTS,
+)
+
+DELETE, REPLACE = 0, 1
+_MAGIC = "RCLB1"
+_RECORD = re.compile(r"^(\d{20})-(\d{20})\.rec$")
+SEGMENT_SCHEMA = pa.schema([
+    ("ts", pa.int64()), ("seq", pa.int32()), ("table", pa.string()), ("op", pa.int8()),
+    ("key", pa.binary()), ("values", pa.list_(pa.binary())),
+])
+
+
+class CorruptChangelog(Exception):
+    """A batch record or segment fails its length or CRC32C check."""
+
+
+@dataclass(frozen=True)
+class ChangeRow:
+    ts: int
+    seq: int
+    vnode: int
+    table: str
+    op: int
+    key: bytes
+    values: tuple[bytes, ...] | None  # encoded column values; None for DELETE
+
+
+@dataclass
+class LoggedTransaction:
+    ts: int
+    position: str
+    source_txid: str
+    commit_time_ms: int
+    rows: list[ChangeRow] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SegmentRef:
+    vnode: int
+    name: str
+    rows: int
+    length: int
+    crc32c: int
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    first_ts: int
+    last_ts: int
+    transactions: tuple[dict, ...]  # {"ts", "position", "sourceTxid", "commitTimeMs", "rows"}
+    segments: tuple[SegmentRef, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.first_ts:020d}-{self.last_ts:020d}.rec"
+
+    @property
+    def last_position(self) -> str:
+        return self.transactions[-1]["position"]
+
+    def to_bytes(self) -> bytes:
+        body = json.dumps({
+            "firstTs": self.first_ts, "lastTs": self.last_ts,
+            "transactions": list(self.transactions),
+            "segments": [{"vnode": s.vnode, "name": s.name, "rows": s.rows,
+                          "length": s.length, "crc32c": s.crc32c} for s in self.segments],
+        }, separators=(",", ":")).encode()
+        return f"{_MAGIC} {len(body)} {crc32c.crc32c(body)}\n".encode() + body
+
+    @classmethod
+    def parse(cls, data: bytes, where: str) -> BatchRecord:
+        head, _, body = data.partition(b"\n")
+        parts = head.decode(errors="replace").split(" ")
+        if len(parts) != 3 or parts[0] != _MAGIC or not all(p.isdigit() for p in parts[1:]):
+            raise CorruptChangelog(f"{where}: not a changelog batch record")
+        if len(body) != int(parts[1]) or crc32c.crc32c(body) != int(parts[2]):
+            raise CorruptChangelog(f"{where}: length or CRC32C mismatch")
+        d = json.loads(body)
+        return cls(int(d["firstTs"]), int(d["lastTs"]), tuple(d["transactions"]),
+                   tuple(SegmentRef(int(s["vnode"]), s["name"], int(s["rows"]),
+                                    int(s["length"]), int(s["crc32c"]))
+                         for s in d["segments"]))
+
+
+def _segment_dir(vnode: int) -> str:
+    return f"segments/vnode={vnode:04d}"
+
+
+def _encode_segment(rows: list[ChangeRow]) -> bytes:
+    table = pa.table({
+        "ts": pa.array([r.ts for r in rows], pa.int64()),
+        "seq": pa.array([r.seq for r in rows], pa.int32()),
+        "table": pa.array([r.table for r in rows], pa.string()),
+        "op": pa.array([r.op for r in rows], pa.int8()),
+        "key": pa.array([r.key for r in rows], pa.binary()),
+        "values": pa.array([None if r.values is None else list(r.values) for r in rows],
+                           pa.list_(pa.binary())),
+    }, schema=SEGMENT_SCHEMA)
+    out = io.BytesIO()
+    pq.write_table(table, out, compression="zstd")
+    return out.getvalue()
+
+
+def decode_segment(data: bytes, vnode: int) -> list[ChangeRow]:
+    table = pq.read_table(io.BytesIO(data))
+    cols = [table.column(n).to_pylist() for n in ("ts", "seq", "table", "op", "key", "values")]
+    return [ChangeRow(ts, seq, vnode, t, op, key, None if values is None else tuple(values))
+            for ts, seq, t, op, key, values in zip(*cols, strict=True)]
+
+
+class Changelog:
+    def __init__(self, root: str) -> None:
+        self.root = storage.root_uri(root)
+
+    def _uri(self, sub: str) -> str:
+        return f"{self.root}/{sub}"
+
+    def append(self, transactions: list[LoggedTransaction]) -> BatchRecord:
+        """Make a batch durable; returns its record. Timestamps must ascend."""
+        stamps = [t.ts for t in transactions]
+        if not stamps or stamps != sorted(stamps) or len(set(stamps)) != len(stamps):
+            raise ValueError("a batch needs distinct, ascending timestamps")
+        first, last = stamps[0], stamps[-1]
+        by_vnode: dict[int, list[ChangeRow]] = {}
+        for trans in transactions:
+            for row in trans.rows:
+                by_vnode.setdefault(row.vnode, []).append(row)
+        refs = []
+        for vnode, rows in sorted(by_vnode.items()):
+            data = _encode_segment(rows)
+            name = f"{first:020d}-{last:020d}.parquet"
+            storage.write_durably(self._uri(_segment_dir(vnode)), name, data)
+            refs.append(SegmentRef(vnode, name, len(rows), len(data), crc32c.crc32c(data)))
+        CDC_CHANGELOG_AFTER_SEGMENTS.hit()
+        record = BatchRecord(first, last, tuple(
+            {"ts": t.ts, "position": t.position, "sourceTxid": t.source_txid,
+             "commitTimeMs": t.commit_time_ms, "rows": len(t.rows)} for t in transactions),
+            tuple(refs))
+        storage.write_durably(self._uri("batches"), record.name, record.to_bytes())
+        CDC_CHANGELOG_AFTER_RECORD.hit()
+        return record
+
+    def _list(self, sub: str) -> list[str]:
+        fs, base = pafs.FileSystem.from_uri(self._uri(sub))
+        try:
+            infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+        except FileNotFoundError:
+            return []
+        return sorted(i.base_name for i in infos if i.type == pafs.FileType.File)
+
+    def records(self, from_ts: int = 0) -> list[BatchRecord]:
+        """Every durable batch whose range reaches ``from_ts`` or later, in ts order."""
+        out = []
+        for name in self._list("batches"):
+            match = _RECORD.match(name)
+            if match and int(match.group(2)) >= from_ts:
+                out.append(BatchRecord.parse(storage.read_bytes(self._uri("batches"), name),
+                                             name))
+        return out
+
+    def read_segment(self, ref: SegmentRef) -> list[ChangeRow]:
+        data = storage.read_bytes(self._uri(_segment_dir(ref.vnode)), ref.name)
+        if len(data) != ref.length or crc32c.crc32c(data) != ref.crc32c:
+            raise CorruptChangelog(f"segment vnode={ref.vnode}/{ref.name}: "
+                                   "length or CRC32C mismatch")
+        return decode_segment(data, ref.vnode)
+
+    def read(self, starts: Mapping[int, int], upto_ts: int | None = None,
+             records: Iterable[BatchRecord] | None = None) -> Iterator[ChangeRow]:
+        """Rows of the virtual nodes in ``starts`` (vnode → first ts, inclusive),
+        up to ``upto_ts`` inclusive, in (ts, seq) order."""
+        if not starts:
+            return
+        low = min(starts.values())
+        for record in (self.records(low) if records is None else records):
+            rows = [row for ref in record.segments if ref.vnode in starts
+                    for row in self.read_segment(ref)
+                    if row.ts >= starts[ref.vnode] and (upto_ts is None or row.ts <= upto_ts)]
+            rows.sort(key=lambda r: (r.ts, r.vnode, r.seq))
+            yield from rows
+
+    def last_record(self) -> BatchRecord | None:
+        names = [n for n in self._list("batches") if _RECORD.match(n)]
+        if not names:
+            return None
+        return BatchRecord.parse(storage.read_bytes(self._uri("batches"), names[-1]), names[-1])
+
+    def drop_before(self, horizon_ts: int) -> int:
+        """Retention: remove every batch whose last timestamp is below
+        ``horizon_ts`` (record first, so no reader finds a record without its
+        segments), then segments no record names. Returns batches removed."""
+        removed = 0
+        named: set[tuple[int, str]] = set()
+        for record in self.records(0):
+            if record.last_ts < horizon_ts:
+                storage.delete_quietly(self._uri("batches"), record.name)
+                for ref in record.segments:
+                    storage.delete_quietly(self._uri(_segment_dir(ref.vnode)), ref.name)
+                removed += 1
+            else:
+                named |= {(ref.vnode, ref.name) for ref in record.segments}
+        self._drop_orphans(named, horizon_ts)
+        return removed
+
+    def _drop_orphans(self, named: set[tuple[int, str]], horizon_ts: int) -> None:
+        # A segment whose record was never written (crash in between) is dead,
+        # but only once a later batch exists: the newest one may be mid-write.
+        fs, base = pafs.FileSystem.from_uri(self._uri("segments"))
+        infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True, recursive=True))
+        for info in infos:
+            if info.type != pafs.FileType.File or not info.base_name.endswith(".parquet"):
+                continue
+            vnode = int(info.path.rsplit("vnode=", 1)[1].split("/", 1)[0])
+            last = int(info.base_name.split("-")[1].split(".")[0])
+            if (vnode, info.base_name) not in named and last < horizon_ts:
+                storage.delete_quietly(self._uri(_segment_dir(vnode)), info.base_name)

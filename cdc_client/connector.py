@@ -1,0 +1,399 @@
+"""The CDC connector loop: source → timestamps → changelog → Retina → commit → ack.
+
+One batch of source transactions at a time (specification section 6):
+
+1. poll committed source transactions (up to a size or a delay), skipping any
+   at or before the committed position (a source re-delivers after a crash);
+2. translate and validate every change (nothing is allocated for a malformed
+   transaction);
+3. ``BeginTransBatch``: one write transaction, one timestamp, per source
+   transaction;
+4. append the batch to the durable changelog;
+5. send each Retina node its rows (one ``UpdateRecord`` per node), retrying
+   UNAVAILABLE with backoff; a node found RECOVERING is driven through
+   recovery from the changelog, which already holds this batch;
+6. ``CommitTransBatch`` only after every node acknowledged;
+7. store the committed position (etcd, CAS-fenced), then acknowledge the
+   source.
+
+A refusal other than UNAVAILABLE rolls the batch back and stops the
+connector with the status in the error. A crash anywhere is recovered by
+starting again: uncommitted transactions are rolled back by their lease,
+the source re-delivers everything after the committed position, and the
+CDC replace encoding makes re-applying them converge. Retina stays READY.
+Crash windows: ``docs/write-paths/cdc-changelog.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from cdc_client import metrics as m
+from cdc_client.changelog import Changelog, ChangeRow, LoggedTransaction
+from cdc_client.positions import CommittedPosition, PositionStore
+from cdc_client.replay import by_node, node_starts, requests
+from cdc_client.source import Source, SourceTransaction
+from cdc_client.translate import MalformedChange, TableMap, translate
+from retina_common.catalog import TableRecord
+from retina_common.failpoints import (
+    CDC_BATCH_AFTER_BEGIN,
+    CDC_COMMIT_AFTER,
+    CDC_POSITION_AFTER_STORE,
+    CDC_REPLAY_AFTER_REQUEST,
+    CDC_SEND_AFTER_ALL,
+    CDC_SEND_BETWEEN_NODES,
+)
+from retina_common.pb import retina_pb2 as pb
+from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
+from retina_common.pb import trans_pb2 as tpb
+from retina_common.recovery_driver import RecoveryFailed, drive_recovery
+from retina_common.topology import Topology
+
+log = structlog.get_logger("cdc")
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class ConnectorStopped(Exception):
+    """A refusal the connector must not retry blindly; the message says why."""
+
+
+class BatchExpired(Exception):
+    """The batch's transactions ended at the TransServer (lease) while waiting."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    schema: str
+    batch_max_transactions: int = 500
+    batch_max_rows: int = 5000
+    batch_max_delay_ms: int = 20
+    write_lease_ms: int = 15_000
+    replay_mode: int = pb.VNODE
+    drive_recovery: bool = True
+    request_max_rows: int = 5000
+    backoff_max_s: float = 2.0
+    node_check_interval_s: float = 1.0
+    rpc_timeout_s: float = 30.0
+
+
+@dataclass
+class Batch:
+    transactions: list[SourceTransaction]
+    rows: list[list[ChangeRow]]  # per transaction, ts 0 until stamped
+
+
+class Backoff:
+    def __init__(self, cap_s: float, stop: threading.Event) -> None:
+        self._delay = 0.05
+        self._cap = cap_s
+        self._stop = stop
+
+    def wait(self) -> None:
+        if self._stop.wait(self._delay):
+            raise ConnectorStopped("stopping")
+        self._delay = min(self._delay * 2, self._cap)
+
+
+class Connector:
+    def __init__(self, *, source: Source, changelog: Changelog, positions: PositionStore,
+                 trans: trans_pb2_grpc.TransServiceStub,
+                 nodes: Mapping[str, retina_pb2_grpc.RetinaWorkerServiceStub],
+                 tables: TableMap, topology: Topology, settings: Settings,
+                 clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> None:
+        self.source = source
+        self.changelog = changelog
+        self.positions = positions
+        self.trans = trans
+        self.nodes = dict(nodes)
+        self.tables = tables
+        self.topology = topology
+        self.settings = settings
+        self._clock_ms = clock_ms
+        self._stop = threading.Event()
+        self._nodes_changed = threading.Event()
+        self._committed: CommittedPosition | None = None
+        self._deferred: Exception | None = None  # a malformed transaction after a good batch
+        self._open_ids: list[int] = []  # the in-flight batch, kept alive during a replay
+        self._extended_at = 0.0
+        self.last_replay: dict[str, dict] = {}  # node -> report of its last recovery
+
+    # --- life -------------------------------------------------------------
+    def stop(self) -> None:
+        self._stop.set()
+
+    def nodes_changed(self) -> None:
+        """Called by the lifecycle watch: look at the nodes before the next batch."""
+        self._nodes_changed.set()
+
+    def run(self) -> None:
+        self._committed = self.positions.load()
+        log.info("cdc_start", source=self.source.name,
+                 resume_after=self._committed.position if self._committed else None)
+        self.recover_nodes()
+        next_check = time.monotonic() + self.settings.node_check_interval_s
+        while not self._stop.is_set():
+            if self._nodes_changed.is_set() or time.monotonic() >= next_check:
+                self._nodes_changed.clear()
+                self.recover_nodes()
+                next_check = time.monotonic() + self.settings.node_check_interval_s
+            batch = self._collect()
+            if batch is not None:
+                self._process(batch)
+        log.info("cdc_stopped")
+
+    # --- 1-2: collect and validate ------------------------------------------
+    def _already_committed(self, trans: SourceTransaction) -> bool:
+        c = self._committed
+        return c is not None and (self.source.position_key(trans.position)
+                                  <= self.source.position_key(c.position))
+
+    def _collect(self) -> Batch | None:
+        if self._deferred is not None:
+            raise self._deferred
+        s = self.settings
+        batch = Batch([], [])
+        deadline = None
+        rows = 0
+        while len(batch.transactions) < s.batch_max_transactions and rows < s.batch_max_rows:
+            timeout = 0.2 if deadline is None else deadline - time.monotonic()
+            if timeout <= 0 or self._stop.is_set():
+                break
+            trans = self.source.poll(timeout)
+            if trans is None:
+                break
+            if self._already_committed(trans):
+                log.info("cdc_skip_committed", position=trans.position)
+                continue
+            try:
+                translated = translate(trans, self.tables, self.topology)
+            except MalformedChange as exc:
+                if not batch.transactions:
+                    raise
+                # Commit the valid transactions before it first, then stop.
+                self._deferred = exc
+                break
+            batch.transactions.append(trans)
+            batch.rows.append(translated)
+            rows += len(translated)
+            if deadline is None:
+                deadline = time.monotonic() + s.batch_max_delay_ms / 1000
+        m.PENDING.set(len(batch.transactions))
+        return batch if batch.transactions else None
+
+    # --- 3-7: one batch -------------------------------------------------------
+    def _process(self, batch: Batch) -> None:
+        started = time.monotonic()
+        while True:
+            try:
+                self._process_once(batch)
+                break
+            except BatchExpired as exc:
+                log.warning("cdc_batch_expired", reason=str(exc))
+        rows = sum(len(r) for r in batch.rows)
+        m.BATCH_SECONDS.observe(time.monotonic() - started)
+        m.TRANSACTIONS.inc(len(batch.transactions))
+        m.ROWS.inc(rows)
+        m.PENDING.set(0)
+        last = batch.transactions[-1]
+        m.LAG_SECONDS.set(max(0, self._clock_ms() - last.commit_time_ms) / 1000)
+
+    def _begin(self, count: int) -> list[tpb.BeginTransResponse]:
+        backoff = Backoff(self.settings.backoff_max_s, self._stop)
+        while True:
+            try:
+                answer = self.trans.BeginTransBatch(tpb.BeginTransBatchRequest(
+                    read_only=False, count=count, lease_ms=self.settings.write_lease_ms),
+                    timeout=self.settings.rpc_timeout_s)
+                return sorted(answer.transactions, key=lambda t: t.timestamp)
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRYABLE:
+                    raise ConnectorStopped(f"BeginTransBatch refused: {exc.code().name}: "
+                                           f"{exc.details()}") from None
+                log.warning("cdc_trans_unavailable", error=exc.details())
+                backoff.wait()
+
+    def _process_once(self, batch: Batch) -> None:
+        began = self._begin(len(batch.transactions))
+        CDC_BATCH_AFTER_BEGIN.hit()
+        ids = [t.trans_id for t in began]
+        logged = [LoggedTransaction(b.timestamp, t.position, t.source_txid, t.commit_time_ms,
+                                    [dataclasses.replace(r, ts=b.timestamp) for r in rows])
+                  for b, t, rows in zip(began, batch.transactions, batch.rows, strict=True)]
+        self._open_ids = ids
+        try:
+            record = self.changelog.append(logged)
+            self._send([row for t in logged for row in t.rows], ids)
+        except ConnectorStopped:
+            self._rollback(ids)
+            raise
+        finally:
+            self._open_ids = []
+        self._commit(ids)
+        CDC_COMMIT_AFTER.hit()
+        committed = CommittedPosition(record.last_position, record.last_ts, self.source.name)
+        self.positions.store(committed)
+        self._committed = committed
+        CDC_POSITION_AFTER_STORE.hit()
+        self.source.ack(committed.position)
+        m.COMMITTED_TS.set(committed.ts)
+        log.info("cdc_batch_committed", transactions=len(ids), first_ts=record.first_ts,
+                 last_ts=record.last_ts, position=committed.position)
+
+    def _commit(self, ids: list[int]) -> None:
+        backoff = Backoff(self.settings.backoff_max_s, self._stop)
+        while True:
+            try:
+                self.trans.CommitTransBatch(tpb.CommitTransBatchRequest(trans_ids=ids),
+                                            timeout=self.settings.rpc_timeout_s)
+                return
+            except grpc.RpcError as exc:
+                if exc.code() in RETRYABLE:
+                    backoff.wait()
+                    continue
+                # NOT_FOUND / FAILED_PRECONDITION: a lease ran out. Everything was
+                # applied, but the timestamps were rolled back: do the batch again.
+                raise BatchExpired(f"CommitTransBatch: {exc.code().name}: "
+                                   f"{exc.details()}") from None
+
+    def _rollback(self, ids: list[int]) -> None:
+        for trans_id in ids:
+            try:
+                self.trans.RollbackTrans(tpb.RollbackTransRequest(trans_id=trans_id),
+                                         timeout=self.settings.rpc_timeout_s)
+            except grpc.RpcError as exc:  # its lease will end it
+                log.warning("cdc_rollback_failed", trans_id=trans_id, error=exc.details())
+
+    def _extend(self, ids: list[int]) -> None:
+        self._extended_at = time.monotonic()
+        for trans_id in ids:
+            try:
+                self.trans.ExtendTransLease(tpb.ExtendTransLeaseRequest(
+                    trans_id=trans_id, lease_ms=self.settings.write_lease_ms),
+                    timeout=self.settings.rpc_timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() in RETRYABLE:
+                    return
+                raise BatchExpired(f"ExtendTransLease: {exc.code().name}: "
+                                   f"{exc.details()}") from None
+
+    # --- 5: send ------------------------------------------------------------
+    def _table_records(self) -> dict[str, TableRecord]:
+        return _TableRecords(self.tables)
+
+    def _send(self, rows: list[ChangeRow], ids: list[int]) -> None:
+        per_node = by_node(rows, self.topology)
+        pending = sorted(per_node)
+        for i, node in enumerate(pending):
+            self._send_to_node(node, per_node[node], ids)
+            if i + 1 < len(pending):
+                CDC_SEND_BETWEEN_NODES.hit()
+        CDC_SEND_AFTER_ALL.hit()
+
+    def _send_to_node(self, node: str, rows: list[ChangeRow], ids: list[int]) -> None:
+        stub = self.nodes[node]
+        backoff = Backoff(self.settings.backoff_max_s, self._stop)
+        tables = self._table_records()
+        while True:
+            try:
+                for request in requests(self.settings.schema, tables, rows,
+                                        self.settings.request_max_rows):
+                    stub.UpdateRecord(request, timeout=self.settings.rpc_timeout_s)
+                return
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRYABLE:
+                    raise ConnectorStopped(f"UpdateRecord to {node} refused: "
+                                           f"{exc.code().name}: {exc.details()}") from None
+                log.warning("cdc_node_unavailable", node=node, error=exc.details())
+            self._extend(ids)
+            # A node found RECOVERING is replayed from the changelog, which
+            # already holds this batch: its part is then done.
+            if self._recover(node):
+                return
+            backoff.wait()
+
+    # --- recovery driver ------------------------------------------------------
+    def recover_nodes(self) -> None:
+        for node in sorted(self.nodes):
+            self._recover(node)
+
+    def _recover(self, node: str) -> bool:
+        """Drive ``node`` to READY if it is RECOVERING; True if it was driven."""
+        stub = self.nodes[node]
+        try:
+            status = stub.GetRetinaStatus(pb.GetRetinaStatusRequest(), timeout=5)
+        except grpc.RpcError:
+            return False
+        if status.state == pb.READY:
+            return False
+        if status.state == pb.FAILED:
+            raise ConnectorStopped(f"{node} is FAILED: {status.failure_reason}")
+        if not self.settings.drive_recovery:
+            return False  # an operator's replay job drives it; keep waiting
+        return self._drive(node, stub)
+
+    def _drive(self, node: str, stub: retina_pb2_grpc.RetinaWorkerServiceStub) -> bool:
+        started = time.monotonic()
+        counter = {"rows": 0, "requests": 0}
+        used: dict = {}
+
+        def replay(starts: pb.GetRecoveryReplayTsResponse,
+                   context: pb.RecoveryReplayContext) -> Iterator[pb.UpdateRecordRequest]:
+            vnode_starts = node_starts(node, self.topology, starts, self.settings.replay_mode)
+            used.update(checkpoint_id=context.checkpoint_id, starts=vnode_starts)
+            log.info("cdc_replay_start", node=node, checkpoint_id=context.checkpoint_id,
+                     mode=pb.ReplayMode.Name(self.settings.replay_mode),
+                     node_replay_from_ts=starts.node_replay_from_ts)
+            rows = self.changelog.read(vnode_starts)
+            for request in requests(self.settings.schema, self._table_records(), rows,
+                                    self.settings.request_max_rows):
+                request.recovery_replay_context.CopyFrom(context)
+                n = sum(len(t.delete_data) for t in request.table_update_data)
+                yield request
+                counter["rows"] += n
+                counter["requests"] += 1
+                m.REPLAY_ROWS.labels(node=node).inc(n)
+                CDC_REPLAY_AFTER_REQUEST.hit()
+                if self._open_ids and time.monotonic() - self._extended_at > 2:
+                    self._extend(self._open_ids)
+
+        m.REPLAY_IN_PROGRESS.labels(node=node).set(1)
+        try:
+            drive_recovery(stub, replay=replay, mode=self.settings.replay_mode)
+        except RecoveryFailed as exc:
+            raise ConnectorStopped(str(exc)) from None
+        except TimeoutError as exc:
+            log.warning("cdc_replay_not_ready", node=node, error=str(exc))
+            return False
+        except grpc.RpcError as exc:
+            if exc.code() in RETRYABLE:  # the node went away again: start over later
+                log.warning("cdc_replay_interrupted", node=node, error=exc.details())
+                return False
+            raise ConnectorStopped(f"recovery of {node} refused: {exc.code().name}: "
+                                   f"{exc.details()}") from None
+        finally:
+            m.REPLAY_IN_PROGRESS.labels(node=node).set(0)
+        seconds = time.monotonic() - started
+        self.last_replay[node] = {**used, **counter, "seconds": round(seconds, 3)}
+        log.info("cdc_replay_done", node=node, rows=counter["rows"],
+                 requests=counter["requests"], seconds=round(seconds, 3))
+        return True
+
+
+class _TableRecords(dict):
+    """Table records by name, read from the catalog on first use."""
+
+    def __init__(self, tables: TableMap) -> None:
+        super().__init__()
+        self._tables = tables
+
+    def __missing__(self, name: str) -> TableRecord:
+        record = self._tables.table(name, "changelog")
+        self[name] = record
+        return record

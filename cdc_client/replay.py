@@ -1,0 +1,74 @@
+"""Changelog rows as UpdateRecord requests, for live sends and recovery replay.
+
+Rows become one ``TableUpdateData`` per (timestamp, table, virtual node): a
+DELETE as ``delete_data``; a replace as ``delete_data`` plus ``insert_data``
+of the same key (Retina applies the DELETE first). Requests are cut at about
+``max_rows`` rows, on a timestamp boundary when one is near, so a replay
+request stays well under the server's ``max_rows_per_request``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+
+from cdc_client.changelog import REPLACE, ChangeRow
+from retina_common.catalog import TableRecord
+from retina_common.pb import retina_pb2 as pb
+from retina_common.topology import Topology
+
+
+def _index_key(table: TableRecord, key: bytes, ts: int) -> pb.IndexKey:
+    return pb.IndexKey(table_id=table.table_id, index_id=table.primary_index_id,
+                       key=key, timestamp=ts)
+
+
+def add_row(tud: pb.TableUpdateData, table: TableRecord, row: ChangeRow) -> None:
+    tud.delete_data.add().index_keys.append(_index_key(table, row.key, row.ts))
+    if row.op == REPLACE:
+        item = tud.insert_data.add()
+        item.index_keys.append(_index_key(table, row.key, row.ts))
+        item.col_values.extend(row.values or ())
+
+
+def requests(schema: str, tables: Mapping[str, TableRecord], rows: Iterable[ChangeRow],
+             max_rows: int = 5000) -> Iterator[pb.UpdateRecordRequest]:
+    """Rows (already in (ts, seq) order, all for one node) as requests."""
+    request = pb.UpdateRecordRequest(schema_name=schema)
+    current: dict[tuple[int, str, int], pb.TableUpdateData] = {}
+    count = 0
+    last_ts = None
+    for row in rows:
+        if count >= max_rows and row.ts != last_ts:
+            yield request
+            request, current, count = pb.UpdateRecordRequest(schema_name=schema), {}, 0
+        slot = (row.ts, row.table, row.vnode)
+        tud = current.get(slot)
+        if tud is None:
+            table = tables[row.table]
+            tud = request.table_update_data.add(
+                table_name=row.table, primary_index_id=table.primary_index_id,
+                timestamp=row.ts, virtual_node_id=row.vnode)
+            current[slot] = tud
+        add_row(tud, tables[row.table], row)
+        count += 1
+        last_ts = row.ts
+    if count:
+        yield request
+
+
+def by_node(rows: Iterable[ChangeRow], topology: Topology) -> dict[str, list[ChangeRow]]:
+    out: dict[str, list[ChangeRow]] = {}
+    for row in rows:
+        out.setdefault(topology.node_of_vnode(row.vnode), []).append(row)
+    return out
+
+
+def node_starts(node: str, topology: Topology, starts: pb.GetRecoveryReplayTsResponse,
+                mode: int) -> dict[int, int]:
+    """vnode → inclusive replay start for every virtual node ``node`` owns."""
+    if mode == pb.NODE:
+        return dict.fromkeys(topology.vnodes_of(node), starts.node_replay_from_ts)
+    # A virtual node the answer leaves out replays from the node's start:
+    # replaying more is safe, replaying less is not.
+    return {v: starts.vnode_replay_from_ts.get(v, starts.node_replay_from_ts)
+            for v in topology.vnodes_of(node)}

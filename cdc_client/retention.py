@@ -1,0 +1,65 @@
+"""Changelog retention: drop only what no checkpoint could still ask for.
+
+A node's replay starts derive from the checkpoint it loads, and it may load
+its ``previous`` slot if ``current`` is unusable. So the horizon is the
+minimum, over every expected node and both slots, of that checkpoint's
+node-level replay start (``replay_ts.derive`` on its own segment chain). A
+node without a checkpoint, or a slot that cannot be read, pins the horizon at
+0: nothing is dropped. Batches ending below the horizon are removed.
+"""
+
+from __future__ import annotations
+
+import crc32c
+import structlog
+
+from cdc_client import metrics as m
+from cdc_client.changelog import Changelog
+from retina_common.etcd import EtcdStore
+from retina_common.keys import checkpoint_slot_key
+from retina_common.storage import read_bytes
+from retina_common.topology import Topology
+from retina_server.checkpoint import CheckpointError, Pointer, decode
+from retina_server.replay_ts import derive
+
+log = structlog.get_logger("cdc.retention")
+
+
+def _slot_start(etcd: EtcdStore, topology: Topology, node: str, slot: str) -> int | None:
+    """The slot's node replay start; None if the slot is empty; 0 if unreadable."""
+    kv = etcd.get(checkpoint_slot_key(node, slot))
+    if kv is None:
+        return None
+    try:
+        pointer = Pointer.parse(kv.value)
+        directory, _, name = pointer.path.rpartition("/")
+        data = read_bytes(directory, name)
+        if len(data) != pointer.length or crc32c.crc32c(data) != pointer.crc32c:
+            return 0
+        body = decode(data, expect_node=node, expect_topology_hash=topology.topology_hash)
+    except (CheckpointError, OSError, ValueError):
+        return 0
+    applied = body.header.checkpoint_applied_ts
+    return derive(applied, body.segments, topology.vnodes_of(node), ()).node_replay_from_ts
+
+
+def horizon(etcd: EtcdStore, topology: Topology) -> int:
+    low = None
+    for node in topology.nodes:
+        current = _slot_start(etcd, topology, node, "current")
+        if current is None:
+            return 0  # never checkpointed: it replays from the beginning
+        previous = _slot_start(etcd, topology, node, "previous")
+        for start in (current, previous):
+            if start is not None:
+                low = start if low is None else min(low, start)
+    return low or 0
+
+
+def run_retention(changelog: Changelog, etcd: EtcdStore, topology: Topology) -> int:
+    ts = horizon(etcd, topology)
+    m.RETENTION_HORIZON_TS.set(ts)
+    removed = changelog.drop_before(ts) if ts > 0 else 0
+    if removed:
+        log.info("cdc_retention", horizon_ts=ts, batches_removed=removed)
+    return removed

@@ -1,0 +1,1 @@
+"""CDC sources: PostgreSQL logical replication (pgoutput) and Debezium JSON-lines files."""

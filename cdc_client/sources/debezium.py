@@ -1,0 +1,306 @@
+"""Debezium change events from JSON-lines files in a directory.
+
+Each line of each ``*.json`` / ``*.jsonl`` file (read in file-name order)
+is one Debezium message, bare or wrapped in a ``{"schema", "payload"}``
+envelope: either transaction metadata (``status`` BEGIN / END) or a change
+event (``op`` c, r, u, d). The events between a BEGIN and its END form one
+transaction; an event without transaction data is a transaction of its own.
+
+A transaction's position is ``file:line`` of the line that completed it, so
+positions order by (file name, line number). The files are the durable
+record, which is why :meth:`DebeziumFileSource.ack` has nothing to do.
+
+Only complete lines (ending in ``\\n``) are read: a writer may be in the
+middle of appending the last one. Once a later file exists, an earlier file
+is finished, and an unterminated last line in it is taken as complete.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cdc_client.source import Op, RowChange, SourceError, SourceTransaction
+
+SUFFIXES = (".json", ".jsonl")
+CHUNK_BYTES = 1 << 20
+POLL_STEP_S = 0.05
+
+OPS: dict[str, Op] = {"c": "insert", "r": "insert", "u": "update", "d": "delete"}
+
+
+@dataclass(frozen=True)
+class _Line:
+    file: str
+    number: int  # 1-based
+    text: bytes
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.number}"
+
+
+class _LineFeed:
+    """The complete lines of the directory's files, in order, following growth."""
+
+    def __init__(self, directory: Path, start_file: str | None) -> None:
+        self._dir = directory
+        self._files: list[str] = []
+        self._index = 0  # the file being read
+        self._offset = 0  # bytes of it consumed
+        self._line_no = 0  # lines of it consumed
+        self._pending: deque[_Line] = deque()
+        self._scan()
+        if start_file is not None:
+            # Earlier files hold only positions at or before the resume point.
+            self._index = bisect.bisect_left(self._files, start_file)
+
+    def next_line(self) -> _Line | None:
+        if not self._pending and not self._fill():
+            return None
+        return self._pending.popleft()
+
+    def _fill(self) -> bool:
+        self._scan()
+        while self._index < len(self._files):
+            sealed = self._index < len(self._files) - 1
+            lines = self._read(self._files[self._index], sealed=sealed)
+            if lines:
+                self._pending.extend(lines)
+                return True
+            if not sealed:
+                return False
+            self._index += 1
+            self._offset = 0
+            self._line_no = 0
+        return False
+
+    def _scan(self) -> None:
+        try:
+            names = [p.name for p in self._dir.iterdir()
+                     if p.suffix in SUFFIXES and p.is_file()]
+        except OSError as exc:
+            raise SourceError(f"cannot list {self._dir}: {exc}") from exc
+        known = set(self._files)
+        for name in sorted(names):
+            if name in known:
+                continue
+            at = bisect.bisect_left(self._files, name)
+            if self._files and at <= self._index:
+                # Its lines would belong before ones already handed out.
+                raise SourceError(f"{name} appeared in {self._dir} after reading had moved "
+                                  f"past its place (now reading {self._files[self._index]})")
+            self._files.insert(at, name)
+
+    def _read(self, name: str, *, sealed: bool) -> list[_Line]:
+        try:
+            with (self._dir / name).open("rb") as f:
+                if os.fstat(f.fileno()).st_size < self._offset:
+                    raise SourceError(f"{name} shrank below the {self._offset} bytes already read")
+                f.seek(self._offset)
+                data = f.read(CHUNK_BYTES)
+                end = data.rfind(b"\n")
+                while end < 0:  # a line longer than a chunk: read on to its end
+                    more = f.read(CHUNK_BYTES)
+                    if not more:
+                        break
+                    newline = more.rfind(b"\n")
+                    end = len(data) + newline if newline >= 0 else -1
+                    data += more
+        except OSError as exc:
+            raise SourceError(f"cannot read {self._dir / name}: {exc}") from exc
+        if end >= 0:
+            texts, consumed = data[:end].split(b"\n"), end + 1
+        elif sealed and data:
+            texts, consumed = [data], len(data)
+        else:
+            return []
+        self._offset += consumed
+        lines = [_Line(name, self._line_no + i, text) for i, text in enumerate(texts, start=1)]
+        self._line_no += len(texts)
+        return lines
+
+
+@dataclass
+class _OpenTransaction:
+    txid: str
+    begun_at: str
+    events: list[tuple[int | None, RowChange]] = field(default_factory=list)
+
+    def ordered_changes(self) -> tuple[RowChange, ...]:
+        orders = [order for order, _ in self.events]
+        if all(isinstance(order, int) for order in orders):
+            return tuple(change for _, change in sorted(self.events, key=lambda e: e[0]))
+        return tuple(change for _, change in self.events)  # arrival order is all we have
+
+
+class DebeziumFileSource:
+    """Committed transactions from a directory of Debezium JSON-lines files."""
+
+    name = "debezium-file"
+
+    def __init__(self, directory: Path, *, start_after: str | None = None) -> None:
+        self._start_key = self.position_key(start_after) if start_after else None
+        self._lines = _LineFeed(Path(directory), self._start_key[0] if self._start_key else None)
+        self._open: _OpenTransaction | None = None
+
+    # -- Source protocol --
+    def poll(self, timeout_s: float) -> SourceTransaction | None:
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        while True:
+            tx = self._advance()
+            if tx is not None:
+                return tx
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            time.sleep(min(POLL_STEP_S, remaining))  # waiting for the writer: no event to wait on
+
+    def ack(self, position: str) -> None:
+        """Nothing to release: the files are the record and the connector keeps the position."""
+
+    def position_key(self, position: str) -> tuple[Any, ...]:
+        file, sep, line = position.rpartition(":")
+        if not sep or not file or not line.isdigit():
+            raise SourceError(f"not a Debezium file position (file:line): {position!r}")
+        return (file, int(line))
+
+    def close(self) -> None:
+        """Files are opened per read; nothing stays open."""
+
+    # -- lines --
+    def _advance(self) -> SourceTransaction | None:
+        while (line := self._lines.next_line()) is not None:
+            if self._start_key is not None and (line.file, line.number) <= self._start_key:
+                continue
+            tx = self._consume(line)
+            if tx is not None:
+                return tx
+        return None
+
+    def _consume(self, line: _Line) -> SourceTransaction | None:
+        if not line.text.strip():
+            return None
+        message = _parse(line)
+        if message is None:
+            return None  # a tombstone: only meaningful for Kafka log compaction
+        if "status" in message:
+            return self._metadata(message, line)
+        return self._event(message, line)
+
+    def _metadata(self, message: Mapping[str, Any], line: _Line) -> SourceTransaction | None:
+        status, txid = message["status"], str(message.get("id"))
+        if status == "BEGIN":
+            if self._open is not None:
+                raise SourceError(f"{line.where}: BEGIN of transaction {txid} while "
+                                  f"{self._open.txid} (begun at {self._open.begun_at}) is open")
+            self._open = _OpenTransaction(txid, line.where)
+            return None
+        if status != "END":
+            raise SourceError(f"{line.where}: unknown transaction status {status!r}")
+        if self._open is None or self._open.txid != txid:
+            raise SourceError(f"{line.where}: END of transaction {txid}, which is not open "
+                              f"(open: {self._open.txid if self._open else 'none'})")
+        tx, self._open = self._open, None
+        count = message.get("event_count")
+        if count is not None and count != len(tx.events):
+            raise SourceError(f"{line.where}: END of transaction {txid} announces {count} "
+                              f"events, {len(tx.events)} arrived since {tx.begun_at}")
+        if not tx.events:
+            return None  # nothing captured: no transaction for the connector to apply
+        return SourceTransaction(position=line.where, source_txid=txid,
+                                 commit_time_ms=_ms(message.get("ts_ms")),
+                                 changes=tx.ordered_changes())
+
+    def _event(self, message: Mapping[str, Any], line: _Line) -> SourceTransaction | None:
+        change = _row_change(message, line)
+        info = message.get("transaction")
+        if info is None:
+            if self._open is not None:
+                raise SourceError(f"{line.where}: event without transaction inside open "
+                                  f"transaction {self._open.txid} (begun at {self._open.begun_at})")
+            source = message["source"]
+            return SourceTransaction(
+                position=line.where, source_txid=_source_txid(source),
+                commit_time_ms=_ms(source.get("ts_ms")) or _ms(message.get("ts_ms")),
+                changes=(change,))
+        if not isinstance(info, Mapping):
+            raise SourceError(f"{line.where}: 'transaction' is not an object")
+        txid = str(info.get("id"))
+        if self._open is None or self._open.txid != txid:
+            raise SourceError(f"{line.where}: event of transaction {txid}, which is not open "
+                              f"(open: {self._open.txid if self._open else 'none'})")
+        order = info.get("total_order")
+        self._open.events.append((order if isinstance(order, int) else None, change))
+        return None
+
+
+# --- messages ---
+def _parse(line: _Line) -> Mapping[str, Any] | None:
+    try:
+        message = json.loads(line.text)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise SourceError(f"{line.where}: malformed JSON: {exc}") from exc
+    if (isinstance(message, Mapping) and "payload" in message
+            and "op" not in message and "status" not in message):
+        message = message["payload"]
+    if message is None or isinstance(message, Mapping):
+        return message
+    raise SourceError(f"{line.where}: expected a JSON object, got {type(message).__name__}")
+
+
+def _row_change(message: Mapping[str, Any], line: _Line) -> RowChange:
+    if "op" not in message:
+        raise SourceError(f"{line.where}: change event without 'op'")
+    op = OPS.get(message["op"])
+    if op is None:
+        raise SourceError(f"{line.where}: unknown op {message['op']!r}")
+    # Debezium leaves ``before`` out of an update under PostgreSQL's default
+    # replica identity; a key change then arrives as a delete and a create.
+    before = _row(message, "before", line, required=op == "delete")
+    after = _row(message, "after", line, required=op in ("insert", "update"))
+    return RowChange(_table(message, line), op,
+                     None if op == "insert" else before, None if op == "delete" else after)
+
+
+def _row(message: Mapping[str, Any], key: str, line: _Line,
+         *, required: bool) -> dict[str, Any] | None:
+    row = message.get(key)
+    if row is None:
+        if required:
+            raise SourceError(f"{line.where}: op {message['op']!r} without {key!r}")
+        return None
+    if not isinstance(row, Mapping):
+        raise SourceError(f"{line.where}: {key!r} is not an object")
+    return dict(row)
+
+
+def _table(message: Mapping[str, Any], line: _Line) -> str:
+    source = message.get("source")
+    if not isinstance(source, Mapping) or not source.get("table"):
+        raise SourceError(f"{line.where}: change event without source.table")
+    schema = source.get("schema") or source.get("db")
+    if not schema:
+        raise SourceError(f"{line.where}: change event without source.schema or source.db")
+    return f"{schema}.{source['table']}"
+
+
+def _source_txid(source: Mapping[str, Any]) -> str:
+    # PostgreSQL connectors report txId, MySQL ones a GTID; snapshots neither.
+    for key in ("txId", "gtid"):
+        if source.get(key) is not None:
+            return str(source[key])
+    return ""
+
+
+def _ms(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0
+    return int(value)

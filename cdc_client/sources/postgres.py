@@ -1,0 +1,593 @@
+"""PostgreSQL logical replication source: the built-in ``pgoutput`` plugin, protocol 1.
+
+The walsender streams pgoutput messages (PostgreSQL documentation, "Logical
+Replication Message Formats"); this module decodes them itself and groups
+Begin .. Commit into :class:`SourceTransaction` values. A transaction's
+position is the end LSN of its commit record: acknowledging it as the
+slot's flush LSN makes the server skip the transaction on the next start,
+and every later transaction has a greater end LSN.
+
+Values arrive in text form. The replication session pins the output
+settings (UTF8, ISO dates, UTC, hex bytea) so the text parses the same way
+whatever the server's defaults are.
+"""
+
+from __future__ import annotations
+
+import select
+import struct
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import closing, suppress
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime
+from decimal import Decimal
+from typing import Any
+
+import psycopg2
+import psycopg2.errors
+import psycopg2.extensions
+import psycopg2.extras
+from psycopg2 import sql
+
+from cdc_client.source import RowChange, SourceError, SourceTransaction
+
+# 2000-01-01T00:00:00Z, PostgreSQL's timestamp epoch, in ms since the Unix epoch.
+PG_EPOCH_MS = 946_684_800_000
+
+# wal_sender_timeout defaults to 60 s; a status update every couple of seconds
+# keeps the walsender alive even with a much shorter timeout.
+FEEDBACK_INTERVAL_S = 2.0
+
+# Appended to the replication session's options: the text format of every
+# value we parse depends on these settings.
+SESSION_OPTIONS = ("-c client_encoding=UTF8 -c DateStyle=ISO -c TimeZone=UTC "
+                   "-c bytea_output=hex -c extra_float_digits=3")
+
+
+# --- LSNs ---
+def format_lsn(lsn: int) -> str:
+    """``X/Y`` as PostgreSQL prints an LSN (upper and lower 32 bits, hex)."""
+    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
+
+
+def parse_lsn(text: str) -> int:
+    high, sep, low = text.partition("/")
+    try:
+        if not sep:
+            raise ValueError("no '/'")
+        return (int(high, 16) << 32) | int(low, 16)
+    except ValueError as exc:
+        raise SourceError(f"not a PostgreSQL LSN: {text!r}") from exc
+
+
+# --- pgoutput messages ---
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type_oid: int
+    is_key: bool
+
+
+@dataclass(frozen=True)
+class Relation:
+    oid: int
+    namespace: str
+    name: str
+    replica_identity: str
+    columns: tuple[Column, ...]
+
+    @property
+    def table(self) -> str:
+        # pgoutput sends an empty namespace for pg_catalog.
+        return f"{self.namespace or 'pg_catalog'}.{self.name}"
+
+
+# One column of a TupleData: kind 'n' (null), 'u' (unchanged TOAST) or 't' (text).
+TupleData = tuple[tuple[str, bytes | None], ...]
+
+
+@dataclass(frozen=True)
+class Begin:
+    final_lsn: int
+    commit_time_us: int
+    xid: int
+
+
+@dataclass(frozen=True)
+class Commit:
+    commit_lsn: int
+    end_lsn: int
+    commit_time_us: int
+
+
+@dataclass(frozen=True)
+class Origin:
+    origin_lsn: int
+    name: str
+
+
+@dataclass(frozen=True)
+class TypeInfo:
+    oid: int
+    namespace: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Insert:
+    relation_oid: int
+    new: TupleData
+
+
+@dataclass(frozen=True)
+class Update:
+    relation_oid: int
+    old_kind: str | None  # 'K' (old key), 'O' (old row) or None (key unchanged)
+    old: TupleData | None
+    new: TupleData
+
+
+@dataclass(frozen=True)
+class Delete:
+    relation_oid: int
+    old_kind: str
+    old: TupleData
+
+
+@dataclass(frozen=True)
+class Truncate:
+    relation_oids: tuple[int, ...]
+
+
+Message = Begin | Commit | Origin | Relation | TypeInfo | Insert | Update | Delete | Truncate
+
+
+class _Reader:
+    """Big-endian cursor over one message; running off the end raises SourceError."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        self._pos = 0
+
+    def _unpack(self, fmt: str) -> int:
+        size = struct.calcsize(fmt)
+        if self._pos + size > len(self._data):
+            raise SourceError(f"pgoutput message truncated at byte {self._pos}")
+        (value,) = struct.unpack_from(fmt, self._data, self._pos)
+        self._pos += size
+        return value
+
+    def int8(self) -> int:
+        return self._unpack(">b")
+
+    def int16(self) -> int:
+        return self._unpack(">h")
+
+    def int32(self) -> int:
+        return self._unpack(">i")
+
+    def uint32(self) -> int:
+        return self._unpack(">I")
+
+    def int64(self) -> int:
+        return self._unpack(">q")
+
+    def uint64(self) -> int:
+        return self._unpack(">Q")
+
+    def char(self) -> str:
+        return chr(self._unpack(">B"))
+
+    def peek_char(self) -> str:
+        if self._pos >= len(self._data):
+            raise SourceError(f"pgoutput message truncated at byte {self._pos}")
+        return chr(self._data[self._pos])
+
+    def raw(self, length: int) -> bytes:
+        if length < 0 or self._pos + length > len(self._data):
+            raise SourceError(f"pgoutput message truncated at byte {self._pos}")
+        value = self._data[self._pos:self._pos + length]
+        self._pos += length
+        return value
+
+    def string(self) -> str:
+        end = self._data.find(b"\0", self._pos)
+        if end < 0:
+            raise SourceError(f"pgoutput string not terminated at byte {self._pos}")
+        value = self._data[self._pos:end].decode("utf-8")
+        self._pos = end + 1
+        return value
+
+
+def _read_tuple(reader: _Reader) -> TupleData:
+    columns: list[tuple[str, bytes | None]] = []
+    for _ in range(reader.int16()):
+        kind = reader.char()
+        if kind in ("n", "u"):
+            columns.append((kind, None))
+        elif kind == "t":
+            columns.append((kind, reader.raw(reader.int32())))
+        else:  # 'b' (binary) exists only when the binary option is requested; we never do
+            raise SourceError(f"unsupported pgoutput tuple column kind {kind!r}")
+    return tuple(columns)
+
+
+def _read_relation(reader: _Reader) -> Relation:
+    oid = reader.uint32()
+    namespace = reader.string()
+    name = reader.string()
+    replica_identity = reader.char()
+    columns = []
+    for _ in range(reader.int16()):
+        flags = reader.int8()
+        col_name = reader.string()
+        type_oid = reader.uint32()
+        reader.int32()  # type modifier: the text form already carries scale etc.
+        columns.append(Column(col_name, type_oid, bool(flags & 1)))
+    return Relation(oid, namespace, name, replica_identity, tuple(columns))
+
+
+def _read_update(reader: _Reader) -> Update:
+    oid = reader.uint32()
+    old_kind: str | None = None
+    old: TupleData | None = None
+    if reader.peek_char() in ("K", "O"):
+        old_kind = reader.char()
+        old = _read_tuple(reader)
+    _expect(reader, "N")
+    return Update(oid, old_kind, old, _read_tuple(reader))
+
+
+def _read_delete(reader: _Reader) -> Delete:
+    oid = reader.uint32()
+    old_kind = reader.char()
+    if old_kind not in ("K", "O"):
+        raise SourceError(f"pgoutput Delete: expected 'K' or 'O', got {old_kind!r}")
+    return Delete(oid, old_kind, _read_tuple(reader))
+
+
+def _read_insert(reader: _Reader) -> Insert:
+    oid = reader.uint32()
+    _expect(reader, "N")
+    return Insert(oid, _read_tuple(reader))
+
+
+def _read_truncate(reader: _Reader) -> Truncate:
+    count = reader.int32()
+    reader.int8()  # options: CASCADE / RESTART IDENTITY
+    return Truncate(tuple(reader.uint32() for _ in range(count)))
+
+
+def _read_commit(reader: _Reader) -> Commit:
+    reader.int8()  # flags, unused
+    return Commit(reader.uint64(), reader.uint64(), reader.int64())
+
+
+def _expect(reader: _Reader, tag: str) -> None:
+    got = reader.char()
+    if got != tag:
+        raise SourceError(f"pgoutput: expected {tag!r}, got {got!r}")
+
+
+_MESSAGE_READERS: dict[str, Callable[[_Reader], Message]] = {
+    "B": lambda r: Begin(r.uint64(), r.int64(), r.uint32()),
+    "C": _read_commit,
+    "O": lambda r: Origin(r.uint64(), r.string()),
+    "R": _read_relation,
+    "Y": lambda r: TypeInfo(r.uint32(), r.string(), r.string()),
+    "I": _read_insert,
+    "U": _read_update,
+    "D": _read_delete,
+    "T": _read_truncate,
+}
+
+
+def decode_message(payload: bytes) -> Message:
+    """One pgoutput (protocol 1) message."""
+    if not payload:
+        raise SourceError("empty pgoutput message")
+    reader = _Reader(payload)
+    tag = reader.char()
+    read = _MESSAGE_READERS.get(tag)
+    if read is None:
+        raise SourceError(f"unknown pgoutput message type {tag!r}")
+    try:
+        return read(reader)
+    except UnicodeDecodeError as exc:
+        raise SourceError(f"pgoutput {tag!r} message: {exc}") from exc
+
+
+# --- values ---
+def _parse_bool(text: str) -> bool:
+    if text not in ("t", "f"):
+        raise ValueError(f"not a boolean: {text!r}")
+    return text == "t"
+
+
+def _parse_timestamp(text: str) -> datetime:
+    # timestamp without time zone: the convention is that it holds UTC.
+    return datetime.fromisoformat(text).replace(tzinfo=UTC)
+
+
+def _parse_timestamptz(text: str) -> datetime:
+    value = datetime.fromisoformat(text)
+    if value.tzinfo is None:
+        raise ValueError(f"timestamptz without offset: {text!r}")
+    return value.astimezone(UTC)
+
+
+def _parse_bytea(text: str) -> bytes:
+    if not text.startswith("\\x"):
+        raise ValueError("bytea not in hex format")
+    return bytes.fromhex(text[2:])
+
+
+VALUE_PARSERS: dict[int, Callable[[str], Any]] = {
+    16: _parse_bool,
+    20: int, 21: int, 23: int,
+    700: float, 701: float,
+    1700: Decimal,
+    25: str, 1043: str, 1042: str, 19: str,
+    1082: date.fromisoformat,
+    1114: _parse_timestamp,
+    1184: _parse_timestamptz,
+    17: _parse_bytea,
+}
+
+
+def _parse_value(relation: Relation, column: Column, raw: bytes) -> Any:
+    parse = VALUE_PARSERS.get(column.type_oid, str)
+    try:
+        return parse(raw.decode("utf-8"))
+    except (ValueError, ArithmeticError) as exc:  # Decimal raises InvalidOperation
+        # e.g. 'infinity' or BC dates, which Python's date types cannot hold.
+        raise SourceError(f"{relation.table}.{column.name}: cannot convert "
+                          f"{raw[:80]!r} (type OID {column.type_oid}): {exc}") from exc
+
+
+def decode_row(relation: Relation, data: TupleData) -> dict[str, Any]:
+    if len(data) != len(relation.columns):
+        raise SourceError(f"{relation.table}: tuple has {len(data)} columns, "
+                          f"relation has {len(relation.columns)}")
+    row: dict[str, Any] = {}
+    for column, (kind, raw) in zip(relation.columns, data, strict=True):
+        if kind == "u":
+            raise SourceError(
+                f"{relation.table}.{column.name}: unchanged TOAST value not sent by the "
+                f"server; run ALTER TABLE {relation.table} REPLICA IDENTITY FULL")
+        row[column.name] = None if raw is None else _parse_value(relation, column, raw)
+    return row
+
+
+def _without_nulls(row: Mapping[str, Any]) -> dict[str, Any]:
+    # A 'K' tuple carries the key columns and nulls in place of the rest.
+    return {name: value for name, value in row.items() if value is not None}
+
+
+# --- setup and teardown ---
+def _table_identifier(name: str) -> sql.Identifier:
+    schema, sep, table = name.partition(".")
+    return sql.Identifier(schema, table) if sep else sql.Identifier(name)
+
+
+def ensure_publication(dsn: str, publication: str, tables: Sequence[str] | None) -> None:
+    """Create ``publication`` unless it exists (an existing one is left as it is)."""
+    if tables is not None and not tables:
+        raise ValueError("a publication needs at least one table (or None for all tables)")
+    if tables is None:
+        target = sql.SQL("FOR ALL TABLES")
+    else:
+        target = sql.SQL("FOR TABLE {}").format(
+            sql.SQL(", ").join(_table_identifier(t) for t in tables))
+    with closing(psycopg2.connect(dsn, connect_timeout=10)) as conn:
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            cur.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (publication,))
+            if cur.fetchone() is not None:
+                return
+            # Created concurrently by someone else is just as good.
+            with suppress(psycopg2.errors.DuplicateObject):
+                cur.execute(sql.SQL("CREATE PUBLICATION {} {}").format(
+                    sql.Identifier(publication), target))
+
+
+def ensure_slot(dsn: str, slot: str) -> None:
+    """Create the logical slot with pgoutput unless it exists; refuse a foreign one."""
+    with closing(psycopg2.connect(dsn, connect_timeout=10)) as conn:
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            cur.execute("SELECT plugin, slot_type, database = current_database() "
+                        "FROM pg_replication_slots WHERE slot_name = %s", (slot,))
+            row = cur.fetchone()
+            if row is None:
+                # Waits for transactions running anywhere in the cluster to end.
+                cur.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+            elif tuple(row) != ("pgoutput", "logical", True):
+                raise SourceError(f"replication slot {slot!r} exists but is not a pgoutput "
+                                  f"logical slot of this database: {row!r}")
+
+
+def drop_slot(dsn: str, slot: str, timeout_s: float = 10.0) -> None:
+    """Drop ``slot`` if it exists.
+
+    A walsender releases its slot only after its connection is gone, a moment
+    after the client closes it, so an active slot is retried until the deadline.
+    """
+    deadline = time.monotonic() + timeout_s
+    with closing(psycopg2.connect(dsn, connect_timeout=10)) as conn:
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            while True:
+                try:
+                    cur.execute("SELECT pg_drop_replication_slot(slot_name) "
+                                "FROM pg_replication_slots WHERE slot_name = %s", (slot,))
+                    return
+                except psycopg2.errors.ObjectInUse:
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.05)
+
+
+def replication_dsn(dsn: str) -> str:
+    params = psycopg2.extensions.parse_dsn(dsn)
+    # Ours last: a later -c wins, and the parsers rely on these settings.
+    params["options"] = f"{params.get('options', '')} {SESSION_OPTIONS}".strip()
+    return psycopg2.extensions.make_dsn(**params)
+
+
+# --- the source ---
+@dataclass
+class _OpenTransaction:
+    xid: int
+    changes: list[RowChange] = field(default_factory=list)
+
+
+class PostgresSource:
+    """Committed transactions from a pgoutput logical replication slot."""
+
+    name = "postgres"
+
+    def __init__(self, dsn: str, *, slot: str, publication: str,
+                 tables: Sequence[str] | None = None, start_after: str | None = None) -> None:
+        self._floor = parse_lsn(start_after) if start_after else 0
+        ensure_publication(dsn, publication, tables)
+        ensure_slot(dsn, slot)
+        self._conn = psycopg2.connect(replication_dsn(dsn), connect_timeout=10,
+                                      connection_factory=psycopg2.extras.LogicalReplicationConnection)
+        try:
+            self._cur = self._conn.cursor()
+            self._cur.start_replication(
+                slot_name=slot, decode=False, start_lsn=start_after or 0,
+                options={"proto_version": "1", "publication_names": _quote_ident(publication)})
+        except BaseException:
+            self._conn.close()
+            raise
+        self._relations: dict[int, Relation] = {}
+        self._open: _OpenTransaction | None = None
+        self._returned_lsn = self._floor  # end LSN of the last transaction handed out
+        self._acked_lsn = self._floor
+        self._empty_lsn = 0  # end LSN of a skipped empty transaction not yet confirmed
+        self._last_feedback = time.monotonic()
+
+    # -- Source protocol --
+    def poll(self, timeout_s: float) -> SourceTransaction | None:
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        while True:
+            self._keep_alive()
+            msg = self._cur.read_message()
+            if msg is not None:
+                tx = self._handle(decode_message(msg.payload))
+                if tx is not None:
+                    return tx
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None  # a half-read transaction stays open for the next poll
+            if msg is None:
+                select.select([self._conn], [], [], min(remaining, FEEDBACK_INTERVAL_S))
+
+    def ack(self, position: str) -> None:
+        lsn = parse_lsn(position)
+        self._acked_lsn = max(self._acked_lsn, lsn)
+        if self._empty_lsn and lsn >= self._returned_lsn:
+            lsn = max(lsn, self._empty_lsn)
+            self._empty_lsn = 0
+        self._confirm(lsn)
+
+    def position_key(self, position: str) -> tuple[Any, ...]:
+        return (parse_lsn(position),)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    # -- feedback --
+    def _confirm(self, lsn: int) -> None:
+        # reply=True: the server answers at once, so its view is current.
+        self._cur.send_feedback(write_lsn=lsn, flush_lsn=lsn, reply=True)
+        self._last_feedback = time.monotonic()
+
+    def _keep_alive(self) -> None:
+        # psycopg2 also replies to keepalive requests inside read_message, but
+        # only while someone calls it; this bounds the gap to our own interval.
+        if time.monotonic() - self._last_feedback >= FEEDBACK_INTERVAL_S:
+            self._cur.send_feedback(force=True)
+            self._last_feedback = time.monotonic()
+
+    # -- messages --
+    def _handle(self, message: Message) -> SourceTransaction | None:
+        match message:
+            case Begin():
+                if self._open is not None:
+                    raise SourceError(f"pgoutput Begin of xid {message.xid} inside open "
+                                      f"transaction {self._open.xid}")
+                self._open = _OpenTransaction(message.xid)
+            case Commit():
+                return self._commit(message)
+            case Relation():
+                self._relations[message.oid] = message
+            case TypeInfo() | Origin():
+                pass  # unknown types decode as text; origins do not matter here
+            case Truncate():
+                tables = ", ".join(self._relation(oid).table for oid in message.relation_oids)
+                raise SourceError(f"TRUNCATE is not supported (tables: {tables}); "
+                                  "remove TRUNCATE from the publication or avoid it")
+            case Insert() | Update() | Delete():
+                self._transaction().changes.append(self._row_change(message))
+        return None
+
+    def _transaction(self) -> _OpenTransaction:
+        if self._open is None:
+            raise SourceError("pgoutput change outside Begin .. Commit")
+        return self._open
+
+    def _relation(self, oid: int) -> Relation:
+        relation = self._relations.get(oid)
+        if relation is None:
+            raise SourceError(f"pgoutput change for relation OID {oid} before its Relation")
+        return relation
+
+    def _row_change(self, message: Insert | Update | Delete) -> RowChange:
+        relation = self._relation(message.relation_oid)
+        if isinstance(message, Insert):
+            return RowChange(relation.table, "insert", None, decode_row(relation, message.new))
+        if isinstance(message, Delete):
+            before = _without_nulls(decode_row(relation, message.old))
+            return RowChange(relation.table, "delete", before, None)
+        after = decode_row(relation, message.new)
+        if message.old is None:  # key unchanged: the server sends no old tuple
+            before = {c.name: after[c.name] for c in relation.columns if c.is_key}
+        else:
+            before = decode_row(relation, message.old)
+            if message.old_kind == "K":
+                before = _without_nulls(before)
+        return RowChange(relation.table, "update", before, after)
+
+    def _commit(self, message: Commit) -> SourceTransaction | None:
+        open_tx = self._transaction()
+        self._open = None
+        if message.end_lsn <= self._floor:
+            return None  # delivered before the position we resumed after
+        if not open_tx.changes:
+            self._skip_empty(message.end_lsn)
+            return None
+        self._returned_lsn = message.end_lsn
+        self._empty_lsn = 0  # the ack of this transaction covers skipped ones before it
+        return SourceTransaction(
+            position=format_lsn(message.end_lsn),
+            source_txid=str(open_tx.xid),
+            commit_time_ms=PG_EPOCH_MS + message.commit_time_us // 1000,
+            changes=tuple(open_tx.changes))
+
+    def _skip_empty(self, end_lsn: int) -> None:
+        # Servers before 15 send Begin/Commit for transactions that touch no
+        # published table. Nobody acks those, so confirm them ourselves once
+        # everything handed out before them is acked, or WAL piles up.
+        if self._acked_lsn >= self._returned_lsn:
+            self._confirm(end_lsn)
+        else:
+            self._empty_lsn = end_lsn
+
+
+def _quote_ident(name: str) -> str:
+    # pgoutput splits publication_names as an identifier list: quote to keep case.
+    return '"' + name.replace('"', '""') + '"'

@@ -1,0 +1,287 @@
+"""PostgresSource against a real PostgreSQL (wal_level=logical) and the pgoutput decoder."""
+
+from __future__ import annotations
+
+import struct
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import closing
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime
+from decimal import Decimal
+from typing import Any
+
+import psycopg2
+import pytest
+
+from cdc_client.source import SourceError, SourceTransaction
+from cdc_client.sources.postgres import (
+    PostgresSource,
+    decode_message,
+    drop_slot,
+    format_lsn,
+    parse_lsn,
+)
+from retina_common.cluster import PostgresInstance
+
+from .support import eventually
+
+pytestmark = pytest.mark.integration
+
+SCHEMA = """
+CREATE TABLE public.accounts (
+    id int8 PRIMARY KEY, name text, balance numeric(12,2), active bool, born date,
+    updated timestamptz, blob bytea, score float8, seen timestamp, tag varchar(8),
+    n int4, small int2, ratio float4, code char(3), ref uuid);
+CREATE TABLE public.notes (id int4 PRIMARY KEY, body text, flag int4);
+CREATE TABLE public.unpublished (id int4 PRIMARY KEY);
+"""
+PUBLISHED = ["public.accounts", "public.notes"]
+
+
+@dataclass
+class SourceDb:
+    """A fresh database, its replication slot, and the sources opened on it."""
+
+    dsn: str
+    slot: str
+    publication: str = "retina_pub"
+    sources: list[PostgresSource] = field(default_factory=list)
+
+    def open(self, start_after: str | None = None, dsn: str | None = None) -> PostgresSource:
+        source = PostgresSource(dsn or self.dsn, slot=self.slot, publication=self.publication,
+                                tables=PUBLISHED, start_after=start_after)
+        self.sources.append(source)
+        return source
+
+    def execute(self, *statements: str | tuple[str, tuple[Any, ...]]) -> str:
+        """Run ``statements`` as one transaction; returns its 32-bit xid."""
+        with closing(psycopg2.connect(self.dsn)) as conn, conn, conn.cursor() as cur:
+            for statement in statements:
+                query, args = statement if isinstance(statement, tuple) else (statement, ())
+                cur.execute(query, args)
+            cur.execute("SELECT pg_current_xact_id()::text::int8")
+            return str(cur.fetchone()[0] % 2**32)
+
+    def query(self, query: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with closing(psycopg2.connect(self.dsn)) as conn, conn, conn.cursor() as cur:
+            cur.execute(query, args)
+            return cur.fetchall()
+
+
+@pytest.fixture
+def db(pg_server: PostgresInstance) -> Iterator[SourceDb]:
+    name = f"cdc_{uuid.uuid4().hex[:12]}"
+    pg_server.create_database(name)
+    source_db = SourceDb(pg_server.dsn(name), slot=f"slot_{uuid.uuid4().hex[:12]}")
+    source_db.execute(SCHEMA)
+    yield source_db
+    # An active slot keeps the database from being dropped: close, then drop the slot.
+    for source in source_db.sources:
+        source.close()
+    drop_slot(source_db.dsn, source_db.slot)
+    pg_server.drop_database(name)
+
+
+def collect(source: PostgresSource, count: int, timeout_s: float = 15) -> list[SourceTransaction]:
+    """Poll until ``count`` transactions arrived; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    got: list[SourceTransaction] = []
+    while len(got) < count:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"only {len(got)} of {count} transactions arrived: {got}"
+        tx = source.poll(min(remaining, 1.0))
+        if tx is not None:
+            got.append(tx)
+    return got
+
+
+def assert_quiet(source: PostgresSource, for_s: float = 1.0) -> None:
+    tx = source.poll(for_s)
+    assert tx is None, f"unexpected transaction {tx}"
+
+
+def keys(source: PostgresSource, txs: list[SourceTransaction]) -> list[tuple[Any, ...]]:
+    return [source.position_key(t.position) for t in txs]
+
+
+FULL_ROW = ("INSERT INTO accounts VALUES (1, 'Zoë', 1234.50, true, '1999-12-31', "
+            "'2024-02-29 13:14:15.123456+01', '\\x00ff10'::bytea, 2.5, '2024-03-01 04:05:06.5', "
+            "'v8', 7, -3, 0.25, 'ab', 'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11')")
+
+
+def test_multi_row_transaction_with_typed_values(db: SourceDb) -> None:
+    source = db.open()
+    before_ms = int(time.time() * 1000)
+    xid = db.execute(FULL_ROW, "INSERT INTO accounts (id) VALUES (2)",
+                     "INSERT INTO notes VALUES (10, 'hello', NULL)")
+    [tx] = collect(source, 1)
+    assert tx.source_txid == xid
+    assert before_ms - 1000 <= tx.commit_time_ms <= int(time.time() * 1000) + 1000
+    assert [(c.table, c.op, c.before) for c in tx.changes] == [
+        ("public.accounts", "insert", None), ("public.accounts", "insert", None),
+        ("public.notes", "insert", None)]
+    full, nulls, note = (c.after for c in tx.changes)
+    assert full == {
+        "id": 1, "name": "Zoë", "balance": Decimal("1234.50"), "active": True,
+        "born": date(1999, 12, 31),
+        "updated": datetime(2024, 2, 29, 12, 14, 15, 123456, tzinfo=UTC),
+        "blob": b"\x00\xff\x10", "score": 2.5,
+        "seen": datetime(2024, 3, 1, 4, 5, 6, 500000, tzinfo=UTC),
+        "tag": "v8", "n": 7, "small": -3, "ratio": 0.25, "code": "ab ",
+        "ref": "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11",
+    }
+    assert all(type(full[k]) is int for k in ("id", "n", "small"))
+    assert nulls == {"id": 2, **{k: None for k in full if k != "id"}}
+    assert note == {"id": 10, "body": "hello", "flag": None}
+    assert_quiet(source, 0.5)
+
+
+def test_update_key_change_and_delete(db: SourceDb) -> None:
+    source = db.open()
+    db.execute("INSERT INTO accounts (id, name, balance) VALUES (1, 'a', 1.00)")
+    db.execute("UPDATE accounts SET name = 'b', balance = NULL WHERE id = 1")
+    db.execute("UPDATE accounts SET id = 2 WHERE id = 1")
+    db.execute("DELETE FROM accounts WHERE id = 2")
+    insert, update, rekey, delete = collect(source, 4)
+
+    assert keys(source, [insert, update, rekey, delete]) == sorted(
+        set(keys(source, [insert, update, rekey, delete])))  # strictly increasing
+    [change] = update.changes
+    assert change.op == "update"
+    assert change.before == {"id": 1}  # key unchanged: the key columns of the new row
+    assert change.after["name"] == "b" and change.after["balance"] is None
+    [change] = rekey.changes
+    assert (change.op, change.before, change.after["id"]) == ("update", {"id": 1}, 2)
+    assert change.after["name"] == "b"
+    [change] = delete.changes
+    assert (change.op, change.before, change.after) == ("delete", {"id": 2}, None)
+
+
+def test_replica_identity_full_sends_old_rows(db: SourceDb) -> None:
+    db.execute("ALTER TABLE notes REPLICA IDENTITY FULL",
+               "INSERT INTO notes VALUES (1, 'x', NULL)")
+    source = db.open()
+    db.execute("UPDATE notes SET body = 'y' WHERE id = 1")
+    db.execute("DELETE FROM notes WHERE id = 1")
+    update, delete = collect(source, 2)
+    assert update.changes[0].before == {"id": 1, "body": "x", "flag": None}
+    assert update.changes[0].after == {"id": 1, "body": "y", "flag": None}
+    assert delete.changes[0].before == {"id": 1, "body": "y"}  # nulls dropped
+
+
+def test_unpublished_tables_produce_nothing(db: SourceDb) -> None:
+    source = db.open()
+    db.execute("INSERT INTO unpublished VALUES (1)")
+    db.execute("INSERT INTO notes VALUES (1, 'n', 1)", "INSERT INTO unpublished VALUES (2)")
+    [tx] = collect(source, 1)
+    assert [c.table for c in tx.changes] == ["public.notes"]
+    assert_quiet(source, 0.5)
+
+
+def test_ack_then_resume_after_the_acked_position(db: SourceDb) -> None:
+    source = db.open()
+    for i in range(3):
+        db.execute(f"INSERT INTO notes VALUES ({i}, 'n{i}', {i})")
+    first, second, third = collect(source, 3)
+    source.ack(first.position)
+    eventually(lambda: confirmed_flush(db) >= parse_lsn(first.position), 10,
+               "the slot to confirm the acked position")
+    source.close()
+
+    resumed = db.open(start_after=first.position)
+    db.execute("INSERT INTO notes VALUES (3, 'n3', 3)")
+    again = collect(resumed, 3)
+    assert [t.position for t in again[:2]] == [second.position, third.position]
+    assert [t.changes[0].after["id"] for t in again] == [1, 2, 3]
+    assert keys(resumed, again) == sorted(set(keys(resumed, again)))
+    assert_quiet(resumed, 0.5)
+
+    # Acknowledged everything: a fresh start from the slot sends nothing old.
+    resumed.ack(again[-1].position)
+    eventually(lambda: confirmed_flush(db) >= parse_lsn(again[-1].position), 10,
+               "the slot to confirm the last position")
+    resumed.close()
+    assert_quiet(db.open(), 1.0)
+
+
+def confirmed_flush(db: SourceDb) -> int:
+    [(lsn,)] = db.query("SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
+                        "WHERE slot_name = %s", (db.slot,))
+    return parse_lsn(lsn)
+
+
+def test_start_after_skips_redelivered_transactions(db: SourceDb) -> None:
+    source = db.open()
+    db.execute("INSERT INTO notes VALUES (1, 'a', 1)")
+    db.execute("INSERT INTO notes VALUES (2, 'b', 2)")
+    _first, second = collect(source, 2)
+    source.close()  # never acked: the slot would send both again
+    resumed = db.open(start_after=second.position)
+    db.execute("INSERT INTO notes VALUES (3, 'c', 3)")
+    [tx] = collect(resumed, 1)
+    assert tx.changes[0].after["id"] == 3
+    assert resumed.position_key(tx.position) > resumed.position_key(second.position)
+
+
+def test_truncate_is_refused(db: SourceDb) -> None:
+    source = db.open()
+    db.execute("TRUNCATE notes")
+    deadline = time.monotonic() + 15
+    with pytest.raises(SourceError, match=r"TRUNCATE is not supported.*public\.notes"):
+        while time.monotonic() < deadline:
+            source.poll(1.0)
+
+
+def test_unchanged_toast_value_is_refused(db: SourceDb) -> None:
+    # Random hex does not compress below the TOAST threshold: stored out of line.
+    db.execute("INSERT INTO notes SELECT 1, string_agg(md5(random()::text), ''), 0 "
+               "FROM generate_series(1, 300)")
+    source = db.open()
+    db.execute("UPDATE notes SET flag = 1 WHERE id = 1")
+    deadline = time.monotonic() + 15
+    with pytest.raises(SourceError, match=r"public\.notes\.body.*REPLICA IDENTITY FULL"):
+        while time.monotonic() < deadline:
+            source.poll(1.0)
+
+
+def test_feedback_keeps_a_short_wal_sender_timeout_alive(db: SourceDb) -> None:
+    source = db.open(dsn=f"{db.dsn} options='-c wal_sender_timeout=1000'")
+    idle_until = time.monotonic() + 3.5  # several timeouts of an idle stream
+    while time.monotonic() < idle_until:
+        assert source.poll(idle_until - time.monotonic()) is None
+    db.execute("INSERT INTO notes VALUES (1, 'still here', 1)")
+    [tx] = collect(source, 1)
+    assert tx.changes[0].after["body"] == "still here"
+
+
+# --- pure decoding ---
+def test_lsn_format_round_trip() -> None:
+    for lsn in (0, 1, 0x16B3748, (0xAB << 32) | 0x1, 2**64 - 1):
+        assert parse_lsn(format_lsn(lsn)) == lsn
+    assert format_lsn((0x1 << 32) | 0x16B3748) == "1/16B3748"
+    with pytest.raises(SourceError):
+        parse_lsn("nonsense")
+
+
+@pytest.mark.parametrize("payload, what", [
+    (b"", "empty"),
+    (b"Z\x00", "unknown pgoutput message type 'Z'"),
+    (b"B\x00\x00", "truncated"),
+    (b"R" + struct.pack(">I", 5) + b"public", "not terminated"),
+    (b"I" + struct.pack(">I", 5) + b"N" + struct.pack(">h", 1) + b"b", "column kind 'b'"),
+])
+def test_malformed_messages(payload: bytes, what: str) -> None:
+    with pytest.raises(SourceError, match=what):
+        decode_message(payload)
+
+
+def test_decode_insert_and_update_messages() -> None:
+    insert = decode_message(b"I" + struct.pack(">I", 5) + b"N" + struct.pack(">h", 2)
+                            + b"n" + b"t" + struct.pack(">i", 2) + b"42")
+    assert (insert.relation_oid, insert.new) == (5, (("n", None), ("t", b"42")))
+    key = b"K" + struct.pack(">h", 1) + b"t" + struct.pack(">i", 1) + b"1"
+    new = b"N" + struct.pack(">h", 1) + b"t" + struct.pack(">i", 1) + b"2"
+    update = decode_message(b"U" + struct.pack(">I", 5) + key + new)
+    assert (update.old_kind, update.old, update.new) == ("K", (("t", b"1"),), (("t", b"2"),))
