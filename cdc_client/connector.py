@@ -349,7 +349,8 @@ class Connector:
             used.update(checkpoint_id=context.checkpoint_id, starts=vnode_starts)
             log.info("cdc_replay_start", node=node, checkpoint_id=context.checkpoint_id,
                      mode=pb.ReplayMode.Name(self.settings.replay_mode),
-                     node_replay_from_ts=starts.node_replay_from_ts)
+                     node_replay_from_ts=starts.node_replay_from_ts,
+                     vnode_starts={str(v): ts for v, ts in sorted(vnode_starts.items())})
             rows = self.changelog.read(vnode_starts)
             for request in requests(self.settings.schema, self._table_records(), rows,
                                     self.settings.request_max_rows):

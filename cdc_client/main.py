@@ -172,7 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     connector = Connector(source=source, changelog=changelog, positions=positions, trans=trans,
                           nodes=node_stubs(topology), tables=table_map(catalog, config.cdc.schema),
                           topology=topology, settings=settings)
-    serve_metrics(config.cdc.metrics_listen)
+    try:
+        serve_metrics(config.cdc.metrics_listen)
+    except (ConfigError, OSError) as exc:
+        log.error("cdc_start_failed", error=f"cdc.metrics_listen: {exc}")
+        source.close()
+        return 2
 
     def on_signal(_signum: int, _frame: FrameType | None) -> None:
         stop.set()  # only a flag: see retina_server.server

@@ -320,6 +320,7 @@ class ClusterState:
     trans_pid: int = 0
     nodes: list[str] = field(default_factory=list)
     retina_pids: dict[str, int] = field(default_factory=dict)
+    cdc_pid: int = 0
 
     def save(self) -> None:
         Path(self.state_dir, "cluster.json").write_text(json.dumps(asdict(self), indent=2))
@@ -455,7 +456,25 @@ def start_retina_server(state: ClusterState, node: str, env: Mapping[str, str] |
     wait_for(listening, timeout_s, f"retina-server {node}")
 
 
+def start_cdc(state: ClusterState, env: Mapping[str, str], timeout_s: float = 30) -> int:
+    """Start ``retina-cdc`` (settings as ``RETINA__CDC__*`` overrides in ``env``)."""
+    log_path = Path(state.state_dir, "logs", "cdc.log")
+    pid = start_process([sys.executable, "-m", "cdc_client", "--config", state.config_path],
+                        log_path, env)
+    state.cdc_pid = pid
+    state.save()
+    wait_for(lambda: log_path.exists() and '"cdc_start"' in log_path.read_text()
+             or not pid_alive(pid), timeout_s, "the CDC connector")
+    if not pid_alive(pid):
+        raise ClusterError(f"retina-cdc exited at start; see {log_path}")
+    return pid
+
+
 def stop_cluster(state: ClusterState, log: Callable[[str], None] = print) -> None:
+    if state.cdc_pid:
+        terminate(state.cdc_pid)
+        log("cdc         stopped")
+        state.cdc_pid = 0
     for node, pid in list(state.retina_pids.items()):
         terminate(pid, timeout_s=60)
         log(f"retina      {node} stopped")

@@ -1,43 +1,43 @@
-"""``make demo``: start a private local cluster and walk through the foundation end to end.
+"""``make demo``: start a private local cluster and run the product end to end.
 
 1. etcd, PostgreSQL (catalog bootstrapped) and the TransServer come up on free ports.
 2. Catalog: a table, an ingest file published TEMPORARY_INGEST → REGULAR, a GC
    rewrite swapped in with atomicSwapFiles, and a second swap refused.
 3. Query gate: refused while the Retina nodes are missing, admitted once every
    node is READY, refused again when one node goes RECOVERING. ListQueryFiles
-   returns REGULAR files only.
+   returns REGULAR files only. (The lifecycle keys of this part are written by
+   a stand-in heartbeat, clearly named as such: no Retina runs yet.)
 4. HWM under out-of-order commits and rollbacks.
 5. kill -9 of the TransServer: every timestamp after the restart is greater.
+6. The main act (``demo_cdc.py``): a source PostgreSQL database with three
+   tables, ``retina-cdc`` reading it by logical replication, two Retina nodes;
+   a change workload, SIGKILL of one node in the middle of the stream, its
+   restart, replay and MarkReady driven by the connector; then a gated
+   snapshot of every table compared with the source, and a report.
 
-The Retina lifecycle keys are written by a stand-in heartbeat, clearly named
-as such, until the Retina lifecycle coordinator exists. Exits non-zero on any
-mismatch; ``--keep`` leaves the cluster running.
+Exits non-zero on any mismatch; ``--keep`` leaves the cluster running.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import signal
 import sys
 import time
 from datetime import UTC, datetime
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import grpc
+from demo_cdc import cdc_pipeline  # scripts/ is on sys.path
 
 from retina_common import file_names
 from retina_common.catalog import Catalog, ColumnSpec, FileType, SwapPreconditionError
-from retina_common.client import TableWriter, requests_by_node
 from retina_common.cluster import (
     ClusterState,
     start_cluster,
-    start_retina_server,
-    start_retina_servers,
     start_trans_server,
     stop_cluster,
     wait_for,
@@ -45,13 +45,9 @@ from retina_common.cluster import (
 from retina_common.etcd import EtcdStore
 from retina_common.lifecycle_record import LifecycleState
 from retina_common.log import configure_logging
-from retina_common.pb import retina_pb2 as rpb
-from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
-from retina_common.reader import SnapshotReader
-from retina_common.recovery_driver import drive_recovery, replay_requests
+from retina_common.pb import trans_pb2_grpc
 from retina_common.standin import StandInLifecycle
-from retina_common.topology import load_topology
 
 
 class DemoFailure(Exception):
@@ -180,102 +176,7 @@ def run(state: ClusterState) -> dict[str, Any]:
     channel.close()
     catalog.close()
     report.update(restart_s=restart_s, timestamps=(before, after))
-    report.update(data_plane(state))
     return report
-
-
-def data_plane(state: ClusterState) -> dict[str, Any]:
-    step("Retina data plane and recovery: two nodes, a workload, a SIGKILL, replay, MarkReady")
-    catalog = Catalog(state.postgres.dsn())
-    catalog.create_schema("sales")
-    table = catalog.create_table("sales", "orders", [
-        ColumnSpec("id", "int64"), ColumnSpec("customer", "string"),
-        ColumnSpec("amount", "decimal(12,2)"), ColumnSpec("status", "string")], ["id"])
-    started = time.monotonic()
-    start_retina_servers(state)
-    retinas = {n: retina_pb2_grpc.RetinaWorkerServiceStub(grpc.insecure_channel(n))
-               for n in state.nodes}
-    for stub in retinas.values():  # a fresh node also goes through MarkReady
-        drive_recovery(stub)
-    print(f"  ..  retina-server on {', '.join(state.nodes)}: RECOVERING -> MarkReady -> READY "
-          f"({time.monotonic() - started:.1f}s)")
-    topology = load_topology(state.topology_path)
-    writers = {"orders": TableWriter(table, topology)}
-    trans = trans_pb2_grpc.TransServiceStub(grpc.insecure_channel(state.trans_listen))
-    model: dict[int, dict] = {}
-    changelog: list = []
-    rng = random.Random(42)
-    next_id = 0
-
-    def transaction(step_no: int) -> None:
-        nonlocal next_id
-        live = sorted(model)
-        inserts = [{"id": next_id + i, "customer": f"c{(next_id + i) % 13}",
-                    "amount": Decimal(rng.randint(100, 99999)) / 100, "status": "new"}
-                   for i in range(200)]
-        next_id += 200
-        replaced = [dict(model[k], status=f"paid@{step_no}")
-                    for k in rng.sample(live, min(40, len(live)))]
-        deleted = [{"id": k} for k in rng.sample(sorted(set(live) - {r["id"] for r in replaced}),
-                                                  min(20, len(live) // 10))]
-        t = trans.BeginTrans(tpb.BeginTransRequest(), timeout=10)
-        changes = {"orders": {"inserts": inserts, "replaces": replaced, "deletes": deleted}}
-        per_node = writers["orders"].updates(t.timestamp, inserts=inserts, replaces=replaced,
-                                             deletes=deleted)
-        for node, request in requests_by_node("sales", [per_node]).items():
-            retinas[node].UpdateRecord(request, timeout=30)
-        trans.CommitTrans(tpb.CommitTransRequest(trans_id=t.trans_id), timeout=10)
-        changelog.append((t.timestamp, changes))
-        for row in deleted:
-            model.pop(row["id"])
-        for row in [*inserts, *replaced]:
-            model[row["id"]] = row
-
-    started = time.monotonic()
-    for step_no in range(20):
-        transaction(step_no)
-    for stub in retinas.values():
-        stub.CreateCheckpoint(rpb.CreateCheckpointRequest(), timeout=30)
-    for step_no in range(20, 30):
-        transaction(step_no)
-    write_s = time.monotonic() - started
-    reader = SnapshotReader(state.trans_listen, topology)
-
-    def matches() -> tuple[bool, Any]:
-        snap = reader.read("sales", "orders")
-        return {r["id"]: r for r in snap.table.to_pylist()} == model, snap
-
-    same, snap = matches()
-    check(same, f"snapshot at {snap.timestamp}: {snap.table.num_rows} rows equal the model "
-                f"({snap.files_read} files + {snap.buffer_rows} write-buffer rows)")
-    victim = state.nodes[0]
-    os.kill(state.retina_pids[victim], signal.SIGKILL)
-    started = time.monotonic()
-    start_retina_server(state, victim)
-    def gate_refuses() -> grpc.RpcError | None:
-        return refused(lambda: trans.BeginTrans(tpb.BeginTransRequest(read_only=True),
-                                                timeout=5))
-
-    wait_for(lambda: gate_refuses() is not None, 15, "the gate to see the node RECOVERING")
-    refused_now = gate_refuses()
-    check(refused_now is not None, f"kill -9 {victim}, restart: queries refused while it "
-                                   f"recovers ({refused_now.details() if refused_now else ''})")
-    starts = drive_recovery(retinas[victim], replay=lambda s, ctx: replay_requests(
-        victim, "sales", writers, changelog, s, ctx))
-    recover_s = time.monotonic() - started
-    assert starts is not None
-    check(True, f"replayed from checkpoint {starts.checkpoint_id} (checkpointAppliedTs "
-                f"{starts.checkpoint_applied_ts}; vnode starts "
-                f"{dict(sorted(starts.vnode_replay_from_ts.items()))}), MarkReady: READY "
-                f"in {recover_s:.2f}s")
-    wait_for(lambda: refused(lambda: reader.read("sales", "orders")) is None, 15, "the gate")
-    same, snap = matches()
-    check(same, f"after recovery: {snap.table.num_rows} rows, equal to the model "
-                "(nothing lost, nothing duplicated)")
-    reader.close()
-    catalog.close()
-    return {"rows": snap.table.num_rows, "files": snap.files_read, "write_s": write_s,
-            "recover_s": recover_s}
 
 
 def main() -> int:
@@ -297,11 +198,21 @@ def main() -> int:
     code = 0
     try:
         report = run(state)
+        step("CDC: source PostgreSQL -> retina-cdc -> two Retina nodes; SIGKILL one mid-stream")
+        cdc = cdc_pipeline(state, check)
+        replay, start = cdc["replay"], cdc["replay_start"]
+        rows = ", ".join(f"{n} {r}" for n, r in cdc["rows"].items())
         print(f"\n== report\n  cluster start {startup_s:.1f}s, TransServer restart "
               f"{report['restart_s']:.2f}s, timestamps {report['timestamps'][0]} -> "
-              f"{report['timestamps'][1]}\n  data plane: {report['rows']} rows in "
-              f"{report['files']} files, written in {report['write_s']:.2f}s; Retina recovery "
-              f"(restart, replay, MarkReady) {report['recover_s']:.2f}s\n  demo passed")
+              f"{report['timestamps'][1]}\n"
+              f"  CDC: {cdc['transactions']} source transactions in {cdc['workload_s']:.1f}s; "
+              f"rows now: {rows}\n"
+              f"  crashed node: READY {cdc['ready_s']:.2f}s after its restart; replay "
+              f"{replay['rows']} rows in {replay['requests']} requests, {replay['seconds']}s, "
+              f"{start['mode']} mode, checkpoint {start['checkpoint_id']}, node start ts "
+              f"{start['node_replay_from_ts']}, vnode starts {start['vnode_starts']}\n"
+              f"  snapshot equal to the source {cdc['caught_up_s']:.2f}s after the last "
+              f"source commit\n  demo passed")
     except DemoFailure as exc:
         print(f"\nDEMO FAILED: {exc}", file=sys.stderr)
         code = 1

@@ -1,0 +1,151 @@
+"""What both Spark drivers share: exit codes, the Spark session, configuration
+loading, gRPC retries inside tasks, and telling a failed Spark job's cause.
+
+Exit codes (every driver): 0 done; 1 the job failed otherwise (a corrupt
+changelog, a bug: the message says what); 2 bad arguments or configuration;
+3 refused (FAILED_PRECONDITION, a FAILED node, a stale recovery attempt);
+4 unavailable (a node not READY, the query gate closed, a dependency down).
+
+A task runs in a Spark Python worker, possibly on another machine, so
+whatever it raises reaches the driver only as text inside a Spark exception.
+Tasks therefore raise :class:`TaskError` whose message starts with a marker
+(``[retina:UNAVAILABLE]``, ``[retina:REFUSED]``) that :func:`exit_code_of`
+finds again in that text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+import grpc
+
+from retina_common.config import Config, ConfigError, load_config
+from retina_common.topology import Topology, load_topology
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
+DEFAULT_MASTER = "local[2]"
+# Codes after which the same call may simply be sent again. A request whose
+# deadline passed may or may not have been applied; sending it again is safe
+# because every row is a DELETE + INSERT of one key at one timestamp.
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+UNAVAILABLE_MARK = "[retina:UNAVAILABLE]"
+REFUSED_MARK = "[retina:REFUSED]"
+# Quiet, reproducible defaults; --conf overrides any of them.
+BASE_CONF = {
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
+}
+
+T = TypeVar("T")
+
+
+class TaskError(Exception):
+    """A task gave up; the message starts with a marker the driver maps to an exit code."""
+
+    @classmethod
+    def of(cls, exc: grpc.RpcError, what: str) -> TaskError:
+        mark = UNAVAILABLE_MARK if exc.code() in RETRYABLE else REFUSED_MARK
+        return cls(f"{mark} {what}: {exc.code().name}: {exc.details()}")
+
+
+def exit_code_of(exc: BaseException) -> int:
+    """The exit code for a failure, including one that reached us through Spark."""
+    if isinstance(exc, grpc.RpcError):
+        return EXIT_UNAVAILABLE if exc.code() in RETRYABLE else EXIT_REFUSED
+    text = str(exc)
+    if REFUSED_MARK in text:
+        return EXIT_REFUSED
+    if UNAVAILABLE_MARK in text:
+        return EXIT_UNAVAILABLE
+    return EXIT_FAILED
+
+
+def short_reason(exc: BaseException, limit: int = 600) -> str:
+    """The line of a (possibly Spark-wrapped) failure worth printing."""
+    text = str(exc)
+    for mark in (REFUSED_MARK, UNAVAILABLE_MARK):
+        at = text.find(mark)
+        if at >= 0:
+            return text[at:].splitlines()[0][:limit]
+    if isinstance(exc, grpc.RpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    lines = [line for line in text.splitlines() if line.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:limit]
+
+
+def call_with_retry(call: Callable[[], T], what: str, attempts: int = 6,
+                    first_delay_s: float = 0.2, cap_s: float = 5.0) -> T:
+    """``call()``, sent again with backoff on UNAVAILABLE / DEADLINE_EXCEEDED;
+    raises TaskError when it is refused or keeps failing."""
+    delay = first_delay_s
+    for attempt in range(1, attempts + 1):
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            if exc.code() not in RETRYABLE or attempt == attempts:
+                raise TaskError.of(exc, what) from None
+        time.sleep(delay)  # backoff between attempts, not synchronisation
+        delay = min(delay * 2, cap_s)
+    raise AssertionError("unreachable")
+
+
+def load(config_path: str | None) -> tuple[Config, Topology]:
+    """The config (``--config`` or ``$RETINA_CONFIG``) and its topology; ConfigError if bad."""
+    config = load_config(config_path)
+    return config, load_topology(config.topology_file)
+
+
+def add_spark_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--master", default=None,
+                        help=f"Spark master (default {DEFAULT_MASTER} when run with python; "
+                             "under spark-submit its own --master applies)")
+    parser.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                        help="a Spark setting, as for spark-submit (repeatable)")
+
+
+def parse_conf(pairs: Sequence[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"--conf expects KEY=VALUE, got {pair!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _under_spark_submit() -> bool:
+    # spark-submit starts the Python driver with a gateway to its own JVM.
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def spark_session(app_name: str, master: str | None, conf: dict[str, str]) -> SparkSession:
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.appName(app_name)
+    if master is None and not _under_spark_submit():
+        master = DEFAULT_MASTER
+    if master is not None:
+        builder = builder.master(master)
+        if master.startswith("local"):
+            # Local workers must run this interpreter (the venv with our packages),
+            # not whatever "python3" is on PATH.
+            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    for key, value in {**BASE_CONF, **conf}.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def fail(prog: str, message: str, code: int) -> int:
+    print(f"{prog}: {message}", file=sys.stderr)
+    return code
