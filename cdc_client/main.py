@@ -55,6 +55,7 @@ def settings_of(cdc: CdcConfig) -> Settings:
         raise ConfigError(f"cdc.replay_mode: expected vnode or node, got {cdc.replay_mode!r}")
     return Settings(schema=cdc.schema, batch_max_transactions=cdc.batch_max_transactions,
                     batch_max_rows=cdc.batch_max_rows, batch_max_delay_ms=cdc.batch_max_delay_ms,
+                    batch_idle_gap_ms=cdc.batch_idle_gap_ms,
                     write_lease_ms=cdc.write_lease_ms, replay_mode=modes[cdc.replay_mode],
                     request_max_rows=cdc.request_max_rows, drive_recovery=cdc.drive_recovery,
                     node_check_interval_s=cdc.node_check_interval_ms / 1000)

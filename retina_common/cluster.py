@@ -463,7 +463,7 @@ def start_cdc(state: ClusterState, env: Mapping[str, str], timeout_s: float = 30
                         log_path, env)
     state.cdc_pid = pid
     state.save()
-    wait_for(lambda: log_path.exists() and '"cdc_start"' in log_path.read_text()
+    wait_for(lambda: (log_path.exists() and '"cdc_start"' in log_path.read_text())
              or not pid_alive(pid), timeout_s, "the CDC connector")
     if not pid_alive(pid):
         raise ClusterError(f"retina-cdc exited at start; see {log_path}")

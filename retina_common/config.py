@@ -108,7 +108,10 @@ class CdcConfig:
     changelog_root: str = ""
     batch_max_transactions: int = 500
     batch_max_rows: int = 5000
-    batch_max_delay_ms: int = 20
+    # A batch closes after batch_idle_gap_ms without a new source transaction,
+    # when full, or batch_max_delay_ms after its first transaction.
+    batch_max_delay_ms: int = 200
+    batch_idle_gap_ms: int = 5
     write_lease_ms: int = 15_000
     replay_mode: str = "vnode"  # "vnode" | "node"
     # false: an operator replays recovering nodes (spark_jobs/cdc_replay.py);

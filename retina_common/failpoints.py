@@ -240,7 +240,7 @@ CDC_CHANGELOG_AFTER_SEGMENTS = Failpoint(
 CDC_CHANGELOG_AFTER_RECORD = Failpoint(
     "cdc.changelog.after_record", "batch durable in the changelog, nothing sent")
 CDC_SEND_BETWEEN_NODES = Failpoint(
-    "cdc.send.between_nodes", "one Retina node acknowledged the batch, others not yet")
+    "cdc.send.between_nodes", "a Retina node acknowledged the batch, another has not yet")
 CDC_SEND_AFTER_ALL = Failpoint(
     "cdc.send.after_all", "every Retina node acknowledged, transactions not committed")
 CDC_COMMIT_AFTER = Failpoint(

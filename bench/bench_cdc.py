@@ -1,0 +1,222 @@
+"""CDC end-to-end benchmark: source PostgreSQL → retina-cdc → two Retina nodes.
+
+Two phases on a private local cluster (everything on this one machine):
+
+* **steady**: a paced source workload at ``--rate`` rows/s (default 5,000: 500
+  transactions/s of 10 rows) for ``--seconds``. A probe commits one marker row
+  every 50 ms; a reader polls gated snapshots of the probe table and records
+  when each marker first becomes visible. Freshness = first visible - source
+  commit, p50 / p99.
+* **burst**: ``--burst-rows`` rows committed as fast as the source takes them
+  (4 writer connections); end-to-end throughput = rows / (first commit → all
+  rows visible in a gated snapshot).
+
+Prints figures and the setup; asserts nothing.
+
+    .venv/bin/python bench/bench_cdc.py --rate 5000 --seconds 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import psycopg2
+
+from retina_common.catalog import Catalog, ColumnSpec
+from retina_common.cluster import (
+    ClusterState,
+    free_port,
+    start_cdc,
+    start_cluster,
+    start_retina_servers,
+    stop_cluster,
+    wait_for,
+)
+from retina_common.log import configure_logging
+from retina_common.pb import retina_pb2 as rpb
+from retina_common.pb import retina_pb2_grpc
+from retina_common.reader import SnapshotReader
+from retina_common.topology import load_topology
+
+SCHEMA = "bench"
+DDL = """
+CREATE TABLE readings (id int8 PRIMARY KEY, sensor int4, value float8, note text);
+CREATE TABLE probe (id int8 PRIMARY KEY, sent_ns int8);
+"""
+
+
+def setup(state: ClusterState) -> str:
+    state.postgres.create_database("bench_source")
+    dsn = state.postgres.dsn("bench_source")
+    with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
+        cur.execute(DDL)
+    conn.close()
+    catalog = Catalog(state.postgres.dsn())
+    catalog.create_schema(SCHEMA)
+    catalog.create_table(SCHEMA, "readings", [
+        ColumnSpec("id", "int64"), ColumnSpec("sensor", "int32"), ColumnSpec("value", "float64"),
+        ColumnSpec("note", "string")], ["id"])
+    catalog.create_table(SCHEMA, "probe", [ColumnSpec("id", "int64"),
+                                           ColumnSpec("sent_ns", "int64")], ["id"])
+    catalog.close()
+    start_retina_servers(state)
+    start_cdc(state, {
+        "RETINA__CDC__SOURCE": "postgres", "RETINA__CDC__SOURCE_DSN": dsn,
+        "RETINA__CDC__SCHEMA": SCHEMA, "RETINA__CDC__SOURCE_TABLES": "public.readings,public.probe",
+        "RETINA__CDC__METRICS_LISTEN": f"127.0.0.1:{free_port()}"})
+    stubs = [retina_pb2_grpc.RetinaWorkerServiceStub(grpc.insecure_channel(n))
+             for n in state.nodes]
+
+    def ready() -> bool:
+        try:
+            return all(s.GetRetinaStatus(rpb.GetRetinaStatusRequest(), timeout=2).state
+                       == rpb.READY for s in stubs)
+        except grpc.RpcError:
+            return False
+
+    wait_for(ready, 60, "both nodes READY")
+    return dsn
+
+
+class Writer:
+    def __init__(self, dsn: str, first_id: int, step: int) -> None:
+        self.conn = psycopg2.connect(dsn)
+        self.next_id = first_id
+        self.step = step
+        self.rng = random.Random(first_id)
+
+    def transaction(self, rows: int) -> None:
+        values = []
+        for _ in range(rows):
+            values.append((self.next_id, self.rng.randint(1, 100), self.rng.random(), "r"))
+            self.next_id += self.step
+        with self.conn, self.conn.cursor() as cur:
+            cur.execute("INSERT INTO readings VALUES " + ",".join(["(%s,%s,%s,%s)"] * rows),
+                        [v for row in values for v in row])
+
+
+def steady(dsn: str, reader: SnapshotReader, rate: int, seconds: float) -> dict:
+    rows_per_txn = 10
+    writer = Writer(dsn, 1, 1)
+    stop = threading.Event()
+    sent: dict[int, int] = {}
+    seen: dict[int, int] = {}
+
+    def probe() -> None:
+        conn = psycopg2.connect(dsn)
+        n = 0
+        while not stop.wait(0.05):
+            n += 1
+            with conn, conn.cursor() as cur:
+                cur.execute("INSERT INTO probe VALUES (%s, 0)", (n,))
+            sent[n] = time.monotonic_ns()
+        conn.close()
+
+    def watch() -> None:
+        while not stop.is_set() or len(seen) < len(sent):
+            try:
+                ids = reader.read(SCHEMA, "probe").table.column("id").to_pylist()
+            except grpc.RpcError:
+                continue
+            now = time.monotonic_ns()
+            for i in ids:
+                seen.setdefault(i, now)
+            time.sleep(0.02)  # leave the CPU to the system under test
+            if stop.is_set() and time.monotonic() > deadline:
+                break
+
+    deadline = float("inf")
+    threads = [threading.Thread(target=probe), threading.Thread(target=watch)]
+    for t in threads:
+        t.start()
+    started = time.monotonic()
+    n = 0
+    while time.monotonic() - started < seconds:
+        due = started + n * rows_per_txn / rate
+        delay = due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)  # pacing the load, not synchronisation
+        writer.transaction(rows_per_txn)
+        n += 1
+    achieved = n * rows_per_txn / (time.monotonic() - started)
+    deadline = time.monotonic() + 30
+    stop.set()
+    for t in threads:
+        t.join()
+    fresh = sorted((seen[i] - sent[i]) / 1e6 for i in sent if i in seen)
+    return {"offered_rows_s": rate, "achieved_rows_s": achieved, "probes": len(sent),
+            "probes_seen": len(fresh), "p50_ms": statistics.median(fresh),
+            "p99_ms": fresh[min(len(fresh) - 1, int(len(fresh) * 0.99))], "max_ms": fresh[-1],
+            "rows": n * rows_per_txn}
+
+
+def burst(dsn: str, reader: SnapshotReader, rows: int, base_count: int) -> dict:
+    writers = [Writer(dsn, 10_000_000 + i, 4) for i in range(4)]
+    per_writer = rows // 4 // 50
+    started = time.monotonic()
+
+    def run(w: Writer) -> None:
+        for _ in range(per_writer):
+            w.transaction(50)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in writers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    committed_s = time.monotonic() - started
+    total = base_count + per_writer * 50 * 4
+    wait_for(lambda: reader.read(SCHEMA, "readings").table.num_rows == total, 300,
+             "every burst row to be visible")
+    visible_s = time.monotonic() - started
+    return {"rows": per_writer * 200, "source_commit_s": committed_s, "visible_s": visible_s,
+            "rows_s": per_writer * 200 / visible_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate", type=int, default=5000)
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--burst-rows", type=int, default=200_000)
+    parser.add_argument("--keep-logs", help="copy the cluster's logs to this directory")
+    args = parser.parse_args()
+    configure_logging("bench", "warning")
+    state_dir = Path(tempfile.mkdtemp(prefix="retina-bench-cdc-"))
+    os.chmod(state_dir, 0o755)
+    state = start_cluster(state_dir, log=lambda _m: None)
+    try:
+        dsn = setup(state)
+        reader = SnapshotReader(state.trans_listen, load_topology(state.topology_path))
+        s = steady(dsn, reader, args.rate, args.seconds)
+        b = burst(dsn, reader, args.burst_rows, s["rows"])
+        reader.close()
+    finally:
+        stop_cluster(state, log=lambda _m: None)
+        if args.keep_logs:
+            shutil.copytree(state_dir / "logs", args.keep_logs, dirs_exist_ok=True)
+        shutil.rmtree(state_dir, ignore_errors=True)
+    print(f"setup: {os.cpu_count()} cores, Python {platform.python_version()}, "
+          f"{platform.platform()}; etcd, PostgreSQL (source + catalog, durable), TransServer, "
+          "2 Retina nodes, retina-cdc and this load generator on one machine")
+    print(f"steady: offered {s['offered_rows_s']:,} rows/s, achieved {s['achieved_rows_s']:,.0f} "
+          f"rows/s over {args.seconds:.0f}s ({s['rows']:,} rows)")
+    print(f"freshness (source commit -> visible in a gated snapshot), {s['probes_seen']} of "
+          f"{s['probes']} probes: p50 {s['p50_ms']:.0f} ms, p99 {s['p99_ms']:.0f} ms, "
+          f"max {s['max_ms']:.0f} ms")
+    print(f"burst: {b['rows']:,} rows, source commits took {b['source_commit_s']:.1f}s, all "
+          f"visible after {b['visible_s']:.1f}s: {b['rows_s']:,.0f} rows/s end to end")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,420 @@
+"""Replay a range of the durable CDC changelog into Retina with Spark: one task
+per virtual node, rows in (ts, seq) order inside it.
+
+Two modes:
+
+``--recover NODE``
+    Drive one RECOVERING node to READY, exactly as the connector's recovery
+    driver does (specification section 6), but with the replay spread over
+    Spark tasks: GetRetinaStatus until replayTsReady → GetRecoveryReplayTs →
+    one task per virtual node the node owns, replaying that virtual node's
+    changelog rows from its start (inclusive) as DELETE + INSERT with the
+    RecoveryReplayContext → MarkReady once every task succeeded. Virtual
+    nodes are independent streams on the Retina side, so they may be replayed
+    concurrently; only the order inside one stream matters.
+
+``--backfill --from-ts N [--to-ts M]``
+    Every virtual node of every node, ordinary UpdateRecord (no context), for
+    rows with N <= ts <= M. The rows keep their original timestamps, so the
+    caller must hold the write transaction(s) covering those timestamps open
+    at the TransServer until the job has finished (the HWM must not pass a
+    timestamp whose rows are still being written), and every node must be READY.
+
+A task needs only plain, picklable data (the changelog root, the schema,
+table records, a virtual node, its range, the context fields) and opens its
+own gRPC channel. UNAVAILABLE is retried with backoff inside the task, then
+the task fails and Spark may run it again: replaying a row twice is harmless,
+it is a DELETE + INSERT of one key at one timestamp.
+
+Progress: one line per finished virtual node, from a Spark accumulator, and a
+summary (also as JSON with ``--json``). Exit codes: see spark_jobs.common.
+
+    python -m spark_jobs.cdc_replay --config retina.toml --recover 127.0.0.1:18890
+    spark-submit spark_jobs/cdc_replay.py --config retina.toml --backfill --from-ts 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from pyspark.accumulators import AccumulatorParam
+
+from cdc_client.changelog import Changelog, CorruptChangelog
+from cdc_client.main import changelog_root
+from cdc_client.replay import node_starts, requests
+from retina_common.catalog import Catalog, CatalogError, TableRecord
+from retina_common.config import Config, ConfigError
+from retina_common.log import token_hash
+from retina_common.pb import retina_pb2 as pb
+from retina_common.pb import retina_pb2_grpc
+from retina_common.recovery_driver import wait_replay_ready
+from retina_common.topology import Topology
+from spark_jobs.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    REFUSED_MARK,
+    TaskError,
+    add_spark_arguments,
+    call_with_retry,
+    exit_code_of,
+    fail,
+    load,
+    parse_conf,
+    short_reason,
+    spark_session,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+PROG = "cdc_replay"
+MODES = {"vnode": pb.VNODE, "node": pb.NODE}
+RPC_TIMEOUT_S = 60.0
+
+
+# --- what a task receives: plain data ---------------------------------------------------------
+@dataclass(frozen=True)
+class ReplayContext:
+    """The fields of RecoveryReplayContext (a protobuf message is rebuilt in the task)."""
+
+    token: str
+    checkpoint_id: int
+    mode: int
+
+    def message(self) -> pb.RecoveryReplayContext:
+        return pb.RecoveryReplayContext(recovery_attempt_token=self.token,
+                                        checkpoint_id=self.checkpoint_id, replay_mode=self.mode)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    changelog_root: str
+    schema: str
+    tables: Mapping[str, TableRecord]
+    max_rows: int
+    context: ReplayContext | None  # None: ordinary writes (backfill)
+    rpc_timeout_s: float = RPC_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class VnodeTask:
+    vnode: int
+    node: str
+    from_ts: int  # inclusive
+    to_ts: int | None  # inclusive; None: to the end of the changelog
+
+
+@dataclass(frozen=True)
+class VnodeResult:
+    vnode: int
+    rows: int
+    requests: int
+
+
+class _Tables(dict):
+    """Table records by name; a name the catalog does not have refuses the task."""
+
+    def __init__(self, schema: str, tables: Mapping[str, TableRecord]) -> None:
+        super().__init__(tables)
+        self._schema = schema
+
+    def __missing__(self, name: str) -> TableRecord:
+        raise TaskError(f"{REFUSED_MARK} the changelog names table {self._schema}.{name}, "
+                        "which the catalog does not have")
+
+
+# --- the task ---------------------------------------------------------------------------------
+def replay_vnode(spec: JobSpec, task: VnodeTask) -> VnodeResult:
+    """Send one virtual node's changelog range to its node; runs inside a Spark task."""
+    changelog = Changelog(spec.changelog_root)
+    # Batch records are small JSON; only this vnode's segments are read.
+    records = [r for r in changelog.records(task.from_ts)
+               if task.to_ts is None or r.first_ts <= task.to_ts]
+    rows = changelog.read({task.vnode: task.from_ts}, task.to_ts, records)
+    context = spec.context.message() if spec.context else None
+    sent_rows = sent = 0
+    with grpc.insecure_channel(task.node) as channel:
+        stub = retina_pb2_grpc.RetinaWorkerServiceStub(channel)
+        for request in requests(spec.schema, _Tables(spec.schema, spec.tables), rows,
+                                spec.max_rows):
+            if context is not None:
+                request.recovery_replay_context.CopyFrom(context)
+            call_with_retry(lambda r=request: stub.UpdateRecord(r, timeout=spec.rpc_timeout_s),
+                            f"UpdateRecord of vnode {task.vnode} to {task.node}")
+            # Every changelog row is exactly one delete_data entry.
+            sent_rows += sum(len(t.delete_data) for t in request.table_update_data)
+            sent += 1
+    return VnodeResult(task.vnode, sent_rows, sent)
+
+
+class _ResultsParam(AccumulatorParam):
+    """vnode → (rows, requests). Merging replaces by key: a re-run task reports
+    the same figures, so an update applied twice cannot inflate the totals."""
+
+    def zero(self, value: dict) -> dict:
+        return {}
+
+    def addInPlace(self, value1: dict, value2: dict) -> dict:
+        # A new dict, so the driver can read a snapshot while updates arrive.
+        return {**value1, **value2}
+
+
+def run_tasks(spark: SparkSession, spec: JobSpec, tasks: Sequence[VnodeTask],
+              on_done: Callable[[VnodeResult], None]) -> list[VnodeResult]:
+    """Run one Spark task per virtual node; ``on_done`` is called on the driver as
+    each one finishes. Raises whatever the Spark job raised."""
+    sc = spark.sparkContext
+    progress = sc.accumulator({}, _ResultsParam())
+
+    def run_partition(items: Any) -> None:
+        for task in items:
+            result = replay_vnode(spec, task)
+            progress.add({result.vnode: (result.rows, result.requests)})
+
+    rdd = sc.parallelize(list(tasks), max(1, len(tasks)))
+    failure: list[BaseException] = []
+
+    def job() -> None:
+        try:
+            rdd.foreachPartition(run_partition)
+        except BaseException as exc:
+            failure.append(exc)
+
+    runner = threading.Thread(target=job, name="spark-replay-job", daemon=True)
+    runner.start()
+    seen: dict[int, VnodeResult] = {}
+    try:
+        while True:
+            finished = not runner.is_alive()  # read before the value: nothing is missed
+            for vnode, (rows, count) in sorted(dict(progress.value).items()):
+                if vnode not in seen:
+                    seen[vnode] = VnodeResult(vnode, rows, count)
+                    on_done(seen[vnode])
+            if finished:
+                break
+            runner.join(0.2)
+    except KeyboardInterrupt:
+        sc.cancelAllJobs()
+        raise
+    if failure:
+        raise failure[0]
+    return [seen[t.vnode] for t in tasks]
+
+
+# --- the driver -------------------------------------------------------------------------------
+def table_records(config: Config) -> dict[str, TableRecord]:
+    catalog = Catalog(config.catalog.dsn, pool_max=1,
+                      connect_timeout_s=config.catalog.connect_timeout_s)
+    try:
+        return {name: catalog.get_table(config.cdc.schema, name)
+                for name in catalog.list_tables(config.cdc.schema)}
+    finally:
+        catalog.close()
+
+
+def request_rows(config: Config, override: int | None) -> int:
+    # A replace is a DELETE plus an INSERT, and the server counts both.
+    return override or max(1, min(config.cdc.request_max_rows,
+                                  config.retina.max_rows_per_request // 2))
+
+
+def print_progress(result: VnodeResult) -> None:
+    print(f"vnode {result.vnode}: {result.rows:,} rows, {result.requests:,} requests",
+          flush=True)
+
+
+@dataclass
+class Plan:
+    """What the driver decided before Spark starts."""
+
+    mode: str
+    tasks: list[VnodeTask]
+    context: ReplayContext | None
+    summary: dict[str, Any]
+    stub: retina_pb2_grpc.RetinaWorkerServiceStub | None = None
+
+
+def plan_recovery(args: argparse.Namespace, topology: Topology) -> Plan | int:
+    """Wait for the node's replay starts and open its attempt; an int is an exit code."""
+    node = args.recover
+    if node not in topology.nodes:
+        return fail(PROG, f"{node} is not in the topology ({', '.join(topology.nodes)})",
+                    EXIT_USAGE)
+    stub = retina_pb2_grpc.RetinaWorkerServiceStub(grpc.insecure_channel(node))
+    try:
+        status = wait_replay_ready(stub, args.wait_s)
+    except grpc.RpcError as exc:
+        return fail(PROG, f"{node}: GetRetinaStatus: {short_reason(exc)}", exit_code_of(exc))
+    except TimeoutError as exc:
+        return fail(PROG, str(exc), EXIT_UNAVAILABLE)
+    if status.state == pb.READY:
+        print(f"{node} is READY already; nothing to replay")
+        return EXIT_OK
+    if status.state == pb.FAILED:
+        return fail(PROG, f"{node} is FAILED: {status.failure_reason}", EXIT_REFUSED)
+    mode = MODES[args.mode]
+    context = ReplayContext(status.recovery_attempt_token, status.checkpoint_id, mode)
+    try:
+        starts = stub.GetRecoveryReplayTs(pb.GetRecoveryReplayTsRequest(
+            recovery_attempt_token=context.token, checkpoint_id=context.checkpoint_id,
+            replay_mode=mode), timeout=30)
+    except grpc.RpcError as exc:
+        return fail(PROG, f"{node}: GetRecoveryReplayTs: {short_reason(exc)}",
+                    exit_code_of(exc))
+    vnode_starts = node_starts(node, topology, starts, mode)
+    tasks = [VnodeTask(v, node, s, None) for v, s in sorted(vnode_starts.items())]
+    print(f"{node}: recovery attempt {token_hash(context.token)}, checkpoint "
+          f"{context.checkpoint_id}, {args.mode} mode: replaying {len(tasks)} virtual nodes "
+          f"from ts {min(vnode_starts.values(), default=0)}", flush=True)
+    summary = {"node": node, "checkpoint_id": context.checkpoint_id, "replay_mode": args.mode,
+               "starts": {str(v): s for v, s in sorted(vnode_starts.items())}}
+    return Plan("recover", tasks, context, summary, stub)
+
+
+def plan_backfill(args: argparse.Namespace, topology: Topology) -> Plan | int:
+    """Every virtual node of every node; every node must be READY."""
+    if args.from_ts is None or args.from_ts < 1:
+        return fail(PROG, "--backfill needs --from-ts N (N >= 1)", EXIT_USAGE)
+    if args.to_ts is not None and args.to_ts < args.from_ts:
+        return fail(PROG, "--to-ts must not be below --from-ts", EXIT_USAGE)
+    for node in topology.nodes:
+        with grpc.insecure_channel(node) as channel:
+            try:
+                status = retina_pb2_grpc.RetinaWorkerServiceStub(channel).GetRetinaStatus(
+                    pb.GetRetinaStatusRequest(), timeout=10)
+            except grpc.RpcError as exc:
+                return fail(PROG, f"{node}: GetRetinaStatus: {short_reason(exc)}",
+                            exit_code_of(exc))
+        if status.state == pb.FAILED:
+            return fail(PROG, f"{node} is FAILED: {status.failure_reason}", EXIT_REFUSED)
+        if status.state != pb.READY:
+            return fail(PROG, f"{node} is not READY ({pb.LifecycleState.Name(status.state)}); "
+                              "recover it first, backfill writes only to READY nodes",
+                        EXIT_UNAVAILABLE)
+    tasks = [VnodeTask(v, topology.node_of_vnode(v), args.from_ts, args.to_ts)
+             for v in range(topology.virtual_nodes)]
+    print(f"backfill of ts {args.from_ts}..{'end' if args.to_ts is None else args.to_ts} "
+          f"into {len(topology.nodes)} nodes, {len(tasks)} virtual nodes", flush=True)
+    return Plan("backfill", tasks, None,
+                {"from_ts": args.from_ts, "to_ts": args.to_ts, "nodes": list(topology.nodes)})
+
+
+def execute(args: argparse.Namespace, config: Config, plan: Plan) -> int:
+    try:
+        tables = table_records(config)
+    except CatalogError as exc:
+        return fail(PROG, f"catalog: {exc}", EXIT_UNAVAILABLE)
+    spec = JobSpec(changelog_root(config), config.cdc.schema, tables,
+                   request_rows(config, args.max_rows), plan.context)
+    started = time.monotonic()
+    spark = spark_session(f"retina-cdc-replay-{plan.mode}", args.master, parse_conf(args.conf))
+    try:
+        job_started = time.monotonic()
+        results = run_tasks(spark, spec, plan.tasks, print_progress)
+        replay_s = time.monotonic() - job_started
+    except Exception as exc:
+        code = exit_code_of(exc)
+        if code == EXIT_FAILED and isinstance(exc, CorruptChangelog):
+            return fail(PROG, f"corrupt changelog: {exc}", code)
+        return fail(PROG, f"replay failed: {short_reason(exc)}", code)
+    finally:
+        spark.stop()
+    if plan.context is not None and plan.stub is not None:
+        try:
+            plan.stub.MarkReady(pb.MarkReadyRequest(
+                recovery_attempt_token=plan.context.token,
+                checkpoint_id=plan.context.checkpoint_id), timeout=args.wait_s)
+        except grpc.RpcError as exc:
+            return fail(PROG, f"MarkReady: {short_reason(exc)}", exit_code_of(exc))
+        print(f"{plan.summary['node']} is READY", flush=True)
+    rows = sum(r.rows for r in results)
+    summary = {
+        "mode": plan.mode, **plan.summary, "vnodes": len(results), "rows": rows,
+        "requests": sum(r.requests for r in results), "seconds": round(replay_s, 3),
+        "rows_per_s": round(rows / replay_s, 1) if replay_s > 0 else 0.0,
+        "spark_start_s": round(job_started - started, 3),
+        "total_seconds": round(time.monotonic() - started, 3),
+        "per_vnode": {str(r.vnode): {"rows": r.rows, "requests": r.requests} for r in results},
+    }
+    print(f"done: {rows:,} rows in {summary['requests']:,} requests over {len(results)} "
+          f"virtual nodes in {replay_s:.2f} s ({summary['rows_per_s']:,.0f} rows/s); "
+          f"Spark start-up {summary['spark_start_s']:.1f} s", flush=True)
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    return EXIT_OK
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Replay the durable CDC changelog into Retina, one Spark task per "
+                    "virtual node.",
+        epilog="--backfill sends ordinary writes carrying the rows' original timestamps: the "
+               "caller must hold the write transaction(s) covering --from-ts..--to-ts open at "
+               "the TransServer until this job has finished.\n"
+               "--recover: the CDC connector must not drive the same node at the same time "
+               "(set cdc.drive_recovery = false while an operator replays with Spark).\n"
+               "Exit codes: 0 done, 1 failed otherwise, 2 bad arguments or configuration, "
+               "3 refused (FAILED_PRECONDITION, FAILED node), 4 unavailable.")
+    p.add_argument("--config", help="TOML config file (default: $RETINA_CONFIG)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--recover", metavar="NODE",
+                      help="host:port of a RECOVERING Retina node to replay and MarkReady")
+    what.add_argument("--backfill", action="store_true",
+                      help="ordinary UpdateRecord of --from-ts..--to-ts to every READY node")
+    p.add_argument("--mode", choices=sorted(MODES), default=None,
+                   help="--recover replay mode (default: cdc.replay_mode, normally vnode)")
+    p.add_argument("--from-ts", type=int, help="--backfill: first timestamp (inclusive)")
+    p.add_argument("--to-ts", type=int,
+                   help="--backfill: last timestamp (inclusive; default: the changelog's end)")
+    p.add_argument("--wait-s", type=float, default=120.0,
+                   help="how long to wait for replayTsReady and for MarkReady (default 120)")
+    p.add_argument("--max-rows", type=int, default=None,
+                   help="changelog rows per request (default: min(cdc.request_max_rows, "
+                        "retina.max_rows_per_request / 2))")
+    p.add_argument("--json", action="store_true", help="also print the summary as JSON")
+    add_spark_arguments(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.recover and (args.from_ts is not None or args.to_ts is not None):
+        return fail(PROG, "--from-ts / --to-ts apply to --backfill only", EXIT_USAGE)
+    if args.backfill and args.mode is not None:
+        return fail(PROG, "--mode applies to --recover only", EXIT_USAGE)
+    if args.max_rows is not None and args.max_rows < 1:
+        return fail(PROG, "--max-rows must be at least 1", EXIT_USAGE)
+    try:
+        config, topology = load(args.config)
+        parse_conf(args.conf)
+        if args.recover:
+            args.mode = args.mode or config.cdc.replay_mode
+            if args.mode not in MODES:
+                raise ConfigError(f"cdc.replay_mode: expected vnode or node, got {args.mode!r}")
+    except ConfigError as exc:
+        return fail(PROG, str(exc), EXIT_USAGE)
+    plan = plan_recovery(args, topology) if args.recover else plan_backfill(args, topology)
+    if isinstance(plan, int):
+        return plan
+    return execute(args, config, plan)
+
+
+if __name__ == "__main__":
+    # Run the package's copy of main, also when spark-submit runs this file as a
+    # script: tasks then pickle references to spark_jobs.cdc_replay, which
+    # executors import, rather than copies of __main__'s functions.
+    from spark_jobs.cdc_replay import main as package_main
+
+    sys.exit(package_main())

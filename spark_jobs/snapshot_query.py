@@ -1,0 +1,255 @@
+"""A gated snapshot read of one table into a Spark DataFrame.
+
+The steps and their order are those of :mod:`retina_common.reader`, with the
+file reads spread over Spark tasks:
+
+1. begin a read-only transaction at the TransServer: the query gate grants
+   it only while every Retina node is READY. A refusal (UNAVAILABLE) ends
+   the job with exit code 4; nothing is ever read around the gate;
+2. on the driver, GetWriteBuffer from every node (rows of unpublished files
+   visible at the snapshot, with their file id), *then* ListQueryFiles (the
+   REGULAR files). A file leaves a write buffer only after it became
+   REGULAR, so a row is found in one of the two (or both; step 4 keeps one);
+3. one Spark task per REGULAR file reads it at the snapshot timestamp with
+   its owner's QueryVisibility (``SnapshotReader._read_file``);
+4. the write-buffer rows whose file is not in the REGULAR list are added.
+
+The DataFrame is materialised (``localCheckpoint(eager=True)``) while the
+read transaction is still live: a lazy plan evaluated after it ended could
+read files or visibility that Storage GC has since folded or removed. Lost
+checkpointed blocks fail the job rather than being re-read outside the
+snapshot.
+
+    python -m spark_jobs.snapshot_query --config retina.toml --table shop.orders --show 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from retina_common.config import Config, ConfigError, load_config
+from retina_common.pb import retina_pb2 as rpb
+from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
+from retina_common.pb import trans_pb2 as tpb
+from retina_common.reader import FILE_ID, HIDDEN, SnapshotReader
+from retina_common.topology import Topology, load_topology
+from spark_jobs.common import (
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    add_spark_arguments,
+    call_with_retry,
+    exit_code_of,
+    fail,
+    load,
+    parse_conf,
+    short_reason,
+    spark_session,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+PROG = "snapshot_query"
+RPC_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class SparkSnapshot:
+    frame: DataFrame  # materialised; the table's columns only
+    timestamp: int
+    files: int  # REGULAR files read, one Spark task each
+    buffer_rows: int  # write-buffer rows added from the driver
+
+
+@dataclass(frozen=True)
+class FileRef:
+    """The fields of a QueryFile a task needs (rebuilt as a message in the task)."""
+
+    file_id: int
+    name: str
+    path_uri: str
+
+
+@dataclass(frozen=True)
+class FileReadSpec:
+    """Everything a file-reading task needs: plain, picklable data."""
+
+    trans_address: str
+    nodes: tuple[str, ...]
+    virtual_nodes: int
+    timestamp: int
+    schema: pa.Schema  # the table's columns, no hidden ones
+
+
+def rows_of(table: pa.Table, schema: pa.Schema) -> Iterator[tuple[Any, ...]]:
+    """``table``'s rows as tuples in ``schema``'s column order and types."""
+    table = table.select(schema.names).cast(schema)
+    yield from zip(*(column.to_pylist() for column in table.columns), strict=True)
+
+
+def read_files(spec: FileReadSpec, refs: Iterable[FileRef]) -> Iterator[tuple[Any, ...]]:
+    """The visible rows of ``refs`` at the snapshot; runs inside a Spark task."""
+    reader = SnapshotReader(spec.trans_address, Topology(spec.nodes, spec.virtual_nodes),
+                            timeout_s=RPC_TIMEOUT_S)
+    try:
+        for ref in refs:
+            message = tpb.QueryFile(file_id=ref.file_id, name=ref.name, path_uri=ref.path_uri)
+            # The reader's own per-file step: rows committed at or before the
+            # snapshot, minus what the owner's visibility says is deleted.
+            part = call_with_retry(lambda m=message: reader._read_file(m, spec.timestamp),
+                                   f"reading file {ref.name}")
+            yield from rows_of(part, spec.schema)
+    finally:
+        reader.close()
+
+
+def _write_buffers(nodes: Iterable[str], trans: tpb.BeginTransResponse, schema: str,
+                   table: str) -> list[pa.Table]:
+    out = []
+    for node in nodes:
+        with grpc.insecure_channel(node) as channel:
+            reply = retina_pb2_grpc.RetinaWorkerServiceStub(channel).GetWriteBuffer(
+                rpb.GetWriteBufferRequest(schema_name=schema, table_name=table,
+                                          timestamp=trans.timestamp, trans_id=trans.trans_id),
+                timeout=RPC_TIMEOUT_S)
+        out.append(pa.ipc.open_stream(reply.arrow_ipc_stream).read_all())
+    return out
+
+
+def _list_files(trans_address: str, trans: tpb.BeginTransResponse, schema: str,
+                table: str) -> list[tpb.QueryFile]:
+    with grpc.insecure_channel(trans_address) as channel:
+        listing = trans_pb2_grpc.TransServiceStub(channel).ListQueryFiles(
+            tpb.ListQueryFilesRequest(trans_id=trans.trans_id, schema_name=schema,
+                                      table_name=table), timeout=RPC_TIMEOUT_S)
+    return list(listing.files)
+
+
+def snapshot_in(spark: SparkSession, trans: tpb.BeginTransResponse, trans_address: str,
+                topology: Topology, schema: str, table: str) -> SparkSnapshot:
+    """Read ``schema.table`` at ``trans``'s snapshot (a live, gated read-only
+    transaction the caller holds until this returns)."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    buffers = _write_buffers(topology.nodes, trans, schema, table)  # before the file list
+    files = _list_files(trans_address, trans, schema, table)
+    columns = pa.schema([f for f in buffers[0].schema if f.name not in HIDDEN])
+    regular = pa.array(sorted({f.file_id for f in files}), pa.int64())
+    buffered = [b.filter(pc.invert(pc.is_in(b.column(FILE_ID), regular))) for b in buffers]
+    buffer_rows = [row for b in buffered for row in rows_of(b, columns)]
+    spec = FileReadSpec(trans_address, topology.nodes, topology.virtual_nodes,
+                        trans.timestamp, columns)
+    refs = [FileRef(f.file_id, f.name, f.path_uri) for f in files]
+    sc = spark.sparkContext
+    file_rows = sc.parallelize(refs, max(1, len(refs))).mapPartitions(
+        lambda part: read_files(spec, part))
+    rdd = file_rows.union(sc.parallelize(buffer_rows, 1))
+    frame = spark.createDataFrame(rdd, from_arrow_schema(columns)).localCheckpoint(eager=True)
+    return SparkSnapshot(frame, trans.timestamp, len(refs), len(buffer_rows))
+
+
+def snapshot_dataframe(spark: SparkSession, config: Config | str | os.PathLike[str] | None,
+                       schema: str, table: str) -> SparkSnapshot:
+    """A gated snapshot of ``schema.table`` as a materialised DataFrame, with its
+    timestamp. ``config`` is a loaded Config or a path to retina.toml. Raises
+    grpc.RpcError (UNAVAILABLE) when the gate refuses: a node is not READY."""
+    if not isinstance(config, Config):
+        config = load_config(config)
+    topology = load_topology(config.topology_file)
+    reader = SnapshotReader(config.trans.listen, topology)
+    try:
+        with reader.transaction() as trans:
+            return snapshot_in(spark, trans, config.trans.listen, topology, schema, table)
+    finally:
+        reader.close()
+
+
+# --- the command ------------------------------------------------------------------------------
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Read one table at a gated snapshot into Spark: one task per data file "
+                    "plus the write-buffer rows.",
+        epilog="Exit codes: 0 done, 1 failed otherwise, 2 bad arguments or configuration, "
+               "3 refused, 4 unavailable (the query gate refused: a Retina node is not READY).")
+    p.add_argument("--config", help="TOML config file (default: $RETINA_CONFIG)")
+    p.add_argument("--table", required=True, help="schema.table")
+    p.add_argument("--output", metavar="DIR",
+                   help="write the snapshot as Parquet: a Spark output directory of part-*.parquet "
+                        "files (read it back with spark.read.parquet or pyarrow.parquet)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    p.add_argument("--show", type=int, metavar="N", default=0, help="print the first N rows")
+    p.add_argument("--json", action="store_true", help="also print the result as JSON")
+    add_spark_arguments(p)
+    return p
+
+
+def report(args: argparse.Namespace, snap: SparkSnapshot) -> None:
+    count = snap.frame.count()
+    print(f"snapshot of {args.table} at timestamp {snap.timestamp}: {count:,} rows "
+          f"({snap.files} files, one task each; {snap.buffer_rows} write-buffer rows)",
+          flush=True)
+    if args.show:
+        snap.frame.show(args.show, truncate=False)
+    if args.output:
+        snap.frame.write.mode("overwrite" if args.overwrite else "errorifexists") \
+            .parquet(args.output)
+        print(f"wrote {args.output}", flush=True)
+    if args.json:
+        print(json.dumps({"table": args.table, "timestamp": snap.timestamp, "count": count,
+                          "files": snap.files, "buffer_rows": snap.buffer_rows,
+                          "output": args.output}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    schema, dot, table = args.table.partition(".")
+    if not dot or not schema or not table:
+        return fail(PROG, "give the table as schema.table", EXIT_USAGE)
+    if args.output and not args.overwrite and os.path.exists(args.output):
+        return fail(PROG, f"{args.output} exists; pass --overwrite to replace it", EXIT_USAGE)
+    try:
+        config, topology = load(args.config)
+        conf = parse_conf(args.conf)
+    except ConfigError as exc:
+        return fail(PROG, str(exc), EXIT_USAGE)
+    reader = SnapshotReader(config.trans.listen, topology)
+    try:
+        with ExitStack() as stack:
+            try:
+                # Through the gate first: a refusal must not even start Spark.
+                trans = stack.enter_context(reader.transaction())
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    return fail(PROG, "the query gate refused a snapshot (a Retina node is not "
+                                      f"READY, or the TransServer is down): {exc.details()}",
+                                EXIT_UNAVAILABLE)
+                return fail(PROG, f"BeginTrans: {short_reason(exc)}", exit_code_of(exc))
+            spark = spark_session(f"retina-snapshot-{args.table}", args.master, conf)
+            stack.callback(spark.stop)
+            report(args, snapshot_in(spark, trans, config.trans.listen, topology,
+                                     schema, table))
+    except Exception as exc:
+        return fail(PROG, f"snapshot read failed: {short_reason(exc)}", exit_code_of(exc))
+    finally:
+        reader.close()
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    # The package's copy of main: tasks then pickle references to importable code.
+    from spark_jobs.snapshot_query import main as package_main
+
+    sys.exit(package_main())

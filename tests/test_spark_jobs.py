@@ -1,0 +1,266 @@
+"""The Spark drivers end to end: real TransServer and Retina processes, a real durable
+changelog, and the jobs run as an operator runs them (``python -m spark_jobs...``, Spark in
+local mode) in a subprocess.
+
+Spark start-up dominates, so only three tests start Spark; the refusals are decided before
+Spark starts and are checked in the same subprocess style.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from cdc_client.changelog import DELETE, REPLACE, Changelog, ChangeRow, LoggedTransaction
+from retina_common.catalog import Catalog, FileType
+from retina_common.codec import encode_value
+from retina_common.etcd import EtcdStore
+from retina_common.pb import retina_pb2 as rpb
+from retina_common.pb import trans_pb2 as tpb
+
+from .dataplane import SCHEMA, DataPlane
+from .support import ROOT, begin_write, eventually
+
+SPARK_ARGS = ("--master", "local[2]", "--conf", "spark.ui.enabled=false",
+              "--conf", "spark.sql.shuffle.partitions=2", "--conf", "spark.driver.memory=1g")
+Changes = Mapping[str, Mapping[str, list[dict[str, Any]]]]
+
+
+class LoggedPlane:
+    """A DataPlane whose every committed transaction is also in a durable Changelog,
+    encoded exactly as the CDC connector logs it."""
+
+    def __init__(self, plane: DataPlane, root: Path) -> None:
+        self.plane = plane
+        self.changelog = Changelog(str(root))
+        self.config = plane.workdir / "spark-job.toml"
+        # The file every process reads, plus the [cdc] section the jobs need.
+        self.config.write_text(plane.config_path.read_text() +
+                               f'\n[cdc]\nschema = "{SCHEMA}"\nchangelog_root = "{root}"\n')
+
+    def entry(self, ts: int, changes: Changes) -> LoggedTransaction:
+        rows, seq = [], 0
+        for table, ops in changes.items():
+            writer, record = self.plane.writers[table], self.plane.tables[table]
+            for row in ops.get("deletes", ()):
+                key = writer.key(row)
+                rows.append(ChangeRow(ts, seq, self.plane.topology.vnode_of_key(key), table,
+                                      DELETE, key, None))
+                seq += 1
+            for row in [*ops.get("inserts", ()), *ops.get("replaces", ())]:
+                key = writer.key(row)
+                values = tuple(encode_value(c.type, row.get(c.name)) for c in record.columns)
+                rows.append(ChangeRow(ts, seq, self.plane.topology.vnode_of_key(key), table,
+                                      REPLACE, key, values))
+                seq += 1
+        return LoggedTransaction(ts, f"pos-{ts}", str(ts), int(time.time() * 1000), rows)
+
+    def commit(self, changes: Changes) -> int:
+        ts, _ = self.plane.commit(changes)
+        self.changelog.append([self.entry(ts, changes)])
+        return ts
+
+
+def order(i: int, note: str = "") -> dict[str, Any]:
+    return {"id": i, "customer": f"c{i % 5}", "amount": Decimal(i) / 4, "note": note or None}
+
+
+def event(i: int) -> dict[str, Any]:
+    return {"tenant": i % 3, "seq": i, "payload": bytes([i % 256]) * 3, "ok": i % 2 == 0}
+
+
+def workload(logged: LoggedPlane, rng: random.Random, steps: int, next_id: int) -> int:
+    """Inserts, deletes and replaces over both tables; returns the next free id."""
+    for step in range(steps):
+        live = sorted(logged.plane.model.rows["orders"].values(), key=lambda r: r["id"])
+        picked = rng.sample(live, min(len(live), rng.randint(0, 6)))
+        inserts = [order(next_id + i) for i in range(rng.randint(1, 12))]
+        changes: dict[str, dict[str, list[dict[str, Any]]]] = {"orders": {
+            "inserts": inserts,
+            "deletes": [{"id": r["id"]} for r in picked[: len(picked) // 2]],
+            "replaces": [order(r["id"], f"s{step}") for r in picked[len(picked) // 2:]],
+        }}
+        next_id += len(inserts)
+        if rng.random() < 0.5:
+            changes["events"] = {"replaces": [event(next_id + j) for j in range(3)]}
+            next_id += 3
+        logged.commit(changes)
+    return next_id
+
+
+def apply_changes(plane: DataPlane, rows: dict[str, dict[bytes, dict]], changes: Changes) -> None:
+    for table, ops in changes.items():
+        writer = plane.writers[table]
+        for row in ops.get("deletes", ()):
+            rows[table].pop(writer.key(row), None)
+        for row in [*ops.get("inserts", ()), *ops.get("replaces", ())]:
+            rows[table][writer.key(row)] = dict(row)
+
+
+def run_job(module: str, *args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", module, *map(str, args), *SPARK_ARGS],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYSPARK_PYTHON": sys.executable})
+
+
+def last_json(stdout: str) -> dict[str, Any]:
+    return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+
+
+def regular_files(catalog: Catalog) -> int:
+    return len(catalog.get_files_by_type(None, [FileType.REGULAR]))
+
+
+@pytest.fixture
+def logged(tmp_path: Path, etcd: EtcdStore, catalog: Catalog,
+           catalog_dsn: str) -> Iterator[LoggedPlane]:
+    plane = DataPlane(tmp_path / "plane", etcd, catalog, catalog_dsn, nodes=2,
+                      retina={"block_rows": 16, "blocks_per_file": 2, "flush_interval_ms": 200})
+    try:
+        plane.start()
+        yield LoggedPlane(plane, tmp_path / "changelog")
+    finally:
+        plane.stop()
+
+
+# --- cdc_replay --recover ---------------------------------------------------------------------
+def test_recover_replays_a_killed_node_from_the_changelog(logged: LoggedPlane,
+                                                          catalog: Catalog) -> None:
+    plane = logged.plane
+    rng = random.Random(7)
+    next_id = workload(logged, rng, 20, 0)
+    eventually(lambda: regular_files(catalog) >= 2, 20, "files published before the checkpoint")
+    victim = plane.nodes[0]
+    plane.checkpoint(victim)
+    before = regular_files(catalog)
+    next_id = workload(logged, rng, 20, next_id)
+    eventually(lambda: regular_files(catalog) > before, 20, "files published after it")
+    workload(logged, rng, 4, next_id)  # and rows still in write buffers
+    plane.retinas[victim].kill9()
+    plane.retinas[victim].start()
+    assert plane.status(victim).state == rpb.RECOVERING
+
+    result = run_job("spark_jobs.cdc_replay", "--config", logged.config, "--recover", victim,
+                     "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = last_json(result.stdout)
+    owned = plane.topology.vnodes_of(victim)
+    assert sorted(int(v) for v in summary["per_vnode"]) == sorted(owned)
+    for vnode in owned:  # exactly the changelog rows from each vnode's start, one line each
+        start = summary["starts"][str(vnode)]
+        expected = sum(1 for _ in logged.changelog.read({vnode: start}))
+        assert summary["per_vnode"][str(vnode)]["rows"] == expected
+        assert f"vnode {vnode}: {expected:,} rows," in result.stdout
+    assert summary["rows"] > 0 and f"{victim} is READY" in result.stdout
+    assert plane.status(victim).state == rpb.READY
+    eventually(plane.gate_open, 15, "the gate to admit after the Spark replay")
+    for table in ("orders", "events"):
+        assert plane.read(table) == plane.model.rows[table]  # read() also rejects duplicates
+
+
+def test_cdc_replay_decides_without_spark_when_there_is_nothing_to_run(
+        logged: LoggedPlane) -> None:
+    plane = logged.plane
+    ready = run_job("spark_jobs.cdc_replay", "--config", logged.config, "--recover",
+                    plane.nodes[0])
+    assert ready.returncode == 0 and "READY already" in ready.stdout, ready.stderr
+    unknown = run_job("spark_jobs.cdc_replay", "--config", logged.config, "--recover",
+                      "127.0.0.1:1")
+    assert unknown.returncode == 2 and "not in the topology" in unknown.stderr
+    plane.retinas[plane.nodes[1]].kill9()
+    plane.retinas[plane.nodes[1]].start()
+    refused = run_job("spark_jobs.cdc_replay", "--config", logged.config, "--backfill",
+                      "--from-ts", "1")
+    assert refused.returncode == 4 and "is not READY" in refused.stderr, refused.stderr
+
+
+# --- cdc_replay --backfill --------------------------------------------------------------------
+def test_backfill_sends_a_logged_range_under_open_write_transactions(
+        logged: LoggedPlane) -> None:
+    plane = logged.plane
+    workload(logged, random.Random(3), 8, 0)  # committed, sent and logged as usual
+    stub = plane.trans.stub()
+    first, second, outside = (begin_write(stub, lease_ms=300_000) for _ in range(3))
+    live = sorted(plane.model.rows["orders"])
+    old = [r for k, r in plane.model.rows["orders"].items() if k in live[:4]]
+    batch: list[tuple[int, Changes]] = [
+        (first.timestamp, {"orders": {"inserts": [order(i) for i in range(500, 540)],
+                                      "deletes": [{"id": r["id"]} for r in old[:2]],
+                                      "replaces": [order(r["id"], "bf") for r in old[2:]]},
+                           "events": {"replaces": [event(i) for i in range(500, 520)]}}),
+        (second.timestamp, {"orders": {"replaces": [order(i, "again") for i in range(500, 510)],
+                                       "deletes": [{"id": 539}]}}),
+        (outside.timestamp, {"orders": {"inserts": [order(i) for i in range(900, 910)]}}),
+    ]
+    # Logged (the connector logs before it sends) but never sent to Retina.
+    logged.changelog.append([logged.entry(ts, changes) for ts, changes in batch])
+    expected = plane.model.snapshot()
+    for _ts, changes in batch[:2]:
+        apply_changes(plane, expected, changes)
+
+    result = run_job("spark_jobs.cdc_replay", "--config", logged.config, "--backfill",
+                     "--from-ts", first.timestamp, "--to-ts", second.timestamp, "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = last_json(result.stdout)
+    assert summary["vnodes"] == plane.topology.virtual_nodes
+    assert summary["rows"] == sum(len(logged.entry(ts, c).rows) for ts, c in batch[:2])
+    # The covering transactions end only now; the one outside the range never happened.
+    for trans in (first, second):
+        stub.CommitTrans(tpb.CommitTransRequest(trans_id=trans.trans_id), timeout=10)
+    stub.RollbackTrans(tpb.RollbackTransRequest(trans_id=outside.trans_id), timeout=10)
+    eventually(plane.gate_open, 15, "the gate to admit")
+    for table in ("orders", "events"):
+        assert plane.read(table) == expected[table]
+
+
+# --- snapshot_query ---------------------------------------------------------------------------
+def test_snapshot_query_exports_exactly_the_gated_snapshot(logged: LoggedPlane,
+                                                           catalog: Catalog,
+                                                           tmp_path: Path) -> None:
+    plane = logged.plane
+    next_id = workload(logged, random.Random(11), 25, 0)
+    eventually(lambda: regular_files(catalog) >= 3, 20, "published files")
+    workload(logged, random.Random(12), 3, next_id)  # rows still in write buffers
+    out = tmp_path / "orders-snapshot"
+    result = run_job("spark_jobs.snapshot_query", "--config", logged.config,
+                     "--table", f"{SCHEMA}.orders", "--output", out, "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    info = last_json(result.stdout)
+    assert plane.reader is not None
+    # Nothing was written since, so any later snapshot has the same rows.
+    assert info["count"] == plane.reader.read(SCHEMA, "orders").table.num_rows
+    assert info["count"] == len(plane.model.rows["orders"]) and info["files"] >= 1
+    assert f"at timestamp {info['timestamp']}: {info['count']:,} rows" in result.stdout
+    exported = pq.read_table(out)
+    writer = plane.writers["orders"]
+    rows = {writer.key(r): r for r in exported.to_pylist()}
+    assert len(rows) == exported.num_rows  # no duplicated row
+    assert rows == plane.model.rows["orders"]
+
+
+def test_snapshot_query_exits_4_while_a_node_is_recovering(logged: LoggedPlane,
+                                                           tmp_path: Path) -> None:
+    plane = logged.plane
+    workload(logged, random.Random(5), 3, 0)
+    victim = plane.nodes[1]
+    plane.retinas[victim].kill9()
+    plane.retinas[victim].start()
+    eventually(lambda: not plane.gate_open(), 15, "the gate to refuse")
+    out = tmp_path / "never"
+    result = run_job("spark_jobs.snapshot_query", "--config", logged.config,
+                     "--table", f"{SCHEMA}.orders", "--output", out)
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert "query gate refused" in result.stderr and not out.exists()
+    assert plane.status(victim).state == rpb.RECOVERING
+
