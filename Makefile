@@ -25,6 +25,7 @@ bench: setup
 	@$(PY) bench/bench_trans.py
 	@$(PY) bench/bench_dataplane.py
 	@$(PY) bench/bench_recovery.py
+	@$(PY) bench/bench_cdc.py
 
 cluster-up: setup
 	@$(VENV)/bin/retina-cluster start --state-dir $(STATE)

@@ -49,7 +49,7 @@ def changelog_root(config: Config) -> str:
     return config.cdc.changelog_root or f"{root_uri(config.storage.root)}/_changelog"
 
 
-def settings_of(cdc: CdcConfig) -> Settings:
+def settings_of(cdc: CdcConfig, retina_max_rows: int) -> Settings:
     modes = {"vnode": pb.VNODE, "node": pb.NODE}
     if cdc.replay_mode not in modes:
         raise ConfigError(f"cdc.replay_mode: expected vnode or node, got {cdc.replay_mode!r}")
@@ -57,7 +57,8 @@ def settings_of(cdc: CdcConfig) -> Settings:
                     batch_max_rows=cdc.batch_max_rows, batch_max_delay_ms=cdc.batch_max_delay_ms,
                     batch_idle_gap_ms=cdc.batch_idle_gap_ms,
                     write_lease_ms=cdc.write_lease_ms, replay_mode=modes[cdc.replay_mode],
-                    request_max_rows=cdc.request_max_rows, drive_recovery=cdc.drive_recovery,
+                    request_max_rows=min(cdc.request_max_rows, retina_max_rows),
+                    drive_recovery=cdc.drive_recovery,
                     node_check_interval_s=cdc.node_check_interval_ms / 1000)
 
 
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
         failpoints.load_from_env()
         topology = load_topology(config.topology_file)
-        settings = settings_of(config.cdc)
+        settings = settings_of(config.cdc, config.retina.max_rows_per_request)
     except (ConfigError, failpoints.FailpointError) as exc:
         print(f"retina-cdc: {exc}", file=sys.stderr)
         return 2

@@ -2,9 +2,10 @@
 
 Rows become one ``TableUpdateData`` per (timestamp, table, virtual node): a
 DELETE as ``delete_data``; a replace as ``delete_data`` plus ``insert_data``
-of the same key (Retina applies the DELETE first). Requests are cut at about
-``max_rows`` rows, on a timestamp boundary when one is near, so a replay
-request stays well under the server's ``max_rows_per_request``.
+of the same key (Retina applies the DELETE first). Requests are cut at
+``max_rows`` items, so none exceeds the server's ``max_rows_per_request``;
+the connector uses the smaller of ``cdc.request_max_rows`` and
+``retina.max_rows_per_request``.
 """
 
 from __future__ import annotations
@@ -32,13 +33,15 @@ def add_row(tud: pb.TableUpdateData, table: TableRecord, row: ChangeRow) -> None
 
 def requests(schema: str, tables: Mapping[str, TableRecord], rows: Iterable[ChangeRow],
              max_rows: int = 5000) -> Iterator[pb.UpdateRecordRequest]:
-    """Rows (already in (ts, seq) order, all for one node) as requests."""
+    """Rows (already in (ts, seq) order, all for one node) as requests of at
+    most ``max_rows`` delete/insert items each, as Retina counts them (a
+    replace is two)."""
     request = pb.UpdateRecordRequest(schema_name=schema)
     current: dict[tuple[int, str, int], pb.TableUpdateData] = {}
     count = 0
-    last_ts = None
     for row in rows:
-        if count >= max_rows and row.ts != last_ts:
+        weight = 2 if row.op == REPLACE else 1
+        if count and count + weight > max_rows:
             yield request
             request, current, count = pb.UpdateRecordRequest(schema_name=schema), {}, 0
         slot = (row.ts, row.table, row.vnode)
@@ -50,8 +53,7 @@ def requests(schema: str, tables: Mapping[str, TableRecord], rows: Iterable[Chan
                 timestamp=row.ts, virtual_node_id=row.vnode)
             current[slot] = tud
         add_row(tud, tables[row.table], row)
-        count += 1
-        last_ts = row.ts
+        count += weight
     if count:
         yield request
 

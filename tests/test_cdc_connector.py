@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from cdc_client.changelog import Changelog
+from cdc_client.retention import horizon, run_retention
 from retina_common.catalog import Catalog
 from retina_common.cluster import PostgresInstance
 from retina_common.etcd import EtcdStore
@@ -25,22 +27,26 @@ from .support import eventually
 def make_cdc(tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str,
              pg_server: PostgresInstance) -> Iterator[Callable[..., CdcPlane]]:
     made: list[CdcPlane] = []
+    planes: list[DataPlane] = []
+    sources: list[SourceDb] = []
 
-    def make(source: bool = True, **settings: object) -> CdcPlane:
+    def make(**settings: object) -> CdcPlane:
         plane = DataPlane(tmp_path / "plane", etcd, catalog, catalog_dsn, nodes=2,
                           retina={"block_rows": 16, "blocks_per_file": 2,
                                   "flush_interval_ms": 200})
+        planes.append(plane)
         plane.start(recover=False)  # the connector drives both nodes to READY
-        cdc = CdcPlane(plane, SourceDb(pg_server) if source else None, tmp_path, **settings)
-        made.append(cdc)
-        return cdc
+        sources.append(SourceDb(pg_server))
+        made.append(CdcPlane(plane, sources[-1], tmp_path, **settings))
+        return made[-1]
 
     yield make
     for cdc in made:
         cdc.cdc.terminate()
-        cdc.plane.stop()
-        if cdc.source is not None:
-            cdc.source.drop()
+    for plane in planes:
+        plane.stop()
+    for source in sources:
+        source.drop()
 
 
 def test_source_changes_reach_retina(make_cdc: Callable[..., CdcPlane]) -> None:
@@ -139,3 +145,33 @@ def test_node_mode_replay(make_cdc: Callable[..., CdcPlane]) -> None:
     cdc.source.run(20)
     cdc.converged(timeout_s=90)
     assert [e["mode"] for e in cdc.cdc.logged("cdc_replay_start")][-1] == "NODE"
+
+
+def test_retention_keeps_what_a_checkpoint_can_ask_for(make_cdc: Callable[..., CdcPlane],
+                                                       etcd: EtcdStore) -> None:
+    """Retention drops only batches below every node's current and previous
+    checkpoint replay start; a crash after retention still recovers exactly."""
+    cdc = make_cdc(batch_max_transactions=5)
+    cdc.cdc.start()
+    eventually(cdc.all_ready, 60, "both nodes READY")
+    cdc.source.run(40)
+    cdc.converged()
+    for node in cdc.plane.nodes:
+        cdc.plane.checkpoint(node)
+    cdc.source.run(20)
+    cdc.converged()
+    for node in cdc.plane.nodes:
+        cdc.plane.checkpoint(node)
+    changelog = Changelog(cdc.cdc.settings["changelog_root"])
+    before = changelog.records()
+    low = horizon(etcd, cdc.plane.topology)
+    assert 0 < low <= before[-1].last_ts
+    removed = run_retention(changelog, etcd, cdc.plane.topology)
+    after = changelog.records()
+    assert removed == sum(1 for r in before if r.last_ts < low) > 0
+    assert [r.name for r in after] == [r.name for r in before if r.last_ts >= low]
+    victim = cdc.plane.nodes[0]
+    cdc.plane.retinas[victim].kill9()
+    cdc.plane.retinas[victim].start()
+    cdc.source.run(10)
+    cdc.converged(timeout_s=90)

@@ -27,20 +27,22 @@ Model = dict[str, dict[bytes, dict[str, Any]]]
 def make_cdc(tmp_path: Path, etcd: EtcdStore, catalog: Catalog,
              catalog_dsn: str) -> Iterator[Callable[..., CdcPlane]]:
     made: list[CdcPlane] = []
+    planes: list[DataPlane] = []
 
     def make(**settings: object) -> CdcPlane:
         plane = DataPlane(tmp_path / "plane", etcd, catalog, catalog_dsn, nodes=2)
+        planes.append(plane)
         plane.start(recover=False)
         (tmp_path / "events").mkdir()
-        cdc = CdcPlane(plane, None, tmp_path, source="debezium-file",
-                       debezium_dir=str(tmp_path / "events"), **settings)
-        made.append(cdc)
-        return cdc
+        made.append(CdcPlane(plane, None, tmp_path, source="debezium-file",
+                             debezium_dir=str(tmp_path / "events"), **settings))
+        return made[-1]
 
     yield make
     for cdc in made:
         cdc.cdc.terminate()
-        cdc.plane.stop()
+    for plane in planes:
+        plane.stop()
 
 
 def change(table: str, op: str, before: dict | None, after: dict | None, txid: str,
