@@ -135,9 +135,19 @@ def write_config(state: ClusterState, root: Path) -> Path:
 
 
 def live_rows(state: ClusterState, topology: Topology) -> int:
+    """A gated snapshot count, once the write buffer has been published: the
+    reader's GetWriteBuffer reply is capped at gRPC's default 4 MiB."""
     reader = SnapshotReader(state.trans_listen, topology)
     try:
-        return reader.read(SCHEMA, TABLE).table.num_rows
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                return reader.read(SCHEMA, TABLE).table.num_rows
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or \
+                        time.monotonic() > deadline:
+                    raise
+            time.sleep(0.5)  # the flush timer publishes the buffer within ~1 s
     finally:
         reader.close()
 

@@ -153,7 +153,7 @@ class Changelog:
         self.root = storage.root_uri(root)
 
     def _uri(self, sub: str) -> str:
-        return f"{self.root}/{sub}"
+        return storage.file_uri(self.root, sub)
 
     def append(self, transactions: list[LoggedTransaction]) -> BatchRecord:
         """Make a batch durable; returns its record. Timestamps must ascend."""

@@ -250,7 +250,7 @@ class Connector:
             raise
         finally:
             self._open_ids = []
-        self._commit(ids)
+        hwm = self._commit(ids)
         CDC_COMMIT_AFTER.hit()
         committed = CommittedPosition(record.last_position, record.last_ts, self.source.name)
         self.positions.store(committed)
@@ -258,6 +258,7 @@ class Connector:
         CDC_POSITION_AFTER_STORE.hit()
         self.source.ack(committed.position)
         m.COMMITTED_TS.set(committed.ts)
+        m.LAG_TIMESTAMPS.set(max(0, committed.ts - hwm))
         log.info("cdc_batch_committed", transactions=len(ids), first_ts=record.first_ts,
                  last_ts=record.last_ts, position=committed.position,
                  rows=sum(len(t.rows) for t in logged),
@@ -265,13 +266,14 @@ class Connector:
                      "changelog": _ms(t2 - t1), "send": _ms(t3 - t2),
                      "commit_ack": _ms(time.monotonic() - t3)})
 
-    def _commit(self, ids: list[int]) -> None:
+    def _commit(self, ids: list[int]) -> int:
+        """Commit the batch; returns the HWM after it."""
         backoff = Backoff(self.settings.backoff_max_s, self._stop)
         while True:
             try:
-                self.trans.CommitTransBatch(tpb.CommitTransBatchRequest(trans_ids=ids),
-                                            timeout=self.settings.rpc_timeout_s)
-                return
+                return self.trans.CommitTransBatch(tpb.CommitTransBatchRequest(trans_ids=ids),
+                                                   timeout=self.settings.rpc_timeout_s
+                                                   ).high_watermark
             except grpc.RpcError as exc:
                 if exc.code() in RETRYABLE:
                     backoff.wait()

@@ -39,14 +39,14 @@ from retina_common.log import configure_logging
 from retina_common.metrics import serve_metrics
 from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
-from retina_common.storage import root_uri
+from retina_common.storage import file_uri, root_uri
 from retina_common.topology import Topology, load_topology
 
 STOPPED_BY_REFUSAL = 3
 
 
 def changelog_root(config: Config) -> str:
-    return config.cdc.changelog_root or f"{root_uri(config.storage.root)}/_changelog"
+    return config.cdc.changelog_root or file_uri(root_uri(config.storage.root), "_changelog")
 
 
 def settings_of(cdc: CdcConfig, retina_max_rows: int) -> Settings:

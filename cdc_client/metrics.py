@@ -13,7 +13,8 @@ LAG_SECONDS = Gauge("cdc_lag_seconds",
                     "Source commit to Retina commit of the last batch, in seconds")
 COMMITTED_TS = Gauge("cdc_committed_ts", "Timestamp of the last committed source transaction")
 LAG_TIMESTAMPS = Gauge("cdc_lag_timestamps",
-                       "TransServer HWM minus the last committed timestamp (other writers)")
+                       "How far the HWM trails the last committed timestamp (queries do not "
+                       "see it yet: another writer's transaction is still open)")
 REPLAY_ROWS = Counter("cdc_replay_rows_total", "Rows replayed into a recovering node", ["node"])
 REPLAY_IN_PROGRESS = Gauge("cdc_replay_in_progress", "1 while a node is being replayed",
                            ["node"])

@@ -29,7 +29,10 @@ def local_dir(path_uri: str) -> Path | None:
 
 
 def file_uri(path_uri: str, name: str) -> str:
-    return path_uri.rstrip("/") + "/" + name
+    """``name`` under ``path_uri``; options of an object-store URI
+    (``s3://bucket/dir?endpoint_override=...``) stay at the end."""
+    base, sep, query = path_uri.partition("?")
+    return base.rstrip("/") + "/" + name + sep + query
 
 
 def _fsync_dir(directory: Path) -> None:

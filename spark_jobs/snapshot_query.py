@@ -63,6 +63,8 @@ if TYPE_CHECKING:
 
 PROG = "snapshot_query"
 RPC_TIMEOUT_S = 30.0
+# A write buffer holds many blocks of rows; gRPC's default 4 MiB reply cap is too small.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 1 << 30)]
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ def _write_buffers(nodes: Iterable[str], trans: tpb.BeginTransResponse, schema: 
                    table: str) -> list[pa.Table]:
     out = []
     for node in nodes:
-        with grpc.insecure_channel(node) as channel:
+        with grpc.insecure_channel(node, options=CHANNEL_OPTIONS) as channel:
             reply = retina_pb2_grpc.RetinaWorkerServiceStub(channel).GetWriteBuffer(
                 rpb.GetWriteBufferRequest(schema_name=schema, table_name=table,
                                           timestamp=trans.timestamp, trans_id=trans.trans_id),
@@ -130,7 +132,7 @@ def _write_buffers(nodes: Iterable[str], trans: tpb.BeginTransResponse, schema: 
 
 def _list_files(trans_address: str, trans: tpb.BeginTransResponse, schema: str,
                 table: str) -> list[tpb.QueryFile]:
-    with grpc.insecure_channel(trans_address) as channel:
+    with grpc.insecure_channel(trans_address, options=CHANNEL_OPTIONS) as channel:
         listing = trans_pb2_grpc.TransServiceStub(channel).ListQueryFiles(
             tpb.ListQueryFilesRequest(trans_id=trans.trans_id, schema_name=schema,
                                       table_name=table), timeout=RPC_TIMEOUT_S)

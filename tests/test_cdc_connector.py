@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import requests
 
 from cdc_client.changelog import Changelog
 from cdc_client.retention import horizon, run_retention
@@ -57,6 +58,12 @@ def test_source_changes_reach_retina(make_cdc: Callable[..., CdcPlane]) -> None:
     cdc.converged()
     committed = cdc.cdc.logged("cdc_batch_committed")
     assert committed and committed[-1]["last_ts"] >= committed[0]["first_ts"]
+    metrics = requests.get(f"http://{cdc.cdc.settings['metrics_listen']}/metrics",
+                           timeout=5).text
+    sample = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
+              if line.startswith("cdc_")}
+    assert sample["cdc_transactions_total"] == sum(c["transactions"] for c in committed)
+    assert sample["cdc_committed_ts"] == committed[-1]["last_ts"]
 
 
 CRASH_POINTS = [
@@ -175,3 +182,24 @@ def test_retention_keeps_what_a_checkpoint_can_ask_for(make_cdc: Callable[..., C
     cdc.plane.retinas[victim].start()
     cdc.source.run(10)
     cdc.converged(timeout_s=90)
+
+
+def test_schema_drift_in_the_source_stops_the_connector(
+        make_cdc: Callable[..., CdcPlane]) -> None:
+    """A source column the Retina table does not have: exit 3 with the table
+    and column named; the transactions before it are applied, it is not."""
+    cdc = make_cdc()
+    cdc.cdc.start()
+    eventually(cdc.all_ready, 60, "both nodes READY")
+    cdc.source.run(10)
+    cdc.converged()
+    before = cdc.expected()
+    with cdc.source.connect() as conn, conn, conn.cursor() as cur:
+        cur.execute("ALTER TABLE orders ADD COLUMN colour text")
+        cur.execute("INSERT INTO events VALUES (99, 1, NULL, true)")
+        cur.execute("INSERT INTO orders VALUES (424242, 'x', 1, NULL, 'red')")
+    assert cdc.cdc.wait_exit(60) == 3, cdc.cdc.log_tail()
+    error = cdc.cdc.logged("cdc_stopped_malformed")[-1]["error"]
+    assert "schema mismatch" in error and "colour" in error
+    assert cdc.all_ready()
+    cdc.converged(before)
