@@ -2,10 +2,12 @@
 
 One batch of source transactions at a time (specification section 6):
 
-1. poll committed source transactions (up to a size or a delay), skipping any
-   at or before the committed position (a source re-delivers after a crash);
-2. translate and validate every change (nothing is allocated for a malformed
-   transaction);
+1. take committed source transactions from the intake thread, which polls
+   the source and translates and validates every change ahead of time
+   (``intake.py``); close the batch at a size or a delay; skip any at or
+   before the committed position (a source re-delivers after a crash);
+2. a malformed transaction stops the connector once the batch before it is
+   committed: nothing is allocated or sent for it;
 3. ``BeginTransBatch``: one write transaction, one timestamp, per source
    transaction;
 4. append the batch to the durable changelog;
@@ -38,10 +40,11 @@ import structlog
 
 from cdc_client import metrics as m
 from cdc_client.changelog import Changelog, ChangeRow, LoggedTransaction
+from cdc_client.intake import Intake
 from cdc_client.positions import CommittedPosition, PositionStore
 from cdc_client.replay import by_node, node_starts, requests
 from cdc_client.source import Source, SourceTransaction
-from cdc_client.translate import MalformedChange, TableMap, translate
+from cdc_client.translate import TableMap
 from retina_common.catalog import TableRecord
 from retina_common.failpoints import (
     CDC_BATCH_AFTER_BEGIN,
@@ -111,6 +114,7 @@ class Connector:
                  tables: TableMap, topology: Topology, settings: Settings,
                  clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> None:
         self.source = source
+        self.intake = Intake(source, tables, topology)
         self.changelog = changelog
         self.positions = positions
         self.trans = trans
@@ -142,6 +146,15 @@ class Connector:
         log.info("cdc_start", source=self.source.name,
                  resume_after=self._committed.position if self._committed else None)
         self.recover_nodes()
+        self.intake.start()
+        try:
+            self._loop()
+        finally:
+            self.intake.stop()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        log.info("cdc_stopped")
+
+    def _loop(self) -> None:
         next_check = time.monotonic() + self.settings.node_check_interval_s
         while not self._stop.is_set():
             if self._nodes_changed.is_set() or time.monotonic() >= next_check:
@@ -151,7 +164,6 @@ class Connector:
             batch = self._collect()
             if batch is not None:
                 self._process(batch)
-        log.info("cdc_stopped")
 
     # --- 1-2: collect and validate ------------------------------------------
     def _already_committed(self, trans: SourceTransaction) -> bool:
@@ -174,26 +186,25 @@ class Connector:
                                                        deadline - time.monotonic())
             if timeout <= 0 or self._stop.is_set():
                 break
-            trans = self.source.poll(timeout)
-            if trans is None:
+            item = self.intake.get(timeout)
+            if item is None:
                 break
-            if self._already_committed(trans):
-                log.info("cdc_skip_committed", position=trans.position)
-                continue
-            try:
-                translated = translate(trans, self.tables, self.topology)
-            except MalformedChange as exc:
+            if item.error is not None:
                 if not batch.transactions:
-                    raise
+                    raise item.error
                 # Commit the valid transactions before it first, then stop.
-                self._deferred = exc
+                self._deferred = item.error
                 break
-            batch.transactions.append(trans)
-            batch.rows.append(translated)
-            rows += len(translated)
+            assert item.trans is not None
+            if self._already_committed(item.trans):
+                log.info("cdc_skip_committed", position=item.trans.position)
+                continue
+            batch.transactions.append(item.trans)
+            batch.rows.append(item.rows)
+            rows += len(item.rows)
             if deadline is None:
                 deadline = time.monotonic() + s.batch_max_delay_ms / 1000
-        m.PENDING.set(len(batch.transactions))
+        m.PENDING.set(len(batch.transactions) + self.intake.queued())
         if deadline is not None:
             batch.collect_ms = _ms(time.monotonic() - deadline + s.batch_max_delay_ms / 1000)
         return batch if batch.transactions else None
@@ -256,7 +267,7 @@ class Connector:
         self.positions.store(committed)
         self._committed = committed
         CDC_POSITION_AFTER_STORE.hit()
-        self.source.ack(committed.position)
+        self.intake.ack(committed.position)
         m.COMMITTED_TS.set(committed.ts)
         m.LAG_TIMESTAMPS.set(max(0, committed.ts - hwm))
         log.info("cdc_batch_committed", transactions=len(ids), first_ts=record.first_ts,
