@@ -28,6 +28,7 @@ import io
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import crc32c
@@ -149,8 +150,9 @@ def decode_segment(data: bytes, vnode: int) -> list[ChangeRow]:
 
 
 class Changelog:
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, writers: int = 8) -> None:
         self.root = storage.root_uri(root)
+        self._pool = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="changelog")
 
     def _uri(self, sub: str) -> str:
         return storage.file_uri(self.root, sub)
@@ -165,12 +167,16 @@ class Changelog:
         for trans in transactions:
             for row in trans.rows:
                 by_vnode.setdefault(row.vnode, []).append(row)
-        refs = []
-        for vnode, rows in sorted(by_vnode.items()):
+        name = f"{first:020d}-{last:020d}.parquet"
+
+        def write(vnode: int, rows: list[ChangeRow]) -> SegmentRef:
             data = _encode_segment(rows)
-            name = f"{first:020d}-{last:020d}.parquet"
             storage.write_durably(self._uri(_segment_dir(vnode)), name, data)
-            refs.append(SegmentRef(vnode, name, len(rows), len(data), crc32c.crc32c(data)))
+            return SegmentRef(vnode, name, len(rows), len(data), crc32c.crc32c(data))
+
+        # The segments are independent: writing them concurrently lets the file
+        # system fold their fsyncs into fewer journal commits.
+        refs = list(self._pool.map(write, *zip(*sorted(by_vnode.items()), strict=True)))
         CDC_CHANGELOG_AFTER_SEGMENTS.hit()
         record = BatchRecord(first, last, tuple(
             {"ts": t.ts, "position": t.position, "sourceTxid": t.source_txid,

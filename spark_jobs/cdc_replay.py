@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from pyspark.accumulators import AccumulatorParam
 
-from cdc_client.changelog import Changelog, CorruptChangelog
+from cdc_client.changelog import Changelog
 from cdc_client.main import changelog_root
 from cdc_client.replay import node_starts, requests
 from retina_common.catalog import Catalog, CatalogError, TableRecord
@@ -58,7 +58,6 @@ from retina_common.pb import retina_pb2_grpc
 from retina_common.recovery_driver import wait_replay_ready
 from retina_common.topology import Topology
 from spark_jobs.common import (
-    EXIT_FAILED,
     EXIT_OK,
     EXIT_REFUSED,
     EXIT_UNAVAILABLE,
@@ -224,9 +223,9 @@ def table_records(config: Config) -> dict[str, TableRecord]:
 
 
 def request_rows(config: Config, override: int | None) -> int:
-    # A replace is a DELETE plus an INSERT, and the server counts both.
-    return override or max(1, min(config.cdc.request_max_rows,
-                                  config.retina.max_rows_per_request // 2))
+    """Items per request (``requests`` counts a replace as two, as Retina does),
+    the connector's default: never above the server's limit."""
+    return override or min(config.cdc.request_max_rows, config.retina.max_rows_per_request)
 
 
 def print_progress(result: VnodeResult) -> None:
@@ -323,11 +322,8 @@ def execute(args: argparse.Namespace, config: Config, plan: Plan) -> int:
         job_started = time.monotonic()
         results = run_tasks(spark, spec, plan.tasks, print_progress)
         replay_s = time.monotonic() - job_started
-    except Exception as exc:
-        code = exit_code_of(exc)
-        if code == EXIT_FAILED and isinstance(exc, CorruptChangelog):
-            return fail(PROG, f"corrupt changelog: {exc}", code)
-        return fail(PROG, f"replay failed: {short_reason(exc)}", code)
+    except Exception as exc:  # a task's CorruptChangelog arrives as Spark's exception text
+        return fail(PROG, f"replay failed: {short_reason(exc)}", exit_code_of(exc))
     finally:
         spark.stop()
     if plan.context is not None and plan.stub is not None:
@@ -381,8 +377,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--wait-s", type=float, default=120.0,
                    help="how long to wait for replayTsReady and for MarkReady (default 120)")
     p.add_argument("--max-rows", type=int, default=None,
-                   help="changelog rows per request (default: min(cdc.request_max_rows, "
-                        "retina.max_rows_per_request / 2))")
+                   help="delete/insert items per request, a replace counting two (default: "
+                        "min(cdc.request_max_rows, retina.max_rows_per_request))")
     p.add_argument("--json", action="store_true", help="also print the summary as JSON")
     add_spark_arguments(p)
     return p
@@ -394,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(PROG, "--from-ts / --to-ts apply to --backfill only", EXIT_USAGE)
     if args.backfill and args.mode is not None:
         return fail(PROG, "--mode applies to --recover only", EXIT_USAGE)
-    if args.max_rows is not None and args.max_rows < 1:
-        return fail(PROG, "--max-rows must be at least 1", EXIT_USAGE)
+    if args.max_rows is not None and args.max_rows < 2:  # a replace is two items
+        return fail(PROG, "--max-rows must be at least 2", EXIT_USAGE)
     try:
         config, topology = load(args.config)
         parse_conf(args.conf)

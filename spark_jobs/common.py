@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +47,7 @@ BASE_CONF = {
 }
 
 T = TypeVar("T")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Changelog): ")
 
 
 class TaskError(Exception):
@@ -78,7 +80,14 @@ def short_reason(exc: BaseException, limit: int = 600) -> str:
             return text[at:].splitlines()[0][:limit]
     if isinstance(exc, grpc.RpcError):
         return f"{exc.code().name}: {exc.details()}"
-    lines = [line for line in text.splitlines() if line.strip()]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    # Inside Spark's text, the task's own exception ends its Python traceback.
+    in_traceback = False
+    for line in lines:
+        if line.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+        elif in_traceback and _EXCEPTION_LINE.match(line):
+            return line[:limit]
     return (lines[-1] if lines else type(exc).__name__)[:limit]
 
 
