@@ -26,6 +26,7 @@ bench: setup
 	@$(PY) bench/bench_dataplane.py
 	@$(PY) bench/bench_recovery.py
 	@$(PY) bench/bench_cdc.py
+	@$(PY) bench/bench_spark_replay.py
 
 cluster-up: setup
 	@$(VENV)/bin/retina-cluster start --state-dir $(STATE)

@@ -77,7 +77,7 @@ class Settings:
     schema: str
     batch_max_transactions: int = 500
     batch_max_rows: int = 5000
-    batch_max_delay_ms: int = 200
+    batch_max_delay_ms: int = 50
     batch_idle_gap_ms: int = 5
     write_lease_ms: int = 15_000
     replay_mode: int = pb.VNODE

@@ -13,12 +13,22 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import grpc
+
 from retina_common.catalog import TableRecord
 from retina_common.codec import encode_primary_key, encode_value
 from retina_common.pb import retina_pb2 as pb
 from retina_common.topology import Topology
 
 Row = Mapping[str, Any]
+# A write buffer or a visibility answer can be large; gRPC's default 4 MiB
+# reply cap is too small for a client that reads them.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 1 << 30)]
+
+
+def channel(address: str) -> grpc.Channel:
+    """A client channel for reads of Retina or TransServer answers of any size."""
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
 class TableWriter:

@@ -110,7 +110,7 @@ class CdcConfig:
     batch_max_rows: int = 5000
     # A batch closes after batch_idle_gap_ms without a new source transaction,
     # when full, or batch_max_delay_ms after its first transaction.
-    batch_max_delay_ms: int = 200
+    batch_max_delay_ms: int = 50
     batch_idle_gap_ms: int = 5
     write_lease_ms: int = 15_000
     replay_mode: str = "vnode"  # "vnode" | "node"

@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from retina_common import file_names
+from retina_common.client import channel
 from retina_common.config import ConfigError, load_config
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
@@ -55,16 +56,16 @@ class Snapshot:
 class SnapshotReader:
     def __init__(self, trans_address: str, topology: Topology, timeout_s: float = 30) -> None:
         self._timeout = timeout_s
-        self._trans_channel = grpc.insecure_channel(trans_address)
+        self._trans_channel = channel(trans_address)
         self._trans = trans_pb2_grpc.TransServiceStub(self._trans_channel)
-        self._channels = {n: grpc.insecure_channel(n) for n in topology.nodes}
+        self._channels = {n: channel(n) for n in topology.nodes}
         self._retina = {n: retina_pb2_grpc.RetinaWorkerServiceStub(c)
                         for n, c in self._channels.items()}
 
     def close(self) -> None:
         self._trans_channel.close()
-        for channel in self._channels.values():
-            channel.close()
+        for node_channel in self._channels.values():
+            node_channel.close()
 
     @contextmanager
     def transaction(self) -> Iterator[tpb.BeginTransResponse]:

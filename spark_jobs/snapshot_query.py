@@ -38,6 +38,7 @@ import grpc
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from retina_common.client import CHANNEL_OPTIONS
 from retina_common.config import Config, ConfigError, load_config
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
@@ -63,8 +64,6 @@ if TYPE_CHECKING:
 
 PROG = "snapshot_query"
 RPC_TIMEOUT_S = 30.0
-# A write buffer holds many blocks of rows; gRPC's default 4 MiB reply cap is too small.
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 1 << 30)]
 
 
 @dataclass(frozen=True)
