@@ -19,6 +19,7 @@ import functools
 import signal
 import sys
 import threading
+from pathlib import Path
 from types import FrameType
 
 import grpc
@@ -62,21 +63,24 @@ def settings_of(cdc: CdcConfig, retina_max_rows: int) -> Settings:
                     node_check_interval_s=cdc.node_check_interval_ms / 1000)
 
 
+def check_source(cdc: CdcConfig) -> None:
+    """Refuse a source configuration before any dependency is contacted."""
+    if cdc.source not in ("postgres", "debezium-file"):
+        raise ConfigError(f"cdc.source: expected postgres or debezium-file, got {cdc.source!r}")
+    if cdc.source == "postgres" and not cdc.source_dsn:
+        raise ConfigError("cdc.source_dsn is required for the postgres source")
+    if cdc.source == "debezium-file" and not cdc.debezium_dir:
+        raise ConfigError("cdc.debezium_dir is required for the debezium-file source")
+
+
 def open_source(cdc: CdcConfig, start_after: str | None) -> Source:
+    check_source(cdc)
     if cdc.source == "postgres":
-        if not cdc.source_dsn:
-            raise ConfigError("cdc.source_dsn is required for the postgres source")
         from cdc_client.sources.postgres import PostgresSource
         return PostgresSource(cdc.source_dsn, slot=cdc.slot, publication=cdc.publication,
                               tables=list(cdc.source_tables) or None, start_after=start_after)
-    if cdc.source == "debezium-file":
-        if not cdc.debezium_dir:
-            raise ConfigError("cdc.debezium_dir is required for the debezium-file source")
-        from pathlib import Path
-
-        from cdc_client.sources.debezium import DebeziumFileSource
-        return DebeziumFileSource(Path(cdc.debezium_dir), start_after=start_after)
-    raise ConfigError(f"cdc.source: expected postgres or debezium-file, got {cdc.source!r}")
+    from cdc_client.sources.debezium import DebeziumFileSource
+    return DebeziumFileSource(Path(cdc.debezium_dir), start_after=start_after)
 
 
 def table_map(catalog: Catalog, schema: str) -> TableMap:
@@ -148,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         failpoints.load_from_env()
         topology = load_topology(config.topology_file)
         settings = settings_of(config.cdc, config.retina.max_rows_per_request)
+        check_source(config.cdc)
     except (ConfigError, failpoints.FailpointError) as exc:
         print(f"retina-cdc: {exc}", file=sys.stderr)
         return 2

@@ -6,7 +6,8 @@ inclusive, DELETE + INSERT only, with the RecoveryReplayContext → MarkReady.
 A fresh node goes through exactly the same steps, with nothing to replay.
 
 ``replay_requests`` turns an in-memory changelog into one node's replay
-requests. The CDC connector's durable changelog will feed the same driver.
+requests (tests and benchmarks). The CDC connector feeds the same driver
+from its durable changelog (``cdc_client/connector.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ the offending transaction."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -18,7 +21,7 @@ from retina_common.etcd import EtcdStore
 
 from .cdc import CdcPlane, normalise
 from .dataplane import DataPlane
-from .support import eventually
+from .support import ROOT, eventually
 
 Model = dict[str, dict[bytes, dict[str, Any]]]
 
@@ -147,3 +150,21 @@ def test_malformed_event_stops_connector(make_cdc: Callable[..., CdcPlane], case
     key = cdc.plane.writers["orders"].key(GOOD)
     cdc.converged({"orders": {key: normalise("orders", {**GOOD, "amount": Decimal("1.00")})},
                    "events": {}})
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ({"RETINA__CDC__SOURCE": "kafka"}, "cdc.source: expected postgres or debezium-file"),
+    ({"RETINA__CDC__SOURCE": "postgres"}, "cdc.source_dsn is required"),
+    ({"RETINA__CDC__REPLAY_MODE": "scope"}, "cdc.replay_mode"),
+    ({"RETINA__CDC__NO_SUCH_KEY": "1"}, "no_such_key"),
+])
+def test_bad_configuration_exits_2_with_the_setting_named(
+        tmp_path: Path, override: dict[str, str], message: str) -> None:
+    config = tmp_path / "retina.toml"
+    (tmp_path / "topology.toml").write_text('virtual_nodes = 4\nnodes = ["127.0.0.1:1"]\n')
+    config.write_text('topology_file = "topology.toml"\n[etcd]\nendpoints = ["127.0.0.1:1"]\n')
+    result = subprocess.run([sys.executable, "-m", "cdc_client", "--config", str(config)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "RETINA__CDC__SOURCE_DSN": "", **override})
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr

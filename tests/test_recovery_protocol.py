@@ -349,12 +349,6 @@ def test_a_node_outside_the_topology_refuses_to_start(tmp_path: Path) -> None:
     assert result.returncode == 2 and "is not in the topology" in result.stderr
 
 
-def test_cdc_connector_refuses_to_pretend() -> None:
-    result = subprocess.run([sys.executable, "-m", "cdc_client.main"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "not available" in result.stderr
-
-
 @pytest.mark.parametrize("point", ["recovery.cleansing.after", "recovery.mark_ready.barrier"])
 def test_a_crash_inside_recovery_recovers_again(make_plane: Callable[..., DataPlane],
                                                 point: str) -> None:
