@@ -131,7 +131,6 @@ class Connector:
         self._deferred: Exception | None = None  # a malformed transaction after a good batch
         self._open_ids: list[int] = []  # the in-flight batch, kept alive during a replay
         self._extended_at = 0.0
-        self.last_replay: dict[str, dict] = {}  # node -> report of its last recovery
 
     # --- life -------------------------------------------------------------
     def stop(self) -> None:
@@ -320,17 +319,29 @@ class Connector:
         return _TableRecords(self.tables)
 
     def _send(self, rows: list[ChangeRow], ids: list[int]) -> None:
-        """Every node its rows, in parallel; returns once all acknowledged."""
+        """Every node its rows, in parallel; returns once all acknowledged.
+
+        On a failure the other sends are told to give up and are waited for,
+        so no send of this batch is still running when the batch is rolled
+        back or done again at new timestamps."""
         per_node = by_node(rows, self.topology)
-        futures = {self._pool.submit(self._send_to_node, node, node_rows, ids): node
+        abort = threading.Event()
+        futures = {self._pool.submit(self._send_to_node, node, node_rows, ids, abort): node
                    for node, node_rows in sorted(per_node.items())}
+        errors: list[BaseException] = []
         for acknowledged, future in enumerate(as_completed(futures), start=1):
-            future.result()  # a refusal stops the batch
-            if acknowledged < len(futures):
+            error = future.exception()
+            if error is not None:
+                errors.append(error)
+                abort.set()
+            elif acknowledged < len(futures) and not errors:
                 CDC_SEND_BETWEEN_NODES.hit()
+        if errors:
+            raise errors[0]
         CDC_SEND_AFTER_ALL.hit()
 
-    def _send_to_node(self, node: str, rows: list[ChangeRow], ids: list[int]) -> None:
+    def _send_to_node(self, node: str, rows: list[ChangeRow], ids: list[int],
+                      abort: threading.Event) -> None:
         stub = self.nodes[node]
         backoff = Backoff(self.settings.backoff_max_s, self._stop)
         tables = self._table_records()
@@ -350,6 +361,8 @@ class Connector:
             # already holds this batch: its part is then done.
             if self._recover(node):
                 return
+            if abort.is_set():
+                raise ConnectorStopped(f"send to {node} abandoned: another node failed")
             backoff.wait()
 
     # --- recovery driver ------------------------------------------------------
@@ -375,12 +388,10 @@ class Connector:
     def _drive(self, node: str, stub: retina_pb2_grpc.RetinaWorkerServiceStub) -> bool:
         started = time.monotonic()
         counter = {"rows": 0, "requests": 0}
-        used: dict = {}
 
         def replay(starts: pb.GetRecoveryReplayTsResponse,
                    context: pb.RecoveryReplayContext) -> Iterator[pb.UpdateRecordRequest]:
             vnode_starts = node_starts(node, self.topology, starts, self.settings.replay_mode)
-            used.update(checkpoint_id=context.checkpoint_id, starts=vnode_starts)
             log.info("cdc_replay_start", node=node, checkpoint_id=context.checkpoint_id,
                      mode=pb.ReplayMode.Name(self.settings.replay_mode),
                      node_replay_from_ts=starts.node_replay_from_ts,
@@ -415,7 +426,6 @@ class Connector:
         finally:
             m.REPLAY_IN_PROGRESS.labels(node=node).set(0)
         seconds = time.monotonic() - started
-        self.last_replay[node] = {**used, **counter, "seconds": round(seconds, 3)}
         log.info("cdc_replay_done", node=node, rows=counter["rows"],
                  requests=counter["requests"], seconds=round(seconds, 3))
         return True
