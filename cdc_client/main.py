@@ -44,6 +44,7 @@ from retina_common.storage import file_uri, root_uri
 from retina_common.topology import Topology, load_topology
 
 STOPPED_BY_REFUSAL = 3
+log = structlog.get_logger("cdc")
 
 
 def changelog_root(config: Config) -> str:
@@ -140,9 +141,6 @@ class _Background:
                 log.warning("cdc_retention_failed", error=str(exc))
 
 
-log = structlog.get_logger("cdc")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="retina-cdc", description=__doc__)
     parser.add_argument("--config", help="TOML config file (default: $RETINA_CONFIG)")
@@ -168,10 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"retina-cdc: {exc}", file=sys.stderr)
         return 2
-    except (EtcdError, CatalogError, OSError, SourceError) as exc:
-        log.error("cdc_start_failed", error=str(exc), error_type=type(exc).__name__)
-        return 4
-    except Exception as exc:  # psycopg2 errors of the source connection
+    except Exception as exc:  # etcd, catalog, storage, the source connection (psycopg2)
         log.error("cdc_start_failed", error=str(exc), error_type=type(exc).__name__)
         return 4
     changelog = Changelog(changelog_root(config))
