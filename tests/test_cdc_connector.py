@@ -18,6 +18,7 @@ from retina_common.catalog import Catalog
 from retina_common.cluster import PostgresInstance
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
+from retina_common.pb import trans_pb2 as tpb
 
 from .cdc import CdcPlane, SourceDb
 from .dataplane import DataPlane
@@ -203,3 +204,33 @@ def test_schema_drift_in_the_source_stops_the_connector(
     assert "schema mismatch" in error and "colour" in error
     assert cdc.all_ready()
     cdc.converged(before)
+
+
+def test_a_node_refusal_rolls_the_batch_back_and_stops(make_cdc: Callable[..., CdcPlane]) -> None:
+    """A refusal other than UNAVAILABLE (here an injected INTERNAL error on one
+    node) rolls the batch back and stops the connector with the status; the
+    source keeps the transaction, so a restart applies it."""
+    cdc = make_cdc()
+    cdc.cdc.start()
+    eventually(cdc.all_ready, 60, "both nodes READY")
+    cdc.source.run(5)
+    cdc.converged()
+    # Two empty write transactions move the HWM past the last batch, so the
+    # checkpoint of the clean stop below leaves nothing to replay: the
+    # injected fault hits an ordinary send, not the replay.
+    trans = cdc.plane.trans.stub()
+    for _ in range(2):
+        empty = trans.BeginTrans(tpb.BeginTransRequest(), timeout=10)
+        trans.CommitTrans(tpb.CommitTransRequest(trans_id=empty.trans_id), timeout=10)
+    victim = cdc.plane.nodes[1]
+    cdc.plane.retinas[victim].stop()
+    cdc.plane.retinas[victim].start("index.primary_commit.before=raise*1")
+    eventually(cdc.all_ready, 60, "the restarted node READY again")
+    cdc.source.run(30)
+    assert cdc.cdc.wait_exit(60) == 3, cdc.cdc.log_tail()
+    error = cdc.cdc.logged("cdc_stopped_refused")[-1]["error"]
+    assert victim in error and "INTERNAL" in error
+    committed = [b["last_ts"] for b in cdc.cdc.logged("cdc_batch_committed")]
+    cdc.cdc.start()
+    cdc.converged()
+    assert cdc.cdc.logged("cdc_batch_committed")[-1]["last_ts"] > max(committed)
