@@ -46,6 +46,7 @@ from cdc_client.replay import by_node, node_starts, requests
 from cdc_client.source import Source, SourceTransaction
 from cdc_client.translate import TableMap
 from retina_common.catalog import TableRecord
+from retina_common.etcd import EtcdUnavailable
 from retina_common.failpoints import (
     CDC_BATCH_AFTER_BEGIN,
     CDC_COMMIT_AFTER,
@@ -263,7 +264,7 @@ class Connector:
         hwm = self._commit(ids)
         CDC_COMMIT_AFTER.hit()
         committed = CommittedPosition(record.last_position, record.last_ts, self.source.name)
-        self.positions.store(committed)
+        self._store_position(committed)
         self._committed = committed
         CDC_POSITION_AFTER_STORE.hit()
         self.intake.ack(committed.position)
@@ -275,6 +276,16 @@ class Connector:
                  ms={"collect": batch.collect_ms, "begin": _ms(t1 - t0),
                      "changelog": _ms(t2 - t1), "send": _ms(t3 - t2),
                      "commit_ack": _ms(time.monotonic() - t3)})
+
+    def _store_position(self, committed: CommittedPosition) -> None:
+        backoff = Backoff(self.settings.backoff_max_s, self._stop)
+        while True:
+            try:
+                self.positions.store(committed)
+                return
+            except EtcdUnavailable as exc:  # nothing changed: the same CAS again
+                log.warning("cdc_etcd_unavailable", error=str(exc))
+                backoff.wait()
 
     def _commit(self, ids: list[int]) -> int:
         """Commit the batch; returns the HWM after it."""

@@ -7,7 +7,8 @@ TransServer and every Retina node of the topology into a
 (a change triggers the recovery driver at once), runs changelog retention,
 and serves ``/metrics``.
 
-Exit codes: 0 stopped by a signal; 2 configuration; 3 stopped by a refusal
+Exit codes: 0 stopped by a signal; 1 an unexpected failure (restart it: it
+resumes from the committed position); 2 configuration; 3 stopped by a refusal
 or a malformed source event (the log says which; nothing of the offending
 transaction was applied); 4 a dependency unreachable at start.
 """
@@ -44,6 +45,7 @@ from retina_common.storage import file_uri, root_uri
 from retina_common.topology import Topology, load_topology
 
 STOPPED_BY_REFUSAL = 3
+CRASHED = 1  # anything else: restart it; it resumes from the committed position
 log = structlog.get_logger("cdc")
 
 
@@ -208,6 +210,9 @@ def _run(connector: Connector, stop: threading.Event, exit_code: list[int]) -> N
         if not stop.is_set():
             log.error("cdc_stopped_refused", error=str(exc))
             exit_code[0] = STOPPED_BY_REFUSAL
+    except Exception as exc:  # a dependency failed in a way not retried, or a bug
+        log.exception("cdc_crashed", error=str(exc), error_type=type(exc).__name__)
+        exit_code[0] = CRASHED
     finally:
         stop.set()
 
