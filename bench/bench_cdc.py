@@ -36,6 +36,7 @@ from retina_common.catalog import Catalog, ColumnSpec
 from retina_common.cluster import (
     ClusterState,
     free_port,
+    node_state,
     start_cdc,
     start_cluster,
     start_retina_servers,
@@ -44,7 +45,6 @@ from retina_common.cluster import (
 )
 from retina_common.log import configure_logging
 from retina_common.pb import retina_pb2 as rpb
-from retina_common.pb import retina_pb2_grpc
 from retina_common.reader import SnapshotReader
 from retina_common.topology import load_topology
 
@@ -74,17 +74,8 @@ def setup(state: ClusterState) -> str:
         "RETINA__CDC__SOURCE": "postgres", "RETINA__CDC__SOURCE_DSN": dsn,
         "RETINA__CDC__SCHEMA": SCHEMA, "RETINA__CDC__SOURCE_TABLES": "public.readings,public.probe",
         "RETINA__CDC__METRICS_LISTEN": f"127.0.0.1:{free_port()}"})
-    stubs = [retina_pb2_grpc.RetinaWorkerServiceStub(grpc.insecure_channel(n))
-             for n in state.nodes]
-
-    def ready() -> bool:
-        try:
-            return all(s.GetRetinaStatus(rpb.GetRetinaStatusRequest(), timeout=2).state
-                       == rpb.READY for s in stubs)
-        except grpc.RpcError:
-            return False
-
-    wait_for(ready, 60, "both nodes READY")
+    wait_for(lambda: all(node_state(n) == rpb.READY for n in state.nodes), 60,
+             "both nodes READY")
     return dsn
 
 

@@ -225,12 +225,6 @@ class Changelog:
             rows.sort(key=lambda r: (r.ts, r.vnode, r.seq))
             yield from rows
 
-    def last_record(self) -> BatchRecord | None:
-        names = [n for n in self._list("batches") if _RECORD.match(n)]
-        if not names:
-            return None
-        return BatchRecord.parse(storage.read_bytes(self._uri("batches"), names[-1]), names[-1])
-
     def drop_before(self, horizon_ts: int) -> int:
         """Retention: remove every batch whose last timestamp is below
         ``horizon_ts`` (record first, so no reader finds a record without its

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import structlog
@@ -42,7 +43,7 @@ from cdc_client import metrics as m
 from cdc_client.changelog import Changelog, ChangeRow, LoggedTransaction
 from cdc_client.intake import Intake
 from cdc_client.positions import CommittedPosition, PositionStore
-from cdc_client.replay import by_node, node_starts, requests
+from cdc_client.replay import by_node, changelog_rows, node_starts, replay_requests, requests
 from cdc_client.source import Source, SourceTransaction
 from cdc_client.translate import TableMap
 from retina_common.catalog import TableRecord
@@ -62,6 +63,7 @@ from retina_common.recovery_driver import RecoveryFailed, drive_recovery
 from retina_common.topology import Topology
 
 log = structlog.get_logger("cdc")
+T = TypeVar("T")
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
@@ -226,20 +228,30 @@ class Connector:
         last = batch.transactions[-1]
         m.LAG_SECONDS.set(max(0, self._clock_ms() - last.commit_time_ms) / 1000)
 
-    def _begin(self, count: int) -> list[tpb.BeginTransResponse]:
+    def _retrying(self, call: Callable[[], T], retryable: Callable[[Exception], bool],
+                  what: str) -> T:
+        """``call()`` until it succeeds or fails with an error ``retryable``
+        rejects (raised as is); backs off in between, stops with the connector."""
         backoff = Backoff(self.settings.backoff_max_s, self._stop)
         while True:
             try:
-                answer = self.trans.BeginTransBatch(tpb.BeginTransBatchRequest(
-                    read_only=False, count=count, lease_ms=self.settings.write_lease_ms),
-                    timeout=self.settings.rpc_timeout_s)
-                return sorted(answer.transactions, key=lambda t: t.timestamp)
-            except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE:
-                    raise ConnectorStopped(f"BeginTransBatch refused: {exc.code().name}: "
-                                           f"{exc.details()}") from None
-                log.warning("cdc_trans_unavailable", error=exc.details())
+                return call()
+            except Exception as exc:
+                if not retryable(exc):
+                    raise
+                log.warning("cdc_retry", call=what, error=str(exc))
                 backoff.wait()
+
+    def _begin(self, count: int) -> list[tpb.BeginTransResponse]:
+        request = tpb.BeginTransBatchRequest(read_only=False, count=count,
+                                             lease_ms=self.settings.write_lease_ms)
+        try:
+            answer = self._retrying(lambda: self.trans.BeginTransBatch(
+                request, timeout=self.settings.rpc_timeout_s), _unavailable, "BeginTransBatch")
+        except grpc.RpcError as exc:
+            raise ConnectorStopped(f"BeginTransBatch refused: {exc.code().name}: "
+                                   f"{exc.details()}") from None
+        return sorted(answer.transactions, key=lambda t: t.timestamp)
 
     def _process_once(self, batch: Batch) -> None:
         t0 = time.monotonic()
@@ -278,31 +290,22 @@ class Connector:
                      "commit_ack": _ms(time.monotonic() - t3)})
 
     def _store_position(self, committed: CommittedPosition) -> None:
-        backoff = Backoff(self.settings.backoff_max_s, self._stop)
-        while True:
-            try:
-                self.positions.store(committed)
-                return
-            except EtcdUnavailable as exc:  # nothing changed: the same CAS again
-                log.warning("cdc_etcd_unavailable", error=str(exc))
-                backoff.wait()
+        # EtcdUnavailable: nothing changed, so the same compare-and-swap again.
+        self._retrying(lambda: self.positions.store(committed),
+                       lambda exc: isinstance(exc, EtcdUnavailable), "store position")
 
     def _commit(self, ids: list[int]) -> int:
         """Commit the batch; returns the HWM after it."""
-        backoff = Backoff(self.settings.backoff_max_s, self._stop)
-        while True:
-            try:
-                return self.trans.CommitTransBatch(tpb.CommitTransBatchRequest(trans_ids=ids),
-                                                   timeout=self.settings.rpc_timeout_s
-                                                   ).high_watermark
-            except grpc.RpcError as exc:
-                if exc.code() in RETRYABLE:
-                    backoff.wait()
-                    continue
-                # NOT_FOUND / FAILED_PRECONDITION: a lease ran out. Everything was
-                # applied, but the timestamps were rolled back: do the batch again.
-                raise BatchExpired(f"CommitTransBatch: {exc.code().name}: "
-                                   f"{exc.details()}") from None
+        request = tpb.CommitTransBatchRequest(trans_ids=ids)
+        try:
+            return self._retrying(lambda: self.trans.CommitTransBatch(
+                request, timeout=self.settings.rpc_timeout_s), _unavailable,
+                "CommitTransBatch").high_watermark
+        except grpc.RpcError as exc:
+            # NOT_FOUND / FAILED_PRECONDITION: a lease ran out. Everything was
+            # applied, but the timestamps were rolled back: do the batch again.
+            raise BatchExpired(f"CommitTransBatch: {exc.code().name}: "
+                               f"{exc.details()}") from None
 
     def _rollback(self, ids: list[int]) -> None:
         for trans_id in ids:
@@ -407,11 +410,10 @@ class Connector:
                      mode=pb.ReplayMode.Name(self.settings.replay_mode),
                      node_replay_from_ts=starts.node_replay_from_ts,
                      vnode_starts={str(v): ts for v, ts in sorted(vnode_starts.items())})
-            rows = self.changelog.read(vnode_starts)
-            for request in requests(self.settings.schema, self._table_records(), rows,
-                                    self.settings.request_max_rows):
-                request.recovery_replay_context.CopyFrom(context)
-                n = sum(len(t.delete_data) for t in request.table_update_data)
+            for request in replay_requests(self.changelog, self.settings.schema,
+                                           self._table_records(), vnode_starts, context,
+                                           self.settings.request_max_rows):
+                n = changelog_rows(request)
                 yield request
                 counter["rows"] += n
                 counter["requests"] += 1
@@ -440,6 +442,10 @@ class Connector:
         log.info("cdc_replay_done", node=node, rows=counter["rows"],
                  requests=counter["requests"], seconds=round(seconds, 3))
         return True
+
+
+def _unavailable(exc: Exception) -> bool:
+    return isinstance(exc, grpc.RpcError) and exc.code() in RETRYABLE
 
 
 def _ms(seconds: float) -> float:

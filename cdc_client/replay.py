@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 
-from cdc_client.changelog import REPLACE, ChangeRow
+from cdc_client.changelog import REPLACE, BatchRecord, Changelog, ChangeRow
 from retina_common.catalog import TableRecord
 from retina_common.pb import retina_pb2 as pb
 from retina_common.topology import Topology
@@ -56,6 +56,26 @@ def requests(schema: str, tables: Mapping[str, TableRecord], rows: Iterable[Chan
         count += weight
     if count:
         yield request
+
+
+def replay_requests(changelog: Changelog, schema: str, tables: Mapping[str, TableRecord],
+                    starts: Mapping[int, int], context: pb.RecoveryReplayContext | None,
+                    max_rows: int, upto_ts: int | None = None,
+                    records: Iterable[BatchRecord] | None = None
+                    ) -> Iterator[pb.UpdateRecordRequest]:
+    """The changelog of the virtual nodes in ``starts`` (vnode → first ts,
+    inclusive), as requests carrying ``context`` (recovery replay) or none
+    (backfill)."""
+    rows = changelog.read(starts, upto_ts, records)
+    for request in requests(schema, tables, rows, max_rows):
+        if context is not None:
+            request.recovery_replay_context.CopyFrom(context)
+        yield request
+
+
+def changelog_rows(request: pb.UpdateRecordRequest) -> int:
+    """Changelog rows in a request: each is exactly one ``delete_data`` entry."""
+    return sum(len(t.delete_data) for t in request.table_update_data)
 
 
 def by_node(rows: Iterable[ChangeRow], topology: Topology) -> dict[str, list[ChangeRow]]:

@@ -10,46 +10,40 @@ node without a checkpoint, or a slot that cannot be read, pins the horizon at
 
 from __future__ import annotations
 
-import crc32c
 import structlog
 
 from cdc_client import metrics as m
 from cdc_client.changelog import Changelog
 from retina_common.etcd import EtcdStore
-from retina_common.keys import checkpoint_slot_key
-from retina_common.storage import read_bytes
 from retina_common.topology import Topology
-from retina_server.checkpoint import CheckpointError, Pointer, decode
+from retina_server.checkpoint import CheckpointError, CheckpointStore
 from retina_server.replay_ts import derive
 
 log = structlog.get_logger("cdc.retention")
 
 
-def _slot_start(etcd: EtcdStore, topology: Topology, node: str, slot: str) -> int | None:
+def _slot_start(store: CheckpointStore, node: str, topology: Topology, slot: str) -> int | None:
     """The slot's node replay start; None if the slot is empty; 0 if unreadable."""
-    kv = etcd.get(checkpoint_slot_key(node, slot))
-    if kv is None:
-        return None
     try:
-        pointer = Pointer.parse(kv.value)
-        directory, _, name = pointer.path.rpartition("/")
-        data = read_bytes(directory, name)
-        if len(data) != pointer.length or crc32c.crc32c(data) != pointer.crc32c:
-            return 0
-        body = decode(data, expect_node=node, expect_topology_hash=topology.topology_hash)
+        found = store.read_slot(slot)
     except (CheckpointError, OSError, ValueError):
         return 0
-    applied = body.header.checkpoint_applied_ts
-    return derive(applied, body.segments, topology.vnodes_of(node), ()).node_replay_from_ts
+    if found is None:
+        return None
+    body = found[1]
+    return derive(body.header.checkpoint_applied_ts, body.segments, topology.vnodes_of(node),
+                  ()).node_replay_from_ts
 
 
 def horizon(etcd: EtcdStore, topology: Topology) -> int:
     low = None
     for node in topology.nodes:
-        current = _slot_start(etcd, topology, node, "current")
+        # Pointers name their bodies by full path: the storage root is not needed.
+        store = CheckpointStore(etcd, node, "", topology.topology_hash)
+        current = _slot_start(store, node, topology, "current")
         if current is None:
             return 0  # never checkpointed: it replays from the beginning
-        previous = _slot_start(etcd, topology, node, "previous")
+        previous = _slot_start(store, node, topology, "previous")
         for start in (current, previous):
             if start is not None:
                 low = start if low is None else min(low, start)

@@ -30,6 +30,7 @@ from pathlib import Path
 import psycopg2
 import requests
 
+from retina_common.log import logged_events
 from retina_common.topology import Topology
 
 
@@ -463,11 +464,25 @@ def start_cdc(state: ClusterState, env: Mapping[str, str], timeout_s: float = 30
                         log_path, env)
     state.cdc_pid = pid
     state.save()
-    wait_for(lambda: (log_path.exists() and '"cdc_start"' in log_path.read_text())
-             or not pid_alive(pid), timeout_s, "the CDC connector")
+    wait_for(lambda: logged_events(log_path, "cdc_start") or not pid_alive(pid), timeout_s,
+             "the CDC connector")
     if not pid_alive(pid):
         raise ClusterError(f"retina-cdc exited at start; see {log_path}")
     return pid
+
+
+def node_state(node: str) -> int | None:
+    """A Retina node's lifecycle state (GetRetinaStatus), or None if it does not answer."""
+    import grpc
+
+    from retina_common.pb import retina_pb2, retina_pb2_grpc
+
+    with grpc.insecure_channel(node) as channel:
+        try:
+            return retina_pb2_grpc.RetinaWorkerServiceStub(channel).GetRetinaStatus(
+                retina_pb2.GetRetinaStatusRequest(), timeout=2).state
+        except grpc.RpcError:
+            return None
 
 
 def stop_cluster(state: ClusterState, log: Callable[[str], None] = print) -> None:

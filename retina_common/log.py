@@ -8,8 +8,10 @@ where they apply. Secrets (the recovery token) are never logged: use
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -49,3 +51,22 @@ def get_logger(**bound: Any) -> Any:
 def token_hash(token: str) -> str:
     """First 8 hex digits of SHA-256 of a secret: safe for logs, metrics, etcd."""
     return hashlib.sha256(token.encode()).hexdigest()[:8]
+
+
+def logged_events(path: str | Path, event: str) -> list[dict[str, Any]]:
+    """Every record of ``event`` in a process's JSON log file, oldest first
+    (the demo, tests and tools read what a process reported this way)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if f'"{event}"' not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line torn by a crash, or not ours
+            continue
+        if record.get("event") == event:
+            out.append(record)
+    return out

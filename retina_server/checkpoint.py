@@ -318,31 +318,37 @@ class CheckpointStore:
                 removed.append(body.name)
         return removed
 
+    def read_slot(self, slot: str) -> tuple[Pointer, CheckpointBody] | None:
+        """The slot's pointer and verified body; None if the slot is empty.
+        Raises CheckpointError or OSError if it cannot be used."""
+        kv = self._etcd.get(self._current if slot == "current" else self._previous)
+        if kv is None:
+            return None
+        pointer = Pointer.parse(kv.value)
+        directory, _, name = pointer.path.rpartition("/")
+        data = read_bytes(directory, name)
+        if len(data) != pointer.length or crc32c.crc32c(data) != pointer.crc32c:
+            raise CorruptCheckpoint("body differs from its pointer (length or CRC32C)")
+        body = decode(data, expect_node=self._node, expect_topology_hash=self._topology_hash)
+        if body.header.checkpoint_id != pointer.checkpoint_id:
+            raise CorruptCheckpoint("pointer and body name different checkpoints")
+        return pointer, body
+
     def load(self) -> LoadedCheckpoint | None:
         """``current`` if usable, else ``previous``; None only if no slot exists at all."""
         rejected: list[str] = []
         any_pointer = False
-        for slot, key in (("current", self._current), ("previous", self._previous)):
-            kv = self._etcd.get(key)
-            if kv is None:
-                continue
-            any_pointer = True
+        for slot in ("current", "previous"):
             try:
-                pointer = Pointer.parse(kv.value)
-                directory, _, name = pointer.path.rpartition("/")
-                data = read_bytes(directory, name)
-                if len(data) != pointer.length or crc32c.crc32c(data) != pointer.crc32c:
-                    raise CorruptCheckpoint("body differs from its pointer (length or CRC32C)")
-                body = decode(data, expect_node=self._node,
-                              expect_topology_hash=self._topology_hash)
-                if body.header.checkpoint_id != pointer.checkpoint_id:
-                    raise CorruptCheckpoint("pointer and body name different checkpoints")
+                found = self.read_slot(slot)
             except (CheckpointError, OSError) as exc:
+                any_pointer = True
                 rejected.append(f"{slot}: {exc}")
                 log.warning("checkpoint_slot_rejected", node=self._node, slot=slot,
                             error=str(exc))
                 continue
-            return LoadedCheckpoint(slot, pointer, body, tuple(rejected))
+            if found is not None:
+                return LoadedCheckpoint(slot, found[0], found[1], tuple(rejected))
         if any_pointer:
             raise CheckpointUnusable("; ".join(rejected))
         return None

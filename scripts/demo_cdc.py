@@ -5,7 +5,6 @@ the connector, and a gated snapshot of every table compared with the source."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import signal
@@ -16,7 +15,6 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-import grpc
 import psycopg2
 
 from retina_common.catalog import Catalog, ColumnSpec
@@ -25,13 +23,14 @@ from retina_common.cluster import (
     ClusterError,
     ClusterState,
     free_port,
+    node_state,
     start_cdc,
     start_retina_server,
     start_retina_servers,
     wait_for,
 )
+from retina_common.log import logged_events
 from retina_common.pb import retina_pb2 as rpb
-from retina_common.pb import retina_pb2_grpc
 from retina_common.reader import SnapshotReader
 from retina_common.topology import load_topology
 
@@ -128,25 +127,6 @@ def _setup(state: ClusterState) -> tuple[Catalog, dict[str, TableWriter], str]:
     return catalog, writers, dsn
 
 
-def _events(state: ClusterState, name: str) -> list[dict]:
-    path = Path(state.state_dir, "logs", "cdc.log")
-    out = []
-    for line in path.read_text().splitlines():
-        if f'"{name}"' in line:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out
-
-
-def _status(stub: retina_pb2_grpc.RetinaWorkerServiceStub) -> int | None:
-    try:
-        return stub.GetRetinaStatus(rpb.GetRetinaStatusRequest(), timeout=2).state
-    except grpc.RpcError:
-        return None
-
-
 def cdc_pipeline(state: ClusterState, check: Callable[[bool, str], None],
                  transactions: int = 600, rate_per_s: float = 150) -> dict[str, Any]:
     catalog, writers, dsn = _setup(state)
@@ -157,12 +137,10 @@ def cdc_pipeline(state: ClusterState, check: Callable[[bool, str], None],
             "public.customers,public.orders,public.items",
         "RETINA__CDC__METRICS_LISTEN": f"127.0.0.1:{free_port()}",
         "RETINA__CDC__WRITE_LEASE_MS": "5000"})
-    stubs = {n: retina_pb2_grpc.RetinaWorkerServiceStub(grpc.insecure_channel(n))
-             for n in state.nodes}
-    wait_for(lambda: all(_status(s) == rpb.READY for s in stubs.values()), 60,
+    wait_for(lambda: all(node_state(n) == rpb.READY for n in state.nodes), 60,
              "the connector to take both nodes through MarkReady")
     check(True, f"retina-cdc reads {SOURCE_DB} by logical replication (pgoutput) and took "
-                f"{len(stubs)} fresh Retina nodes through MarkReady")
+                f"{len(state.nodes)} fresh Retina nodes through MarkReady")
     workload = Workload(dsn)
     victim = state.nodes[1]
     crash: dict[str, float] = {}
@@ -179,12 +157,14 @@ def cdc_pipeline(state: ClusterState, check: Callable[[bool, str], None],
     wait_for(lambda: "killed_at" in crash, 120, "the crash point")
     start_retina_server(state, victim)
     restarted = time.monotonic()
-    wait_for(lambda: _status(stubs[victim]) == rpb.READY, 120, "the restarted node to be READY")
+    wait_for(lambda: node_state(victim) == rpb.READY, 120, "the restarted node to be READY")
     ready_s = time.monotonic() - restarted
     worker.join()
     workload_s = time.monotonic() - t0
-    replay = [e for e in _events(state, "cdc_replay_done") if e["node"] == victim][-1]
-    replay_start = [e for e in _events(state, "cdc_replay_start") if e["node"] == victim][-1]
+    cdc_log = Path(state.state_dir, "logs", "cdc.log")
+    replay = [e for e in logged_events(cdc_log, "cdc_replay_done") if e["node"] == victim][-1]
+    replay_start = [e for e in logged_events(cdc_log, "cdc_replay_start")
+                    if e["node"] == victim][-1]
     check(True, f"SIGKILL {victim} after {crash['at_txn']} of {transactions} source "
                 f"transactions; restarted: RECOVERING -> replay -> MarkReady -> READY in "
                 f"{ready_s:.2f}s while the stream kept flowing")

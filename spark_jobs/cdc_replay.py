@@ -49,7 +49,7 @@ from pyspark.accumulators import AccumulatorParam
 
 from cdc_client.changelog import Changelog
 from cdc_client.main import changelog_root
-from cdc_client.replay import node_starts, requests
+from cdc_client.replay import changelog_rows, node_starts, replay_requests
 from retina_common.catalog import Catalog, CatalogError, TableRecord
 from retina_common.config import Config, ConfigError
 from retina_common.log import token_hash
@@ -140,19 +140,16 @@ def replay_vnode(spec: JobSpec, task: VnodeTask) -> VnodeResult:
     # Batch records are small JSON; only this vnode's segments are read.
     records = [r for r in changelog.records(task.from_ts)
                if task.to_ts is None or r.first_ts <= task.to_ts]
-    rows = changelog.read({task.vnode: task.from_ts}, task.to_ts, records)
     context = spec.context.message() if spec.context else None
     sent_rows = sent = 0
     with grpc.insecure_channel(task.node) as channel:
         stub = retina_pb2_grpc.RetinaWorkerServiceStub(channel)
-        for request in requests(spec.schema, _Tables(spec.schema, spec.tables), rows,
-                                spec.max_rows):
-            if context is not None:
-                request.recovery_replay_context.CopyFrom(context)
+        for request in replay_requests(changelog, spec.schema, _Tables(spec.schema, spec.tables),
+                                       {task.vnode: task.from_ts}, context, spec.max_rows,
+                                       task.to_ts, records):
             call_with_retry(lambda r=request: stub.UpdateRecord(r, timeout=spec.rpc_timeout_s),
                             f"UpdateRecord of vnode {task.vnode} to {task.node}")
-            # Every changelog row is exactly one delete_data entry.
-            sent_rows += sum(len(t.delete_data) for t in request.table_update_data)
+            sent_rows += changelog_rows(request)
             sent += 1
     return VnodeResult(task.vnode, sent_rows, sent)
 

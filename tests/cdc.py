@@ -8,7 +8,6 @@ The source database has the data plane's tables (``public.orders``,
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import uuid
@@ -21,6 +20,7 @@ from typing import Any
 import psycopg2
 
 from retina_common.cluster import PostgresInstance, free_port
+from retina_common.log import logged_events
 from retina_common.pb import retina_pb2 as rpb
 
 from .dataplane import SCHEMA, DataPlane
@@ -47,14 +47,7 @@ class CdcProcess(ChildProcess):
         return self
 
     def logged(self, event: str) -> list[dict]:
-        out = []
-        for line in self.log_path.read_text().splitlines() if self.log_path.exists() else ():
-            if f'"{event}"' in line:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue
-        return out
+        return logged_events(self.log_path, event)
 
 
 def normalise(table: str, row: Mapping[str, Any]) -> dict[str, Any]:

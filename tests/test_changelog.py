@@ -33,7 +33,7 @@ def test_read_from_per_vnode_starts_in_ts_order(tmp_path: Path) -> None:
     assert rows[-1].values == (b"\x01c",)
     assert list(log.read({0: 10}, upto_ts=10)) == [
         ChangeRow(10, 0, 0, "t", REPLACE, b"a", (b"\x01a",))]
-    assert log.last_record().last_position == "pos20"
+    assert log.records()[-1].last_position == "pos20"
 
 
 def test_batches_need_ascending_distinct_timestamps(tmp_path: Path) -> None:
