@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 
 def root_uri(root: str) -> str:
@@ -67,6 +68,16 @@ def read_bytes(path_uri: str, name: str) -> bytes:
     fs, path = pafs.FileSystem.from_uri(file_uri(path_uri, name))
     with fs.open_input_stream(path) as stream:
         return stream.read()
+
+
+def open_parquet(path_uri: str, name: str) -> pq.ParquetFile:
+    """A Parquet file opened for random access: reading its footer, or one column of
+    one row group, reads only those bytes (never the whole object)."""
+    directory = local_dir(path_uri)
+    if directory is not None:
+        return pq.ParquetFile(str(directory / name))
+    fs, path = pafs.FileSystem.from_uri(file_uri(path_uri, name))
+    return pq.ParquetFile(fs.open_input_file(path))
 
 
 def delete_quietly(path_uri: str, name: str) -> None:

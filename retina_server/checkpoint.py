@@ -15,6 +15,14 @@ the row group's deleted rows at checkpointAppliedTs, which becomes its base.
 That costs about one bit per row at worst, plus a small fixed cost per row
 group.
 
+``build_body`` takes the body from a running node: per stream, one consistent
+cut of the registry and the write buffer. Streams that exist only in the
+registry (a table not written since this process started: a *cold* stream)
+are walked too. Invariant CHECKPOINT_COVERS_REGISTRY, checked on every body:
+every file registered when generation began is in the body; a miss is
+refused (and the node fails closed), never published, because the next
+start would retire the missing file as a catalog-only REGULAR file.
+
 Publish: write the immutable body (fsync, rename) → one etcd transaction
 that moves ``current`` to ``previous`` and sets the new ``current``, guarded
 by the revision of ``current`` read before → delete bodies that neither slot
@@ -27,8 +35,10 @@ from __future__ import annotations
 import json
 import re
 import struct
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import crc32c
 from pyroaring import BitMap
@@ -39,6 +49,11 @@ from retina_common.keys import checkpoint_slot_key
 from retina_common.log import get_logger
 from retina_common.storage import delete_quietly, local_dir, read_bytes, write_durably
 from retina_server.replay_ts import IngestSegment, SegmentKind
+from retina_server.write_buffer import FileState
+
+if TYPE_CHECKING:
+    from retina_server.node import RetinaNode
+    from retina_server.registry import IngestFileMeta
 
 log = get_logger(component="checkpoint")
 
@@ -70,6 +85,10 @@ class CheckpointConflict(CheckpointError):
 
 class CheckpointUnusable(CheckpointError):
     """Pointers exist but neither slot leads to a usable body."""
+
+
+class CheckpointIncomplete(CheckpointError):
+    """CHECKPOINT_COVERS_REGISTRY does not hold: the body would lose a file."""
 
 
 @dataclass(frozen=True)
@@ -352,3 +371,56 @@ class CheckpointStore:
         if any_pointer:
             raise CheckpointUnusable("; ".join(rejected))
         return None
+
+
+# --- generation ------------------------------------------------------------------------------
+def build_body(node: RetinaNode, applied_ts: int, checkpoint_id: int,
+               writer_epoch: int) -> CheckpointBody:
+    """The body of a checkpoint at ``applied_ts`` (see the module docstring)."""
+    registered = {meta.file_id for meta in node.registry.all()}
+    files: list[FileEntry] = []
+    segments: list[IngestSegment] = []
+    rgs: list[RGEntry] = []
+    streams = node.all_streams()
+    for stream in streams:
+        # One consistent cut per stream: a file moving from the write buffer to
+        # the registry is in exactly one of them.
+        with stream.publisher.lock, stream.buffer.lock:
+            for meta in node.registry.stream_files(stream.table.table_id, stream.vnode):
+                _admitted(node, meta, applied_ts, files, segments, rgs)
+            for f in stream.buffer.files:
+                if f.file_id in node.registry:
+                    continue
+                kind = SegmentKind.OPEN if f.state == FileState.OPEN else SegmentKind.PENDING
+                segments.append(IngestSegment(
+                    f.table_id, f.vnode, kind, f.file_id, f.first_block_id, len(f.blocks),
+                    f.row_count, f.min_commit_ts or 0, f.max_commit_ts or 0))
+    live = {(s.table.table_id, s.vnode) for s in streams}
+    for table_id, vnode in sorted(node.registry.stream_keys() - live):
+        # A cold stream: nothing buffered and no publisher, only its files.
+        for meta in node.registry.stream_files(table_id, vnode):
+            _admitted(node, meta, applied_ts, files, segments, rgs)
+    missing = registered - {f.file_id for f in files}
+    if missing:
+        raise CheckpointIncomplete(
+            f"CHECKPOINT_COVERS_REGISTRY: registered files {sorted(missing)[:5]} are not in "
+            f"checkpoint {checkpoint_id}; it is not published")
+    header = CheckpointHeader(node.node_id, checkpoint_id, writer_epoch,
+                              int(time.time() * 1000), applied_ts, node.topology.topology_hash)
+    return CheckpointBody(header, files, segments, rgs)
+
+
+def _admitted(node: RetinaNode, meta: IngestFileMeta, applied_ts: int, files: list[FileEntry],
+              segments: list[IngestSegment], rgs: list[RGEntry]) -> None:
+    files.append(FileEntry(meta.file_id, meta.table_id, meta.virtual_node_id,
+                           meta.first_block_id, meta.file_min_commit_ts, meta.file_max_commit_ts,
+                           meta.record_num, meta.min_row_id, meta.max_row_id,
+                           meta.num_row_group))
+    segments.append(IngestSegment(
+        meta.table_id, meta.virtual_node_id, SegmentKind.ADMITTED, meta.file_id,
+        meta.first_block_id, meta.block_count, meta.record_num, meta.file_min_commit_ts,
+        meta.file_max_commit_ts))
+    for rg_id in range(meta.num_row_group):
+        entry = node.visibility.get(meta.file_id, rg_id)
+        rgs.append(RGEntry(meta.file_id, rg_id, entry.row_count, applied_ts,
+                           entry.deleted_at(applied_ts)))

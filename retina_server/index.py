@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+import grpc
 import lmdb
 from prometheus_client import Counter
 
@@ -57,6 +58,8 @@ TOMBSTONE = -1
 
 class IndexBackendError(Exception):
     """The index storage failed: the request must fail (BACKEND_ERROR)."""
+
+    grpc_status = grpc.StatusCode.UNAVAILABLE
 
 
 class Resolution(StrEnum):
@@ -459,6 +462,23 @@ class LocalIndexService:
                         txn.put(version, value, db=self._primary)
         except lmdb.Error as exc:
             raise IndexBackendError(f"restorePrimaryEntries failed: {exc}") from exc
+
+    def versions_from(self, min_ts: int) -> Iterator[tuple[int, bytes, int, int]]:
+        """Every version at or after ``min_ts`` as (tableId, key, ts, rowId or TOMBSTONE),
+        in timestamp order (through the by-timestamp index)."""
+        try:
+            with self._env.begin() as txn:
+                cursor = txn.cursor(db=self._by_ts)
+                if not cursor.set_range(_TS.pack(min_ts)):
+                    return
+                for entry in cursor.iternext(keys=True, values=False):
+                    ts = _TS.unpack(entry[:8])[0]
+                    table_id, key = _split_prefix(entry[8:])
+                    value = txn.get(entry[8:] + entry[:8], db=self._primary)
+                    if value is not None:
+                        yield table_id, key, ts, _ROW.unpack(value)[0]
+        except lmdb.Error as exc:
+            raise IndexBackendError(f"primary index scan failed: {exc}") from exc
 
     def truncate_versions(self, min_ts: int, start_of: Callable[[int, bytes], int]) -> int:
         """Remove every version written at or after its scope's replay start.

@@ -8,15 +8,19 @@ transition table; anything else raises :class:`IllegalTransition`.
     STARTING ─▶ LOADING_CHECKPOINT ─▶ CLEANSING ─▶ AWAITING_REPLAY ─▶ BARRIER ─▶ READY
         └──────────────┴──────────────────┴──────────────┴──────────────┴──────────┴─▶ FAILED
 
-What each phase admits (C05.4, C06.3):
+What each phase admits is the table :data:`ADMISSION`, and it is the only
+admission gate: the gRPC services and the recovery coordinator call
+:meth:`LifecycleStateMachine.admit` instead of comparing phases themselves.
 
-| phase | CDC writes | replay writes | reads (QueryVisibility, GetWriteBuffer, ...) |
-|---|---|---|---|
-| STARTING, LOADING_CHECKPOINT, CLEANSING | refused | refused | refused |
-| AWAITING_REPLAY | refused | accepted (matching context) | refused |
-| BARRIER | refused | refused (entry closed) | refused |
-| READY | accepted | refused (no attempt) | accepted |
-| FAILED | refused | refused | refused |
+(U = UNAVAILABLE: retry later; F = FAILED_PRECONDITION: a protocol refusal; ok = admitted)
+
+| phase | WRITE | REPLAY_WRITE | READ | CHECKPOINT | REPLAY_TS | MARK_READY |
+|---|---|---|---|---|---|---|
+| STARTING, LOADING_CHECKPOINT, CLEANSING | U | F | U | U | U | U |
+| AWAITING_REPLAY | U | ok | U | U | ok | ok |
+| BARRIER | U | F (entry closed) | U | U | ok | U (in progress) |
+| READY | ok | F (no attempt) | ok | ok | F | ok (same token) |
+| FAILED | F | F | F | F | F | F |
 
 Invariant READY_ONLY_THROUGH_BARRIER: READY is reachable only from BARRIER,
 that is only through MarkReady; a fresh start takes the same path.
@@ -29,10 +33,13 @@ import time
 from collections.abc import Callable
 from enum import StrEnum
 
+import grpc
+
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.keys import lifecycle_key
 from retina_common.lifecycle_record import LifecycleRecord, LifecycleState
 from retina_common.log import get_logger
+from retina_common.refusal import Refusal
 
 log = get_logger(component="lifecycle")
 
@@ -47,10 +54,15 @@ class Phase(StrEnum):
     FAILED = "FAILED"
 
 
-class WritePolicy(StrEnum):
-    NONE = "none"
-    REPLAY_ONLY = "replay only"
-    ALL = "all"
+class Request(StrEnum):
+    """What a caller asks the node to do; admitted or refused by :data:`ADMISSION`."""
+
+    WRITE = "ordinary write"
+    REPLAY_WRITE = "recovery replay write"
+    READ = "read"
+    CHECKPOINT = "checkpoint"
+    REPLAY_TS = "replay starts"
+    MARK_READY = "MarkReady"
 
 
 EXTERNAL: dict[Phase, LifecycleState] = {
@@ -73,9 +85,29 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.FAILED: frozenset(),
 }
 
-WRITES: dict[Phase, WritePolicy] = {
-    Phase.AWAITING_REPLAY: WritePolicy.REPLAY_ONLY,
-    Phase.READY: WritePolicy.ALL,
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+_REFUSED = grpc.StatusCode.FAILED_PRECONDITION
+_RECOVERING_EARLY: dict[Request, grpc.StatusCode | None] = {
+    Request.WRITE: _UNAVAILABLE, Request.REPLAY_WRITE: _REFUSED, Request.READ: _UNAVAILABLE,
+    Request.CHECKPOINT: _UNAVAILABLE, Request.REPLAY_TS: _UNAVAILABLE,
+    Request.MARK_READY: _UNAVAILABLE,
+}
+# None: admitted. A status: refused with it (see the module docstring's table).
+ADMISSION: dict[Phase, dict[Request, grpc.StatusCode | None]] = {
+    Phase.STARTING: _RECOVERING_EARLY,
+    Phase.LOADING_CHECKPOINT: _RECOVERING_EARLY,
+    Phase.CLEANSING: _RECOVERING_EARLY,
+    Phase.AWAITING_REPLAY: {
+        Request.WRITE: _UNAVAILABLE, Request.REPLAY_WRITE: None, Request.READ: _UNAVAILABLE,
+        Request.CHECKPOINT: _UNAVAILABLE, Request.REPLAY_TS: None, Request.MARK_READY: None},
+    Phase.BARRIER: {
+        Request.WRITE: _UNAVAILABLE, Request.REPLAY_WRITE: _REFUSED, Request.READ: _UNAVAILABLE,
+        Request.CHECKPOINT: _UNAVAILABLE, Request.REPLAY_TS: None,
+        Request.MARK_READY: _UNAVAILABLE},
+    Phase.READY: {
+        Request.WRITE: None, Request.REPLAY_WRITE: _REFUSED, Request.READ: None,
+        Request.CHECKPOINT: None, Request.REPLAY_TS: _REFUSED, Request.MARK_READY: None},
+    Phase.FAILED: dict.fromkeys(Request, _REFUSED),
 }
 
 
@@ -121,11 +153,22 @@ class LifecycleStateMachine:
                 return
         self.transition(Phase.FAILED, reason)
 
-    def write_policy(self) -> WritePolicy:
-        return WRITES.get(self._phase, WritePolicy.NONE)
-
-    def reads_allowed(self) -> bool:
-        return self._phase == Phase.READY
+    def admit(self, request: Request) -> Phase:
+        """The phase the request is admitted in; raises :class:`Refusal` otherwise."""
+        phase = self._phase
+        code = ADMISSION[phase][request]
+        if code is None:
+            return phase
+        if phase == Phase.FAILED:
+            raise Refusal(code, f"{request.value} refused: the node is FAILED: {self._reason}")
+        if phase == Phase.READY:
+            raise Refusal(code, f"{request.value} refused: no recovery attempt is in "
+                                "progress on this node (it is READY)")
+        if phase == Phase.BARRIER and request == Request.REPLAY_WRITE:
+            raise Refusal(code, "replay write refused: MarkReady closed the replay entry")
+        hint = "; retry later" if code == _UNAVAILABLE else ""
+        raise Refusal(code, f"{request.value} refused: the node is RECOVERING "
+                            f"({phase.value}){hint}")
 
 
 class LifecyclePublisher:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import grpc
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -35,6 +36,7 @@ from retina_common.catalog import (
 )
 from retina_common.codec import arrow_type
 from retina_common.log import get_logger
+from retina_common.refusal import Refusal
 from retina_common.topology import Topology
 from retina_server.index import LocalIndexService
 from retina_server.publisher import IngestPipeline, StreamPublisher
@@ -51,6 +53,8 @@ FILES = Gauge("retina_files", "This node's files by catalog type", ["type"])
 
 class NodeFailedClosed(Exception):
     """The node hit an unrecoverable write error and refuses every further write."""
+
+    grpc_status = grpc.StatusCode.FAILED_PRECONDITION
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,9 @@ class RetinaNode:
         self._lock = threading.Lock()
         self._buffer_files: dict[int, IngestFile] = {}
         self.failure: str | None = None
+        # Snapshots below it cannot be answered exactly: the visibility restored at
+        # start folded every delete up to it into the base (checkpointAppliedTs).
+        self.read_floor_ts = 0
         # Called once when the node fails closed (the lifecycle goes FAILED).
         self.on_fail_closed: Callable[[str], None] = lambda _reason: None
         self.pipeline = IngestPipeline(node_id, settings.close_workers, self.fail_closed)
@@ -181,6 +188,15 @@ class RetinaNode:
             self._buffer_files[file.file_id] = file
         return file
 
+    def check_snapshot(self, ts: int) -> None:
+        """SNAPSHOT_AT_OR_ABOVE_BASE: refuse a read below the restored visibility base (a
+        read transaction that spans this node's restart); its answer would be wrong."""
+        if ts < self.read_floor_ts:
+            raise Refusal(grpc.StatusCode.ABORTED,
+                          f"snapshot {ts} is below {self.node_id}'s visibility base "
+                          f"{self.read_floor_ts} (the node restarted after the snapshot was "
+                          "taken); begin a new read transaction")
+
     # --- baseline and visibility lookups ---
     def in_baseline(self, file_id: int) -> bool:
         """The baseline visible file set: registered files and live write-buffer files."""
@@ -205,6 +221,11 @@ class RetinaNode:
         out = []
         for rg in wanted:
             entry = self.rg_visibility(file_id, rg)
+            if ts < entry.base_timestamp:  # its deletes up to the base are folded in
+                raise Refusal(grpc.StatusCode.ABORTED,
+                              f"snapshot {ts} is below the visibility base "
+                              f"{entry.base_timestamp} of file {file_id} row group {rg}; "
+                              "begin a new read transaction")
             out.append((rg, entry.row_count, entry.deleted_at(ts)))
         return out
 

@@ -121,7 +121,8 @@ class StreamPublisher:
     def __init__(self, stream: StreamBuffer, catalog: Catalog, index: LocalIndexService,
                  registry: IngestFileMetadataRegistry, visibility: VisibilityIndex,
                  on_fatal: Callable[[str], None],
-                 on_published: Callable[[IngestFile], None], retry_s: float = 0.5) -> None:
+                 on_published: Callable[[IngestFile], None], retry_s: float = 0.5,
+                 give_up_after_s: float = 300.0) -> None:
         self._stream = stream
         self._catalog = catalog
         self._index = index
@@ -130,6 +131,7 @@ class StreamPublisher:
         self._on_fatal = on_fatal
         self._on_published = on_published
         self._retry_s = retry_s
+        self._give_up_after_s = give_up_after_s
         self.lock = threading.Lock()  # held for a whole publish; checkpoints take it
         self._closed: dict[int, IngestFile] = {}
 
@@ -171,7 +173,11 @@ class StreamPublisher:
                  row_groups=len(file.blocks))
 
     def _mark_regular(self, file: IngestFile) -> None:
-        """One catalog update; retried until it is known to have happened."""
+        """One catalog update; retried until it is known to have happened, for at most
+        ``give_up_after_s``: a catalog that stays away that long is not a blip, and the
+        node fails closed (a restart recovers the file) instead of holding the stream's
+        publish lock, and so its checkpoints, forever."""
+        deadline = time.monotonic() + self._give_up_after_s
         while True:
             try:
                 self._catalog.update_file(
@@ -189,6 +195,10 @@ class StreamPublisher:
                 self._on_fatal(f"file {file.file_id} cannot be published: {exc}")
                 raise
             except (CatalogOutcomeUnknown, CatalogError) as exc:
+                if time.monotonic() > deadline:
+                    self._on_fatal(f"file {file.file_id}: the catalog refused the publish for "
+                                   f"{self._give_up_after_s:.0f}s: {exc}")
+                    raise
                 PUBLISH_RETRIES.inc()
                 log.warning("ingest_publish_retry", file_id=file.file_id, error=str(exc))
                 time.sleep(self._retry_s)

@@ -78,6 +78,11 @@ class IngestFileMetadataRegistry:
             files = list(self._by_stream.get((table_id, vnode), {}).values())
         return sorted(files, key=lambda m: m.first_block_id)
 
+    def stream_keys(self) -> set[tuple[int, int]]:
+        """Every stream ``(tableId, virtualNodeId)`` with a registered file."""
+        with self._lock:
+            return {k for k, files in self._by_stream.items() if files}
+
     def all(self) -> list[IngestFileMeta]:
         with self._lock:
             return sorted(self._by_file.values(), key=lambda m: m.file_id)

@@ -64,6 +64,28 @@ class ReplayStarts:
     vnode_replay_from_ts: dict[int, int]
     node_replay_from_ts: int
 
+    def scope_start(self, table_id: int, vnode: int) -> int:
+        """The scope's own start: the rewind drops what lies at or above it, and replay
+        applies only what lies at or above it (REWIND_MATCHES_REPLAY, docs/recovery.md).
+        A scope without an entry (a table created after the checkpoint) starts at
+        checkpointAppliedTs, as it has nothing older."""
+        return self._by_scope.get((table_id, vnode), self.checkpoint_applied_ts)
+
+    def mode_start(self, mode: str, vnode: int) -> int:
+        """What the client replays from (the admission floor): the vnode's start in
+        VNODE mode, the node's start in NODE mode."""
+        if mode == "NODE":
+            return self.node_replay_from_ts
+        return self.vnode_replay_from_ts.get(vnode, self.node_replay_from_ts)
+
+    @property
+    def _by_scope(self) -> dict[tuple[int, int], int]:
+        cached = self.__dict__.get("_scope_map")
+        if cached is None:
+            cached = {(s.table_id, s.vnode): s.scope_replay_from_ts for s in self.scopes}
+            object.__setattr__(self, "_scope_map", cached)
+        return cached
+
 
 def chain_problem(chain: list[IngestSegment]) -> str:
     """Why a scope's segment chain cannot be trusted ("" if it can)."""

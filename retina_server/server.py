@@ -6,7 +6,7 @@ coordinator, gRPC). Then the process starts RECOVERING: the gRPC server comes
 up (GetRetinaStatus answers at once), the recovery coordinator loads and
 cleanses the checkpoint and derives the replay starts, and the node waits
 for the CDC side's replay and MarkReady. Background work (flush timer,
-periodic checkpoints) starts only from the READY hook.
+periodic checkpoints) starts only from the READY hooks (mark_ready.py).
 
 On SIGTERM: health NOT_SERVING, gRPC stops; if READY, the write buffers are
 flushed through the publisher and a final checkpoint is taken; the
@@ -37,13 +37,15 @@ from retina_common.grpc_server import ServerHandle
 from retina_common.log import configure_logging
 from retina_common.metrics import serve_metrics
 from retina_common.pb import retina_pb2, retina_pb2_grpc, trans_pb2, trans_pb2_grpc
+from retina_common.refusal import Refusal
 from retina_common.storage import root_uri
 from retina_common.topology import Topology, load_topology
 from retina_server.checkpoint import CheckpointStore
 from retina_server.index import LocalIndexService
 from retina_server.lifecycle import LifecyclePublisher, LifecycleStateMachine, Phase
+from retina_server.mark_ready import MarkReadyBarrier, ReadyHooks
 from retina_server.node import BufferSettings, RetinaNode
-from retina_server.recovery import RecoveryCoordinator, RecoveryRefusal
+from retina_server.recovery import RecoveryCoordinator
 from retina_server.service import RetinaService
 
 SERVICE_NAME = retina_pb2.DESCRIPTOR.services_by_name["RetinaWorkerService"].full_name
@@ -92,37 +94,23 @@ def main(argv: list[str] | None = None) -> int:
     publisher = LifecyclePublisher(etcd, node_id, rc.lifecycle_ttl_s)
     stop = threading.Event()
 
-    def checkpoints() -> None:
-        while not stop.wait(rc.checkpoint_interval_ms / 1000):
-            try:
-                recovery.create_checkpoint()
-            except Exception as exc:
-                log.error("checkpoint_failed", error=str(exc), error_type=type(exc).__name__)
-
-    def on_ready() -> None:
-        node.invalidate_caches()
-        node.start()
-        try:
-            recovery.create_checkpoint()  # so that every later restart has a pointer
-        except Exception as exc:
-            log.error("checkpoint_failed", error=str(exc), error_type=type(exc).__name__)
-        threading.Thread(target=checkpoints, name="checkpoints", daemon=True).start()
-        handle.set_serving(True)
-
     def high_watermark() -> int:
         try:
             return trans.GetHighWatermark(trans_pb2.GetHighWatermarkRequest(),
                                           timeout=10).high_watermark
         except grpc.RpcError as exc:  # a dependency down: retry later, not a bug
-            raise RecoveryRefusal("UNAVAILABLE",
-                                  f"TransServer unreachable: {exc.code().name}") from exc
+            raise Refusal(grpc.StatusCode.UNAVAILABLE,
+                          f"TransServer unreachable: {exc.code().name}") from exc
 
     recovery = RecoveryCoordinator(
         node, catalog, CheckpointStore(etcd, node_id, storage, topology.topology_hash),
-        machine, publisher, high_watermark, index.allocate("recovery_epoch") + 1, on_ready)
+        machine, publisher, high_watermark, index.allocate("recovery_epoch") + 1)
     node.on_fail_closed = recovery.fail
+    hooks = ReadyHooks(node, recovery.create_checkpoint, rc.checkpoint_interval_ms / 1000, stop)
+    barrier = MarkReadyBarrier(machine, recovery.entry, recovery.check_attempt, hooks,
+                               recovery.publish_ready, handle.set_serving)
     retina_pb2_grpc.add_RetinaWorkerServiceServicer_to_server(
-        RetinaService(node, recovery, machine, rc.max_rows_per_request), handle.server)
+        RetinaService(node, recovery, barrier, machine, rc.max_rows_per_request), handle.server)
     metrics_port = serve_metrics(rc.metrics_listen)
 
     received: list[str] = []

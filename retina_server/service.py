@@ -1,33 +1,35 @@
 """RetinaWorkerService over gRPC: maps calls onto the node, the apply path and recovery.
 
-Every data RPC is gated by the lifecycle phase (lifecycle.py): ordinary
-writes only when READY (UNAVAILABLE while RECOVERING, FAILED_PRECONDITION when
-FAILED); recovery-replay writes only in AWAITING_REPLAY with this attempt's
-context; reads only when READY. AddVisibility and Register/UnregisterOffload
-belong to Storage GC and query offload and answer UNIMPLEMENTED until those
-exist.
+Every RPC asks the lifecycle table (lifecycle.py, ``admit``) whether its kind
+of request is admitted in the current phase; every failure is answered
+through the one mapping of retina_common/refusal.py. Reads also refuse a
+snapshot the node can no longer answer exactly (below the visibility base it
+restored at start: ABORTED, begin a new query). AddVisibility and
+Register/UnregisterOffload belong to Storage GC and query offload and answer
+UNIMPLEMENTED until those exist.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 import pyarrow as pa
 from prometheus_client import Counter, Histogram
 
-from retina_common.catalog import CatalogError, CatalogUnavailable, NotFoundError
 from retina_common.log import get_logger
 from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc as pb_grpc
-from retina_server.index import IndexBackendError
-from retina_server.lifecycle import LifecycleStateMachine, Phase
-from retina_server.node import NodeFailedClosed, RetinaNode
-from retina_server.recovery import RecoveryCoordinator, RecoveryRefusal
-from retina_server.update_record import ApplyError, apply, prepare
-from retina_server.visibility import VisibilityError, bitmap_to_bytes
+from retina_common.refusal import Refusal, abort, status_of
+from retina_server import replay_admission
+from retina_server.lifecycle import LifecycleStateMachine, Request
+from retina_server.mark_ready import MarkReadyBarrier
+from retina_server.node import RetinaNode
+from retina_server.recovery import RecoveryCoordinator
+from retina_server.update_record import apply, prepare
+from retina_server.visibility import bitmap_to_bytes
 
 log = get_logger(component="retina_service")
 
@@ -36,60 +38,37 @@ REFUSED = Counter("retina_update_refused_total", "UpdateRecord requests refused"
 APPLY_SECONDS = Histogram("retina_update_record_seconds", "UpdateRecord latency",
                           buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1))
 
-
-def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    context.abort(code, message)
-    raise AssertionError("unreachable")
-
-
 MODES = {pb.VNODE: "VNODE", pb.NODE: "NODE"}
 
 
 class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
     def __init__(self, node: RetinaNode, recovery: RecoveryCoordinator,
-                 machine: LifecycleStateMachine, max_rows_per_request: int) -> None:
+                 barrier: MarkReadyBarrier, machine: LifecycleStateMachine,
+                 max_rows_per_request: int) -> None:
         self._node = node
         self._recovery = recovery
+        self._barrier = barrier
         self._machine = machine
         self._max_rows = max_rows_per_request
 
-    def _require_ready(self) -> None:
-        phase = self._machine.phase
-        if phase == Phase.READY:
-            return
-        if phase == Phase.FAILED:
-            raise ApplyError("FAILED_PRECONDITION", f"the node is FAILED: {self._machine.reason}")
-        raise ApplyError("UNAVAILABLE", f"the node is RECOVERING ({phase.value}); retry later")
-
-    def _guard(self, context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
+    def _guard(self, context: grpc.ServicerContext, fn: Callable[[], Any],
+               counted: bool = False) -> Any:
         try:
             return fn()
-        except (ApplyError, RecoveryRefusal) as exc:
-            REFUSED.labels(code=exc.code).inc()
-            _abort(context, grpc.StatusCode[exc.code], str(exc))
-        except NodeFailedClosed as exc:
-            REFUSED.labels(code="FAILED_PRECONDITION").inc()
-            _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except (CatalogUnavailable, IndexBackendError) as exc:
-            REFUSED.labels(code="UNAVAILABLE").inc()
-            _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
-        except NotFoundError as exc:
-            _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
-        except VisibilityError as exc:
-            _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
-        except CatalogError as exc:
-            log.error("catalog_error", error=str(exc))
-            _abort(context, grpc.StatusCode.INTERNAL, str(exc))
-        except Exception as exc:  # a bug or an injected fault: fail closed, say so
-            log.error("rpc_internal_error", error=str(exc), error_type=type(exc).__name__)
-            _abort(context, grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        except Exception as exc:
+            code, _message = status_of(exc)
+            if code == grpc.StatusCode.INTERNAL:  # a bug or an injected fault: say so
+                log.error("rpc_internal_error", error=str(exc), error_type=type(exc).__name__)
+            if counted:
+                REFUSED.labels(code=code.name).inc()
+            abort(context, exc)
 
     def _update(self, request: pb.UpdateRecordRequest) -> pb.UpdateRecordResponse:
         started = time.perf_counter()
         if request.HasField("recovery_replay_context"):
             response = self._replay(request)
         else:
-            self._require_ready()
+            self._machine.admit(Request.WRITE)
             self._node.check_writable()
             response = apply(self._node, prepare(self._node, request, self._max_rows))
         response.request_id = request.request_id
@@ -99,42 +78,37 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
         return response
 
     def _replay(self, request: pb.UpdateRecordRequest) -> pb.UpdateRecordResponse:
-        """A recovery-replay write: this attempt, at or above its replay start, no
-        standalone INSERT; counted in flight so that MarkReady can drain it."""
+        """A recovery-replay write (replay_admission.py): admitted for this attempt,
+        counted in flight, applied only at or above each scope's own start."""
         ctx = request.recovery_replay_context
-        if self._machine.phase == Phase.READY:
-            raise ApplyError("FAILED_PRECONDITION",
-                             "no recovery attempt is in progress on this node")
         mode = MODES.get(ctx.replay_mode)
-        if mode is None:
-            raise ApplyError("INVALID_ARGUMENT", "replay_mode must be VNODE or NODE")
-        with self._recovery.replay_request(ctx.recovery_attempt_token, ctx.checkpoint_id):
+        with self._recovery.replay_request(ctx.recovery_attempt_token,
+                                           ctx.checkpoint_id) as starts:
+            if mode is None:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                              "replay_mode must be VNODE or NODE")
             updates = prepare(self._node, request, self._max_rows)
-            for u in updates:
-                start = self._recovery.replay_start(mode, u.vnode)
-                if u.ts < start:
-                    raise ApplyError("FAILED_PRECONDITION",
-                                     f"timestamp {u.ts} is below the replay start {start} of "
-                                     f"virtual node {u.vnode} ({mode} mode)")
-                if not set(u.insert_keys) <= set(u.delete_keys):
-                    raise ApplyError("FAILED_PRECONDITION",
-                                     "a standalone INSERT during replay: send DELETE + INSERT")
+            applied = replay_admission.to_apply(updates, starts, mode)
             self._node.check_writable()
-            return apply(self._node, updates)
+            return apply(self._node, applied)
+
+    def _read_floor(self, ts: int) -> None:
+        self._machine.admit(Request.READ)
+        self._node.check_snapshot(ts)
 
     def UpdateRecord(self, request: pb.UpdateRecordRequest,
                      context: grpc.ServicerContext) -> pb.UpdateRecordResponse:
-        return self._guard(context, lambda: self._update(request))
+        return self._guard(context, lambda: self._update(request), counted=True)
 
     def StreamUpdateRecord(self, request_iterator: Iterator[pb.UpdateRecordRequest],
                            context: grpc.ServicerContext) -> Iterator[pb.UpdateRecordResponse]:
         for request in request_iterator:
-            yield self._guard(context, lambda r=request: self._update(r))
+            yield self._guard(context, lambda r=request: self._update(r), counted=True)
 
     def GetWriteBuffer(self, request: pb.GetWriteBufferRequest,
                        context: grpc.ServicerContext) -> pb.GetWriteBufferResponse:
         def run() -> pb.GetWriteBufferResponse:
-            self._require_ready()
+            self._read_floor(request.timestamp)
             table = self._node.table(request.schema_name, request.table_name)
             rows = self._node.write_buffer_rows(table, request.timestamp)
             sink = pa.BufferOutputStream()
@@ -147,7 +121,7 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
     def QueryVisibility(self, request: pb.QueryVisibilityRequest,
                         context: grpc.ServicerContext) -> pb.QueryVisibilityResponse:
         def run() -> pb.QueryVisibilityResponse:
-            self._require_ready()
+            self._read_floor(request.timestamp)
             groups = self._node.query_visibility(request.file_id, list(request.rg_ids),
                                                  request.timestamp)
             return pb.QueryVisibilityResponse(file_id=request.file_id, row_groups=[
@@ -159,7 +133,7 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
     def AddWriteBuffer(self, request: pb.AddWriteBufferRequest,
                        context: grpc.ServicerContext) -> pb.AddWriteBufferResponse:
         def run() -> pb.AddWriteBufferResponse:
-            self._require_ready()
+            self._machine.admit(Request.WRITE)
             table = self._node.table(request.schema_name, request.table_name)
             for vnode in sorted(self._node.owned_vnodes):
                 self._node.stream(table, vnode)
@@ -179,16 +153,11 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
     def GetRecoveryReplayTs(self, request: pb.GetRecoveryReplayTsRequest,
                             context: grpc.ServicerContext) -> pb.GetRecoveryReplayTsResponse:
         def run() -> pb.GetRecoveryReplayTsResponse:
-            if self._machine.phase not in (Phase.AWAITING_REPLAY, Phase.BARRIER):
-                raise RecoveryRefusal("FAILED_PRECONDITION" if self._machine.phase in (
-                    Phase.READY, Phase.FAILED) else "UNAVAILABLE",
-                    f"replay starts are not available in {self._machine.phase.value}")
+            self._machine.admit(Request.REPLAY_TS)
             self._recovery.check_attempt(request.recovery_attempt_token, request.checkpoint_id)
-            mode = MODES.get(request.replay_mode)
-            if mode is None:
-                raise RecoveryRefusal("INVALID_ARGUMENT", "replay_mode must be VNODE or NODE")
-            starts = self._recovery.attempt.starts
-            assert starts is not None
+            if MODES.get(request.replay_mode) is None:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "replay_mode must be VNODE or NODE")
+            starts = self._recovery.starts
             return pb.GetRecoveryReplayTsResponse(
                 replay_mode=request.replay_mode, checkpoint_id=request.checkpoint_id,
                 checkpoint_applied_ts=starts.checkpoint_applied_ts,
@@ -204,7 +173,7 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
     def MarkReady(self, request: pb.MarkReadyRequest,
                   context: grpc.ServicerContext) -> pb.MarkReadyResponse:
         def run() -> pb.MarkReadyResponse:
-            self._recovery.mark_ready(request.recovery_attempt_token, request.checkpoint_id)
+            self._barrier.mark_ready(request.recovery_attempt_token, request.checkpoint_id)
             return pb.MarkReadyResponse(state=pb.READY)
         return self._guard(context, run)
 

@@ -24,11 +24,14 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import grpc
 from pyroaring import BitMap
 
 
 class VisibilityError(Exception):
     """An operation names a row group or row that does not exist."""
+
+    grpc_status = grpc.StatusCode.NOT_FOUND
 
 
 class RGVisibility:

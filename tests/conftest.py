@@ -2,7 +2,8 @@
 
 One etcd and one PostgreSQL server per test session (started exactly like
 ``retina-cluster`` starts them); every test gets a fresh catalog database and
-an empty ``/pixels/`` key space.
+an empty ``/pixels/`` key space. ``make_plane`` starts a data plane (a
+TransServer and Retina nodes, tests/dataplane.py) with small blocks and files.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,8 @@ from retina_common.cluster import (
     terminate,
 )
 from retina_common.etcd import EtcdStore
+
+from .dataplane import DataPlane
 
 
 @pytest.fixture(scope="session")
@@ -75,6 +78,24 @@ def catalog(catalog_dsn: str) -> Iterator[Catalog]:
     cat.bootstrap()
     yield cat
     cat.close()
+
+
+@pytest.fixture
+def make_plane(tmp_path: Path, etcd: EtcdStore, catalog: Catalog,
+               catalog_dsn: str) -> Iterator[Callable[..., DataPlane]]:
+    planes: list[DataPlane] = []
+
+    def make(nodes: int = 1, failpoints: str = "", recover: bool = True,
+             **retina: object) -> DataPlane:
+        dp = DataPlane(tmp_path / f"plane{len(planes)}", etcd, catalog, catalog_dsn,
+                       nodes=nodes, retina={"block_rows": 16, "blocks_per_file": 2,
+                                            "flush_interval_ms": 200, **retina})
+        planes.append(dp)
+        return dp.start({n: failpoints for n in dp.nodes}, recover=recover)
+
+    yield make
+    for dp in planes:
+        dp.stop()
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from retina_common import file_names
-from retina_common.catalog import Catalog, FileType
+from retina_common.catalog import Catalog, CatalogError, FileType
 from retina_common.etcd import EtcdStore
 
 from .dataplane import DataPlane
@@ -182,3 +182,28 @@ def test_retina_query_prints_the_snapshot(make_plane: Callable[..., DataPlane]) 
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert sorted(r["id"] for r in rows) == [i for i in range(12) if i != 4]
     assert "11 rows at snapshot" in result.stderr
+
+
+def test_a_publish_gives_up_on_a_catalog_that_stays_away(tmp_path: Path) -> None:
+    """The publisher's catalog retry is bounded: past it the node fails closed instead of
+    holding the stream's publish lock (and so every checkpoint) forever."""
+    from retina_common.cluster import free_port
+    from retina_server.index import LocalIndexService
+    from retina_server.publisher import StreamPublisher
+    from retina_server.registry import IngestFileMetadataRegistry
+    from retina_server.visibility import VisibilityIndex
+    from retina_server.write_buffer import IngestFile, StreamBuffer
+
+    gone = Catalog(f"host=127.0.0.1 port={free_port()} dbname=none user=postgres",
+                   connect_timeout_s=1)
+    buffer = StreamBuffer(1, 0, block_rows=4, blocks_per_file=1,
+                          allocate_file=lambda _b, _f: pytest.fail("no allocation expected"))
+    fatal: list[str] = []
+    publisher = StreamPublisher(buffer, gone, LocalIndexService(tmp_path / "index"),
+                                IngestFileMetadataRegistry(), VisibilityIndex(), fatal.append,
+                                on_published=lambda _f: None, retry_s=0.05,
+                                give_up_after_s=0.5)
+    file = IngestFile(7, "n_20260101000000_1_0.parquet", 1, str(tmp_path), 1, 0, 0, 0)
+    with pytest.raises(CatalogError):
+        publisher._mark_regular(file)
+    assert len(fatal) == 1 and "refused the publish" in fatal[0]

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from retina_common.etcd import EtcdStore
 from retina_common.keys import lifecycle_key
 from retina_common.lifecycle_record import LifecycleRecord, LifecycleState
+from retina_common.refusal import Refusal
 from retina_server.lifecycle import (
     TRANSITIONS,
     IllegalTransition,
     LifecyclePublisher,
     LifecycleStateMachine,
     Phase,
-    WritePolicy,
+    Request,
 )
 
 from .support import eventually
@@ -22,20 +24,40 @@ HAPPY_PATH = [Phase.LOADING_CHECKPOINT, Phase.CLEANSING, Phase.AWAITING_REPLAY, 
               Phase.READY]
 
 
+def admitted(sm: LifecycleStateMachine) -> dict[Request, str]:
+    """What each kind of request gets in the current phase: "ok" or the status name."""
+    out = {}
+    for request in Request:
+        try:
+            sm.admit(request)
+            out[request] = "ok"
+        except Refusal as exc:
+            out[request] = exc.code.name
+    return out
+
+
 def test_the_happy_path_and_what_each_phase_admits() -> None:
     seen = []
     sm = LifecycleStateMachine(on_change=lambda old, new, _why: seen.append((old, new)))
-    policies = {}
+    table = {}
     for phase in HAPPY_PATH:
-        policies[sm.phase] = (sm.state, sm.write_policy(), sm.reads_allowed())
+        table[sm.phase] = (sm.state, admitted(sm))
         sm.transition(phase)
-    policies[sm.phase] = (sm.state, sm.write_policy(), sm.reads_allowed())
-    assert policies[Phase.STARTING] == (LifecycleState.RECOVERING, WritePolicy.NONE, False)
-    assert policies[Phase.CLEANSING] == (LifecycleState.RECOVERING, WritePolicy.NONE, False)
-    assert policies[Phase.AWAITING_REPLAY] == (LifecycleState.RECOVERING,
-                                               WritePolicy.REPLAY_ONLY, False)
-    assert policies[Phase.BARRIER] == (LifecycleState.RECOVERING, WritePolicy.NONE, False)
-    assert policies[Phase.READY] == (LifecycleState.READY, WritePolicy.ALL, True)
+    table[sm.phase] = (sm.state, admitted(sm))
+    u, f = "UNAVAILABLE", "FAILED_PRECONDITION"
+    early = {Request.WRITE: u, Request.REPLAY_WRITE: f, Request.READ: u, Request.CHECKPOINT: u,
+             Request.REPLAY_TS: u, Request.MARK_READY: u}
+    assert table[Phase.STARTING] == (LifecycleState.RECOVERING, early)
+    assert table[Phase.CLEANSING] == (LifecycleState.RECOVERING, early)
+    assert table[Phase.AWAITING_REPLAY] == (LifecycleState.RECOVERING, {
+        Request.WRITE: u, Request.REPLAY_WRITE: "ok", Request.READ: u, Request.CHECKPOINT: u,
+        Request.REPLAY_TS: "ok", Request.MARK_READY: "ok"})
+    assert table[Phase.BARRIER] == (LifecycleState.RECOVERING, {
+        Request.WRITE: u, Request.REPLAY_WRITE: f, Request.READ: u, Request.CHECKPOINT: u,
+        Request.REPLAY_TS: "ok", Request.MARK_READY: u})
+    assert table[Phase.READY] == (LifecycleState.READY, {
+        Request.WRITE: "ok", Request.REPLAY_WRITE: f, Request.READ: "ok",
+        Request.CHECKPOINT: "ok", Request.REPLAY_TS: f, Request.MARK_READY: "ok"})
     assert [new for _old, new in seen] == HAPPY_PATH
 
 
@@ -58,7 +80,10 @@ def test_failed_is_final_and_reachable_from_every_phase() -> None:
         sm.fail("boom")
         sm.fail("again")  # idempotent
         assert sm.state == LifecycleState.FAILED and sm.reason == "boom"
-        assert sm.write_policy() == WritePolicy.NONE and not sm.reads_allowed()
+        assert set(admitted(sm).values()) == {"FAILED_PRECONDITION"}
+        with pytest.raises(Refusal, match="FAILED: boom") as refused:
+            sm.admit(Request.READ)
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
         with pytest.raises(IllegalTransition):
             sm.transition(Phase.STARTING)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 
@@ -23,24 +23,6 @@ from retina_common.topology import Topology
 
 from .dataplane import SCHEMA, DataPlane
 from .support import ROOT, eventually, rpc_error
-
-
-@pytest.fixture
-def make_plane(tmp_path: Path, etcd: EtcdStore, catalog: Catalog,
-               catalog_dsn: str) -> Iterator[Callable[..., DataPlane]]:
-    planes: list[DataPlane] = []
-
-    def make(nodes: int = 1, failpoints: str = "", recover: bool = True,
-             **retina: object) -> DataPlane:
-        dp = DataPlane(tmp_path / f"plane{len(planes)}", etcd, catalog, catalog_dsn,
-                       nodes=nodes, retina={"block_rows": 16, "blocks_per_file": 2,
-                                            "flush_interval_ms": 200, **retina})
-        planes.append(dp)
-        return dp.start({n: failpoints for n in dp.nodes}, recover=recover)
-
-    yield make
-    for dp in planes:
-        dp.stop()
 
 
 def order(i: int, note: str = "") -> dict:

@@ -1,0 +1,255 @@
+"""Cleansing and the rewind: the node's durable state made exactly the state replay starts
+from (specification section 4).
+
+**Cleansing** keeps a checkpoint FileEntry only if the catalog row exists, is
+REGULAR, and matches: row-id hull, row groups, path → table, file name → node
+and vnode, the MainIndex flush marker's row count, and the footer's commit-ts
+range (best effort: a footer that cannot be read only warns). Kept files are
+re-registered and get their visibility from the body (base =
+checkpointAppliedTs, empty chain). A discarded admitted segment becomes
+PENDING, so its rows are replayed. This node's REGULAR files that no kept
+entry covers, and no GC journal protects, become RETIRED (cleanupAt = now);
+its TEMPORARY_INGEST files are deleted. Write buffers start empty.
+
+**The rewind** runs once the replay starts are derived: every primary-index
+version written at or after its scope's start is dropped, and every row of a
+kept file committed at or after that start is hidden (folded into the
+visibility base). Replay redoes exactly that part (it applies nothing below a
+scope's own start: REWIND_MATCHES_REPLAY), so what a replay writes is always
+what the next rewind removes.
+
+Invariant INDEX_POINTS_AT_DURABLE_ROWS, checked after every rewind: no
+primary-index version a replay could have written (timestamp at or above the
+node's replay start) points at a row that is not durable, that is at a row
+outside the kept files. A violation fails the node closed instead of letting a
+replayed DELETE miss the row the version hides.
+
+Only Parquet footers and the hidden commit-ts column of the row groups that
+can hold rows at or above a start are read: start-up cost follows the data
+written since the checkpoint, not the data size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+from prometheus_client import Counter
+
+from retina_common import file_names
+from retina_common.catalog import Catalog, CatalogError, FileRecord, FileType, PathRecord
+from retina_common.log import get_logger
+from retina_common.storage import delete_quietly, open_parquet
+from retina_server.checkpoint import FileEntry, LoadedCheckpoint, RGEntry
+from retina_server.index import TOMBSTONE
+from retina_server.node import RetinaNode
+from retina_server.registry import IngestFileMeta
+from retina_server.replay_ts import IngestSegment, ReplayStarts, SegmentKind
+from retina_server.visibility import RGVisibility
+from retina_server.write_buffer import COMMIT_TS
+
+log = get_logger(component="cleansing")
+
+DISCARDS = Counter("retina_cleansing_discards_total", "Checkpoint entries discarded", ["reason"])
+RETIRED = Counter("retina_cleansing_retired_total", "Catalog-only REGULAR files retired")
+FOOTERS_UNREADABLE = Counter("retina_cleansing_footer_unreadable_total",
+                             "Kept files whose footer could not be read (warned, kept)")
+
+
+class RewindInvariantBroken(Exception):
+    """INDEX_POINTS_AT_DURABLE_ROWS does not hold after the rewind: fail closed."""
+
+
+@dataclass(frozen=True)
+class KeptFile:
+    entry: FileEntry
+    path_uri: str
+    name: str
+
+
+@dataclass(frozen=True)
+class CleansingResult:
+    segments: list[IngestSegment]  # the chain replay starts derive from
+    kept: list[KeptFile]
+    discarded: int
+    retired: int
+
+
+def gc_journal_protected_files(_catalog: Catalog) -> set[int]:
+    """Hook for the Storage GC journal (a later issue): REGULAR files a GC task in
+    INDEX_SWITCHING / SWAPPED_NOT_CHECKPOINTED protects from cleansing. None yet."""
+    return set()
+
+
+def my_files(node_id: str, files: list[FileRecord]) -> list[FileRecord]:
+    """This node's REGULAR and TEMPORARY_INGEST files (by the name's node id)."""
+    mine = []
+    for f in files:
+        if f.type not in (FileType.REGULAR, FileType.TEMPORARY_INGEST):
+            continue
+        with contextlib.suppress(ValueError):
+            if file_names.parse(f.name).node_id == node_id:
+                mine.append(f)
+    return mine
+
+
+def cleanse(node: RetinaNode, catalog: Catalog, loaded: LoadedCheckpoint | None,
+            files: list[FileRecord], mine: list[FileRecord]) -> CleansingResult:
+    body = loaded.body if loaded else None
+    by_id = {f.file_id: f for f in files}
+    paths = {p.path_id: p for p in catalog.list_paths()}
+    rgs: dict[int, list[RGEntry]] = defaultdict(list)
+    for rg in body.row_groups if body else []:
+        rgs[rg.file_id].append(rg)
+    kept: list[KeptFile] = []
+    discarded: set[int] = set()
+    for entry in body.files if body else []:
+        reason = entry_problem(node, entry, by_id.get(entry.file_id), paths, rgs)
+        if reason:
+            discarded.add(entry.file_id)
+            DISCARDS.labels(reason=reason.split(":")[0]).inc()
+            log.warning("cleansing_discard", node=node.node_id, file_id=entry.file_id,
+                        reason=reason)
+            continue
+        _admit(node, entry, rgs[entry.file_id])
+        record = by_id[entry.file_id]
+        kept.append(KeptFile(entry, paths[record.path_id].uri, record.name))
+    segments = [replace(s, kind=SegmentKind.PENDING)
+                if s.kind == SegmentKind.ADMITTED and s.file_id in discarded else s
+                for s in (body.segments if body else [])]
+    retired = _retire_leftovers(node, catalog, mine, {k.entry.file_id for k in kept}, paths)
+    log.info("cleansing_done", node=node.node_id, kept=len(kept), discarded=len(discarded),
+             retired=retired)
+    return CleansingResult(segments, kept, len(discarded), retired)
+
+
+def _retire_leftovers(node: RetinaNode, catalog: Catalog, mine: list[FileRecord],
+                      kept: set[int], paths: dict[int, PathRecord]) -> int:
+    protected = gc_journal_protected_files(catalog)
+    now = int(time.time() * 1000)
+    retired = 0
+    for f in mine:
+        if f.type == FileType.REGULAR and f.file_id not in kept | protected:
+            catalog.update_file(f.file_id, file_type=FileType.RETIRED, cleanup_at=now,
+                                expected_type=FileType.REGULAR)
+            RETIRED.inc()
+            retired += 1
+            log.info("cleansing_retired", node=node.node_id, file_id=f.file_id)
+        elif f.type == FileType.TEMPORARY_INGEST:
+            delete_quietly(paths[f.path_id].uri, f.name)
+            with contextlib.suppress(CatalogError):
+                catalog.delete_files([f.file_id])
+    return retired
+
+
+def entry_problem(node: RetinaNode, e: FileEntry, f: FileRecord | None,
+                  paths: dict[int, PathRecord], rgs: dict[int, list[RGEntry]]) -> str:
+    """Why a checkpoint FileEntry cannot be kept ("" if it can)."""
+    if f is None:
+        return "not in catalog"
+    if f.type != FileType.REGULAR:
+        return f"not REGULAR: catalog says {f.type.name}"
+    if (f.min_row_id, f.max_row_id, f.num_row_group) != (e.min_row_id, e.max_row_id,
+                                                          e.num_row_group):
+        return "hull mismatch: row-id hull or row groups differ from the catalog"
+    path = paths.get(f.path_id)
+    if path is None or path.table_id != e.table_id:
+        return "table mismatch: the file's path belongs to another table"
+    try:
+        name = file_names.parse(f.name)
+    except ValueError:
+        return "name unparsable"
+    if name.node_id != node.node_id or name.vnode != e.vnode:
+        return "vnode mismatch: the file name names another node or vnode"
+    if node.index.flushed_row_count(e.file_id) != e.record_num:
+        return "index mismatch: the MainIndex flush marker disagrees with recordNum"
+    entries = sorted(rgs.get(e.file_id, []), key=lambda r: r.rg_id)
+    if [r.rg_id for r in entries] != list(range(e.num_row_group)) or \
+            sum(r.row_count for r in entries) != e.record_num:
+        return "visibility mismatch: row-group entries do not cover the file"
+    return _footer_problem(e, path.uri, f.name)
+
+
+def _footer_problem(e: FileEntry, path_uri: str, name: str) -> str:
+    """The footer's commit-ts statistics against the entry. Best effort (section 4): a
+    footer that cannot be read only warns, and only the footer is read."""
+    try:
+        meta = open_parquet(path_uri, name).metadata
+        column = meta.schema.to_arrow_schema().get_field_index(COMMIT_TS)
+        for i in range(meta.num_row_groups):
+            stats = meta.row_group(i).column(column).statistics
+            if stats is not None and stats.has_min_max and \
+                    not e.min_commit_ts <= stats.min <= stats.max <= e.max_commit_ts:
+                return "footer mismatch: commit-ts statistics outside the entry's range"
+    except (OSError, ValueError) as exc:
+        FOOTERS_UNREADABLE.inc()
+        log.warning("cleansing_footer_unreadable", file_id=e.file_id, error=str(exc))
+    return ""
+
+
+def _admit(node: RetinaNode, e: FileEntry, rgs: list[RGEntry]) -> None:
+    node.registry.register(IngestFileMeta(
+        e.file_id, e.table_id, e.vnode, e.first_block_id, e.min_commit_ts, e.max_commit_ts,
+        e.record_num, e.min_row_id, e.max_row_id, e.num_row_group, e.num_row_group))
+    for rg in sorted(rgs, key=lambda r: r.rg_id):
+        node.visibility.adopt(e.file_id, rg.rg_id, RGVisibility(
+            rg.row_count, rg.base_timestamp, rg.deleted))
+
+
+# --- the rewind ----------------------------------------------------------------------------
+def rewind(node: RetinaNode, starts: ReplayStarts, kept: list[KeptFile]) -> tuple[int, int]:
+    """Back to the state as of each scope's replay start; returns (index versions
+    removed, rows hidden). Then checks INDEX_POINTS_AT_DURABLE_ROWS."""
+    vnode_of = node.topology.vnode_of_key
+    removed = node.index.truncate_versions(
+        starts.node_replay_from_ts,
+        lambda table_id, key: starts.scope_start(table_id, vnode_of(key)))
+    hidden = sum(_hide_rows_at_or_after(node, k, starts.scope_start(k.entry.table_id,
+                                                                     k.entry.vnode))
+                 for k in kept)
+    log.info("recovery_rewound", node=node.node_id, index_versions_removed=removed,
+             rows_hidden=hidden)
+    check_index_points_at_durable_rows(node, starts.node_replay_from_ts)
+    return removed, hidden
+
+
+def _hide_rows_at_or_after(node: RetinaNode, kept: KeptFile, start: int) -> int:
+    """Hide a kept file's rows committed at or after ``start``: replay re-inserts them."""
+    if kept.entry.max_commit_ts < start:
+        return 0  # the whole file predates the replay start
+    parquet = open_parquet(kept.path_uri, kept.name)
+    column = parquet.metadata.schema.to_arrow_schema().get_field_index(COMMIT_TS)
+    hidden = 0
+    for rg in range(parquet.metadata.num_row_groups):
+        stats = parquet.metadata.row_group(rg).column(column).statistics
+        if stats is not None and stats.has_min_max and stats.max < start:
+            continue  # this row group predates the start: its column is never read
+        stamps = parquet.read_row_group(rg, columns=[COMMIT_TS]).column(0)
+        rows = [i for i, ts in enumerate(stamps.to_pylist()) if ts >= start]
+        if rows:
+            vis = node.visibility.get(kept.entry.file_id, rg)
+            hidden += vis.delete(rows, vis.base_timestamp)
+    return hidden
+
+
+def check_index_points_at_durable_rows(node: RetinaNode, from_ts: int) -> None:
+    """INDEX_POINTS_AT_DURABLE_ROWS over every version at or above ``from_ts`` (the
+    lowest timestamp any replay of this node can write at)."""
+    bad: list[str] = []
+    for table_id, key, ts, row_id in node.index.versions_from(from_ts):
+        if row_id == TOMBSTONE:
+            continue
+        location = node.index.location_of(row_id)
+        if location is None or location.file_id not in node.registry:
+            where = "no durable location" if location is None else \
+                f"file {location.file_id} not kept"
+            bad.append(f"table {table_id} key {key.hex()[:16]}@{ts} -> row {row_id} ({where})")
+            if len(bad) >= 5:
+                break
+    if bad:
+        raise RewindInvariantBroken(
+            "INDEX_POINTS_AT_DURABLE_ROWS: primary-index versions point at rows that are not "
+            "durable after the rewind: " + "; ".join(bad))
+

@@ -1,0 +1,124 @@
+"""What happens on MarkReady: the barrier and the READY hooks (specification C06.6, section 6).
+
+``MarkReadyBarrier.mark_ready(token, checkpointId)``:
+
+1. the lifecycle admits MARK_READY (AWAITING_REPLAY; READY for a repeat) and
+   the token and checkpointId are this attempt's;
+2. the replay entry closes and the phase moves to BARRIER (still RECOVERING
+   outside: nothing is written to etcd, so an etcd error cannot strand the
+   node here);
+3. in-flight replay requests drain;
+4. the phase moves to READY inside the node: CDC writes are admitted, the
+   query gate still refuses, because etcd still says RECOVERING;
+5. the READY hooks run, once: table caches are dropped, the flush timer starts,
+   the READY checkpoint is taken (it captures everything replayed), periodic
+   checkpoints start;
+6. queries are unblocked last (invariant READY_HOOKS_BEFORE_QUERIES): READY is
+   published to the lifecycle key and health says SERVING.
+
+If step 6 cannot reach etcd, MarkReady answers UNAVAILABLE; the node is READY
+with its hooks run, the heartbeat keeps re-putting the READY record, and a
+retried MarkReady with the same token publishes it again. A node is never
+READY without its hooks, and a transient etcd error never wedges it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from retina_common import failpoints as fp
+from retina_common.etcd import EtcdError
+from retina_common.log import get_logger
+from retina_common.refusal import Refusal
+from retina_server.lifecycle import LifecycleStateMachine, Phase, Request
+from retina_server.node import RetinaNode
+from retina_server.replay_admission import ReplayEntry
+
+log = get_logger(component="mark_ready")
+
+
+class ReadyHooks:
+    """What starts when the node becomes READY; :meth:`run` is idempotent."""
+
+    def __init__(self, node: RetinaNode, checkpoint: Callable[[], object],
+                 checkpoint_interval_s: float, stop: threading.Event) -> None:
+        self._node = node
+        self._checkpoint = checkpoint
+        self._interval = checkpoint_interval_s
+        self._stop = stop
+        self._done = False
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._node.invalidate_caches()
+            self._node.start()
+            # So that every later restart has a pointer, and the replayed state is in it.
+            self._take_checkpoint()
+            threading.Thread(target=self._periodic, name="checkpoints", daemon=True).start()
+            self._done = True
+
+    def _take_checkpoint(self) -> None:
+        try:
+            self._checkpoint()
+        except Exception as exc:  # retried by the periodic checkpoints
+            log.error("checkpoint_failed", error=str(exc), error_type=type(exc).__name__)
+
+    def _periodic(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._take_checkpoint()
+
+
+class MarkReadyBarrier:
+    def __init__(self, machine: LifecycleStateMachine, entry: ReplayEntry,
+                 check_attempt: Callable[[str, int], None], hooks: ReadyHooks,
+                 publish_ready: Callable[[], None],
+                 set_serving: Callable[[bool], None]) -> None:
+        self._machine = machine
+        self._entry = entry
+        self._check_attempt = check_attempt
+        self._hooks = hooks
+        self._publish_ready = publish_ready
+        self._set_serving = set_serving
+        self._lock = threading.Lock()  # one MarkReady at a time
+
+    def mark_ready(self, token: str, checkpoint_id: int) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "MarkReady is in progress; retry")
+        try:
+            phase = self._machine.admit(Request.MARK_READY)
+            self._check_attempt(token, checkpoint_id)
+            if phase == Phase.AWAITING_REPLAY:
+                self._barrier()
+            # READY: run (or finish) the hooks, then unblock queries. A repeat after
+            # READY with the same token lands here and changes nothing else.
+            self._hooks.run()
+            self._unblock_queries()
+        finally:
+            self._lock.release()
+
+    def _barrier(self) -> None:
+        self._entry.close()
+        self._machine.transition(Phase.BARRIER, "MarkReady")
+        fp.MARK_READY_BARRIER.hit()
+        self._entry.drain()
+        fp.MARK_READY_DRAINED.hit()
+        self._machine.transition(Phase.READY, "MarkReady barrier passed")
+
+    def _unblock_queries(self) -> None:
+        fp.MARK_READY_PUBLISH_BEFORE.hit()
+        try:
+            self._publish_ready()
+        except EtcdError as exc:
+            log.warning("ready_publish_failed", error=str(exc))
+            raise Refusal(grpc.StatusCode.UNAVAILABLE,
+                          f"the node is READY but READY is not yet published ({exc}); "
+                          "retry MarkReady") from exc
+        self._set_serving(True)
+        fp.MARK_READY_PUBLISH_AFTER.hit()
+        log.info("node_ready")

@@ -1,0 +1,227 @@
+"""Recovery in sequences: cold streams over two restarts, a crash between replay and
+MarkReady, MarkReady against an etcd outage, the order of READY and its hooks, and a
+read transaction that spans a restart. Real processes throughout; every check compares a
+gated snapshot with the model."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from retina_common import failpoints
+from retina_common.catalog import Catalog, FileType
+from retina_common.cluster import EtcdInstance, start_etcd, terminate
+from retina_common.etcd import EtcdStore
+from retina_common.keys import checkpoint_slot_key
+from retina_common.pb import retina_pb2 as rpb
+from retina_common.pb import trans_pb2 as tpb
+
+from .dataplane import DataPlane
+from .support import eventually, rpc_error
+from .test_recovery_protocol import health, lifecycle_state, open_attempt, order
+
+
+def event(i: int) -> dict:
+    return {"tenant": i % 3, "seq": i, "payload": bytes([i % 251]), "ok": i % 2 == 0}
+
+
+def restart_and_recover(plane: DataPlane, node: str) -> None:
+    plane.retinas[node].kill9()
+    plane.retinas[node].start()
+    plane.recover(node)
+
+
+def files_of(catalog: Catalog, plane: DataPlane, table: str, kind: FileType) -> set[int]:
+    paths = {p.path_id for p in catalog.get_paths(plane.tables[table].table_id)}
+    return {f.file_id for f in catalog.get_files_by_type(None, [kind]) if f.path_id in paths}
+
+
+# --- issue 9, defect 1: a cold stream survives any number of restarts ------------------------
+def test_a_table_not_written_since_the_restart_survives_two_more_restarts(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane()
+    node = plane.nodes[0]
+    for t in range(3):
+        plane.commit({"events": {"replaces": [event(100 * t + i) for i in range(20)]}})
+    for t in range(5):
+        plane.commit({"orders": {"replaces": [order(100 * t + i) for i in range(15)]}})
+    eventually(lambda: len(files_of(catalog, plane, "events", FileType.REGULAR)) >= 2, 20,
+               "the events files to be published")
+    plane.checkpoint(node)
+    published = files_of(catalog, plane, "events", FileType.REGULAR)
+    for _round in range(3):
+        restart_and_recover(plane, node)  # each READY takes a checkpoint of its own
+        assert plane.read("events") == plane.model.rows["events"]
+        assert plane.read("orders") == plane.model.rows["orders"]
+    assert published <= files_of(catalog, plane, "events", FileType.REGULAR)
+    assert not published & files_of(catalog, plane, "events", FileType.RETIRED)
+    # The table is still writable after all that, and reads back exactly.
+    plane.commit({"events": {"deletes": [event(0)], "replaces": [event(7000)]}})
+    assert plane.read("events") == plane.model.rows["events"]
+
+
+# --- issue 14.1 / issue 9 defect 2: replay, crash before MarkReady, replay again -------------
+def keys_in_vnode(plane: DataPlane, table: str, vnode: int, make: Callable[[int], dict],
+                  count: int, start: int) -> list[dict]:
+    rows, i = [], start
+    writer = plane.writers[table]
+    while len(rows) < count:
+        row = make(i)
+        if plane.topology.vnode_of_key(writer.key(row)) == vnode:
+            rows.append(row)
+        i += 1
+    return rows
+
+
+@pytest.mark.parametrize("second_crash", ["sigkill", "barrier"])
+def test_a_crash_between_replay_and_mark_ready_duplicates_nothing(
+        make_plane: Callable[..., DataPlane], catalog: Catalog, second_crash: str) -> None:
+    # Small blocks and files, and no timer flush: table A keeps rows in the write
+    # buffer at the checkpoint, table B has two full (published) files, one vnode.
+    plane = make_plane(block_rows=8, blocks_per_file=2, flush_interval_ms=600_000)
+    node = plane.nodes[0]
+    vnode = plane.topology.vnodes_of(node)[0]
+    buffered = keys_in_vnode(plane, "events", vnode, event, 3, 0)
+    plane.commit({"events": {"replaces": buffered}})  # A: the vnode's earliest unsafe insert
+    b_rows = keys_in_vnode(plane, "orders", vnode, order, 32, 0)
+    for i in range(0, 32, 8):
+        plane.commit({"orders": {"replaces": b_rows[i:i + 8]}})
+    eventually(lambda: len(files_of(catalog, plane, "orders", FileType.REGULAR)) == 2, 20,
+               "table B's two full files to be published")
+    plane.commit({"orders": {"replaces": [b_rows[0]]}})  # raise the HWM past B
+    plane.checkpoint(node)
+    retina = plane.retinas[node]
+    retina.kill9()
+    retina.start()
+    _status, starts, context = open_attempt(plane, node)
+    assert starts.vnode_replay_from_ts[vnode] < starts.checkpoint_applied_ts
+    for request in plane.replay_requests(node, starts, rpb.VNODE, context):
+        retina.stub.UpdateRecord(request)  # the whole replay...
+    if second_crash == "sigkill":
+        retina.kill9()  # ...and a crash before MarkReady
+    else:
+        retina.kill9()
+        retina.start(failpoints="recovery.mark_ready.barrier=exit(137)")
+        with pytest.raises(grpc.RpcError):
+            plane.recover(node)  # the process dies inside the barrier
+        assert retina.wait_exit() == 137
+    retina.start()
+    plane.recover(node)
+    for table in ("orders", "events"):
+        assert plane.read(table) == plane.model.rows[table]  # read() fails on a duplicate
+    # A DELETE of every key of B after all this leaves nothing behind (no phantom).
+    plane.commit({"orders": {"deletes": [{"id": r["id"]} for r in b_rows]}})
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+# --- issue 9, defects 4 and 5: MarkReady, etcd, and the order of READY and its hooks ---------
+@pytest.fixture
+def private_etcd(tmp_path: Path) -> Iterator[tuple[EtcdInstance, Path]]:
+    inst = start_etcd(tmp_path / "etcd", tmp_path / "etcd.log")
+    yield inst, tmp_path
+    terminate(inst.pid)
+
+
+def test_mark_ready_survives_an_etcd_outage(private_etcd: tuple[EtcdInstance, Path],
+                                            catalog: Catalog, catalog_dsn: str) -> None:
+    inst, workdir = private_etcd
+    store = EtcdStore([inst.endpoint], timeout_s=3)
+    plane = DataPlane(workdir / "plane", store, catalog, catalog_dsn, nodes=1,
+                      retina={"flush_interval_ms": 200, "lifecycle_ttl_s": 3})
+    try:
+        plane.start(recover=False)
+        node = plane.nodes[0]
+        status = plane.wait_replay_ready(node)
+        request = rpb.MarkReadyRequest(recovery_attempt_token=status.recovery_attempt_token,
+                                       checkpoint_id=status.checkpoint_id)
+        stub = plane.retinas[node].stub
+        terminate(inst.pid)  # etcd goes away just as MarkReady arrives
+        err = rpc_error(lambda: stub.MarkReady(request, timeout=60))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
+        assert plane.status(node).state == rpb.READY  # READY inside, hooks done
+        assert health(node) == health_pb2.HealthCheckResponse.NOT_SERVING
+        restarted = start_etcd(Path(inst.data_dir), workdir / "etcd.log",
+                               ports=(inst.client_port, inst.peer_port))
+        inst.pid = restarted.pid
+        # The heartbeat publishes READY by itself; a retried MarkReady is harmless.
+        eventually(lambda: lifecycle_state(store, node) == "READY", 30, "READY in etcd")
+        stub.MarkReady(request, timeout=60)
+        assert health(node) == health_pb2.HealthCheckResponse.SERVING
+        eventually(plane.gate_open, 15, "the gate to admit")
+        plane.commit({"orders": {"replaces": [order(i) for i in range(40)]}})
+        assert plane.read("orders") == plane.model.rows["orders"]
+        # The hooks ran: the flush timer publishes, checkpoints are taken.
+        eventually(lambda: catalog.get_files_by_type(None, [FileType.REGULAR]), 20,
+                   "the flush timer to publish the rows")
+        assert plane.checkpoint(node).checkpoint_id > 0
+        restart_and_recover(plane, node)
+        assert plane.read("orders") == plane.model.rows["orders"]
+    finally:
+        plane.stop()
+
+
+def test_ready_is_published_only_after_its_hooks(make_plane: Callable[..., DataPlane],
+                                                 etcd: EtcdStore, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    gate_dir = tmp_path / "failpoints"
+    gate_dir.mkdir()
+    monkeypatch.setenv(failpoints.DIR_VAR, str(gate_dir))
+    point = "recovery.mark_ready.publish.before"
+    plane = make_plane(failpoints=f"{point}=block", recover=False)
+    node = plane.nodes[0]
+    retina = plane.retinas[node]
+    status = plane.wait_replay_ready(node)
+    done = threading.Event()
+    errors: list[Exception] = []
+
+    def mark_ready() -> None:
+        try:
+            retina.stub.MarkReady(rpb.MarkReadyRequest(
+                recovery_attempt_token=status.recovery_attempt_token,
+                checkpoint_id=status.checkpoint_id), timeout=60)
+        except Exception as exc:
+            errors.append(exc)
+        done.set()
+
+    threading.Thread(target=mark_ready, daemon=True).start()
+    failpoints.wait_hit(gate_dir, point)
+    # Inside: READY with its hooks run (the READY checkpoint exists) ...
+    assert plane.status(node).state == rpb.READY
+    assert etcd.get(checkpoint_slot_key(node, "current")) is not None
+    # ... but queries are still refused everywhere.
+    assert lifecycle_state(etcd, node) == "RECOVERING"
+    assert not plane.gate_open()
+    assert health(node) == health_pb2.HealthCheckResponse.NOT_SERVING
+    failpoints.release(gate_dir, point)
+    assert done.wait(30) and not errors
+    assert lifecycle_state(etcd, node) == "READY"
+    eventually(plane.gate_open, 15, "the gate to admit")
+
+
+# --- issue 9, defect 6: a read transaction that spans a restart -------------------------------
+def test_a_read_transaction_spanning_a_restart_is_refused(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane()
+    node = plane.nodes[0]
+    plane.commit({"orders": {"replaces": [order(i) for i in range(60)]}})
+    eventually(lambda: catalog.get_files_by_type(None, [FileType.REGULAR]), 20, "a publish")
+    assert plane.reader is not None
+    stub = plane.trans.stub()
+    old = stub.BeginTrans(tpb.BeginTransRequest(read_only=True, lease_ms=120_000), timeout=10)
+    before = plane.read("orders")
+    plane.commit({"orders": {"deletes": [{"id": i} for i in range(0, 60, 2)]}})
+    for i in range(2):  # the HWM moves past the deletes
+        plane.commit({"events": {"replaces": [event(i)]}})
+    plane.checkpoint(node)  # its base folds the deletes, which the old snapshot must not see
+    restart_and_recover(plane, node)
+    err = rpc_error(lambda: plane.reader.read_in(old, "shop", "orders"))
+    assert err.code() == grpc.StatusCode.ABORTED, err.details()
+    assert "begin a new read transaction" in err.details()
+    # A new transaction reads the current state; the old snapshot's rows were not lost.
+    assert plane.read("orders") == plane.model.rows["orders"]
+    assert len(before) == 60 and len(plane.model.rows["orders"]) == 30
