@@ -28,6 +28,7 @@ import etcd3gw
 import requests
 from etcd3gw import exceptions as etcd_exc
 
+from retina_common import failpoints as fp
 from retina_common.config import split_host_port
 from retina_common.log import get_logger
 
@@ -228,6 +229,10 @@ class EtcdStore:
         success.extend({"request_delete_range": {"key": _b64(k)}} for k in deletes)
         result = self._post("/kv/txn", {"compare": compare, "success": success, "failure": []},
                             write=True)
+        try:
+            fp.ETCD_TXN_AFTER_COMMIT.hit()
+        except fp.FailpointTriggered as exc:  # the answer lost after etcd applied it
+            raise EtcdOutcomeUnknown(f"etcd /kv/txn: {exc}") from exc
         # The JSON gateway omits false booleans.
         if not result.get("succeeded", False):
             return None

@@ -8,11 +8,16 @@ inert unless ``RETINA_FAILPOINTS`` names them::
 
 Actions: ``exit(code)`` (``os._exit``: no cleanup, no flush, like a kill),
 ``raise`` / ``raise(message)`` (raises :class:`FailpointTriggered`),
-``sleep(seconds)``, ``off``. A suffix ``@K`` lets the first K-1 hits pass
+``sleep(seconds)``, ``block`` (see below), ``off``. A suffix ``@K`` lets the first K-1 hits pass
 and acts from the K-th hit on (``exit(137)@2``: crash at the second block);
 ``*N`` acts on N hits only (``sleep(2)*1``: slow down the first hit alone).
 A name not in the catalogue, or a malformed action, is an error at process
 start, never silently ignored.
+
+``block`` parks the hitting thread until a test releases it, so a test
+synchronises on the window itself instead of on a sleep: the point writes
+``$RETINA_FAILPOINT_DIR/<name>.hit`` and waits until ``<name>.release``
+appears in that directory (:func:`wait_hit` and :func:`release` do both sides).
 
 The same names appear in the crash-window tables of ``docs/``.
 """
@@ -26,8 +31,10 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 ENV_VAR = "RETINA_FAILPOINTS"
+DIR_VAR = "RETINA_FAILPOINT_DIR"
 
 
 class FailpointError(Exception):
@@ -40,7 +47,7 @@ class FailpointTriggered(RuntimeError):
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # "exit" | "raise" | "sleep" | "off"
+    kind: str  # "exit" | "raise" | "sleep" | "block" | "off"
     arg: str = ""
     from_hit: int = 1
     times: int = 0  # 0 = every hit from from_hit on
@@ -51,6 +58,7 @@ _active: dict[str, Action] = {}
 _hits: dict[str, int] = {}
 _loaded = False
 _lock = threading.Lock()
+_block_dir = ""
 
 
 class Failpoint:
@@ -77,6 +85,8 @@ class Failpoint:
             return
         if action.kind == "sleep":
             time.sleep(float(action.arg))
+        elif action.kind == "block":
+            _park(self.name, hit)
         elif action.kind == "raise":
             raise FailpointTriggered(action.arg or f"failpoint {self.name}")
         elif action.kind == "exit":
@@ -89,7 +99,30 @@ class Failpoint:
         return f"Failpoint({self.name!r})"
 
 
-_ACTION = re.compile(r"^(exit|raise|sleep|off)(?:\((.*?)\))?(?:@(\d+))?(?:\*(\d+))?$")
+def _park(name: str, hit: int) -> None:
+    """Announce the hit, then wait (unbounded: the test decides) for the release."""
+    directory = Path(_block_dir)
+    (directory / f"{name}.hit").write_text(str(hit))
+    release = directory / f"{name}.release"
+    while not release.exists():
+        time.sleep(0.02)
+
+
+def wait_hit(directory: Path, name: str, timeout_s: float = 60) -> None:
+    """Test side: wait until a ``block`` point named ``name`` has been reached."""
+    deadline = time.monotonic() + timeout_s
+    while not (directory / f"{name}.hit").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"failpoint {name} was not reached within {timeout_s}s")
+        time.sleep(0.02)
+
+
+def release(directory: Path, name: str) -> None:
+    """Test side: let every thread parked at ``name`` (and later hits) go on."""
+    (directory / f"{name}.release").write_text("")
+
+
+_ACTION = re.compile(r"^(exit|raise|sleep|block|off)(?:\((.*?)\))?(?:@(\d+))?(?:\*(\d+))?$")
 
 
 def parse_spec(spec: str) -> dict[str, Action]:
@@ -122,9 +155,13 @@ def parse_spec(spec: str) -> dict[str, Action]:
 
 def load_from_env(env: Mapping[str, str] | None = None) -> dict[str, Action]:
     """(Re)load the active points; processes call this first thing in main()."""
-    global _loaded
+    global _loaded, _block_dir
     env = os.environ if env is None else env
     actions = parse_spec(env.get(ENV_VAR, ""))
+    blocking = any(a.kind == "block" for a in actions.values())
+    if blocking and (not env.get(DIR_VAR) or not Path(env[DIR_VAR]).is_dir()):
+        raise FailpointError(f"{ENV_VAR}: block needs {DIR_VAR} to name a directory")
+    _block_dir = env.get(DIR_VAR, "")
     with _lock:
         _active.clear()
         _active.update(actions)
@@ -151,6 +188,12 @@ TXID_BLOCK_BEFORE_PERSIST = Failpoint(
 TXID_BLOCK_AFTER_PERSIST = Failpoint(
     "trans.txid_block.after_persist",
     "the new transaction-id block is durable in etcd, no id of it handed out yet")
+
+# --- etcd ---
+ETCD_TXN_AFTER_COMMIT = Failpoint(
+    "etcd.txn.after_commit",
+    "an etcd transaction (compare-and-swap) applied, its answer not yet returned; "
+    "'raise' makes it an outcome-unknown error")
 
 # --- Catalog (PostgreSQL) ---
 CATALOG_BOOTSTRAP_BEFORE_COMMIT = Failpoint(
@@ -231,6 +274,18 @@ RECOVERY_CLEANSING_AFTER = Failpoint(
     "replay starts not yet published")
 MARK_READY_BARRIER = Failpoint(
     "recovery.mark_ready.barrier", "MarkReady accepted: replay entry closed, not yet READY")
+MARK_READY_DRAINED = Failpoint(
+    "recovery.mark_ready.drained",
+    "replay requests drained, the node not yet READY inside (no hook has run)")
+MARK_READY_PUBLISH_BEFORE = Failpoint(
+    "recovery.mark_ready.publish.before",
+    "READY inside and READY hooks done (READY checkpoint taken); READY not yet in etcd")
+MARK_READY_PUBLISH_AFTER = Failpoint(
+    "recovery.mark_ready.publish.after", "READY published and health SERVING")
+RECOVERY_REWIND_BEFORE = Failpoint(
+    "recovery.rewind.before", "cleansing done, replay starts derived, nothing rewound")
+RECOVERY_REWIND_AFTER = Failpoint(
+    "recovery.rewind.after", "index versions dropped and kept rows hidden; replay entry closed")
 
 # --- CDC connector (docs/write-paths/cdc-changelog.md) ------------------------------
 CDC_BATCH_AFTER_BEGIN = Failpoint(
@@ -249,3 +304,11 @@ CDC_POSITION_AFTER_STORE = Failpoint(
     "cdc.position.after_store", "committed position stored in etcd, source not acknowledged")
 CDC_REPLAY_AFTER_REQUEST = Failpoint(
     "cdc.replay.after_request", "one recovery replay request acknowledged, more to send")
+CDC_REPLAY_BEFORE_MARK_READY = Failpoint(
+    "cdc.replay.before_mark_ready", "replay of a node complete, MarkReady not sent")
+CDC_RETENTION_WATERMARK_BEFORE = Failpoint(
+    "cdc.retention.watermark.before",
+    "retention chose batches to drop, low-watermark not yet raised, nothing deleted")
+CDC_RETENTION_WATERMARK_AFTER = Failpoint(
+    "cdc.retention.watermark.after",
+    "low-watermark durable above the batches to drop, none of them deleted yet")

@@ -99,11 +99,20 @@ def make_plane(tmp_path: Path, etcd: EtcdStore, catalog: Catalog,
 
 
 @pytest.fixture
-def active_failpoints() -> Iterator[callable]:
+def failpoint_dir(tmp_path: Path) -> Path:
+    """Where ``block`` failpoints announce hits and wait for their release."""
+    directory = tmp_path / "failpoints"
+    directory.mkdir(exist_ok=True)
+    return directory
+
+
+@pytest.fixture
+def active_failpoints(failpoint_dir: Path) -> Iterator[callable]:
     """Enable failpoints in this test process; all are cleared afterwards."""
 
     def enable(spec: str) -> None:
-        failpoints.load_from_env({failpoints.ENV_VAR: spec})
+        failpoints.load_from_env({failpoints.ENV_VAR: spec,
+                                  failpoints.DIR_VAR: str(failpoint_dir)})
 
     yield enable
     failpoints.load_from_env({})

@@ -15,7 +15,7 @@ from pathlib import Path
 import psycopg2
 import pytest
 
-from retina_common import file_names
+from retina_common import failpoints, file_names
 from retina_common.catalog import (
     AlreadyExistsError,
     Catalog,
@@ -32,7 +32,7 @@ from retina_common.catalog import (
 )
 from retina_common.catalog.schema import CURRENT_VERSION
 
-from .support import ROOT
+from .support import ROOT, eventually
 
 NODE = "127.0.0.1:18890"
 
@@ -371,17 +371,55 @@ def _race(catalog_dsn: str, swaps: list[tuple[int, list[int]]]) -> list[object]:
     return outcomes
 
 
+def _lock_waiters(catalog_dsn: str) -> int:
+    with psycopg2.connect(catalog_dsn) as conn, conn.cursor() as cur:
+        cur.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock'")
+        return int(cur.fetchone()[0])
+
+
+def _overlapping(catalog_dsn: str, swaps: list[tuple[int, list[int]]],
+                 enable: Callable[[str], None], failpoint_dir: Path) -> list[object]:
+    """The first swap holds its row locks at ``catalog.swap.before_commit`` until the
+    second is seen waiting on a lock: the two really overlap, every time."""
+    point = "catalog.swap.before_commit"
+    for leftover in failpoint_dir.glob(f"{point}.*"):
+        leftover.unlink()
+    enable(f"{point}=block*1")
+    outcomes: list[object] = [None, None]
+
+    def run(i: int) -> None:
+        cat = Catalog(catalog_dsn)
+        try:
+            outcomes[i] = cat.atomic_swap_files(swaps[i][0], swaps[i][1], cleanup_at=9)
+        except Exception as exc:
+            outcomes[i] = exc
+        finally:
+            cat.close()
+
+    first = threading.Thread(target=run, args=(0,))
+    first.start()
+    failpoints.wait_hit(failpoint_dir, point)
+    second = threading.Thread(target=run, args=(1,))
+    second.start()
+    eventually(lambda: _lock_waiters(catalog_dsn) >= 1, 20, "the second swap to wait on a lock")
+    failpoints.release(failpoint_dir, point)
+    for t in (first, second):
+        t.join(timeout=60)
+    return outcomes
+
+
 def test_two_concurrent_swaps_over_a_common_file_have_one_winner(
-        catalog: Catalog, catalog_dsn: str, path_id: int, active_failpoints: Callable) -> None:
-    # The sleep holds the first swap's row locks open so the two really overlap.
-    active_failpoints("catalog.swap.before_commit=sleep(0.3)")
+        catalog: Catalog, catalog_dsn: str, path_id: int, active_failpoints: Callable,
+        failpoint_dir: Path) -> None:
     for round_ in range(5):
         a, b, c = (regular(catalog, path_id, 10 * round_ + i, lo=100 * round_ + 10 * i)
                    for i in range(3))
         g1, g2 = gc_file(catalog, path_id, 10 * round_ + 7), gc_file(catalog, path_id,
                                                                     10 * round_ + 8)
-        outcomes = _race(catalog_dsn, [(g1.file_id, [a.file_id, b.file_id]),
-                                       (g2.file_id, [b.file_id, c.file_id])])
+        outcomes = _overlapping(catalog_dsn, [(g1.file_id, [a.file_id, b.file_id]),
+                                              (g2.file_id, [b.file_id, c.file_id])],
+                                active_failpoints, failpoint_dir)
         winners = [o for o in outcomes if not isinstance(o, Exception)]
         losers = [o for o in outcomes if isinstance(o, Exception)]
         assert len(winners) == 1 and len(losers) == 1, outcomes

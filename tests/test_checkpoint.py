@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from pyroaring import BitMap
 
+from retina_common import failpoints
 from retina_common.etcd import EtcdStore
 from retina_common.failpoints import FailpointTriggered
 from retina_common.keys import checkpoint_slot_key
@@ -146,15 +147,14 @@ def test_a_crash_at_each_step_leaves_a_usable_checkpoint(
 
 
 def test_a_concurrent_writer_is_refused(store: CheckpointStore, tmp_path: Path,
-                                        etcd: EtcdStore, active_failpoints) -> None:
+                                        etcd: EtcdStore, active_failpoints,
+                                        failpoint_dir: Path) -> None:
     import threading
-
-    from .support import eventually
 
     store.publish(body(1))
     other = CheckpointStore(etcd, NODE, "file://" + str(tmp_path / "storage"), TOPO)
-    # A reads `current`, writes its body, then pauses before its swap (the first hit only).
-    active_failpoints("checkpoint.before_pointer_swap=sleep(2)*1")
+    # A reads `current`, writes its body, then waits before its swap (the first hit only).
+    active_failpoints("checkpoint.before_pointer_swap=block*1")
     outcome: list[BaseException | None] = []
 
     def publish_a() -> None:
@@ -166,9 +166,10 @@ def test_a_concurrent_writer_is_refused(store: CheckpointStore, tmp_path: Path,
 
     a = threading.Thread(target=publish_a)
     a.start()
-    eventually(lambda: f"ckpt-{2:020d}.bin" in bodies_on_disk(tmp_path), 10,
-               "A to write its body")
+    failpoints.wait_hit(failpoint_dir, "checkpoint.before_pointer_swap")
+    assert f"ckpt-{2:020d}.bin" in bodies_on_disk(tmp_path)  # A's body is written
     other.publish(body(3))  # B swaps first
+    failpoints.release(failpoint_dir, "checkpoint.before_pointer_swap")
     a.join(timeout=30)
     assert len(outcome) == 1 and isinstance(outcome[0], CheckpointConflict)
     loaded = store.load()

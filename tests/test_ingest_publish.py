@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from retina_common import file_names
+from retina_common import failpoints, file_names
 from retina_common.catalog import Catalog, CatalogError, FileType
 from retina_common.etcd import EtcdStore
 
@@ -61,26 +60,24 @@ def files(catalog: Catalog) -> dict[int, FileType]:
 
 
 def test_files_closing_out_of_order_publish_in_first_block_order(
-        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
-    plane = make_plane("ingest.close.before=sleep(2)*1")  # the first file closes slowly
+        make_plane: Callable[..., DataPlane], catalog: Catalog, failpoint_dir: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(failpoints.DIR_VAR, str(failpoint_dir))
+    plane = make_plane("ingest.close.before=block*1")  # the first file waits at its close
     ids = ids_in_vnode(plane, 0, 24)
     for chunk in (ids[:8], ids[8:16], ids[16:]):  # three full files of one stream
         plane.commit({"orders": {"inserts": [order(i) for i in chunk]}})
-    samples = []
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        state = files(catalog)
-        samples.append(state)
-        if len(state) == 3 and all(t == FileType.REGULAR for t in state.values()):
-            break
-        time.sleep(0.05)
-    first, second, third = sorted(samples[-1])
-    assert all(s[f] == FileType.REGULAR for s in samples[-1:] for f in (first, second, third))
-    for state in samples:  # never a later file REGULAR before an earlier one
-        regular = [f for f in (first, second, third) if state.get(f) == FileType.REGULAR]
-        assert regular == [first, second, third][: len(regular)], state
-    assert any(state.get(first) != FileType.REGULAR and len(state) == 3 for state in samples), \
-        "the first file was never observed slower than the others"
+    failpoints.wait_hit(failpoint_dir, "ingest.close.before")
+    path = catalog.get_paths(plane.tables["orders"].table_id)[0]
+    directory = Path(path.uri.removeprefix("file://"))
+    # The two later files close (they are on storage) while the first one waits ...
+    eventually(lambda: len(list(directory.glob("*.parquet"))) == 2, 20,
+               "the second and third files to close")
+    # ... and none of them is published before it.
+    assert sorted(files(catalog).values()) == [FileType.TEMPORARY_INGEST] * 3
+    failpoints.release(failpoint_dir, "ingest.close.before")
+    eventually(lambda: sorted(files(catalog).values()) == [FileType.REGULAR] * 3, 20,
+               "all three files to be published")
     log = plane.retinas[plane.nodes[0]].log_path.read_text().splitlines()
     published = [json.loads(line)["first_block_id"] for line in log
                  if '"ingest_file_published"' in line]

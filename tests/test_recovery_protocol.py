@@ -14,6 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from retina_common import failpoints
 from retina_common.catalog import Catalog, FileType
 from retina_common.etcd import EtcdStore
 from retina_common.keys import checkpoint_slot_key, lifecycle_key
@@ -127,12 +128,15 @@ def test_a_fresh_node_is_recovering_until_mark_ready(make_plane: Callable[..., D
 
 
 def test_writes_before_cleansing_completes_are_refused(
-        make_plane: Callable[..., DataPlane]) -> None:
-    plane = make_plane(failpoints="recovery.cleansing.before=sleep(4)", recover=False)
+        make_plane: Callable[..., DataPlane], failpoint_dir: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(failpoints.DIR_VAR, str(failpoint_dir))
+    plane = make_plane(failpoints="recovery.cleansing.before=block", recover=False)
     node = plane.nodes[0]
     stub = plane.retinas[node].stub
-    status = eventually(lambda: (s := plane.status(node)).phase == "LOADING_CHECKPOINT" and s,
-                        20, "the node to sit before cleansing")
+    failpoints.wait_hit(failpoint_dir, "recovery.cleansing.before")
+    status = plane.status(node)
+    assert status.phase == "LOADING_CHECKPOINT"
     assert not status.replay_ts_ready and status.recovery_attempt_token == ""
     write = plane.writers["orders"].updates(10**9, replaces=[order(1)])
     request = rpb.UpdateRecordRequest(schema_name=SCHEMA, table_update_data=write[node])
@@ -143,6 +147,7 @@ def test_writes_before_cleansing_completes_are_refused(
         grpc.StatusCode.FAILED_PRECONDITION
     assert rpc_error(lambda: stub.MarkReady(rpb.MarkReadyRequest(
         recovery_attempt_token="guess"))).code() == grpc.StatusCode.UNAVAILABLE
+    failpoints.release(failpoint_dir, "recovery.cleansing.before")
     plane.recover(node)
     assert plane.read("orders") == {}
 

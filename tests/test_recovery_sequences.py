@@ -225,3 +225,24 @@ def test_a_read_transaction_spanning_a_restart_is_refused(
     # A new transaction reads the current state; the old snapshot's rows were not lost.
     assert plane.read("orders") == plane.model.rows["orders"]
     assert len(before) == 60 and len(plane.model.rows["orders"]) == 30
+
+
+# --- outcome unknown: the catalog and etcd applied a change, the caller heard nothing -------
+def test_outcome_unknown_from_the_catalog_and_etcd_converges(
+        make_plane: Callable[..., DataPlane], catalog: Catalog, etcd: EtcdStore) -> None:
+    # The first REGULAR publish and the first etcd transaction after start (the READY
+    # checkpoint's slot swap) both commit and then lose their answer.
+    plane = make_plane(failpoints="catalog.update_file.after_commit=raise*1;"
+                                  "etcd.txn.after_commit=raise*1")
+    node = plane.nodes[0]
+    plane.commit({"orders": {"replaces": [order(i) for i in range(50)]}})
+    eventually(lambda: len(catalog.get_files_by_type(None, [FileType.REGULAR])) >= 2, 20,
+               "files published past the unknown outcome")
+    assert plane.status(node).state == rpb.READY
+    log = plane.retinas[node].log_path.read_text()
+    assert "ingest_publish_retry" in log and "checkpoint_published" in log
+    pointer = plane.checkpoint(node)
+    assert pointer.checkpoint_id > 0
+    assert plane.read("orders") == plane.model.rows["orders"]
+    restart_and_recover(plane, node)
+    assert plane.read("orders") == plane.model.rows["orders"]

@@ -66,6 +66,7 @@ from retina_common.failpoints import (
     CATALOG_UPDATE_FILE_AFTER_COMMIT,
     CATALOG_UPDATE_FILE_BEFORE_COMMIT,
     Failpoint,
+    FailpointTriggered,
 )
 from retina_common.log import get_logger
 
@@ -154,7 +155,10 @@ class Catalog:
             except psycopg2.Error as exc:  # deferred constraint / serialization at commit
                 raise _translate(exc) from exc
             if after_commit is not None:
-                after_commit.hit()
+                try:
+                    after_commit.hit()
+                except FailpointTriggered as exc:  # committed, but the caller hears nothing
+                    raise CatalogOutcomeUnknown(f"injected after COMMIT: {exc}") from exc
             return result
 
     def _read(self, body: Callable[[Any], T]) -> T:
