@@ -4,10 +4,11 @@ Validation (no side effect) refuses, with the status of ARCHITECTURE.md and
 nothing applied: a key timestamp that differs from its TableUpdateData's
 (single-source commit timestamp, C03.6), an unknown table, a wrong primary
 index id, a wrong key count, a value that does not decode, duplicate keys in
-one insert batch, a key that does not route to the named virtual node, a
-virtual node this node does not own, an oversized request, and a standalone
-INSERT of a key that is live (ALREADY_EXISTS: a CDC insert is always sent as
-DELETE + INSERT, so a retried one converges instead).
+one insert batch, an INSERT whose key bytes are not the encoding of its own
+key columns (or whose key column is NULL), a key that does not route to the
+named virtual node, a virtual node this node does not own, an oversized
+request, and a standalone INSERT of a key that is live (ALREADY_EXISTS: a CDC
+insert is always sent as DELETE + INSERT, so a retried one converges instead).
 
 Apply, per TableUpdateData in request order (section 5, "Unified write order"):
 
@@ -17,7 +18,11 @@ Apply, per TableUpdateData in request order (section 5, "Unified write order"):
 * INSERT: append pending → putMainIndexEntries → putPrimaryEntriesOnly →
   publishPendingAppend(visible). If a step fails, the rows are compensated
   (visibility delete at T, primary entries rolled back, publish hidden); if
-  the compensation fails too, the node fails closed.
+  the compensation fails too, the node fails closed. An append that fails
+  part-way (the next ingest file cannot be registered: catalog down) still
+  reports the handles it created, so those rows are compensated too: a
+  request answered with an error leaves no pending handle, no primary entry
+  and no visible row behind, and the sealed file can close.
 
 Every primary-index write of a request is one durable LMDB transaction (one
 fsync per request): the inserts' rows become visible only after it
@@ -39,23 +44,23 @@ import contextlib
 from collections import defaultdict
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from retina_common.catalog import NotFoundError, TableRecord
-from retina_common.codec import EncodingError, decode_column
+from retina_common.codec import (
+    EncodingError,
+    decode_column,
+    encode_primary_keys,
+    encode_values,
+)
 from retina_common.pb import retina_pb2 as pb
+from retina_common.refusal import Refusal
 from retina_server.index import IndexBackendError, Resolution, RowIdRange
 from retina_server.node import NodeFailedClosed, RetinaNode, Stream
 from retina_server.write_buffer import AppendHandle, PublishMode
-
-
-class ApplyError(Exception):
-    """A refused or failed request; ``code`` is a gRPC status name."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -68,13 +73,13 @@ class PreparedUpdate:
     insert_columns: list[pa.Array]
 
 
-def _invalid(message: str) -> ApplyError:
-    return ApplyError("INVALID_ARGUMENT", message)
+def _invalid(message: str) -> Refusal:
+    return Refusal(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 def prepare(node: RetinaNode, request: pb.UpdateRecordRequest,
             max_rows: int) -> list[PreparedUpdate]:
-    """Validate and decode the whole request; raises ApplyError, changes nothing."""
+    """Validate and decode the whole request; raises Refusal, changes nothing."""
     if not request.schema_name:
         raise _invalid("schema_name is required")
     if not request.table_update_data:
@@ -137,9 +142,9 @@ def _prepare_one(node: RetinaNode, schema_name: str, tud: pb.TableUpdateData) ->
     if not 0 <= vnode < node.topology.virtual_nodes:
         raise _invalid(f"{tud.table_name}: virtual node {vnode} does not exist")
     if vnode not in node.owned_vnodes:
-        raise ApplyError("FAILED_PRECONDITION",
-                         f"virtual node {vnode} belongs to {node.topology.node_of_vnode(vnode)}, "
-                         f"not {node.node_id}")
+        owner = node.topology.node_of_vnode(vnode)
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"virtual node {vnode} belongs to {owner}, not {node.node_id}")
     delete_keys = _keys(table, tud, list(tud.delete_data), "delete", node)
     insert_keys = _keys(table, tud, list(tud.insert_data), "insert", node)
     if len(set(insert_keys)) != len(insert_keys):
@@ -157,7 +162,45 @@ def _prepare_one(node: RetinaNode, schema_name: str, tud: pb.TableUpdateData) ->
                                              [row.col_values[c] for row in tud.insert_data]))
             except EncodingError as exc:
                 raise _invalid(f"{tud.table_name}.{column.name}: {exc}") from None
+        _check_keys_match_rows(table, tud.table_name, insert_keys, columns)
     return PreparedUpdate(table, vnode, tud.timestamp, delete_keys, insert_keys, columns)
+
+
+def _check_keys_match_rows(table: TableRecord, name: str, keys: list[bytes],
+                           columns: list[pa.Array]) -> None:
+    """Every insert's key columns are non-NULL and encode to exactly its key bytes.
+
+    The index would otherwise file the row under a key its columns do not
+    carry. One batch compare; only an offending row is looked at by itself."""
+    position = {c.name: i for i, c in enumerate(table.columns)}
+    pk = [position[c] for c in table.primary_key]
+    for p in pk:
+        if columns[p].null_count:
+            i = pc.index(columns[p].is_null(), True).as_py()
+            raise _invalid(f"{name}: insert {i} has a NULL in key column "
+                           f"{table.columns[p].name}")
+    types = [table.columns[p].type for p in pk]
+    expected = encode_primary_keys(types, [columns[p] for p in pk])
+    same = pc.equal(expected, pa.array(keys, pa.binary()))
+    if pc.all(same).as_py():
+        return
+    i = pc.index(same, False).as_py()
+    values = [encode_values(t, columns[p].slice(i, 1))[0].as_py()
+              for t, p in zip(types, pk, strict=True)]
+    column = _first_disagreeing_column(keys[i], values)
+    raise _invalid(f"{name}: insert {i} key column {table.columns[pk[column]].name} does not "
+                   "match the row's value (the key bytes disagree with the row)")
+
+
+def _first_disagreeing_column(key: bytes, values: list[bytes]) -> int:
+    """Which key column of ``key`` differs from its encoded ``values``."""
+    offset = 0
+    for n, value in enumerate(values):
+        segment = len(value).to_bytes(4, "big") + value
+        if key[offset:offset + len(segment)] != segment:
+            return n
+        offset += len(segment)
+    return len(values) - 1  # every column agrees, but the key has trailing bytes
 
 
 def _check_no_live_inserts(node: RetinaNode, updates: list[PreparedUpdate]) -> None:
@@ -172,13 +215,13 @@ def _check_no_live_inserts(node: RetinaNode, updates: list[PreparedUpdate]) -> N
         for k, r in zip(unknown, node.index.resolve_primary(tid, unknown, node.in_baseline,
                                                              u.ts), strict=True):
             if r.status == Resolution.BACKEND_ERROR:
-                raise ApplyError("UNAVAILABLE", "primary index backend error")
+                raise Refusal(grpc.StatusCode.UNAVAILABLE, "primary index backend error")
             live[(tid, k)] = r.status == Resolution.FOUND
         clash = [k for k in u.insert_keys if k not in deleted and live.get((tid, k))]
         if clash:
-            raise ApplyError("ALREADY_EXISTS",
-                             f"{u.table.name}: INSERT of {len(clash)} live key(s) without a "
-                             "DELETE; send a replace (DELETE + INSERT)")
+            raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
+                          f"{u.table.name}: INSERT of {len(clash)} live key(s) without a "
+                          "DELETE; send a replace (DELETE + INSERT)")
         for key in u.insert_keys:
             live[(tid, key)] = True
 
@@ -207,8 +250,8 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate]) -> pb.UpdateRecordRes
             for stream, u, handles in staged:
                 _compensate(node, stream, u, handles)
             if isinstance(exc, IndexBackendError):
-                raise ApplyError("UNAVAILABLE", f"request failed and was compensated: {exc}") \
-                    from exc
+                raise Refusal(grpc.StatusCode.UNAVAILABLE,
+                              f"request failed and was compensated: {exc}") from exc
             raise
         for stream, _u, handles in staged:
             stream.buffer.publish(handles, PublishMode.VISIBLE)
@@ -224,7 +267,7 @@ def _apply_deletes(node: RetinaNode, u: PreparedUpdate) -> int:
     keys = list(dict.fromkeys(u.delete_keys))
     targets = node.index.resolve_for_delete(tid, keys, node.in_baseline, u.ts)
     if targets is None:
-        raise ApplyError("UNAVAILABLE", "primary index backend error")
+        raise Refusal(grpc.StatusCode.UNAVAILABLE, "primary index backend error")
     by_rg: dict[tuple[int, int], list[int]] = defaultdict(list)
     found_keys = []
     for key, rows in zip(keys, targets, strict=True):
@@ -243,7 +286,8 @@ def _stage_inserts(node: RetinaNode, stream: Stream, u: PreparedUpdate,
                    staged: list[tuple[Stream, PreparedUpdate, list[AppendHandle]]]) -> int:
     """Append pending → putMainIndexEntries → putPrimaryEntriesOnly (in the batch).
 
-    The handles are recorded in ``staged`` as soon as they exist, so a
+    The handles are recorded in ``staged`` as soon as they exist, even those
+    of an append that fails part-way (a new file cannot be registered), so a
     failure at any later point compensates them."""
     n = len(u.insert_keys)
     if not n:
@@ -251,11 +295,10 @@ def _stage_inserts(node: RetinaNode, stream: Stream, u: PreparedUpdate,
     ts_column = pa.array(np.full(n, u.ts, dtype=np.int64))
     batch = pa.RecordBatch.from_arrays([*u.insert_columns, ts_column], schema=stream.schema)
     first_row_id = node.index.allocate_row_ids(n)
-    handles = stream.buffer.append_pending(batch, u.ts, first_row_id)
+    handles: list[AppendHandle] = []
     staged.append((stream, u, handles))
-    node.index.put_main_index_entries(
-        RowIdRange(h.row_id_start, h.count, h.file.file_id, h.block.rg_id, h.start)
-        for h in handles)
+    stream.buffer.append_pending(batch, u.ts, first_row_id, handles)
+    node.index.put_main_index_entries(_ranges(handles))
     node.index.put_primary_entries_only(  # the batch's abort is the undo
         u.table.table_id, u.insert_keys, range(first_row_id, first_row_id + n), u.ts,
         keep_previous=False)
@@ -266,9 +309,18 @@ def _compensate(node: RetinaNode, stream: Stream, u: PreparedUpdate,
                 handles: list[AppendHandle]) -> None:
     """Hide rows whose primary entries were rolled back with the batch."""
     try:
+        # Hidden rows stay in their file, and recovery checks that a file's
+        # MainIndex rows equal its row count: a partial append never put its
+        # ranges (re-adding a range is idempotent).
+        node.index.put_main_index_entries(_ranges(handles))
         for h in handles:
             h.block.visibility.delete(range(h.start, h.start + h.count), u.ts)
         stream.buffer.publish(handles, PublishMode.HIDDEN)
     except Exception as exc:
         node.fail_closed(f"compensation of a failed insert failed: {exc}")
         raise NodeFailedClosed(str(exc)) from exc
+
+
+def _ranges(handles: list[AppendHandle]) -> list[RowIdRange]:
+    return [RowIdRange(h.row_id_start, h.count, h.file.file_id, h.block.rg_id, h.start)
+            for h in handles]

@@ -156,10 +156,15 @@ class StreamBuffer:
             file.state = FileState.SEALED
             self._sealed.append(file)
 
-    def append_pending(self, batch: pa.RecordBatch, ts: int,
-                       row_id_start: int) -> list[AppendHandle]:
-        """Reserve rows for ``batch`` (split across blocks as needed); not yet visible."""
-        handles = []
+    def append_pending(self, batch: pa.RecordBatch, ts: int, row_id_start: int,
+                       handles: list[AppendHandle] | None = None) -> list[AppendHandle]:
+        """Reserve rows for ``batch`` (split across blocks as needed); not yet visible.
+
+        Each handle is added to ``handles`` the moment its rows are reserved:
+        opening the next file can fail (catalog down) after earlier chunks were
+        appended, and the caller must still see those handles to settle them,
+        or their file could never close."""
+        handles = [] if handles is None else handles
         offset = 0
         while offset < batch.num_rows:
             file = self.open_file

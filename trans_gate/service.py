@@ -13,6 +13,7 @@ from retina_common.catalog import Catalog, CatalogError, CatalogUnavailable, Not
 from retina_common.log import get_logger
 from retina_common.pb import trans_pb2 as pb
 from retina_common.pb import trans_pb2_grpc as pb_grpc
+from retina_common.refusal import abort
 from trans_gate.gate import GateDecision, QueryAvailabilityGate
 from trans_gate.timestamps import CounterFenced
 from trans_gate.transactions import Transaction, TransactionTable, TransError, TransKind
@@ -28,14 +29,6 @@ GATE_DECISION_SECONDS = Histogram(
     buckets=(0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01))
 HWM_GAUGE = Gauge("trans_high_watermark", "Current high watermark")
 LIST_FILES_TOTAL = Counter("trans_list_query_files_total", "ListQueryFiles calls", ["outcome"])
-
-_STATUS = {
-    "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
-    "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION,
-    "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
-    "INTERNAL": grpc.StatusCode.INTERNAL,
-}
-
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
     context.abort(code, message)
@@ -55,7 +48,7 @@ class TransService(pb_grpc.TransServiceServicer):
         try:
             return fn()
         except TransError as exc:
-            _abort(context, _STATUS[exc.code], str(exc))
+            abort(context, exc)
         except CounterFenced as exc:
             self._on_fenced()
             _abort(context, grpc.StatusCode.UNAVAILABLE,

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
+import grpc
+
 from trans_gate.timestamps import DurableCounter
 
 
@@ -45,25 +47,26 @@ class EndReason(StrEnum):
 
 
 class TransError(Exception):
-    """A refused transaction call; ``code`` maps to a gRPC status."""
+    """A refused transaction call; ``grpc_status`` is its gRPC status
+    (retina_common/refusal.py maps it)."""
 
-    code = "INTERNAL"
+    grpc_status = grpc.StatusCode.INTERNAL
 
 
 class UnknownTransaction(TransError):
-    code = "NOT_FOUND"
+    grpc_status = grpc.StatusCode.NOT_FOUND
 
 
 class TransactionEnded(TransError):
-    code = "FAILED_PRECONDITION"
+    grpc_status = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class WrongTransactionKind(TransError):
-    code = "FAILED_PRECONDITION"
+    grpc_status = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class BadTransArgument(TransError):
-    code = "INVALID_ARGUMENT"
+    grpc_status = grpc.StatusCode.INVALID_ARGUMENT
 
 
 @dataclass
