@@ -5,6 +5,7 @@ Layout under the changelog root (a local directory or any pyarrow.fs URI)::
 
     segments/vnode=0003/<firstTs>-<lastTs>.parquet   one per batch and virtual node
     batches/<firstTs>-<lastTs>.rec                   the batch record (the commit point)
+    retained_from.rcw                                the retention low-watermark
 
 A batch (one or more source transactions, timestamps ascending) is durable
 once its batch record is: segments are written and fsynced first, then the
@@ -20,6 +21,14 @@ virtual node from a timestamp, inclusive, in (ts, seq) order.
 The record format: ``RCLB1 <length> <crc32c>\\n`` then a JSON body of that
 length. A corrupt record or segment raises :class:`CorruptChangelog`; it is
 never read as absent.
+
+The retention low-watermark (``RCLW1 <length> <crc32c>\\n`` + JSON
+``{"retainedFromTs": N}``) is the lowest timestamp from which the changelog
+still holds every batch. Retention writes it, durably, before it deletes
+anything, so a crash in between leaves a low-watermark above data that is
+still there (harmless), never below data that is gone. No file: nothing was
+ever dropped, the changelog holds everything from 0. :meth:`Changelog.read`
+refuses (:class:`ChangelogGap`) a start below it rather than replay less.
 """
 
 from __future__ import annotations
@@ -40,10 +49,14 @@ from retina_common import storage
 from retina_common.failpoints import (
     CDC_CHANGELOG_AFTER_RECORD,
     CDC_CHANGELOG_AFTER_SEGMENTS,
+    CDC_RETENTION_WATERMARK_AFTER,
+    CDC_RETENTION_WATERMARK_BEFORE,
 )
 
 DELETE, REPLACE = 0, 1
 _MAGIC = "RCLB1"
+_WATERMARK_MAGIC = "RCLW1"
+WATERMARK_NAME = "retained_from.rcw"
 _RECORD = re.compile(r"^(\d{20})-(\d{20})\.rec$")
 SEGMENT_SCHEMA = pa.schema([
     ("ts", pa.int64()), ("seq", pa.int32()), ("table", pa.string()), ("op", pa.int8()),
@@ -52,7 +65,30 @@ SEGMENT_SCHEMA = pa.schema([
 
 
 class CorruptChangelog(Exception):
-    """A batch record or segment fails its length or CRC32C check."""
+    """A batch record, segment or the low-watermark fails its length or CRC32C check."""
+
+
+class ChangelogGap(Exception):
+    """A replay needs timestamps retention has already dropped: replaying what
+    is left would silently lose data. ``short`` maps each virtual node that
+    needs more to its needed start (inclusive)."""
+
+    def __init__(self, short: Mapping[int, int], retained_from_ts: int) -> None:
+        self.short = dict(sorted(short.items()))
+        self.retained_from_ts = retained_from_ts
+        vnode, needed = min(self.short.items(), key=lambda item: (item[1], item[0]))
+        super().__init__(f"replay gap: vnode {vnode} needs the changelog from ts {needed}, "
+                         f"it holds ts >= {retained_from_ts} only "
+                         f"({len(self.short)} virtual node(s) short)")
+
+    @property
+    def vnode(self) -> int:
+        """The virtual node that needs the oldest timestamp."""
+        return min(self.short.items(), key=lambda item: (item[1], item[0]))[0]
+
+    @property
+    def needed_ts(self) -> int:
+        return min(self.short.values())
 
 
 @dataclass(frozen=True)
@@ -121,6 +157,22 @@ class BatchRecord:
                    tuple(SegmentRef(int(s["vnode"]), s["name"], int(s["rows"]),
                                     int(s["length"]), int(s["crc32c"]))
                          for s in d["segments"]))
+
+
+def encode_watermark(retained_from_ts: int) -> bytes:
+    body = json.dumps({"retainedFromTs": retained_from_ts}, separators=(",", ":")).encode()
+    return f"{_WATERMARK_MAGIC} {len(body)} {crc32c.crc32c(body)}\n".encode() + body
+
+
+def parse_watermark(data: bytes) -> int:
+    head, _, body = data.partition(b"\n")
+    parts = head.decode(errors="replace").split(" ")
+    if len(parts) != 3 or parts[0] != _WATERMARK_MAGIC or \
+            not all(p.isdigit() for p in parts[1:]):
+        raise CorruptChangelog(f"{WATERMARK_NAME}: not a changelog low-watermark")
+    if len(body) != int(parts[1]) or crc32c.crc32c(body) != int(parts[2]):
+        raise CorruptChangelog(f"{WATERMARK_NAME}: length or CRC32C mismatch")
+    return int(json.loads(body)["retainedFromTs"])
 
 
 def _segment_dir(vnode: int) -> str:
@@ -211,36 +263,78 @@ class Changelog:
                                    "length or CRC32C mismatch")
         return decode_segment(data, ref.vnode)
 
+    def retained_from(self) -> int:
+        """The low-watermark: every batch at or above it is still here (0: all of them)."""
+        try:
+            data = storage.read_bytes(self.root, WATERMARK_NAME)
+        except FileNotFoundError:
+            return 0  # retention never dropped anything
+        return parse_watermark(data)
+
+    def check_retained(self, starts: Mapping[int, int]) -> int:
+        """The low-watermark; raises :class:`ChangelogGap` if a start (vnode →
+        first ts, inclusive) lies below it."""
+        retained = self.retained_from()
+        short = {v: ts for v, ts in starts.items() if ts < retained}
+        if short:
+            raise ChangelogGap(short, retained)
+        return retained
+
     def read(self, starts: Mapping[int, int], upto_ts: int | None = None,
              records: Iterable[BatchRecord] | None = None) -> Iterator[ChangeRow]:
         """Rows of the virtual nodes in ``starts`` (vnode → first ts, inclusive),
-        up to ``upto_ts`` inclusive, in (ts, seq) order."""
+        up to ``upto_ts`` inclusive, in (ts, seq) order. Raises
+        :class:`ChangelogGap` rather than silently skip dropped batches."""
         if not starts:
             return
+        self.check_retained(starts)
         low = min(starts.values())
-        for record in (self.records(low) if records is None else records):
-            rows = [row for ref in record.segments if ref.vnode in starts
-                    for row in self.read_segment(ref)
-                    if row.ts >= starts[ref.vnode] and (upto_ts is None or row.ts <= upto_ts)]
-            rows.sort(key=lambda r: (r.ts, r.vnode, r.seq))
-            yield from rows
+        try:
+            for record in (self.records(low) if records is None else records):
+                rows = [row for ref in record.segments if ref.vnode in starts
+                        for row in self.read_segment(ref)
+                        if row.ts >= starts[ref.vnode]
+                        and (upto_ts is None or row.ts <= upto_ts)]
+                rows.sort(key=lambda r: (r.ts, r.vnode, r.seq))
+                yield from rows
+        except FileNotFoundError:
+            self.check_retained(starts)  # retention deleted it under us: say so
+            raise
+        # Retention may have run while we read: the low-watermark goes up before
+        # any batch is deleted, so a batch that vanished under us shows here.
+        self.check_retained(starts)
 
     def drop_before(self, horizon_ts: int) -> int:
         """Retention: remove every batch whose last timestamp is below
-        ``horizon_ts`` (record first, so no reader finds a record without its
-        segments), then segments no record names. Returns batches removed."""
-        removed = 0
-        named: set[tuple[int, str]] = set()
-        for record in self.records(0):
-            if record.last_ts < horizon_ts:
-                storage.delete_quietly(self._uri("batches"), record.name)
-                for ref in record.segments:
-                    storage.delete_quietly(self._uri(_segment_dir(ref.vnode)), ref.name)
-                removed += 1
-            else:
-                named |= {(ref.vnode, ref.name) for ref in record.segments}
+        ``horizon_ts``, then segments no record names. Returns batches removed.
+
+        The low-watermark is raised first (durably), so no reader ever takes
+        the changelog for holding a batch that is gone. Each batch's record
+        goes before its segments, so no reader finds a record without them."""
+        records = self.records(0)
+        doomed = [r for r in records if r.last_ts < horizon_ts]
+        if doomed:
+            self._raise_watermark(max(r.last_ts for r in doomed) + 1)
+        for record in doomed:
+            storage.delete_quietly(self._uri("batches"), record.name)
+            for ref in record.segments:
+                storage.delete_quietly(self._uri(_segment_dir(ref.vnode)), ref.name)
+        named = {(ref.vnode, ref.name) for r in records if r.last_ts >= horizon_ts
+                 for ref in r.segments}
         self._drop_orphans(named, horizon_ts)
-        return removed
+        return len(doomed)
+
+    def _raise_watermark(self, retained_from_ts: int) -> None:
+        # Never lowered: a horizon that goes back down (a new node, an unreadable
+        # slot) cannot bring dropped batches back. Timestamps between the last
+        # dropped batch and the first kept one carry no changelog rows, so the
+        # changelog holds everything from just past the last dropped batch.
+        current = self.retained_from()
+        if retained_from_ts <= current:
+            return
+        CDC_RETENTION_WATERMARK_BEFORE.hit()
+        storage.write_durably(self.root, WATERMARK_NAME, encode_watermark(retained_from_ts))
+        CDC_RETENTION_WATERMARK_AFTER.hit()
 
     def _drop_orphans(self, named: set[tuple[int, str]], horizon_ts: int) -> None:
         # A segment whose record was never written (crash in between) is dead,

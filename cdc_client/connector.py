@@ -19,7 +19,10 @@ One batch of source transactions at a time (specification section 6):
    source.
 
 A refusal other than UNAVAILABLE rolls the batch back and stops the
-connector with the status in the error. A crash anywhere is recovered by
+connector with the status in the error. A recovering node that needs
+changelog retention already dropped stops the connector before anything is
+replayed (:class:`ReplayGap`): the node stays RECOVERING rather than become
+READY with rows missing. A crash anywhere is recovered by
 starting again: uncommitted transactions are rolled back by their lease,
 the source re-delivers everything after the committed position, and the
 CDC replace encoding makes re-applying them converge. Retina stays READY.
@@ -40,7 +43,7 @@ import grpc
 import structlog
 
 from cdc_client import metrics as m
-from cdc_client.changelog import Changelog, ChangeRow, LoggedTransaction
+from cdc_client.changelog import Changelog, ChangelogGap, ChangeRow, LoggedTransaction
 from cdc_client.intake import Intake
 from cdc_client.positions import CommittedPosition, PositionStore
 from cdc_client.replay import by_node, changelog_rows, node_starts, replay_requests, requests
@@ -53,6 +56,7 @@ from retina_common.failpoints import (
     CDC_COMMIT_AFTER,
     CDC_POSITION_AFTER_STORE,
     CDC_REPLAY_AFTER_REQUEST,
+    CDC_REPLAY_BEFORE_MARK_READY,
     CDC_SEND_AFTER_ALL,
     CDC_SEND_BETWEEN_NODES,
 )
@@ -69,6 +73,17 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 class ConnectorStopped(Exception):
     """A refusal the connector must not retry blindly; the message says why."""
+
+
+class ReplayGap(ConnectorStopped):
+    """A recovering node needs changelog batches retention has dropped. Nothing
+    was replayed and MarkReady was not sent; an operator must rebuild the node
+    (docs/operations.md, "connector stopped with a replay gap")."""
+
+    def __init__(self, node: str, gap: ChangelogGap) -> None:
+        super().__init__(f"{node}: {gap}")
+        self.node = node
+        self.gap = gap
 
 
 class BatchExpired(Exception):
@@ -406,21 +421,33 @@ class Connector:
         def replay(starts: pb.GetRecoveryReplayTsResponse,
                    context: pb.RecoveryReplayContext) -> Iterator[pb.UpdateRecordRequest]:
             vnode_starts = node_starts(node, self.topology, starts, self.settings.replay_mode)
+            # Before the first request: a node that needs dropped batches gets
+            # nothing, so it stays RECOVERING at its attempt, untouched.
+            self._check_retained(node, vnode_starts)
             log.info("cdc_replay_start", node=node, checkpoint_id=context.checkpoint_id,
                      mode=pb.ReplayMode.Name(self.settings.replay_mode),
                      node_replay_from_ts=starts.node_replay_from_ts,
                      vnode_starts={str(v): ts for v, ts in sorted(vnode_starts.items())})
-            for request in replay_requests(self.changelog, self.settings.schema,
-                                           self._table_records(), vnode_starts, context,
-                                           self.settings.request_max_rows):
-                n = changelog_rows(request)
-                yield request
-                counter["rows"] += n
-                counter["requests"] += 1
-                m.REPLAY_ROWS.labels(node=node).inc(n)
-                CDC_REPLAY_AFTER_REQUEST.hit()
-                if self._open_ids and time.monotonic() - self._extended_at > 2:
-                    self._extend(self._open_ids)
+            try:
+                for request in replay_requests(self.changelog, self.settings.schema,
+                                               self._table_records(), vnode_starts, context,
+                                               self.settings.request_max_rows):
+                    n = changelog_rows(request)
+                    yield request
+                    counter["rows"] += n
+                    counter["requests"] += 1
+                    m.REPLAY_ROWS.labels(node=node).inc(n)
+                    CDC_REPLAY_AFTER_REQUEST.hit()
+                    if self._open_ids and time.monotonic() - self._extended_at > 2:
+                        self._extend(self._open_ids)
+            except ChangelogGap as gap:  # retention ran while we replayed
+                raise self._replay_gap(node, gap) from None
+            # Retention may have dropped a batch after it was listed: the
+            # low-watermark rises before any delete, so this sees it.
+            self._check_retained(node, vnode_starts)
+            # drive_recovery sends MarkReady as soon as this generator is done:
+            # every request above has been acknowledged by now.
+            CDC_REPLAY_BEFORE_MARK_READY.hit()
 
         m.REPLAY_IN_PROGRESS.labels(node=node).set(1)
         try:
@@ -442,6 +469,23 @@ class Connector:
         log.info("cdc_replay_done", node=node, rows=counter["rows"],
                  requests=counter["requests"], seconds=round(seconds, 3))
         return True
+
+    def _check_retained(self, node: str, vnode_starts: Mapping[int, int]) -> None:
+        try:
+            m.RETAINED_FROM_TS.set(self.changelog.check_retained(vnode_starts))
+        except ChangelogGap as gap:
+            raise self._replay_gap(node, gap) from None
+
+    def _replay_gap(self, node: str, gap: ChangelogGap) -> ReplayGap:
+        m.REPLAY_GAP.labels(node=node).set(1)
+        m.RETAINED_FROM_TS.set(gap.retained_from_ts)
+        log.error("cdc_replay_gap", node=node, vnode=gap.vnode, needed_ts=gap.needed_ts,
+                  retained_from_ts=gap.retained_from_ts,
+                  mode=pb.ReplayMode.Name(self.settings.replay_mode),
+                  short_vnodes={str(v): ts for v, ts in gap.short.items()},
+                  action="the node stays RECOVERING; rebuild it from the source or restore "
+                         "the changelog (docs/operations.md)")
+        return ReplayGap(node, gap)
 
 
 def _unavailable(exc: Exception) -> bool:

@@ -10,7 +10,10 @@ and serves ``/metrics``.
 Exit codes: 0 stopped by a signal; 1 an unexpected failure (restart it: it
 resumes from the committed position); 2 configuration; 3 stopped by a refusal
 or a malformed source event (the log says which; nothing of the offending
-transaction was applied); 4 a dependency unreachable at start.
+transaction was applied); 4 a dependency unreachable at start; 5 a
+recovering node needs changelog batches retention has dropped (a replay gap:
+nothing was replayed, MarkReady was not sent, the node stays RECOVERING;
+restarting does not help, see docs/operations.md).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import grpc
 import structlog
 
 from cdc_client.changelog import Changelog, CorruptChangelog
-from cdc_client.connector import Connector, ConnectorStopped, Settings
+from cdc_client.connector import Connector, ConnectorStopped, ReplayGap, Settings
 from cdc_client.positions import ConnectorFenced, PositionStore
 from cdc_client.retention import run_retention
 from cdc_client.source import Source, SourceError
@@ -45,6 +48,7 @@ from retina_common.storage import file_uri, root_uri
 from retina_common.topology import Topology, load_topology
 
 STOPPED_BY_REFUSAL = 3
+STOPPED_BY_REPLAY_GAP = 5  # a node needs dropped changelog: an operator rebuilds it
 CRASHED = 1  # anything else: restart it; it resumes from the committed position
 log = structlog.get_logger("cdc")
 
@@ -203,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(connector: Connector, stop: threading.Event, exit_code: list[int]) -> None:
     try:
         connector.run()
+    except ReplayGap as exc:  # before ConnectorStopped, which it is
+        log.error("cdc_stopped_replay_gap", node=exc.node, error=str(exc))
+        exit_code[0] = STOPPED_BY_REPLAY_GAP
     except (MalformedChange, SourceError, ConnectorFenced, CorruptChangelog) as exc:
         log.error("cdc_stopped_malformed", error=str(exc), error_type=type(exc).__name__)
         exit_code[0] = STOPPED_BY_REFUSAL

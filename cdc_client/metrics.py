@@ -20,3 +20,9 @@ REPLAY_IN_PROGRESS = Gauge("cdc_replay_in_progress", "1 while a node is being re
                            ["node"])
 RETENTION_HORIZON_TS = Gauge("cdc_retention_horizon_ts",
                              "Changelog batches ending below this timestamp may be dropped")
+RETAINED_FROM_TS = Gauge("cdc_changelog_retained_from_ts",
+                         "The changelog low-watermark: it holds every batch at or above this "
+                         "timestamp (read before and after every replay)")
+REPLAY_GAP = Gauge("cdc_replay_gap",
+                   "1 once a recovering node needed changelog batches retention had dropped "
+                   "(the connector stopped, exit code 5)", ["node"])

@@ -26,8 +26,16 @@ own gRPC channel. UNAVAILABLE is retried with backoff inside the task, then
 the task fails and Spark may run it again: replaying a row twice is harmless,
 it is a DELETE + INSERT of one key at one timestamp.
 
+Both modes first compare every virtual node's start with the changelog's
+retention low-watermark (``Changelog.retained_from``): a start below it needs
+batches retention has dropped, so the job sends nothing, never calls
+MarkReady, and exits ``EXIT_REPLAY_GAP`` (5, the connector's code for the
+same stop). The low-watermark is read again after the tasks, before
+MarkReady, in case retention ran meanwhile.
+
 Progress: one line per finished virtual node, from a Spark accumulator, and a
-summary (also as JSON with ``--json``). Exit codes: see spark_jobs.common.
+summary (also as JSON with ``--json``). Exit codes: see spark_jobs.common,
+plus 5, a replay gap.
 
     python -m spark_jobs.cdc_replay --config retina.toml --recover 127.0.0.1:18890
     spark-submit spark_jobs/cdc_replay.py --config retina.toml --backfill --from-ts 100
@@ -47,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from pyspark.accumulators import AccumulatorParam
 
-from cdc_client.changelog import Changelog
+from cdc_client.changelog import Changelog, ChangelogGap, CorruptChangelog
 from cdc_client.main import changelog_root
 from cdc_client.replay import changelog_rows, node_starts, replay_requests
 from retina_common.catalog import Catalog, CatalogError, TableRecord
@@ -58,6 +66,7 @@ from retina_common.pb import retina_pb2_grpc
 from retina_common.recovery_driver import wait_replay_ready
 from retina_common.topology import Topology
 from spark_jobs.common import (
+    EXIT_FAILED,
     EXIT_OK,
     EXIT_REFUSED,
     EXIT_UNAVAILABLE,
@@ -80,6 +89,9 @@ if TYPE_CHECKING:
 PROG = "cdc_replay"
 MODES = {"vnode": pb.VNODE, "node": pb.NODE}
 RPC_TIMEOUT_S = 60.0
+# The next code after spark_jobs.common's, the same as retina-cdc's replay-gap stop.
+EXIT_REPLAY_GAP = 5
+REPLAY_GAP_MARK = "[retina:REPLAY_GAP]"
 
 
 # --- what a task receives: plain data ---------------------------------------------------------
@@ -144,13 +156,18 @@ def replay_vnode(spec: JobSpec, task: VnodeTask) -> VnodeResult:
     sent_rows = sent = 0
     with grpc.insecure_channel(task.node) as channel:
         stub = retina_pb2_grpc.RetinaWorkerServiceStub(channel)
-        for request in replay_requests(changelog, spec.schema, _Tables(spec.schema, spec.tables),
-                                       {task.vnode: task.from_ts}, context, spec.max_rows,
-                                       task.to_ts, records):
-            call_with_retry(lambda r=request: stub.UpdateRecord(r, timeout=spec.rpc_timeout_s),
-                            f"UpdateRecord of vnode {task.vnode} to {task.node}")
-            sent_rows += changelog_rows(request)
-            sent += 1
+        try:
+            for request in replay_requests(changelog, spec.schema,
+                                           _Tables(spec.schema, spec.tables),
+                                           {task.vnode: task.from_ts}, context, spec.max_rows,
+                                           task.to_ts, records):
+                call_with_retry(lambda r=request: stub.UpdateRecord(
+                    r, timeout=spec.rpc_timeout_s),
+                    f"UpdateRecord of vnode {task.vnode} to {task.node}")
+                sent_rows += changelog_rows(request)
+                sent += 1
+        except ChangelogGap as exc:  # retention ran under the task: the driver must know
+            raise TaskError(f"{REPLAY_GAP_MARK} {exc}") from None
     return VnodeResult(task.vnode, sent_rows, sent)
 
 
@@ -209,6 +226,20 @@ def run_tasks(spark: SparkSession, spec: JobSpec, tasks: Sequence[VnodeTask],
 
 
 # --- the driver -------------------------------------------------------------------------------
+def replay_gap(changelog: Changelog, starts: Mapping[int, int], what: str) -> int | None:
+    """EXIT_REPLAY_GAP (with the message) if a start lies below the changelog's
+    low-watermark: replaying what is left would silently lose rows."""
+    try:
+        changelog.check_retained(starts)
+    except CorruptChangelog as exc:
+        return fail(PROG, f"{what}: {exc}", EXIT_FAILED)
+    except ChangelogGap as gap:
+        return fail(PROG, f"{what}: {gap}. Nothing was sent. Rebuild from the source or "
+                          "restore the changelog (docs/operations.md, \"connector stopped "
+                          "with a replay gap\")", EXIT_REPLAY_GAP)
+    return None
+
+
 def table_records(config: Config) -> dict[str, TableRecord]:
     catalog = Catalog(config.catalog.dsn, pool_max=1,
                       connect_timeout_s=config.catalog.connect_timeout_s)
@@ -241,7 +272,8 @@ class Plan:
     stub: retina_pb2_grpc.RetinaWorkerServiceStub | None = None
 
 
-def plan_recovery(args: argparse.Namespace, topology: Topology) -> Plan | int:
+def plan_recovery(args: argparse.Namespace, topology: Topology,
+                  changelog: Changelog) -> Plan | int:
     """Wait for the node's replay starts and open its attempt; an int is an exit code."""
     node = args.recover
     if node not in topology.nodes:
@@ -269,6 +301,9 @@ def plan_recovery(args: argparse.Namespace, topology: Topology) -> Plan | int:
         return fail(PROG, f"{node}: GetRecoveryReplayTs: {short_reason(exc)}",
                     exit_code_of(exc))
     vnode_starts = node_starts(node, topology, starts, mode)
+    gap = replay_gap(changelog, vnode_starts, f"{node} stays RECOVERING")
+    if gap is not None:
+        return gap
     tasks = [VnodeTask(v, node, s, None) for v, s in sorted(vnode_starts.items())]
     print(f"{node}: recovery attempt {token_hash(context.token)}, checkpoint "
           f"{context.checkpoint_id}, {args.mode} mode: replaying {len(tasks)} virtual nodes "
@@ -278,12 +313,17 @@ def plan_recovery(args: argparse.Namespace, topology: Topology) -> Plan | int:
     return Plan("recover", tasks, context, summary, stub)
 
 
-def plan_backfill(args: argparse.Namespace, topology: Topology) -> Plan | int:
+def plan_backfill(args: argparse.Namespace, topology: Topology,
+                  changelog: Changelog) -> Plan | int:
     """Every virtual node of every node; every node must be READY."""
     if args.from_ts is None or args.from_ts < 1:
         return fail(PROG, "--backfill needs --from-ts N (N >= 1)", EXIT_USAGE)
     if args.to_ts is not None and args.to_ts < args.from_ts:
         return fail(PROG, "--to-ts must not be below --from-ts", EXIT_USAGE)
+    gap = replay_gap(changelog, dict.fromkeys(range(topology.virtual_nodes), args.from_ts),
+                     "backfill")
+    if gap is not None:
+        return gap
     for node in topology.nodes:
         with grpc.insecure_channel(node) as channel:
             try:
@@ -320,9 +360,16 @@ def execute(args: argparse.Namespace, config: Config, plan: Plan) -> int:
         results = run_tasks(spark, spec, plan.tasks, print_progress)
         replay_s = time.monotonic() - job_started
     except Exception as exc:  # a task's CorruptChangelog arrives as Spark's exception text
-        return fail(PROG, f"replay failed: {short_reason(exc)}", exit_code_of(exc))
+        code = EXIT_REPLAY_GAP if REPLAY_GAP_MARK in str(exc) else exit_code_of(exc)
+        return fail(PROG, f"replay failed: {short_reason(exc)}", code)
     finally:
         spark.stop()
+    # Retention may have dropped a batch after a task listed the records; the
+    # low-watermark rises before any delete, so checking it again here sees it.
+    gap = replay_gap(Changelog(spec.changelog_root),
+                     {t.vnode: t.from_ts for t in plan.tasks}, f"{plan.mode} incomplete")
+    if gap is not None:
+        return gap
     if plan.context is not None and plan.stub is not None:
         try:
             plan.stub.MarkReady(pb.MarkReadyRequest(
@@ -359,7 +406,9 @@ def parser() -> argparse.ArgumentParser:
                "--recover: the CDC connector must not drive the same node at the same time "
                "(set cdc.drive_recovery = false while an operator replays with Spark).\n"
                "Exit codes: 0 done, 1 failed otherwise, 2 bad arguments or configuration, "
-               "3 refused (FAILED_PRECONDITION, FAILED node), 4 unavailable.")
+               "3 refused (FAILED_PRECONDITION, FAILED node), 4 unavailable, 5 a replay "
+               "gap (a start below the changelog's retention low-watermark: nothing sent, "
+               "no MarkReady).")
     p.add_argument("--config", help="TOML config file (default: $RETINA_CONFIG)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--recover", metavar="NODE",
@@ -398,7 +447,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"cdc.replay_mode: expected vnode or node, got {args.mode!r}")
     except ConfigError as exc:
         return fail(PROG, str(exc), EXIT_USAGE)
-    plan = plan_recovery(args, topology) if args.recover else plan_backfill(args, topology)
+    changelog = Changelog(changelog_root(config))
+    plan = (plan_recovery(args, topology, changelog) if args.recover
+            else plan_backfill(args, topology, changelog))
     if isinstance(plan, int):
         return plan
     return execute(args, config, plan)

@@ -13,16 +13,18 @@ import pytest
 import requests
 
 from cdc_client.changelog import Changelog
+from cdc_client.main import STOPPED_BY_REPLAY_GAP
 from cdc_client.retention import horizon, run_retention
-from retina_common.catalog import Catalog
+from retina_common.catalog import Catalog, FileType
 from retina_common.cluster import PostgresInstance
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
+from retina_server.checkpoint import CheckpointStore
 
 from .cdc import CdcPlane, SourceDb
 from .dataplane import DataPlane
-from .support import eventually
+from .support import eventually, now_ms
 
 
 @pytest.fixture
@@ -234,3 +236,142 @@ def test_a_node_refusal_rolls_the_batch_back_and_stops(make_cdc: Callable[..., C
     cdc.cdc.start()
     cdc.converged()
     assert cdc.cdc.logged("cdc_batch_committed")[-1]["last_ts"] > max(committed)
+
+
+def checkpoint_twice_and_drop(cdc: CdcPlane, etcd: EtcdStore) -> Changelog:
+    """A workload, two checkpoints of every node, then retention: the oldest
+    batches are gone and the changelog's low-watermark is above them."""
+    cdc.source.run(40)
+    cdc.converged()
+    for node in cdc.plane.nodes:
+        cdc.plane.checkpoint(node)
+    cdc.source.run(20)
+    cdc.converged()
+    for node in cdc.plane.nodes:
+        cdc.plane.checkpoint(node)
+    changelog = Changelog(cdc.cdc.settings["changelog_root"])
+    assert run_retention(changelog, etcd, cdc.plane.topology) > 0
+    assert changelog.retained_from() > 0
+    return changelog
+
+
+def replays_of(cdc: CdcPlane, node: str, event: str) -> int:
+    return sum(1 for e in cdc.cdc.logged(event) if e["node"] == node)
+
+
+def test_a_replay_gap_stops_the_connector_and_the_node_stays_recovering(
+        make_cdc: Callable[..., CdcPlane], etcd: EtcdStore, catalog: Catalog) -> None:
+    """Regression: cleansing discards an admitted file whose rows only dropped
+    batches held, so the node's replay start falls below the changelog's
+    low-watermark. Replaying what is left and calling MarkReady would lose
+    those rows silently; the connector stops with exit 5 and names the gap,
+    sends nothing, and the node stays RECOVERING (also after a restart)."""
+    cdc = make_cdc(batch_max_transactions=5)
+    cdc.cdc.start()
+    eventually(cdc.all_ready, 60, "both nodes READY")
+    changelog = checkpoint_twice_and_drop(cdc, etcd)
+    retained = changelog.retained_from()
+    victim = cdc.plane.nodes[0]
+    found = CheckpointStore(etcd, victim, "", cdc.plane.topology.topology_hash).read_slot(
+        "current")
+    assert found is not None
+    oldest = min(found[1].files, key=lambda entry: entry.min_commit_ts)
+    assert oldest.min_commit_ts < retained, "the file's rows must lie in dropped batches"
+    starts, dones = (replays_of(cdc, victim, e) for e in ("cdc_replay_start", "cdc_replay_done"))
+
+    cdc.plane.retinas[victim].kill9()
+    # What an operator's `retina-catalog update-file --type RETIRED` does: the
+    # file is no longer REGULAR, so cleansing discards its checkpoint entry.
+    catalog.update_file(oldest.file_id, file_type=FileType.RETIRED, cleanup_at=now_ms(),
+                        expected_type=FileType.REGULAR)
+    cdc.plane.retinas[victim].start()
+
+    assert cdc.cdc.wait_exit(90) == STOPPED_BY_REPLAY_GAP == 5, cdc.cdc.log_tail()
+    gap = cdc.cdc.logged("cdc_replay_gap")[-1]
+    assert gap["node"] == victim and gap["retained_from_ts"] == retained
+    assert gap["needed_ts"] <= oldest.min_commit_ts < retained
+    assert gap["vnode"] in cdc.plane.topology.vnodes_of(victim)
+    assert cdc.cdc.logged("cdc_stopped_replay_gap")[-1]["node"] == victim
+    status = cdc.plane.status(victim)
+    assert status.state == rpb.RECOVERING and status.replay_ts_ready, status
+    # Nothing was replayed into it, and MarkReady was never sent.
+    assert replays_of(cdc, victim, "cdc_replay_start") == starts
+    assert replays_of(cdc, victim, "cdc_replay_done") == dones
+    # A restart finds the same gap: it is not a transient failure.
+    cdc.cdc.start()
+    assert cdc.cdc.wait_exit(90) == STOPPED_BY_REPLAY_GAP, cdc.cdc.log_tail()
+    assert cdc.plane.status(victim).state == rpb.RECOVERING
+    assert replays_of(cdc, victim, "cdc_replay_done") == dones
+
+
+@pytest.mark.parametrize("point", ["cdc.replay.after_request", "cdc.replay.before_mark_ready"])
+def test_connector_crash_while_driving_recovery_converges(make_cdc: Callable[..., CdcPlane],
+                                                          point: str) -> None:
+    """The connector dies while it replays into a recovering node, or after the
+    replay but before MarkReady: the node stays RECOVERING at its attempt, and
+    the restarted connector replays it again and marks it READY."""
+    cdc = make_cdc(request_max_rows=10)
+    cdc.cdc.start()
+    eventually(cdc.all_ready, 60, "both nodes READY")
+    cdc.source.run(40)
+    cdc.converged()
+    cdc.cdc.terminate()
+    victim = cdc.plane.nodes[1]
+    cdc.plane.retinas[victim].kill9()
+    cdc.plane.retinas[victim].start()
+    dones = replays_of(cdc, victim, "cdc_replay_done")
+    cdc.cdc.start(f"{point}=exit(137)")
+    assert cdc.cdc.wait_exit(60) == 137, cdc.cdc.log_tail()
+    assert f"failpoint {point}" in cdc.cdc.log_tail()
+    assert cdc.plane.status(victim).state == rpb.RECOVERING
+    cdc.cdc.start()
+    cdc.source.run(10)
+    cdc.converged(timeout_s=90)
+    assert cdc.all_ready()
+    assert replays_of(cdc, victim, "cdc_replay_done") == dones + 1
+
+
+@pytest.mark.parametrize("point", ["cdc.retention.watermark.before",
+                                   "cdc.retention.watermark.after"])
+def test_connector_crash_in_retention_never_hides_a_gap(make_cdc: Callable[..., CdcPlane],
+                                                        etcd: EtcdStore, point: str) -> None:
+    """A kill around the low-watermark write: before it nothing changed; after
+    it the mark is durable and every batch is still there. The restarted
+    connector finishes retention, and a node crash afterwards recovers exactly."""
+    cdc = make_cdc(batch_max_transactions=5)
+    cdc.cdc.start()
+    eventually(cdc.all_ready, 60, "both nodes READY")
+    cdc.source.run(40)
+    cdc.converged()
+    for node in cdc.plane.nodes:
+        cdc.plane.checkpoint(node)
+    cdc.source.run(20)
+    cdc.converged()
+    for node in cdc.plane.nodes:
+        cdc.plane.checkpoint(node)
+    changelog = Changelog(cdc.cdc.settings["changelog_root"])
+    names = [r.name for r in changelog.records()]
+    cdc.cdc.terminate()
+    cdc.cdc.start(f"{point}=exit(137)", retention_interval_s=1)
+    assert cdc.cdc.wait_exit(60) == 137, cdc.cdc.log_tail()
+    assert [r.name for r in changelog.records()] == names  # nothing deleted yet
+    retained = changelog.retained_from()
+    if point.endswith(".before"):
+        assert retained == 0
+    else:
+        assert 0 < retained <= horizon(etcd, cdc.plane.topology)
+        assert any(r.last_ts < retained for r in changelog.records())
+    cdc.cdc.start(retention_interval_s=1)
+
+    def finished() -> bool:
+        low = changelog.retained_from()
+        return low > 0 and all(r.last_ts >= low for r in changelog.records())
+
+    eventually(finished, 30, "the restarted connector to finish retention")
+    assert len(changelog.records()) < len(names)
+    victim = cdc.plane.nodes[0]
+    cdc.plane.retinas[victim].kill9()
+    cdc.plane.retinas[victim].start()
+    cdc.source.run(10)
+    cdc.converged(timeout_s=90)
+    assert cdc.all_ready()

@@ -9,11 +9,14 @@ import pytest
 from cdc_client.changelog import (
     DELETE,
     REPLACE,
+    WATERMARK_NAME,
     Changelog,
+    ChangelogGap,
     ChangeRow,
     CorruptChangelog,
     LoggedTransaction,
 )
+from retina_common.failpoints import FailpointTriggered
 
 
 def txn(ts: int, rows: list[tuple[int, bytes, int]]) -> LoggedTransaction:
@@ -68,4 +71,77 @@ def test_drop_before_keeps_the_horizon_and_removes_orphans(tmp_path: Path) -> No
     assert log.drop_before(5) == 1
     assert [r.first_ts for r in log.records()] == [5, 9]
     assert not orphan.exists()
-    assert [r.key for r in log.read({0: 0})] == [b"b", b"c"]
+    # The batch ending at 1 is gone: the changelog holds everything from 2 on.
+    assert [r.key for r in log.read({0: 2})] == [b"b", b"c"]
+
+
+def three_batches(root: Path) -> Changelog:
+    log = Changelog(str(root))
+    log.append([txn(1, [(0, b"a", REPLACE)]), txn(2, [(1, b"x", REPLACE)])])
+    log.append([txn(5, [(0, b"b", REPLACE)])])
+    log.append([txn(9, [(0, b"c", REPLACE)])])
+    return log
+
+
+def test_a_fresh_changelog_holds_everything_from_zero(tmp_path: Path) -> None:
+    log = three_batches(tmp_path)
+    assert log.retained_from() == 0
+    assert [r.key for r in log.read({0: 0, 1: 0})] == [b"a", b"x", b"b", b"c"]
+    assert log.drop_before(1) == 0 and log.retained_from() == 0  # nothing dropped, no mark
+
+
+def test_retention_raises_the_low_watermark_and_read_refuses_below_it(tmp_path: Path) -> None:
+    log = three_batches(tmp_path)
+    assert log.drop_before(6) == 2
+    # The last dropped batch ended at 5: everything from 6 on is still here.
+    assert Changelog(str(tmp_path)).retained_from() == 6
+    assert [r.key for r in log.read({0: 6})] == [b"c"]
+    with pytest.raises(ChangelogGap) as gap:
+        list(log.read({0: 7, 1: 3}))
+    assert (gap.value.vnode, gap.value.needed_ts, gap.value.retained_from_ts) == (1, 3, 6)
+    assert gap.value.short == {1: 3}
+    # A horizon that goes back down (a new node) never lowers it: the data is gone.
+    assert log.drop_before(2) == 0
+    assert log.retained_from() == 6
+
+
+def test_the_low_watermark_is_durable_before_any_batch_is_deleted(
+        tmp_path: Path, active_failpoints) -> None:
+    log = three_batches(tmp_path)
+    names = [r.name for r in log.records()]
+    active_failpoints("cdc.retention.watermark.before=raise")
+    with pytest.raises(FailpointTriggered):
+        log.drop_before(6)
+    assert log.retained_from() == 0 and [r.name for r in log.records()] == names
+    # A crash after the mark, before the deletes: a reader (a new process) sees
+    # the mark above batches that are still there: it refuses more, never less.
+    active_failpoints("cdc.retention.watermark.after=raise")
+    with pytest.raises(FailpointTriggered):
+        log.drop_before(6)
+    reopened = Changelog(str(tmp_path))
+    assert reopened.retained_from() == 6 and [r.name for r in reopened.records()] == names
+    with pytest.raises(ChangelogGap):
+        list(reopened.read({0: 0}))
+    active_failpoints("")
+    assert reopened.drop_before(6) == 2  # the next retention run finishes the job
+    assert [r.first_ts for r in reopened.records()] == [9]
+
+
+def test_a_read_that_retention_overtakes_fails_instead_of_ending_short(tmp_path: Path) -> None:
+    log = three_batches(tmp_path)
+    rows = log.read({0: 0})
+    assert next(rows).key == b"a"
+    log.drop_before(6)  # the batch of ts 5 goes while the reader is past it
+    with pytest.raises(ChangelogGap):
+        list(rows)
+
+
+def test_a_corrupt_low_watermark_is_an_error_not_zero(tmp_path: Path) -> None:
+    log = three_batches(tmp_path)
+    log.drop_before(6)
+    mark = tmp_path / WATERMARK_NAME
+    mark.write_bytes(mark.read_bytes().replace(b"6", b"1"))
+    with pytest.raises(CorruptChangelog):
+        log.retained_from()
+    with pytest.raises(CorruptChangelog):
+        list(log.read({0: 9}))
