@@ -123,8 +123,8 @@ def main() -> None:
             for i in range(500):
                 f = listing.files[i % len(listing.files)]
                 q0 = time.perf_counter()
-                stub.QueryVisibility(rpb.QueryVisibilityRequest(file_id=f.file_id,
-                                                                timestamp=r.timestamp))
+                stub.QueryVisibility(rpb.QueryVisibilityRequest(
+                    file_id=f.file_id, timestamp=r.timestamp, trans_id=r.trans_id))
                 latencies.append((time.perf_counter() - q0) * 1000)
         latencies.sort()
         print(f"{'QueryVisibility (whole file)':<28} p50 {statistics.median(latencies):.3f} ms, "

@@ -94,7 +94,7 @@ class SnapshotReader:
         listing = self._trans.ListQueryFiles(tpb.ListQueryFilesRequest(
             trans_id=trans.trans_id, schema_name=schema, table_name=table), timeout=self._timeout)
         regular = {f.file_id for f in listing.files}
-        parts = [self._read_file(f, ts) for f in listing.files]
+        parts = [self.read_file(f, trans) for f in listing.files]
         buffer_rows = 0
         for rows in buffered:
             keep = pc.invert(pc.is_in(rows.column(FILE_ID), pa.array(sorted(regular),
@@ -108,13 +108,16 @@ class SnapshotReader:
             result = result.drop_columns([c for c in HIDDEN if c in result.column_names])
         return Snapshot(result, ts, len(listing.files), buffer_rows)
 
-    def _read_file(self, f: tpb.QueryFile, ts: int) -> pa.Table:
+    def read_file(self, f: tpb.QueryFile, trans: tpb.BeginTransResponse) -> pa.Table:
+        """One file's rows visible at ``trans``'s snapshot (its owner answers the
+        deletions only while the read transaction is live)."""
+        ts = trans.timestamp
         node = file_names.parse(f.name).node_id
         stub = self._retina.get(node)
         if stub is None:
             raise RuntimeError(f"file {f.name} belongs to {node}, which is not in the topology")
         visibility = stub.QueryVisibility(rpb.QueryVisibilityRequest(
-            file_id=f.file_id, timestamp=ts), timeout=self._timeout)
+            file_id=f.file_id, timestamp=ts, trans_id=trans.trans_id), timeout=self._timeout)
         deleted = {g.rg_id: g for g in visibility.row_groups}
         parquet = pq.ParquetFile(pa.BufferReader(read_bytes(f.path_uri, f.name)))
         groups = []

@@ -45,6 +45,7 @@ from retina_server.index import LocalIndexService
 from retina_server.lifecycle import LifecyclePublisher, LifecycleStateMachine, Phase
 from retina_server.mark_ready import MarkReadyBarrier, ReadyHooks
 from retina_server.node import BufferSettings, RetinaNode
+from retina_server.read_guard import ReadTransactionGuard, TransStatus
 from retina_server.recovery import RecoveryCoordinator
 from retina_server.service import RetinaService
 
@@ -106,11 +107,21 @@ def main(argv: list[str] | None = None) -> int:
         node, catalog, CheckpointStore(etcd, node_id, storage, topology.topology_hash),
         machine, publisher, high_watermark, index.allocate("recovery_epoch") + 1)
     node.on_fail_closed = recovery.fail
+    def trans_status(trans_id: int) -> TransStatus:
+        try:
+            reply = trans.GetTransStatus(trans_pb2.GetTransStatusRequest(trans_id=trans_id),
+                                         timeout=10)
+        except grpc.RpcError as exc:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE,
+                          f"TransServer unreachable: {exc.code().name}") from exc
+        return TransStatus(reply.live, reply.read_only, reply.lease_expires_at_ms)
+
     hooks = ReadyHooks(node, recovery.create_checkpoint, rc.checkpoint_interval_ms / 1000, stop)
     barrier = MarkReadyBarrier(machine, recovery.entry, recovery.check_attempt, hooks,
                                recovery.publish_ready, handle.set_serving)
     retina_pb2_grpc.add_RetinaWorkerServiceServicer_to_server(
-        RetinaService(node, recovery, barrier, machine, rc.max_rows_per_request), handle.server)
+        RetinaService(node, recovery, barrier, machine, ReadTransactionGuard(trans_status),
+                      rc.max_rows_per_request), handle.server)
     metrics_port = serve_metrics(rc.metrics_listen)
 
     received: list[str] = []

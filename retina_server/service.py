@@ -4,7 +4,8 @@ Every RPC asks the lifecycle table (lifecycle.py, ``admit``) whether its kind
 of request is admitted in the current phase; every failure is answered
 through the one mapping of retina_common/refusal.py. Reads also refuse a
 snapshot the node can no longer answer exactly (below the visibility base it
-restored at start: ABORTED, begin a new query). AddVisibility and
+restored at start: ABORTED, begin a new query), and answer only reads of a
+live read-only transaction (read_guard.py). AddVisibility and
 Register/UnregisterOffload belong to Storage GC and query offload and answer
 UNIMPLEMENTED until those exist.
 """
@@ -27,6 +28,7 @@ from retina_server import replay_admission
 from retina_server.lifecycle import LifecycleStateMachine, Request
 from retina_server.mark_ready import MarkReadyBarrier
 from retina_server.node import RetinaNode
+from retina_server.read_guard import ReadTransactionGuard
 from retina_server.recovery import RecoveryCoordinator
 from retina_server.update_record import apply, prepare
 from retina_server.visibility import bitmap_to_bytes
@@ -44,11 +46,12 @@ MODES = {pb.VNODE: "VNODE", pb.NODE: "NODE"}
 class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
     def __init__(self, node: RetinaNode, recovery: RecoveryCoordinator,
                  barrier: MarkReadyBarrier, machine: LifecycleStateMachine,
-                 max_rows_per_request: int) -> None:
+                 reads: ReadTransactionGuard, max_rows_per_request: int) -> None:
         self._node = node
         self._recovery = recovery
         self._barrier = barrier
         self._machine = machine
+        self._reads = reads
         self._max_rows = max_rows_per_request
 
     def _guard(self, context: grpc.ServicerContext, fn: Callable[[], Any],
@@ -92,9 +95,11 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             self._node.check_writable()
             return apply(self._node, applied)
 
-    def _read_floor(self, ts: int) -> None:
+    def _admit_read(self, ts: int, trans_id: int) -> None:
+        """READY, a snapshot at or above the restored base, a live read transaction."""
         self._machine.admit(Request.READ)
         self._node.check_snapshot(ts)
+        self._reads.check(trans_id)
 
     def UpdateRecord(self, request: pb.UpdateRecordRequest,
                      context: grpc.ServicerContext) -> pb.UpdateRecordResponse:
@@ -108,7 +113,7 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
     def GetWriteBuffer(self, request: pb.GetWriteBufferRequest,
                        context: grpc.ServicerContext) -> pb.GetWriteBufferResponse:
         def run() -> pb.GetWriteBufferResponse:
-            self._read_floor(request.timestamp)
+            self._admit_read(request.timestamp, request.trans_id)
             table = self._node.table(request.schema_name, request.table_name)
             rows = self._node.write_buffer_rows(table, request.timestamp)
             sink = pa.BufferOutputStream()
@@ -121,7 +126,7 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
     def QueryVisibility(self, request: pb.QueryVisibilityRequest,
                         context: grpc.ServicerContext) -> pb.QueryVisibilityResponse:
         def run() -> pb.QueryVisibilityResponse:
-            self._read_floor(request.timestamp)
+            self._admit_read(request.timestamp, request.trans_id)
             groups = self._node.query_visibility(request.file_id, list(request.rg_ids),
                                                  request.timestamp)
             return pb.QueryVisibilityResponse(file_id=request.file_id, row_groups=[

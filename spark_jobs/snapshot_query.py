@@ -91,6 +91,7 @@ class FileReadSpec:
     nodes: tuple[str, ...]
     virtual_nodes: int
     timestamp: int
+    trans_id: int  # the live read transaction the owners check
     schema: pa.Schema  # the table's columns, no hidden ones
 
 
@@ -104,12 +105,13 @@ def read_files(spec: FileReadSpec, refs: Iterable[FileRef]) -> Iterator[tuple[An
     """The visible rows of ``refs`` at the snapshot; runs inside a Spark task."""
     reader = SnapshotReader(spec.trans_address, Topology(spec.nodes, spec.virtual_nodes),
                             timeout_s=RPC_TIMEOUT_S)
+    trans = tpb.BeginTransResponse(trans_id=spec.trans_id, timestamp=spec.timestamp)
     try:
         for ref in refs:
             message = tpb.QueryFile(file_id=ref.file_id, name=ref.name, path_uri=ref.path_uri)
             # The reader's own per-file step: rows committed at or before the
             # snapshot, minus what the owner's visibility says is deleted.
-            part = call_with_retry(lambda m=message: reader._read_file(m, spec.timestamp),
+            part = call_with_retry(lambda m=message: reader.read_file(m, trans),
                                    f"reading file {ref.name}")
             yield from rows_of(part, spec.schema)
     finally:
@@ -151,7 +153,7 @@ def snapshot_in(spark: SparkSession, trans: tpb.BeginTransResponse, trans_addres
     buffered = [b.filter(pc.invert(pc.is_in(b.column(FILE_ID), regular))) for b in buffers]
     buffer_rows = [row for b in buffered for row in rows_of(b, columns)]
     spec = FileReadSpec(trans_address, topology.nodes, topology.virtual_nodes,
-                        trans.timestamp, columns)
+                        trans.timestamp, trans.trans_id, columns)
     refs = [FileRef(f.file_id, f.name, f.path_uri) for f in files]
     sc = spark.sparkContext
     file_rows = sc.parallelize(refs, max(1, len(refs))).mapPartitions(

@@ -42,9 +42,11 @@ def event(tenant: int, seq: int, rng) -> dict:
 def write_buffer_rows(plane: DataPlane, table: str) -> int:
     from retina_common.pb import retina_pb2 as rpb
 
-    return sum(p.stub.GetWriteBuffer(rpb.GetWriteBufferRequest(
-        schema_name="shop", table_name=table, timestamp=2**62), timeout=10).row_count
-        for p in plane.retinas.values())
+    assert plane.reader is not None
+    with plane.reader.transaction() as trans:
+        return sum(p.stub.GetWriteBuffer(rpb.GetWriteBufferRequest(
+            schema_name="shop", table_name=table, timestamp=2**62, trans_id=trans.trans_id),
+            timeout=10).row_count for p in plane.retinas.values())
 
 
 def test_randomized_workload_matches_the_model(plane: DataPlane, catalog: Catalog) -> None:

@@ -246,3 +246,37 @@ def test_outcome_unknown_from_the_catalog_and_etcd_converges(
     assert plane.read("orders") == plane.model.rows["orders"]
     restart_and_recover(plane, node)
     assert plane.read("orders") == plane.model.rows["orders"]
+
+
+def test_reads_of_a_transaction_that_is_not_live_are_refused(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane()
+    node = plane.nodes[0]
+    plane.commit({"orders": {"replaces": [order(i) for i in range(40)]}})
+    eventually(lambda: catalog.get_files_by_type(None, [FileType.REGULAR]), 20, "a publish")
+    file_id = catalog.get_files_by_type(None, [FileType.REGULAR])[0].file_id
+    stub, trans = plane.retinas[node].stub, plane.trans.stub()
+    read = trans.BeginTrans(tpb.BeginTransRequest(read_only=True), timeout=10)
+    write = trans.BeginTrans(tpb.BeginTransRequest(read_only=False), timeout=10)
+
+    def visibility(trans_id: int) -> rpb.QueryVisibilityResponse:
+        return stub.QueryVisibility(rpb.QueryVisibilityRequest(
+            file_id=file_id, timestamp=read.timestamp, trans_id=trans_id), timeout=10)
+
+    def write_buffer(trans_id: int) -> rpb.GetWriteBufferResponse:
+        return stub.GetWriteBuffer(rpb.GetWriteBufferRequest(
+            schema_name="shop", table_name="orders", timestamp=read.timestamp,
+            trans_id=trans_id), timeout=10)
+
+    assert visibility(read.trans_id).row_groups  # live: answered
+    for call in (visibility, write_buffer):
+        assert rpc_error(lambda c=call: c(0)).code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert rpc_error(lambda c=call: c(write.trans_id)).code() == \
+            grpc.StatusCode.FAILED_PRECONDITION
+    trans.RollbackTrans(tpb.RollbackTransRequest(trans_id=write.trans_id), timeout=10)
+    trans.CommitTrans(tpb.CommitTransRequest(trans_id=read.trans_id), timeout=10)
+    for call in (visibility, write_buffer):  # ended: refused once the cached answer lapses
+        err = eventually(lambda c=call: rpc_error(lambda: c(read.trans_id)), 10,
+                         "the ended transaction to be refused")
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no longer live" in err.details()

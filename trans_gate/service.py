@@ -129,6 +129,15 @@ class TransService(pb_grpc.TransServiceServicer):
                            context: grpc.ServicerContext) -> pb.GetSafeGcTimestampResponse:
         return pb.GetSafeGcTimestampResponse(safe_gc_ts=self._table.safe_gc_ts())
 
+    def GetTransStatus(self, request: pb.GetTransStatusRequest,
+                       context: grpc.ServicerContext) -> pb.GetTransStatusResponse:
+        trans = self._table.status(request.trans_id)
+        if trans is None:
+            return pb.GetTransStatusResponse(live=False)
+        return pb.GetTransStatusResponse(live=True, read_only=trans.kind == TransKind.READ,
+                                         timestamp=trans.timestamp,
+                                         lease_expires_at_ms=trans.lease_expires_at_ms)
+
     def ListQueryFiles(self, request: pb.ListQueryFilesRequest,
                        context: grpc.ServicerContext) -> pb.ListQueryFilesResponse:
         """REGULAR files of a table, only for a live read-only transaction, and only

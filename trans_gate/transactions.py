@@ -195,6 +195,11 @@ class TransactionTable:
                 raise WrongTransactionKind(f"transaction {trans_id} is a write transaction")
             return trans
 
+    def status(self, trans_id: int) -> Transaction | None:
+        """The live transaction ``trans_id``, or None if it is not live."""
+        with self._lock:
+            return self._live.get(trans_id)
+
     def high_watermark(self) -> int:
         with self._lock:
             return self._compute_hwm()
