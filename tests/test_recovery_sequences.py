@@ -50,7 +50,9 @@ def test_a_table_not_written_since_the_restart_survives_two_more_restarts(
         plane.commit({"events": {"replaces": [event(100 * t + i) for i in range(20)]}})
     for t in range(5):
         plane.commit({"orders": {"replaces": [order(100 * t + i) for i in range(15)]}})
-    eventually(lambda: len(files_of(catalog, plane, "events", FileType.REGULAR)) >= 2, 20,
+    # Wait for the flush: every events file published, none left in a write buffer.
+    eventually(lambda: files_of(catalog, plane, "events", FileType.REGULAR) and
+               not files_of(catalog, plane, "events", FileType.TEMPORARY_INGEST), 30,
                "the events files to be published")
     plane.checkpoint(node)
     published = files_of(catalog, plane, "events", FileType.REGULAR)
