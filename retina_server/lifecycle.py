@@ -181,11 +181,15 @@ class LifecyclePublisher:
     """
 
     def __init__(self, store: EtcdStore, node_id: str, ttl_s: int,
-                 clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> None:
+                 clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+                 on_put: Callable[[LifecycleState], None] = lambda _state: None) -> None:
         self._store = store
         self._node = node_id
         self._ttl = ttl_s
         self._clock_ms = clock_ms
+        # Told after every successful put: health follows what etcd says, including
+        # a READY that only the heartbeat managed to publish (mark_ready.py).
+        self._on_put = on_put
         self._lease = 0
         self._record: LifecycleRecord | None = None
         self._lock = threading.Lock()
@@ -208,6 +212,7 @@ class LifecyclePublisher:
                                  self._record.recovery_epoch, self._record.token_hash,
                                  self._clock_ms())
         self._store.put(lifecycle_key(self._node), record.to_json(), lease_id=self._lease)
+        self._on_put(record.state)
 
     def _run(self) -> None:
         while not self._stop.wait(max(self._ttl / 3, 0.2)):

@@ -14,11 +14,13 @@
    the READY checkpoint is taken (it captures everything replayed), periodic
    checkpoints start;
 6. queries are unblocked last (invariant READY_HOOKS_BEFORE_QUERIES): READY is
-   published to the lifecycle key and health says SERVING.
+   published to the lifecycle key; health says SERVING from the moment a put of
+   READY succeeds (the lifecycle publisher tells the server).
 
 If step 6 cannot reach etcd, MarkReady answers UNAVAILABLE; the node is READY
-with its hooks run, the heartbeat keeps re-putting the READY record, and a
-retried MarkReady with the same token publishes it again. A node is never
+with its hooks run, the heartbeat keeps re-putting the READY record (and health
+turns SERVING when one lands), and a retried MarkReady with the same token
+publishes it again. A node is never
 READY without its hooks, and a transient etcd error never wedges it.
 """
 
@@ -77,14 +79,12 @@ class ReadyHooks:
 class MarkReadyBarrier:
     def __init__(self, machine: LifecycleStateMachine, entry: ReplayEntry,
                  check_attempt: Callable[[str, int], None], hooks: ReadyHooks,
-                 publish_ready: Callable[[], None],
-                 set_serving: Callable[[bool], None]) -> None:
+                 publish_ready: Callable[[], None]) -> None:
         self._machine = machine
         self._entry = entry
         self._check_attempt = check_attempt
         self._hooks = hooks
         self._publish_ready = publish_ready
-        self._set_serving = set_serving
         self._lock = threading.Lock()  # one MarkReady at a time
 
     def mark_ready(self, token: str, checkpoint_id: int) -> None:
@@ -119,6 +119,5 @@ class MarkReadyBarrier:
             raise Refusal(grpc.StatusCode.UNAVAILABLE,
                           f"the node is READY but READY is not yet published ({exc}); "
                           "retry MarkReady") from exc
-        self._set_serving(True)
         fp.MARK_READY_PUBLISH_AFTER.hit()
         log.info("node_ready")

@@ -34,6 +34,7 @@ from retina_common.catalog import Catalog, CatalogError
 from retina_common.config import Config, ConfigError, load_config, split_host_port
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.grpc_server import ServerHandle
+from retina_common.lifecycle_record import LifecycleState
 from retina_common.log import configure_logging
 from retina_common.metrics import serve_metrics
 from retina_common.pb import retina_pb2, retina_pb2_grpc, trans_pb2, trans_pb2_grpc
@@ -92,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("retina_server_start_failed", error=str(exc), error_type=type(exc).__name__)
         return 4
     machine = LifecycleStateMachine()
-    publisher = LifecyclePublisher(etcd, node_id, rc.lifecycle_ttl_s)
+    publisher = LifecyclePublisher(
+        etcd, node_id, rc.lifecycle_ttl_s,
+        on_put=lambda state: handle.set_serving(state == LifecycleState.READY))
     stop = threading.Event()
 
     def high_watermark() -> int:
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hooks = ReadyHooks(node, recovery.create_checkpoint, rc.checkpoint_interval_ms / 1000, stop)
     barrier = MarkReadyBarrier(machine, recovery.entry, recovery.check_attempt, hooks,
-                               recovery.publish_ready, handle.set_serving)
+                               recovery.publish_ready)
     retina_pb2_grpc.add_RetinaWorkerServiceServicer_to_server(
         RetinaService(node, recovery, barrier, machine, ReadTransactionGuard(trans_status),
                       rc.max_rows_per_request), handle.server)

@@ -152,6 +152,8 @@ def test_mark_ready_survives_an_etcd_outage(private_etcd: tuple[EtcdInstance, Pa
         inst.pid = restarted.pid
         # The heartbeat publishes READY by itself; a retried MarkReady is harmless.
         eventually(lambda: lifecycle_state(store, node) == "READY", 30, "READY in etcd")
+        eventually(lambda: health(node) == health_pb2.HealthCheckResponse.SERVING, 10,
+                   "health to follow the READY the heartbeat published")
         stub.MarkReady(request, timeout=60)
         assert health(node) == health_pb2.HealthCheckResponse.SERVING
         eventually(plane.gate_open, 15, "the gate to admit")
