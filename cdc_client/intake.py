@@ -29,6 +29,10 @@ _POLL_S = 0.05  # how long an acknowledgement may wait for the intake thread
 
 
 @dataclass(frozen=True)
+class SourceLost(Exception):
+    """The source connection broke (e.g. the source database restarted)."""
+
+
 class Item:
     trans: SourceTransaction | None
     rows: list[ChangeRow]
@@ -98,6 +102,8 @@ class Intake:
             self._put(Item(None, [], exc))
         except Exception as exc:  # a dropped source connection, a bug: stop, do not hang
             log.error("cdc_intake_failed", error=str(exc), error_type=type(exc).__name__)
-            self._put(Item(None, [], SourceError(f"source failed: {exc}")))
+            # Not a SourceError: nothing is wrong with the events, so this is a crash
+            # (exit 1) that a restart resumes from the committed position, not a stop.
+            self._put(Item(None, [], SourceLost(f"source failed: {exc}")))
         finally:
             self._send_ack()

@@ -10,6 +10,7 @@ import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from retina_common.catalog import Catalog, CatalogError, CatalogUnavailable, NotFoundError
+from retina_common.etcd import EtcdError
 from retina_common.log import get_logger
 from retina_common.pb import trans_pb2 as pb
 from retina_common.pb import trans_pb2_grpc as pb_grpc
@@ -53,6 +54,8 @@ class TransService(pb_grpc.TransServiceServicer):
             self._on_fenced()
             _abort(context, grpc.StatusCode.UNAVAILABLE,
                    f"this TransServer was fenced by another instance: {exc}")
+        except EtcdError as exc:  # a block allocation found etcd away: retry later
+            abort(context, exc)
 
     def _gate_check(self, context: grpc.ServicerContext) -> GateDecision:
         started = time.perf_counter()
