@@ -119,6 +119,36 @@ def test_kill_at_block_failpoints(trans_factory: Callable[..., TransServerProces
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "restart" in err.details()
 
 
+def test_an_etcd_outage_at_a_block_boundary_is_unavailable_then_heals(
+        trans_factory: Callable[..., TransServerProcess], tmp_path: Path) -> None:
+    """A new timestamp block needs etcd: while it is away the answer is UNAVAILABLE
+    (retry), never UNKNOWN (which a client reads as a refusal), and the same server
+    serves again once etcd is back."""
+    from retina_common.cluster import start_etcd, terminate
+
+    private = start_etcd(tmp_path / "etcd", tmp_path / "etcd.log")
+    try:
+        server = trans_factory(trans={"ts_block_size": 4}, etcd_endpoint=private.endpoint)
+        server.start()
+        stub = server.stub()
+        issued = [begin_write(stub) for _ in range(2)]
+        terminate(private.pid)
+        errors = []
+        for _ in range(8):  # runs past the end of the current block
+            try:
+                issued.append(begin_write(stub))
+            except grpc.RpcError as exc:
+                errors.append(exc.code())
+        assert errors and set(errors) == {grpc.StatusCode.UNAVAILABLE}, errors
+        restarted = start_etcd(tmp_path / "etcd", tmp_path / "etcd.log",
+                               ports=(private.client_port, private.peer_port))
+        private.pid = restarted.pid
+        later = eventually(lambda: begin_write(stub), 30, "a write transaction after etcd returns")
+        assert later.timestamp > max(t.timestamp for t in issued)
+    finally:
+        terminate(private.pid)
+
+
 # --- transactions and the HWM ---
 def test_hwm_with_out_of_order_commits_and_rollbacks(trans: TransServerProcess) -> None:
     stub = trans.stub()
