@@ -28,11 +28,11 @@ log = structlog.get_logger("cdc")
 _POLL_S = 0.05  # how long an acknowledgement may wait for the intake thread
 
 
-@dataclass(frozen=True)
 class SourceLost(Exception):
     """The source connection broke (e.g. the source database restarted)."""
 
 
+@dataclass(frozen=True)
 class Item:
     trans: SourceTransaction | None
     rows: list[ChangeRow]
