@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STATE ?= .retina-cluster
 
-.PHONY: setup demo test test-fast lint bench proto cluster-up cluster-down cluster-status clean
+.PHONY: setup demo test test-fast lint bench chaos proto cluster-up cluster-down cluster-status clean
 
 setup:
 	@bash scripts/setup.sh
@@ -17,6 +17,13 @@ demo: setup
 
 test: setup
 	@$(PY) -m pytest $(PYTEST_ARGS)
+
+# A seeded fault campaign on a private cluster (docs/chaos.md). Default: a short one;
+# e.g. `make chaos CHAOS_ARGS="--seed 7 --episodes 1000 --json chaos.json"`.
+CHAOS_ARGS ?= --seed 1 --episodes 20
+
+chaos: setup
+	@$(PY) -m chaos $(CHAOS_ARGS)
 
 lint: setup
 	@$(VENV)/bin/ruff check .

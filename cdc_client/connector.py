@@ -68,7 +68,10 @@ from retina_common.topology import Topology
 
 log = structlog.get_logger("cdc")
 T = TypeVar("T")
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# CANCELLED: a Retina node shutting down (SIGTERM) cancels the calls in flight; the
+# outcome is unknown exactly as for a lost connection, and a resend converges.
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+             grpc.StatusCode.CANCELLED)
 
 
 class ConnectorStopped(Exception):

@@ -36,7 +36,10 @@ DEFAULT_MASTER = "local[2]"
 # Codes after which the same call may simply be sent again. A request whose
 # deadline passed may or may not have been applied; sending it again is safe
 # because every row is a DELETE + INSERT of one key at one timestamp.
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# CANCELLED: a Retina node shutting down (SIGTERM) cancels the calls in flight; the
+# outcome is unknown exactly as for a lost connection, and a resend converges.
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+             grpc.StatusCode.CANCELLED)
 UNAVAILABLE_MARK = "[retina:UNAVAILABLE]"
 REFUSED_MARK = "[retina:REFUSED]"
 # Quiet, reproducible defaults; --conf overrides any of them.

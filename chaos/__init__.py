@@ -1,0 +1,1 @@
+"""A seeded, reproducible fault campaign against a real local Retina cluster (`make chaos`)."""

@@ -1,0 +1,5 @@
+import sys
+
+from chaos.main import main
+
+sys.exit(main())

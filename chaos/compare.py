@@ -1,0 +1,195 @@
+"""Compare every table's gated snapshot with the source tables."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import psycopg2
+import pyarrow as pa
+
+from retina_common.etcd import EtcdError, EtcdStore
+from retina_common.keys import cdc_position_key
+from retina_common.pb import trans_pb2 as tpb
+from retina_common.reader import Snapshot, SnapshotReader
+from retina_common.topology import Topology
+
+from .workload import SCHEMA, TABLES, Key, Row, TableSpec, normalise, source_rows
+
+
+class FastSnapshotReader(SnapshotReader):
+    """``SnapshotReader`` whose per-file reads (a QueryVisibility call and a Parquet read
+    each) are fetched in parallel first, inside the same gated transaction: with tiny
+    ingest files a table has many. The snapshot itself is still assembled by
+    ``SnapshotReader.read_in``, so its rules stay in one place."""
+
+    def __init__(self, trans_address: str, topology: Topology, timeout_s: float = 30,
+                 workers: int = 8) -> None:
+        super().__init__(trans_address, topology, timeout_s)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="chaos-read")
+        self._cache: dict[int, pa.Table] = {}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        super().close()
+
+    def read_in(self, trans: tpb.BeginTransResponse, schema: str, table: str, *,
+                keep_hidden: bool = False) -> Snapshot:
+        listing = self._trans.ListQueryFiles(tpb.ListQueryFilesRequest(
+            trans_id=trans.trans_id, schema_name=schema, table_name=table), timeout=self._timeout)
+        tables = self._pool.map(lambda f: self._fetch(f, trans), listing.files)
+        self._cache = dict(zip([f.file_id for f in listing.files], tables, strict=True))
+        try:
+            return super().read_in(trans, schema, table, keep_hidden=keep_hidden)
+        finally:
+            self._cache = {}
+
+    def _fetch(self, f: tpb.QueryFile, trans: tpb.BeginTransResponse) -> pa.Table:
+        base: Any = SnapshotReader
+        if hasattr(base, "read_file"):
+            return base.read_file(self, f, trans)
+        return base._read_file(self, f, trans.timestamp)
+
+    def read_file(self, f: tpb.QueryFile, trans: tpb.BeginTransResponse) -> pa.Table:
+        cached = self._cache.get(f.file_id)
+        return cached if cached is not None else self._fetch(f, trans)
+
+    def _read_file(self, f: tpb.QueryFile, ts: int) -> pa.Table:
+        cached = self._cache.get(f.file_id)
+        if cached is not None:
+            return cached
+        return SnapshotReader._read_file(self, f, ts)  # type: ignore[attr-defined]
+
+
+@dataclass
+class TableDiff:
+    rows: int = 0  # rows in the source
+    lost: int = 0  # in the source, not in the snapshot
+    duplicated: int = 0  # extra copies of a key in the snapshot
+    phantom: int = 0  # in the snapshot, not in the source
+    mismatched: int = 0  # same key, other values
+    examples: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not (self.lost or self.duplicated or self.phantom or self.mismatched)
+
+
+@dataclass
+class Comparison:
+    tables: dict[str, TableDiff]
+    error: str = ""  # the snapshot could not be read at all
+
+    @property
+    def clean(self) -> bool:
+        return not self.error and all(d.clean for d in self.tables.values())
+
+    def total(self, attr: str) -> int:
+        return sum(getattr(d, attr) for d in self.tables.values())
+
+
+def diff_table(table: TableSpec, want: dict[Key, Row], got_rows: list[Row]) -> TableDiff:
+    width = len(table.pk)
+    counts = Counter(r[:width] for r in got_rows)
+    got = {r[:width]: r for r in got_rows}
+    diff = TableDiff(rows=len(want))
+    diff.duplicated = sum(c - 1 for c in counts.values() if c > 1)
+    for key, row in want.items():
+        if key not in got:
+            diff.lost += 1
+            _example(diff, f"lost {key}")
+        elif got[key] != row:
+            diff.mismatched += 1
+            _example(diff, f"mismatch {key}: source {row} snapshot {got[key]}")
+    for key in got.keys() - want.keys():
+        diff.phantom += 1
+        _example(diff, f"phantom {key}")
+    for key, c in counts.items():
+        if c > 1:
+            _example(diff, f"duplicate {key} x{c}")
+    return diff
+
+
+def _example(diff: TableDiff, text: str) -> None:
+    if len(diff.examples) < 5:
+        diff.examples.append(text)
+
+
+def snapshot_rows(reader: SnapshotReader, table: TableSpec) -> list[Row]:
+    cols = [c.name for c in table.columns]
+    snap = reader.read(SCHEMA, table.name).table
+    if snap.num_rows == 0:
+        return []
+    data = snap.select(cols).to_pylist()
+    return [normalise(tuple(r[c] for c in cols)) for r in data]
+
+
+def compare_once(reader: SnapshotReader, source: Callable[[], Any]) -> Comparison:
+    tables: dict[str, TableDiff] = {}
+    for table in TABLES:
+        try:
+            want = source_rows(source(), table)
+        except psycopg2.Error as exc:  # the source is just back from an outage
+            return Comparison(tables, f"source {table.name}: {exc}".strip())
+        try:
+            got = snapshot_rows(reader, table)
+        except grpc.RpcError as exc:
+            return Comparison(tables, f"{table.name}: {exc.code().name}: {exc.details()}")
+        tables[table.name] = diff_table(table, want, got)
+    return Comparison(tables)
+
+
+def lsn(text: str) -> int:
+    high, _, low = text.partition("/")
+    return (int(high, 16) << 32) | int(low, 16)
+
+
+def committed_lsn(etcd: EtcdStore, connector: str) -> int:
+    """The connector's committed source position (0 if none or unreadable)."""
+    try:
+        kv = etcd.get(cdc_position_key(connector))
+    except EtcdError:
+        return 0
+    if kv is None:
+        return 0
+    try:
+        return lsn(str(json.loads(kv.value)["position"]))
+    except (ValueError, KeyError):
+        return 0
+
+
+def wait_caught_up(etcd: EtcdStore, connector: str, after_lsn: int, deadline: float,
+                   alive: Callable[[], bool]) -> bool:
+    """Wait until the committed position passes ``after_lsn`` (the WAL insert position
+    read inside the episode's last source transaction, so its commit lies beyond it).
+    False at the deadline or as soon as the connector is no longer ``alive``."""
+    while time.monotonic() < deadline:
+        if committed_lsn(etcd, connector) > after_lsn:
+            return True
+        if not alive():
+            return False
+        time.sleep(0.05)  # polling interval, bounded by the deadline
+    return False
+
+
+def converge(reader: SnapshotReader, source: Callable[[], Any], timeout_s: float,
+             etcd: EtcdStore, connector: str, after_lsn: int, alive: Callable[[], bool],
+             interval_s: float = 0.2) -> tuple[Comparison, float, bool]:
+    """Wait for the connector to commit the last source transaction, then compare; poll
+    the comparison until equal or the deadline (a difference is only an anomaly if it
+    persists). Returns the last comparison, the seconds taken and whether the connector's
+    committed position caught up."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    caught_up = wait_caught_up(etcd, connector, after_lsn, deadline, alive)
+    while True:
+        result = compare_once(reader, source)
+        if result.clean or time.monotonic() >= deadline or not alive():
+            return result, time.monotonic() - started, caught_up
+        time.sleep(interval_s)  # polling interval, bounded by the deadline

@@ -1,0 +1,380 @@
+"""The fault kinds, and how each is injected into the running cluster."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import grpc
+
+from retina_common import failpoints
+from retina_common.catalog import Catalog
+from retina_common.codec import encode_primary_key, encode_value
+from retina_common.etcd import EtcdStore
+from retina_common.keys import checkpoint_slot_key
+from retina_common.pb import retina_pb2 as rpb
+from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
+from retina_common.pb import trans_pb2 as tpb
+from retina_common.topology import load_topology
+
+from .cluster import CDC, TRANS, ChaosCluster
+from .prober import ReadinessTracker
+from .workload import PROBE_TABLE, SCHEMA
+
+# Which process reaches which failpoints (by name prefix).
+# etcd.txn.*: every compare-and-swap; Retina's checkpoint pointer swap does one constantly.
+RETINA_PREFIXES = ("ingest.", "index.", "checkpoint.", "recovery.", "catalog.", "etcd.")
+# Points no process of this topology reaches, with the reason (reported, never hidden).
+UNREACHABLE = {
+    "catalog.swap.before_commit": "atomicSwapFiles is only called by the Storage GC commit "
+                                  "(Spark rewrite + owning node), which the campaign does not run",
+    "catalog.swap.after_commit": "atomicSwapFiles is only called by the Storage GC commit "
+                                 "(Spark rewrite + owning node), which the campaign does not run",
+}
+# Points reached while a process starts (bootstrap, cleansing, MarkReady) or during the one
+# replay the fault provokes: crash at the first hit. Everything else lets a few hits pass
+# first (K drawn from the seed).
+START_POINTS = ("catalog.bootstrap.", "recovery.", "catalog.delete_files.", "cdc.replay.")
+FAILPOINT_DEADLINE_S = 10.0
+# Points reached only when an earlier crash left something behind: first crash the node at
+# the preparing point, then arm the point itself on the next start. Cleansing deletes the
+# TEMPORARY_INGEST files of a crashed node, and a crash right after ingest.alloc leaves one.
+PREPARE = {"catalog.delete_files.before_commit": "ingest.alloc.after_catalog",
+           "catalog.delete_files.after_commit": "ingest.alloc.after_catalog"}
+EXIT_AT_FAILPOINT = 137
+
+
+def process_of(point: str) -> str:
+    """``retina``, ``cdc`` or ``trans``: the process a failpoint is armed in."""
+    if point.startswith("cdc."):
+        return "cdc"
+    if point.startswith("trans."):
+        return "trans"
+    # Retina's prefixes, and the default for a point added later under a new prefix
+    # (tests/test_chaos.py then asks for a deliberate choice).
+    return "retina"
+
+
+def relevant_points() -> list[str]:
+    return [p for p in failpoints.catalogue() if p not in UNREACHABLE]
+
+
+def failpoint_for(seed: int, episode: int) -> str:
+    """The failpoint of a failpoint episode: a seeded rotation through the catalogue, so
+    each point is tried once per len(catalogue) failpoint episodes, and one episode is
+    replayable alone (the choice depends on seed and episode only)."""
+    points = relevant_points()
+    random.Random(seed).shuffle(points)
+    return points[(episode // 2) % len(points)]
+
+
+@dataclass
+class FaultResult:
+    kind: str
+    detail: str = ""
+    failpoint: str = ""
+    failpoint_hit: bool | None = None
+    anomalies: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class FaultContext:
+    cluster: ChaosCluster
+    tracker: ReadinessTracker
+    rng: random.Random
+    write: Callable[[], None]  # one small workload step on the source
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        self.cluster.kill(name, sig)
+        if name in self.cluster.nodes:
+            self.tracker.down(name)
+
+    def node(self) -> str:
+        return self.rng.choice(self.cluster.nodes)
+
+
+# --- process kills ------------------------------------------------------------------------
+def kill_node(ctx: FaultContext, sig: int) -> FaultResult:
+    node = ctx.node()
+    ctx.write()
+    ctx.kill(node, sig)
+    if ctx.rng.random() < 0.5:
+        ctx.write()  # the stream goes on while the node is down
+    ctx.cluster.start_node(node)
+    return FaultResult(f"retina_{signal.Signals(sig).name.lower()}", node)
+
+
+def kill_cdc(ctx: FaultContext, sig: int) -> FaultResult:
+    ctx.write()
+    ctx.kill(CDC, sig)
+    ctx.write()  # the source moves on while the connector is down
+    ctx.cluster.start_cdc()
+    return FaultResult(f"cdc_{signal.Signals(sig).name.lower()}")
+
+
+def kill_both(ctx: FaultContext, sig: int) -> FaultResult:
+    node = ctx.node()
+    ctx.write()
+    ctx.kill(CDC, sig)
+    ctx.kill(node, sig)
+    ctx.write()
+    order = [node, CDC] if ctx.rng.random() < 0.5 else [CDC, node]
+    for name in order:
+        ctx.cluster.start(name)
+    return FaultResult(f"both_{signal.Signals(sig).name.lower()}", f"{node} first={order[0]}")
+
+
+def kill_trans(ctx: FaultContext) -> FaultResult:
+    ctx.write()
+    ctx.kill(TRANS, signal.SIGKILL)
+    ctx.cluster.start_trans()
+    ctx.cluster.wait_trans()
+    return FaultResult("trans_sigkill")
+
+
+def restart_burst(ctx: FaultContext) -> FaultResult:
+    """Two or three restarts of one node in a row, no writes between them."""
+    node = ctx.node()
+    ctx.write()
+    times = ctx.rng.randint(2, 3)
+    for _ in range(times):
+        ctx.kill(node, signal.SIGKILL)
+        ctx.cluster.start_node(node)
+        # Let the node get a random distance into its start-up before the next kill.
+        _wait_quietly(lambda: ctx.cluster.node_states()[node] is not None,
+                      ctx.rng.uniform(0.2, 3.0))
+    return FaultResult("restart_burst", f"{node} x{times}")
+
+
+def _wait_quietly(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return True
+        except Exception:  # the process is still coming up
+            pass
+        time.sleep(0.05)
+    return False
+
+
+# --- infrastructure outages ----------------------------------------------------------------
+def restart_etcd(ctx: FaultContext) -> FaultResult:
+    ctx.write()
+    ctx.cluster.restart_etcd(ctx.rng.uniform(0.2, 2.0))
+    ctx.write()
+    return FaultResult("etcd_restart")
+
+
+def restart_postgres(ctx: FaultContext) -> FaultResult:
+    """A catalog + source outage, started right after a burst of writes so that a batch
+    (and, with tiny ingest files, a file boundary) is usually in flight."""
+    ctx.write()
+    mode = ctx.rng.choice(["immediate", "fast"])
+    note = ctx.cluster.restart_postgres(ctx.rng.uniform(0.2, 2.0), mode)
+    ctx.write()
+    return FaultResult("postgres_restart", mode, notes=[note] if note else [])
+
+
+# --- corrupt checkpoint body ----------------------------------------------------------------
+def corrupt_checkpoint(ctx: FaultContext) -> FaultResult:
+    """Damage the ``current`` body of a killed node; it must fall back to ``previous``.
+
+    Only while ``previous`` names another body: with one usable checkpoint a corrupt
+    ``current`` must fail closed (FAILED), by design, so that case is not a fault to
+    survive but an operator's repair."""
+    node = ctx.node()
+    ctx.write()
+    ctx.kill(node, signal.SIGKILL)
+    assert ctx.cluster.state is not None
+    etcd = EtcdStore([ctx.cluster.state.etcd.endpoint], 5)
+    current = etcd.get(checkpoint_slot_key(node, "current"))
+    previous = etcd.get(checkpoint_slot_key(node, "previous"))
+    result = FaultResult("corrupt_checkpoint", node)
+    paths = [json.loads(kv.value)["path"] if kv else None for kv in (current, previous)]
+    if paths[0] is None or paths[1] is None or paths[0] == paths[1]:
+        result.notes.append(f"{node}: no distinct previous checkpoint: nothing damaged")
+    else:
+        path = _local_path(paths[0])
+        how = ctx.rng.choice(["truncate", "bitflip"])
+        _damage(path, how, ctx.rng)
+        result.detail = f"{node} {how} {path.name}"
+    ctx.cluster.start_node(node)
+    return result
+
+
+def _local_path(uri: str) -> Path:
+    return Path(urlparse(uri).path) if uri.startswith("file:") else Path(uri)
+
+
+def _damage(path: Path, how: str, rng: random.Random) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "truncate":
+        data = data[: rng.randrange(0, max(1, len(data)))]
+    elif data:
+        i = rng.randrange(len(data))
+        data[i] ^= 1 << rng.randrange(8)
+    path.write_bytes(bytes(data))
+
+
+# --- failpoints ---------------------------------------------------------------------------------
+def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
+    """Restart the right process with ``point=exit(137)@K`` and drive it to the point.
+
+    Waits for exit 137 (hit) or the deadline (not reached: restarted clean)."""
+    role = process_of(point)
+    spec = f"{point}=exit({EXIT_AT_FAILPOINT})@{hit_k}"
+    result = FaultResult("failpoint", f"{spec}", failpoint=point)
+    ctx.write()  # leave work in flight, so start-up paths (cleansing) have something to do
+    name = TRANS if role == "trans" else CDC if role == "cdc" else ctx.node()
+    if point.startswith(START_POINTS):
+        # A random moment after the write: the rows are often on their way into a
+        # (TEMPORARY_INGEST) file when the kill lands, so cleansing has work at start.
+        time.sleep(ctx.rng.uniform(0.0, 0.4))
+    ctx.kill(name, signal.SIGKILL)
+    if point in PREPARE:
+        ctx.cluster.start(name, f"{PREPARE[point]}=exit({EXIT_AT_FAILPOINT})@1")
+        prepared = _drive_until_exit(ctx, name, FAILPOINT_DEADLINE_S)
+        result.detail += f" (after {PREPARE[point]}: {prepared})"
+        ctx.kill(name, signal.SIGKILL)
+    ctx.cluster.start(name, spec)
+    if role == "cdc" and ".replay." in point:
+        # Replay points are only reached while a node recovers: give the connector one.
+        node = ctx.node()
+        ctx.kill(node, signal.SIGKILL)
+        ctx.cluster.start_node(node)
+        result.detail += f" (replaying {node})"
+    code = _drive_until_exit(ctx, name, FAILPOINT_DEADLINE_S)
+    result.failpoint_hit = code == EXIT_AT_FAILPOINT
+    if name in ctx.cluster.nodes and code is not None:
+        ctx.tracker.down(name)
+    if code is None:
+        result.notes.append(f"{point} not reached within {FAILPOINT_DEADLINE_S:.0f}s")
+        ctx.kill(name, signal.SIGKILL)
+    elif code != EXIT_AT_FAILPOINT:
+        result.notes.append(f"{name} exited {code} instead of at {point}")
+    ctx.cluster.start(name)
+    if name == TRANS:
+        ctx.cluster.wait_trans()
+    return result
+
+
+def _drive_until_exit(ctx: FaultContext, name: str, timeout_s: float) -> int | None:
+    """Keep the workload going (small steps) until ``name`` exits or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = ctx.cluster.wait_exit(name, 0.3)
+        if code is not None:
+            return code
+        ctx.write()
+    return ctx.cluster.exit_code(name)
+
+
+def mark_ready_crash(ctx: FaultContext) -> FaultResult:
+    """A crash between the end of replay and MarkReady, with rows buffered at the
+    checkpoint: on the Retina side (recovery.mark_ready.barrier) or, when the catalogue
+    has it, on the connector side (cdc.replay.before_mark_ready)."""
+    cdc_point = "cdc.replay.before_mark_ready"
+    if cdc_point in failpoints.catalogue() and ctx.rng.random() < 0.5:
+        point = cdc_point
+    else:
+        point = "recovery.mark_ready.barrier"
+    result = arm_failpoint(ctx, point, 1)
+    result.kind = "mark_ready_crash"
+    return result
+
+
+# --- malformed keys ---------------------------------------------------------------------------
+def malformed_key(ctx: FaultContext) -> FaultResult:
+    """UpdateRecord straight to a READY node with key bytes that disagree with the row's key
+    column, or a NULL key column. Expected: INVALID_ARGUMENT."""
+    assert ctx.cluster.state is not None
+    state = ctx.cluster.state
+    topology = load_topology(state.topology_path)
+    catalog = Catalog(state.postgres.dsn(), pool_max=1)
+    try:
+        probe = catalog.get_table(SCHEMA, PROBE_TABLE)
+    finally:
+        catalog.close()
+    variant = ctx.rng.choice(["key_disagrees", "null_key"])
+    row_id = ctx.rng.randint(1, 10**9)
+    key_id = row_id + 1 if variant == "key_disagrees" else row_id
+    key = encode_primary_key(["int64"], [key_id])
+    col_id = encode_value("int64", row_id) if variant == "key_disagrees" else b""
+    vnode = topology.vnode_of_key(key)
+    target = topology.node_of_vnode(vnode)
+    # The key decides the node (every node is READY after the previous episode's heal).
+    result = FaultResult("malformed_key", f"{variant} -> {target}")
+    trans_channel = grpc.insecure_channel(state.trans_listen)
+    trans = trans_pb2_grpc.TransServiceStub(trans_channel)
+    try:
+        begun = trans.BeginTrans(tpb.BeginTransRequest(read_only=False), timeout=5)
+        data = rpb.TableUpdateData(table_name=PROBE_TABLE,
+                                   primary_index_id=probe.primary_index_id,
+                                   timestamp=begun.timestamp, virtual_node_id=vnode)
+        item = data.insert_data.add()
+        item.index_keys.append(rpb.IndexKey(table_id=probe.table_id,
+                                            index_id=probe.primary_index_id, key=key,
+                                            timestamp=begun.timestamp))
+        item.col_values.extend([col_id, encode_value("string", "malformed")])
+        code = _send(target, rpb.UpdateRecordRequest(schema_name=SCHEMA,
+                                                     table_update_data=[data]))
+        trans.RollbackTrans(tpb.RollbackTransRequest(trans_id=begun.trans_id), timeout=5)
+    except grpc.RpcError as exc:
+        result.notes.append(f"could not run the probe: {exc.code().name}")
+        return result
+    finally:
+        trans_channel.close()
+    if code == "OK":
+        result.anomalies.append(f"malformed_accepted: {variant} accepted by {target}")
+    elif code != "INVALID_ARGUMENT":
+        result.notes.append(f"malformed {variant} refused with {code}, not INVALID_ARGUMENT")
+    result.detail += f" -> {code}"
+    return result
+
+
+def _send(node: str, request: rpb.UpdateRecordRequest) -> str:
+    with grpc.insecure_channel(node) as chan:
+        try:
+            retina_pb2_grpc.RetinaWorkerServiceStub(chan).UpdateRecord(request, timeout=5)
+        except grpc.RpcError as exc:
+            return str(exc.code().name)
+    return "OK"
+
+
+# --- the fault menu -----------------------------------------------------------------------------
+FAULTS: dict[str, tuple[float, Callable[[FaultContext], FaultResult]]] = {
+    "retina_sigkill": (4, lambda c: kill_node(c, signal.SIGKILL)),
+    "retina_sigterm": (2, lambda c: kill_node(c, signal.SIGTERM)),
+    "cdc_sigkill": (3, lambda c: kill_cdc(c, signal.SIGKILL)),
+    "cdc_sigterm": (1, lambda c: kill_cdc(c, signal.SIGTERM)),
+    "both_sigkill": (3, lambda c: kill_both(c, signal.SIGKILL)),
+    "both_sigterm": (1, lambda c: kill_both(c, signal.SIGTERM)),
+    "trans_sigkill": (2, kill_trans),
+    "etcd_restart": (1, restart_etcd),
+    "postgres_restart": (1, restart_postgres),
+    "corrupt_checkpoint": (2, corrupt_checkpoint),
+    "restart_burst": (2, restart_burst),
+    "mark_ready_crash": (2, mark_ready_crash),
+    "malformed_key": (1, malformed_key),
+}
+
+
+def choose_fault(rng: random.Random, only: list[str] | None = None) -> str:
+    names = [n for n in FAULTS if not only or n in only]
+    return rng.choices(names, weights=[FAULTS[n][0] for n in names])[0]
+
+
+def inject(ctx: FaultContext, kind: str, seed: int, episode: int) -> FaultResult:
+    if kind == "failpoint":
+        point = failpoint_for(seed, episode)
+        k = 1 if point.startswith(START_POINTS) else ctx.rng.randint(1, 3)
+        return arm_failpoint(ctx, point, k)
+    return FAULTS[kind][1](ctx)

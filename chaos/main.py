@@ -1,0 +1,425 @@
+"""``retina-chaos``: a seeded, reproducible fault campaign against a real local cluster.
+
+Each episode: a few random source transactions, one fault, recovery of every process,
+convergence, and a comparison of every table's gated snapshot with the source. Episode
+``k`` of seed ``S`` draws from ``random.Random(S * 100003 + k)``, so ``--seed S --episode
+k`` replays it alone on a fresh cluster (same workload statements and fault; the history
+of earlier episodes, e.g. what the cold tables hold, is not replayed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg2
+
+from retina_common.cluster import ClusterError, pid_alive
+from retina_common.etcd import EtcdStore
+from retina_common.pb import retina_pb2 as rpb
+from retina_common.topology import load_topology
+
+from . import workload
+from .cluster import CDC, CDC_NAME, TRANS, ChaosCluster
+from .compare import Comparison, FastSnapshotReader, converge
+from .faults import (
+    FAULTS,
+    UNREACHABLE,
+    FaultContext,
+    FaultResult,
+    choose_fault,
+    inject,
+)
+from .prober import Prober, ReadinessTracker
+from .report import Anomaly, Report
+
+CDC_STOP_CODES = {3: "stopped by a malformed source event or a refusal"}
+READY_TIMEOUT_S = 60.0
+# Exit codes that are not findings by themselves: a signal, "restart me" (1), the
+# failpoint's 137, and 4 (a dependency, e.g. PostgreSQL, unreachable at start).
+EXPECTED_EXITS = {0, 1, 4, 137, -9, -15}
+
+
+def episode_seed(seed: int, episode: int) -> int:
+    return seed * 100003 + episode
+
+
+class Campaign:
+    def __init__(self, args: argparse.Namespace, log: Callable[[str], None] = print) -> None:
+        self.args = args
+        self.log = log
+        self.report = Report(args.seed, len(self.episode_numbers()))
+        from retina_common import failpoints
+
+        self.report.catalogue = list(failpoints.catalogue())
+        self.report.unreachable = dict(UNREACHABLE)
+        self.tracker = ReadinessTracker()
+        self.state_dir = Path(args.state_dir or tempfile.mkdtemp(prefix="retina-chaos-"))
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        # PostgreSQL runs as its own user when we are root: let it reach its data dir.
+        self.state_dir.chmod(0o755)
+        self.cluster: ChaosCluster = None  # type: ignore[assignment]  # set per generation
+        self.conn: Any = None
+        self.reader: FastSnapshotReader | None = None
+        self.prober: Prober | None = None
+        self.etcd: EtcdStore | None = None
+        self.unconverged = 0  # episodes in a row that did not converge
+        self.broken = ""  # set when the cluster cannot go on: stop the campaign
+        self.cdc_stopped = False
+        self._exits_seen: dict[tuple[int, str, int | None], int] = {}
+
+    def episode_numbers(self) -> list[int]:
+        if self.args.episode is not None:
+            return [self.args.episode]
+        return list(range(self.args.episodes))
+
+    def replay_command(self, episode: int) -> str:
+        extra = f" --nodes {self.args.nodes}" if self.args.nodes != 2 else ""
+        return f"retina-chaos --seed {self.args.seed} --episode {episode}{extra}"
+
+    # --- the campaign -----------------------------------------------------------------------
+    def run(self) -> Report:
+        started = time.monotonic()
+        try:
+            for index, episode in enumerate(self.episode_numbers()):
+                if self._over_budget(started):
+                    self.report.stopped_early = "time budget reached"
+                    break
+                if index % self.args.cluster_episodes == 0:
+                    # A fresh cluster every so many episodes: nothing compacts the tiny
+                    # ingest files, and every comparison reads all of them.
+                    self._close_cluster()
+                    self._open_cluster(index // self.args.cluster_episodes)
+                before = len(self.report.anomalies)
+                try:
+                    self.run_episode(episode)
+                except ClusterError as exc:  # a process could not be brought back
+                    self._anomaly(episode, "cluster_error", str(exc), CDC)
+                    self.broken = f"the cluster broke in episode {episode}"
+                if self.broken:
+                    self.report.stopped_early = self.broken
+                    break
+                if self.args.stop_on_failure and len(self.report.anomalies) > before:
+                    self.report.stopped_early = f"anomaly in episode {episode}"
+                    break
+        finally:
+            self.report.duration_s = time.monotonic() - started
+            self._close_cluster()
+            if not self.args.keep and not self.args.state_dir:
+                shutil.rmtree(self.state_dir, ignore_errors=True)
+            elif self.args.keep:
+                self.log(f"chaos: state and logs kept in {self.state_dir}")
+        return self.report
+
+    def _over_budget(self, started: float) -> bool:
+        budget = self.args.time_budget
+        return bool(budget) and time.monotonic() - started >= budget
+
+    def _open_cluster(self, generation: int) -> None:
+        t0 = time.monotonic()
+        self.cluster = ChaosCluster(self.state_dir / f"cluster-{generation:03d}",
+                                    nodes=self.args.nodes, log=self.log)
+        self.tracker = ReadinessTracker()
+        self.cluster.observer = self.tracker.observed
+        self.cluster.on_node_start = self.tracker.started
+        self.cluster.boot()
+        assert self.cluster.state is not None
+        topology = load_topology(self.cluster.state.topology_path)
+        self.conn = self.cluster.source_connect()
+        # etcd restarts on the same ports, so one client serves the cluster's lifetime.
+        self.etcd = EtcdStore([self.cluster.state.etcd.endpoint], 5)
+        self.reader = FastSnapshotReader(self.cluster.state.trans_listen, topology, 10)
+        self.prober = Prober(self.cluster.state.trans_listen, topology, self.args.seed)
+        self.prober.start()
+        self.log(f"chaos: cluster {generation} READY in {time.monotonic() - t0:.1f}s "
+                 f"({self.cluster.state_dir}); seed {self.args.seed}")
+
+    def _close_cluster(self) -> None:
+        if self.prober is not None:
+            self.prober.stop()
+            self.report.reads_served += self.prober.served
+            self.report.reads_refused += self.prober.refused
+            self.report.reads_failed += self.prober.failed
+            self.prober = None
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+        if self.conn is not None:
+            with contextlib.suppress(Exception):
+                self.conn.close()
+            self.conn = None
+        if self.cluster is not None:
+            with contextlib.suppress(Exception):
+                self.cluster.stop()
+            if not self.args.keep:
+                self.cluster.remove()
+            self.cluster = None
+
+    # --- one episode -----------------------------------------------------------------------
+    def run_episode(self, episode: int) -> None:
+        t0 = time.monotonic()
+        derived = episode_seed(self.args.seed, episode)
+        fault_rng = random.Random(derived)
+        # The workload draws from its own stream, so how many steps a failpoint wait
+        # needed does not shift the fault choices.
+        work_rng = random.Random(derived ^ 0x5DEECE66D)
+        ctx = FaultContext(self.cluster, self.tracker, fault_rng,
+                           lambda: self._write(work_rng, episode))
+        for _ in range(fault_rng.randint(1, 2)):
+            ctx.write()
+        kind = self._fault_kind(fault_rng, episode)
+        try:
+            result = inject(ctx, kind, self.args.seed, episode)
+        except (ClusterError, OSError, psycopg2.Error) as exc:
+            result = FaultResult(kind, notes=[f"fault injection failed: {exc}"])
+        self._record_fault(episode, result)
+        t_fault = time.monotonic()
+        self._heal(episode)
+        t_heal = time.monotonic()
+        if self.broken:
+            self.report.episodes += 1
+            return
+        assert self.reader is not None and self.etcd is not None
+        etcd = self.etcd
+        mark_lsn = self._mark(episode)
+        converge_s = 0.0
+        for _attempt in range(3):  # the connector may die while catching up: heal, go on
+            comparison, took, caught_up = converge(
+                self.reader, self._source, self.args.converge_timeout, etcd, CDC_NAME,
+                mark_lsn, lambda: self.cluster.alive(CDC))
+            converge_s += took
+            if self.cluster.alive(CDC) or self.broken:
+                break
+            self._heal(episode)
+        self._check_progress(episode, caught_up and comparison.clean)
+        self._record_comparison(episode, comparison)
+        self._record_breaches(episode)
+        self.report.episodes += 1
+        self.report.episode_seconds.append(time.monotonic() - t0)
+        self.report.converge_seconds.append(converge_s)
+        status = "ok" if comparison.clean else "DIFF"
+        self.log(f"episode {episode:4d} {result.kind:18s} {result.detail[:58]:58s} {status:4s} "
+                 f"{time.monotonic() - t0:5.1f}s (fault {t_fault - t0:.1f} heal "
+                 f"{t_heal - t_fault:.1f} converge {converge_s:.1f})")
+
+    def _check_progress(self, episode: int, converged: bool) -> None:
+        """A connector alive but not catching up is a finding; restart it so the campaign
+        can go on, and stop after three episodes in a row that do not converge."""
+        self.unconverged = 0 if converged else self.unconverged + 1
+        if converged:
+            return
+        if self.cluster.alive(CDC):
+            self._anomaly(episode, "cdc_not_caught_up", "the connector is alive but its "
+                          "committed position did not pass the source's last commit", CDC)
+            self.cluster.kill(CDC)
+            self.cluster.start_cdc()
+        if self.unconverged >= 3:
+            self.broken = f"no convergence in three episodes in a row (last {episode})"
+
+    def _fault_kind(self, rng: random.Random, episode: int) -> str:
+        # Every other episode (and every one with --failpoints-only) arms the next
+        # failpoint of the rotation; the rest draw a fault kind by weight.
+        if self.args.failpoints_only or episode % 2 == 1:
+            return "failpoint"
+        only = self.args.faults.split(",") if self.args.faults else None
+        return choose_fault(rng, only)
+
+    def _source(self) -> Any:
+        if self.conn is not None and self.conn.closed:
+            self.conn = None
+        if self.conn is None:
+            self.conn = self.cluster.source_connect()
+        return self.conn
+
+    def _mark(self, episode: int) -> int:
+        for _attempt in range(3):  # the source may just be back from an outage
+            try:
+                return workload.mark(self._source(), episode)
+            except psycopg2.Error:
+                with contextlib.suppress(Exception):
+                    self.conn.close()
+                self.conn = None
+                time.sleep(0.5)  # back-off before reconnecting
+        return 0
+
+    def _write(self, rng: random.Random, episode: int) -> None:
+        """One workload step; a source outage (the PostgreSQL fault) skips it."""
+        try:
+            self.report.transactions += workload.step(self._source(), rng, episode)
+        except psycopg2.Error:
+            with contextlib.suppress(Exception):
+                self.conn.close()
+            self.conn = None
+
+    # --- recovery and convergence -----------------------------------------------------------
+    def _heal(self, episode: int) -> None:
+        """Restart whatever is down, then wait for every node READY and the connector up."""
+        assert self.cluster.state is not None
+        if not pid_alive(self.cluster.state.etcd.pid):
+            self.cluster.restart_etcd(0)
+        if not self.cluster.postgres_up():
+            self.report.notes.append(f"episode {episode}: PostgreSQL was down: started")
+            self.cluster.start_postgres()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        failed_restarted: set[str] = set()
+        self.cdc_stopped = False
+        while True:
+            self._restart_dead(episode)
+            states = self.cluster.node_states()
+            failed = [n for n, s in states.items() if s == rpb.FAILED]
+            for node in failed:
+                if node not in failed_restarted:
+                    self._anomaly(episode, "node_failed", f"{node} is FAILED", node)
+                    failed_restarted.add(node)
+                    self.cluster.kill(node)
+                    self.tracker.down(node)
+                    self.cluster.start_node(node)
+            if all(s == rpb.READY for s in states.values()) and self.cluster.alive(CDC):
+                return
+            if self.cdc_stopped and not self.cluster.alive(CDC):
+                self.broken = f"the connector stopped twice in episode {episode}"
+                return
+            if time.monotonic() >= deadline:
+                names = {n: rpb.LifecycleState.Name(s) if s else "down"
+                         for n, s in states.items()}
+                self._anomaly(episode, "not_ready", f"not READY after {READY_TIMEOUT_S:.0f}s: "
+                              f"{names}", CDC)
+                # Later episodes would only repeat this one's failure.
+                self.broken = f"the cluster did not recover in episode {episode}"
+                return
+            time.sleep(0.1)  # polling interval, bounded by the deadline
+
+    def _restart_dead(self, episode: int) -> None:
+        for name in [TRANS, *self.cluster.nodes, CDC]:
+            if self.cluster.alive(name):
+                continue
+            code = self.cluster.exit_code(name)
+            first = self._exits_seen.get((episode, name, code), 0) == 0
+            self._exits_seen[(episode, name, code)] = self._exits_seen.get(
+                (episode, name, code), 0) + 1
+            if first:  # one report per process and code per episode, however many restarts
+                self.report.unexpected_exits.append(f"episode {episode}: {name} exited {code}")
+            if name == CDC and code in CDC_STOP_CODES:
+                if first:
+                    self._anomaly(episode, "cdc_stopped",
+                                  f"connector exit {code}: {CDC_STOP_CODES[code]}", CDC)
+                if self.cdc_stopped:
+                    continue  # stopped again after one restart: the campaign cannot go on
+                self.cdc_stopped = True  # recorded; one restart to see if it resumes
+            elif code not in EXPECTED_EXITS and first:
+                self._anomaly(episode, "unexpected_exit", f"{name} exited {code}", name)
+            if name in self.cluster.nodes:
+                self.tracker.down(name)
+            self.cluster.start(name)
+            if name == TRANS:
+                self.cluster.wait_trans()
+
+    def _record_fault(self, episode: int, result: FaultResult) -> None:
+        self.report.faults[result.kind] += 1
+        if result.failpoint:
+            self.report.failpoint_attempts[result.failpoint] += 1
+            if result.failpoint_hit:
+                self.report.failpoint_hits[result.failpoint] += 1
+            else:
+                self.report.failpoint_not_reached[result.failpoint] += 1
+        for note in result.notes:
+            self.report.notes.append(f"episode {episode}: {note}")
+        for text in result.anomalies:
+            kind = text.split(":", 1)[0]
+            self._anomaly(episode, kind, text, "")
+
+    def _record_comparison(self, episode: int, comparison: Comparison) -> None:
+        self.report.rows_compared += comparison.total("rows")
+        for attr in ("lost", "duplicated", "phantom", "mismatched"):
+            count = comparison.total(attr)
+            setattr(self.report, attr, getattr(self.report, attr) + count)
+            if count:
+                examples = [e for d in comparison.tables.values() for e in d.examples][:5]
+                per_table = {t: getattr(d, attr) for t, d in comparison.tables.items()
+                             if getattr(d, attr)}
+                self._anomaly(episode, f"{attr}_rows", f"{per_table} e.g. {examples}", CDC)
+        if comparison.error:
+            self._anomaly(episode, "snapshot_unreadable", comparison.error, CDC)
+
+    def _record_breaches(self, episode: int) -> None:
+        assert self.prober is not None
+        breaches = self.tracker.breaches(self.prober.take_served())
+        if breaches:
+            self.report.reads_outside_ready += len(breaches)
+            node, start, end = breaches[0]
+            self._anomaly(episode, "read_outside_ready",
+                          f"{len(breaches)} reads served while {node} was not READY "
+                          f"(first took {end - start:.2f}s)", node)
+
+    def _anomaly(self, episode: int, kind: str, detail: str, log_of: str) -> None:
+        tail = self.cluster.log_tail(log_of) if log_of else ""
+        self.report.anomalies.append(Anomaly(episode, kind, detail,
+                                             self.replay_command(episode), tail))
+        self.log(f"episode {episode}: ANOMALY {kind}: {detail}\n"
+                 f"  replay: {self.replay_command(episode)}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="retina-chaos", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--episodes", type=int, default=20)
+    parser.add_argument("--episode", type=int, default=None,
+                        help="replay this one episode alone on a fresh cluster")
+    parser.add_argument("--nodes", type=int, default=2, help="Retina nodes (at least 2)")
+    parser.add_argument("--state-dir", help="default: a fresh temporary directory")
+    parser.add_argument("--keep", action="store_true", help="keep the state dir and logs")
+    parser.add_argument("--json", type=Path, help="write the report as JSON here")
+    parser.add_argument("--stop-on-failure", action="store_true")
+    parser.add_argument("--time-budget", type=float, default=0,
+                        help="start no new episode after this many seconds")
+    parser.add_argument("--converge-timeout", type=float, default=60)
+    parser.add_argument("--cluster-episodes", type=int, default=50,
+                        help="episodes per cluster before a fresh one (files are never "
+                             "compacted, and every comparison reads them all)")
+    parser.add_argument("--failpoints-only", action="store_true",
+                        help="every episode arms the next failpoint of the rotation")
+    parser.add_argument("--faults", default="",
+                        help=f"comma-separated fault kinds to draw from: {', '.join(FAULTS)}")
+    args = parser.parse_args(argv)
+    if args.nodes < 2:
+        parser.error("--nodes: at least 2")
+    unknown = set(filter(None, args.faults.split(","))) - set(FAULTS)
+    if unknown:
+        parser.error(f"--faults: unknown kinds {sorted(unknown)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM must run the clean-up (the cluster's processes live in their own sessions).
+    signal.signal(signal.SIGTERM, lambda _s, _f: sys.exit(143))
+    campaign = Campaign(args, log=lambda m: print(m, flush=True))
+    try:
+        report = campaign.run()
+    except ClusterError as exc:
+        print(f"retina-chaos: the cluster did not start: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit:  # SIGTERM: the cluster is already down; report what ran
+        campaign.report.stopped_early = "terminated by a signal"
+        print(campaign.report.text(), flush=True)
+        if args.json:
+            campaign.report.write_json(args.json)
+        raise
+    print(report.text(), flush=True)
+    if args.json:
+        report.write_json(args.json)
+    return 1 if report.anomalies else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Campaign statistics: what ran, what broke, how to replay it; terminal text and JSON."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Anomaly:
+    episode: int
+    kind: str  # lost_rows, duplicated_rows, phantom_rows, mismatched_rows, not_converged, ...
+    detail: str
+    replay: str  # the command that replays this episode alone
+    log_tail: str = ""
+
+
+@dataclass
+class Report:
+    seed: int
+    episodes_planned: int
+    episodes: int = 0
+    duration_s: float = 0.0
+    faults: Counter[str] = field(default_factory=Counter)
+    failpoint_attempts: Counter[str] = field(default_factory=Counter)
+    failpoint_hits: Counter[str] = field(default_factory=Counter)
+    failpoint_not_reached: Counter[str] = field(default_factory=Counter)
+    catalogue: list[str] = field(default_factory=list)
+    unreachable: dict[str, str] = field(default_factory=dict)
+    rows_compared: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    phantom: int = 0
+    mismatched: int = 0
+    reads_served: int = 0
+    reads_refused: int = 0
+    reads_failed: int = 0
+    reads_outside_ready: int = 0
+    transactions: int = 0
+    unexpected_exits: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    anomalies: list[Anomaly] = field(default_factory=list)
+    episode_seconds: list[float] = field(default_factory=list)
+    converge_seconds: list[float] = field(default_factory=list)
+    stopped_early: str = ""
+
+    @property
+    def coverage(self) -> float:
+        return len(self.failpoint_hits) / len(self.catalogue) if self.catalogue else 0.0
+
+    def never_hit(self) -> list[str]:
+        return [p for p in self.catalogue if p not in self.failpoint_hits]
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        for name, value in vars(self).items():  # asdict mangles Counters into tuple keys
+            if isinstance(value, Counter):
+                data[name] = dict(sorted(value.items()))
+        data["anomaly_count"] = len(self.anomalies)
+        data["coverage"] = round(self.coverage, 4)
+        data["never_hit"] = self.never_hit()
+        data["episode_seconds_mean"] = _mean(self.episode_seconds)
+        data["converge_seconds_mean"] = _mean(self.converge_seconds)
+        data.pop("episode_seconds")
+        data.pop("converge_seconds")
+        return data
+
+    def write_json(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=2, default=str))
+
+    def text(self) -> str:
+        lines = [
+            f"chaos campaign seed={self.seed}: {self.episodes}/{self.episodes_planned} episodes "
+            f"in {self.duration_s:.0f}s (mean episode {_mean(self.episode_seconds):.2f}s, "
+            f"mean converge {_mean(self.converge_seconds):.2f}s)",
+            f"  source transactions  {self.transactions}",
+            "  faults               " + ", ".join(f"{k}={v}" for k, v in
+                                                  sorted(self.faults.items())),
+            f"  failpoints hit       {len(self.failpoint_hits)}/{len(self.catalogue)} "
+            f"(coverage {self.coverage:.0%}; attempts {sum(self.failpoint_attempts.values())}, "
+            f"not reached {sum(self.failpoint_not_reached.values())})",
+            f"  never hit            {', '.join(self.never_hit()) or '-'}",
+            "  left out             " + (", ".join(f"{k} ({v})" for k, v in
+                                                   self.unreachable.items()) or "-"),
+            f"  rows compared        {self.rows_compared}",
+            f"  lost / duplicated / phantom / mismatched rows  {self.lost} / {self.duplicated} "
+            f"/ {self.phantom} / {self.mismatched}",
+            f"  reads served         {self.reads_served} (refused by the gate "
+            f"{self.reads_refused}, failed after admission {self.reads_failed})",
+            f"  reads outside READY  {self.reads_outside_ready}",
+            f"  unexpected exits     {len(self.unexpected_exits)}",
+        ]
+        lines += [f"    {u}" for u in self.unexpected_exits[:20]]
+        lines += [f"  note: {n}" for n in self.notes[:20]]
+        if self.stopped_early:
+            lines.append(f"  stopped early: {self.stopped_early}")
+        lines.append(f"  ANOMALIES            {len(self.anomalies)}")
+        for a in self.anomalies:
+            lines.append(f"    episode {a.episode} {a.kind}: {a.detail}")
+            lines.append(f"      replay: {a.replay}")
+            if a.log_tail:
+                lines += [f"      | {line}" for line in a.log_tail.splitlines()[-8:]]
+        return "\n".join(lines)
+
+
+def _mean(values: list[float]) -> float:
+    return round(sum(values) / len(values), 3) if values else 0.0
