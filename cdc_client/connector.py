@@ -415,9 +415,19 @@ class Connector:
             raise ConnectorStopped(f"{node} is FAILED: {status.failure_reason}")
         if not self.settings.drive_recovery:
             return False  # an operator's replay job drives it; keep waiting
-        return self._drive(node, stub)
+        return self._drive(node, stub, status.recovery_epoch)
 
-    def _drive(self, node: str, stub: retina_pb2_grpc.RetinaWorkerServiceStub) -> bool:
+    def _restarted_since(self, stub: retina_pb2_grpc.RetinaWorkerServiceStub,
+                         epoch: int) -> bool:
+        """Whether the node is a new process (another recovery epoch) than at ``epoch``."""
+        try:
+            now = stub.GetRetinaStatus(pb.GetRetinaStatusRequest(), timeout=5)
+        except grpc.RpcError:
+            return True  # gone again: its next process is another attempt
+        return now.recovery_epoch != epoch
+
+    def _drive(self, node: str, stub: retina_pb2_grpc.RetinaWorkerServiceStub,
+               epoch: int) -> bool:
         started = time.monotonic()
         counter = {"rows": 0, "requests": 0}
 
@@ -463,6 +473,13 @@ class Connector:
         except grpc.RpcError as exc:
             if exc.code() in RETRYABLE:  # the node went away again: start over later
                 log.warning("cdc_replay_interrupted", node=node, error=exc.details())
+                return False
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and \
+                    self._restarted_since(stub, epoch):
+                # A stale token because the node restarted under the replay: its new
+                # attempt has new starts, so start over against it.
+                log.warning("cdc_replay_interrupted", node=node, error=exc.details(),
+                            reason="the node restarted during the replay")
                 return False
             raise ConnectorStopped(f"recovery of {node} refused: {exc.code().name}: "
                                    f"{exc.details()}") from None

@@ -15,6 +15,7 @@ import requests
 from cdc_client.changelog import Changelog
 from cdc_client.main import STOPPED_BY_REPLAY_GAP
 from cdc_client.retention import horizon, run_retention
+from retina_common import failpoints
 from retina_common.catalog import Catalog, FileType
 from retina_common.cluster import PostgresInstance
 from retina_common.etcd import EtcdStore
@@ -123,21 +124,24 @@ def test_connector_and_retina_crash_together(make_cdc: Callable[..., CdcPlane]) 
     assert cdc.all_ready()
 
 
-def test_retina_crash_during_replay(make_cdc: Callable[..., CdcPlane]) -> None:
+def test_retina_crash_during_replay(make_cdc: Callable[..., CdcPlane], failpoint_dir: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The node dies again while the connector replays into it; the connector
     starts the replay over against the new attempt."""
+    monkeypatch.setenv(failpoints.DIR_VAR, str(failpoint_dir))
+    point = "cdc.replay.after_request"
     cdc = make_cdc(request_max_rows=10)
-    cdc.cdc.start("cdc.replay.after_request=sleep(0.3)")
+    cdc.cdc.start(f"{point}=block")  # the connector waits after its first replay request
     eventually(cdc.all_ready, 60, "both nodes READY")
     victim = cdc.plane.nodes[1]
     cdc.source.run(80)
     cdc.converged()
     cdc.plane.retinas[victim].kill9()
     cdc.plane.retinas[victim].start()
-    eventually(lambda: any(e["node"] == victim for e in cdc.cdc.logged("cdc_replay_start")),
-               60, "the replay to start")
-    cdc.plane.retinas[victim].kill9()
+    failpoints.wait_hit(failpoint_dir, point)  # mid-replay into the victim ...
+    cdc.plane.retinas[victim].kill9()  # ... which dies again
     cdc.plane.retinas[victim].start()
+    failpoints.release(failpoint_dir, point)
     cdc.source.run(20)
     cdc.converged(timeout_s=120)
     assert cdc.plane.status(victim).state == rpb.READY
