@@ -10,7 +10,9 @@ with the RecoveryReplayContext) → MarkReady.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ import grpc
 
 from retina_common.catalog import Catalog, ColumnSpec, TableRecord
 from retina_common.client import TableWriter, requests_by_node
-from retina_common.cluster import free_port, write_config
+from retina_common.cluster import PostgresInstance, free_port, write_config
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc
@@ -223,3 +225,27 @@ class DataPlane:
             snap = self.reader.read_in(pinned, SCHEMA, table)
         writer = self.writers[table]
         return {writer.key(r): r for r in snap.table.to_pylist()}
+
+
+@contextmanager
+def module_plane(workdir: Path, etcd_endpoint: str, pg_server: PostgresInstance,
+                 seed: Mapping[str, Mapping[str, Iterable[Mapping[str, Any]]]]
+                 ) -> Iterator[DataPlane]:
+    """One data plane for a whole test module (cases that leave it unchanged share it),
+    with a catalog database of its own and ``seed`` committed."""
+    store = EtcdStore([etcd_endpoint])
+    store.delete_prefix("/pixels/")
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    pg_server.create_database(name)
+    catalog = Catalog(pg_server.dsn(name))
+    catalog.bootstrap()
+    dp = DataPlane(workdir, store, catalog, pg_server.dsn(name))
+    dp.start()
+    try:
+        dp.commit(seed)
+        yield dp
+    finally:
+        dp.stop()
+        catalog.close()
+        pg_server.drop_database(name)
+        store.delete_prefix("/pixels/")

@@ -161,21 +161,25 @@ def test_node_mode_replay(make_cdc: Callable[..., CdcPlane]) -> None:
     assert [e["mode"] for e in cdc.cdc.logged("cdc_replay_start")][-1] == "NODE"
 
 
+def two_checkpoints_apart(make_cdc: Callable[..., CdcPlane]) -> CdcPlane:
+    """A running connector and two checkpoints per node with a workload between them,
+    so that retention has batches it may drop and batches it must keep."""
+    cdc = make_cdc(batch_max_transactions=5)
+    cdc.cdc.start()
+    eventually(cdc.all_ready, 60, "both nodes READY")
+    for rows in (40, 20):
+        cdc.source.run(rows)
+        cdc.converged()
+        for node in cdc.plane.nodes:
+            cdc.plane.checkpoint(node)
+    return cdc
+
+
 def test_retention_keeps_what_a_checkpoint_can_ask_for(make_cdc: Callable[..., CdcPlane],
                                                        etcd: EtcdStore) -> None:
     """Retention drops only batches below every node's current and previous
     checkpoint replay start; a crash after retention still recovers exactly."""
-    cdc = make_cdc(batch_max_transactions=5)
-    cdc.cdc.start()
-    eventually(cdc.all_ready, 60, "both nodes READY")
-    cdc.source.run(40)
-    cdc.converged()
-    for node in cdc.plane.nodes:
-        cdc.plane.checkpoint(node)
-    cdc.source.run(20)
-    cdc.converged()
-    for node in cdc.plane.nodes:
-        cdc.plane.checkpoint(node)
+    cdc = two_checkpoints_apart(make_cdc)
     changelog = Changelog(cdc.cdc.settings["changelog_root"])
     before = changelog.records()
     low = horizon(etcd, cdc.plane.topology)
@@ -342,17 +346,7 @@ def test_connector_crash_in_retention_never_hides_a_gap(make_cdc: Callable[..., 
     """A kill around the low-watermark write: before it nothing changed; after
     it the mark is durable and every batch is still there. The restarted
     connector finishes retention, and a node crash afterwards recovers exactly."""
-    cdc = make_cdc(batch_max_transactions=5)
-    cdc.cdc.start()
-    eventually(cdc.all_ready, 60, "both nodes READY")
-    cdc.source.run(40)
-    cdc.converged()
-    for node in cdc.plane.nodes:
-        cdc.plane.checkpoint(node)
-    cdc.source.run(20)
-    cdc.converged()
-    for node in cdc.plane.nodes:
-        cdc.plane.checkpoint(node)
+    cdc = two_checkpoints_apart(make_cdc)
     changelog = Changelog(cdc.cdc.settings["changelog_root"])
     names = [r.name for r in changelog.records()]
     cdc.cdc.terminate()

@@ -7,7 +7,6 @@ StreamUpdateRecord alike."""
 from __future__ import annotations
 
 import datetime
-import uuid
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from typing import Any
@@ -15,18 +14,16 @@ from typing import Any
 import grpc
 import pytest
 
-from retina_common.catalog import Catalog
 from retina_common.codec import (
     decode_column,
     encode_primary_key,
     encode_primary_keys,
     encode_value,
 )
-from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 
-from .dataplane import SCHEMA, TABLES, DataPlane
+from .dataplane import SCHEMA, TABLES, DataPlane, module_plane
 from .support import rpc_error
 
 SAMPLES: dict[str, list[Any]] = {
@@ -61,20 +58,9 @@ def test_batch_key_encoding_equals_the_row_encoding(type_name: str) -> None:
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory, etcd_server, pg_server) -> Iterator[DataPlane]:
     # One cluster for the module: every refused case leaves it unchanged.
-    store = EtcdStore([etcd_server.endpoint])
-    store.delete_prefix("/pixels/")
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    pg_server.create_database(name)
-    catalog = Catalog(pg_server.dsn(name))
-    catalog.bootstrap()
-    dp = DataPlane(tmp_path_factory.mktemp("keys"), store, catalog, pg_server.dsn(name))
-    dp.start()
-    dp.commit({"orders": {"inserts": [order(i) for i in range(10)]}})
-    yield dp
-    dp.stop()
-    catalog.close()
-    pg_server.drop_database(name)
-    store.delete_prefix("/pixels/")
+    with module_plane(tmp_path_factory.mktemp("keys"), etcd_server.endpoint, pg_server,
+                      {"orders": {"inserts": [order(i) for i in range(10)]}}) as dp:
+        yield dp
 
 
 def order(i: int) -> dict:

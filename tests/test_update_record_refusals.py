@@ -2,40 +2,26 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 
 import grpc
 import pytest
 
-from retina_common.catalog import Catalog
 from retina_common.client import requests_by_node
-from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 
-from .dataplane import SCHEMA, DataPlane
+from .dataplane import SCHEMA, DataPlane, module_plane
 from .support import rpc_error
 
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory, etcd_server, pg_server) -> Iterator[DataPlane]:
-    # One cluster for the module: every case must leave it unchanged anyway.
-    store = EtcdStore([etcd_server.endpoint])
-    store.delete_prefix("/pixels/")
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    pg_server.create_database(name)
-    catalog = Catalog(pg_server.dsn(name))
-    catalog.bootstrap()
-    dp = DataPlane(tmp_path_factory.mktemp("refusals"), store, catalog, pg_server.dsn(name))
-    dp.start()
-    dp.commit({"orders": {"inserts": [order(i) for i in range(20)]}})
-    yield dp
-    dp.stop()
-    catalog.close()
-    pg_server.drop_database(name)
-    store.delete_prefix("/pixels/")
+    # One cluster for the module: every refused case leaves it unchanged.
+    with module_plane(tmp_path_factory.mktemp("refusals"), etcd_server.endpoint, pg_server,
+                      {"orders": {"inserts": [order(i) for i in range(20)]}}) as dp:
+        yield dp
 
 
 def order(i: int) -> dict:
