@@ -400,7 +400,10 @@ def build_body(node: RetinaNode, applied_ts: int, checkpoint_id: int,
         # A cold stream: nothing buffered and no publisher, only its files.
         for meta in node.registry.stream_files(table_id, vnode):
             _admitted(node, meta, applied_ts, files, segments, rgs)
-    missing = registered - {f.file_id for f in files}
+    # A file unregistered meanwhile (retired) is rightly absent; only a file that is
+    # still registered and missing would be lost.
+    still = {meta.file_id for meta in node.registry.all()}
+    missing = (registered & still) - {f.file_id for f in files}
     if missing:
         raise CheckpointIncomplete(
             f"CHECKPOINT_COVERS_REGISTRY: registered files {sorted(missing)[:5]} are not in "

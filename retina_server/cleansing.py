@@ -34,12 +34,21 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from prometheus_client import Counter
 
 from retina_common import file_names
-from retina_common.catalog import Catalog, CatalogError, FileRecord, FileType, PathRecord
+from retina_common.catalog import (
+    Catalog,
+    CatalogError,
+    FileRecord,
+    FileType,
+    FileTypeMismatch,
+    PathRecord,
+)
 from retina_common.log import get_logger
 from retina_common.storage import delete_quietly, open_parquet
 from retina_server.checkpoint import FileEntry, LoadedCheckpoint, RGEntry
@@ -51,6 +60,7 @@ from retina_server.visibility import RGVisibility
 from retina_server.write_buffer import COMMIT_TS
 
 log = get_logger(component="cleansing")
+T = TypeVar("T")
 
 DISCARDS = Counter("retina_cleansing_discards_total", "Checkpoint entries discarded", ["reason"])
 RETIRED = Counter("retina_cleansing_retired_total", "Catalog-only REGULAR files retired")
@@ -58,8 +68,19 @@ FOOTERS_UNREADABLE = Counter("retina_cleansing_footer_unreadable_total",
                              "Kept files whose footer could not be read (warned, kept)")
 
 
-class RewindInvariantBroken(Exception):
+class RewindFailed(Exception):
+    """The rewind cannot put the node at its replay starts: fail closed."""
+
+
+class RewindInvariantBroken(RewindFailed):
     """INDEX_POINTS_AT_DURABLE_ROWS does not hold after the rewind: fail closed."""
+
+
+Retry = Callable[[Callable[[], T], str], T]
+
+
+def _once(fn: Callable[[], T], _what: str) -> T:
+    return fn()
 
 
 @dataclass(frozen=True)
@@ -96,10 +117,13 @@ def my_files(node_id: str, files: list[FileRecord]) -> list[FileRecord]:
 
 
 def cleanse(node: RetinaNode, catalog: Catalog, loaded: LoadedCheckpoint | None,
-            files: list[FileRecord], mine: list[FileRecord]) -> CleansingResult:
+            files: list[FileRecord], mine: list[FileRecord],
+            retry: Retry = _once) -> CleansingResult:
+    """``retry(fn, what)`` runs each catalog call (the recovery coordinator retries a
+    catalog that is briefly away; every step here is idempotent)."""
     body = loaded.body if loaded else None
     by_id = {f.file_id: f for f in files}
-    paths = {p.path_id: p for p in catalog.list_paths()}
+    paths = {p.path_id: p for p in retry(catalog.list_paths, "list paths")}
     rgs: dict[int, list[RGEntry]] = defaultdict(list)
     for rg in body.row_groups if body else []:
         rgs[rg.file_id].append(rg)
@@ -119,21 +143,21 @@ def cleanse(node: RetinaNode, catalog: Catalog, loaded: LoadedCheckpoint | None,
     segments = [replace(s, kind=SegmentKind.PENDING)
                 if s.kind == SegmentKind.ADMITTED and s.file_id in discarded else s
                 for s in (body.segments if body else [])]
-    retired = _retire_leftovers(node, catalog, mine, {k.entry.file_id for k in kept}, paths)
+    retired = _retire_leftovers(node, catalog, mine, {k.entry.file_id for k in kept}, paths,
+                                retry)
     log.info("cleansing_done", node=node.node_id, kept=len(kept), discarded=len(discarded),
              retired=retired)
     return CleansingResult(segments, kept, len(discarded), retired)
 
 
 def _retire_leftovers(node: RetinaNode, catalog: Catalog, mine: list[FileRecord],
-                      kept: set[int], paths: dict[int, PathRecord]) -> int:
+                      kept: set[int], paths: dict[int, PathRecord], retry: Retry) -> int:
     protected = gc_journal_protected_files(catalog)
     now = int(time.time() * 1000)
     retired = 0
     for f in mine:
         if f.type == FileType.REGULAR and f.file_id not in kept | protected:
-            catalog.update_file(f.file_id, file_type=FileType.RETIRED, cleanup_at=now,
-                                expected_type=FileType.REGULAR)
+            retry(lambda f=f: _retire(catalog, f.file_id, now), f"retire file {f.file_id}")
             RETIRED.inc()
             retired += 1
             log.info("cleansing_retired", node=node.node_id, file_id=f.file_id)
@@ -142,6 +166,15 @@ def _retire_leftovers(node: RetinaNode, catalog: Catalog, mine: list[FileRecord]
             with contextlib.suppress(CatalogError):
                 catalog.delete_files([f.file_id])
     return retired
+
+
+def _retire(catalog: Catalog, file_id: int, now: int) -> None:
+    try:
+        catalog.update_file(file_id, file_type=FileType.RETIRED, cleanup_at=now,
+                            expected_type=FileType.REGULAR)
+    except FileTypeMismatch as exc:
+        if exc.actual != FileType.RETIRED.name:  # RETIRED: a retry of a lost answer
+            raise
 
 
 def entry_problem(node: RetinaNode, e: FileEntry, f: FileRecord | None,
@@ -219,6 +252,16 @@ def _hide_rows_at_or_after(node: RetinaNode, kept: KeptFile, start: int) -> int:
     """Hide a kept file's rows committed at or after ``start``: replay re-inserts them."""
     if kept.entry.max_commit_ts < start:
         return 0  # the whole file predates the replay start
+    try:
+        return _hide_in_file(node, kept, start)
+    except (OSError, ValueError) as exc:
+        # Unlike the footer audit, this needs the data: without it the node cannot be
+        # put at its replay start, and queries could not read the file either.
+        raise RewindFailed(f"kept file {kept.entry.file_id} ({kept.name}) cannot be read "
+                           f"for the rewind: {exc}") from exc
+
+
+def _hide_in_file(node: RetinaNode, kept: KeptFile, start: int) -> int:
     parquet = open_parquet(kept.path_uri, kept.name)
     column = parquet.metadata.schema.to_arrow_schema().get_field_index(COMMIT_TS)
     hidden = 0

@@ -18,7 +18,7 @@ admission gate: the gRPC services and the recovery coordinator call
 |---|---|---|---|---|---|---|
 | STARTING, LOADING_CHECKPOINT, CLEANSING | U | F | U | U | U | U |
 | AWAITING_REPLAY | U | ok | U | U | ok | ok |
-| BARRIER | U | F (entry closed) | U | U | ok | U (in progress) |
+| BARRIER | U | F (entry closed) | U | U | ok | ok (resumes an interrupted barrier) |
 | READY | ok | F (no attempt) | ok | ok | F | ok (same token) |
 | FAILED | F | F | F | F | F | F |
 
@@ -34,6 +34,7 @@ from collections.abc import Callable
 from enum import StrEnum
 
 import grpc
+from prometheus_client import Gauge
 
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.keys import lifecycle_key
@@ -42,6 +43,7 @@ from retina_common.log import get_logger
 from retina_common.refusal import Refusal
 
 log = get_logger(component="lifecycle")
+STATE = Gauge("retina_lifecycle_state", "1 for the node's current lifecycle phase", ["phase"])
 
 
 class Phase(StrEnum):
@@ -103,7 +105,7 @@ ADMISSION: dict[Phase, dict[Request, grpc.StatusCode | None]] = {
     Phase.BARRIER: {
         Request.WRITE: _UNAVAILABLE, Request.REPLAY_WRITE: _REFUSED, Request.READ: _UNAVAILABLE,
         Request.CHECKPOINT: _UNAVAILABLE, Request.REPLAY_TS: None,
-        Request.MARK_READY: _UNAVAILABLE},
+        Request.MARK_READY: None},
     Phase.READY: {
         Request.WRITE: None, Request.REPLAY_WRITE: _REFUSED, Request.READ: None,
         Request.CHECKPOINT: None, Request.REPLAY_TS: _REFUSED, Request.MARK_READY: None},
@@ -142,16 +144,25 @@ class LifecycleStateMachine:
             if to not in TRANSITIONS[old]:
                 raise IllegalTransition(f"{old} -> {to} is not a lifecycle transition")
             self._phase, self._reason = to, reason
-        log.info("lifecycle_transition", old=old.value, new=to.value,
-                 state=EXTERNAL[to].value, reason=reason)
-        self._on_change(old, to, reason)
+        self._changed(old, to, reason)
 
-    def fail(self, reason: str) -> None:
-        """Move to FAILED from anywhere (idempotent once FAILED)."""
+    def fail(self, reason: str) -> bool:
+        """Move to FAILED from anywhere; False if it was FAILED already (the check and
+        the move are one step, so two concurrent failures never collide)."""
         with self._lock:
-            if self._phase == Phase.FAILED:
-                return
-        self.transition(Phase.FAILED, reason)
+            old = self._phase
+            if old == Phase.FAILED:
+                return False
+            self._phase, self._reason = Phase.FAILED, reason
+        self._changed(old, Phase.FAILED, reason)
+        return True
+
+    def _changed(self, old: Phase, new: Phase, reason: str) -> None:
+        for p in Phase:
+            STATE.labels(phase=p.value).set(1 if p == new else 0)
+        log.info("lifecycle_transition", old=old.value, new=new.value,
+                 state=EXTERNAL[new].value, reason=reason)
+        self._on_change(old, new, reason)
 
     def admit(self, request: Request) -> Phase:
         """The phase the request is admitted in; raises :class:`Refusal` otherwise."""
@@ -199,6 +210,8 @@ class LifecyclePublisher:
     def publish(self, state: LifecycleState, *, checkpoint_id: int | None, recovery_epoch: int,
                 token_hash: str) -> None:
         with self._lock:
+            if self._record is not None and self._record.state == LifecycleState.FAILED:
+                return  # FAILED is final: a late READY publish must never replace it
             self._record = LifecycleRecord(state, self._node, checkpoint_id, recovery_epoch,
                                            token_hash, self._clock_ms())
             self._put_locked()

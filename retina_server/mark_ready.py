@@ -93,8 +93,10 @@ class MarkReadyBarrier:
         try:
             phase = self._machine.admit(Request.MARK_READY)
             self._check_attempt(token, checkpoint_id)
-            if phase == Phase.AWAITING_REPLAY:
-                self._barrier()
+            if phase in (Phase.AWAITING_REPLAY, Phase.BARRIER):
+                # BARRIER with the lock free: an earlier MarkReady was interrupted
+                # after closing the entry; finish its barrier instead of wedging.
+                self._barrier(phase)
             # READY: run (or finish) the hooks, then unblock queries. A repeat after
             # READY with the same token lands here and changes nothing else.
             self._hooks.run()
@@ -102,9 +104,10 @@ class MarkReadyBarrier:
         finally:
             self._lock.release()
 
-    def _barrier(self) -> None:
+    def _barrier(self, phase: Phase) -> None:
         self._entry.close()
-        self._machine.transition(Phase.BARRIER, "MarkReady")
+        if phase == Phase.AWAITING_REPLAY:
+            self._machine.transition(Phase.BARRIER, "MarkReady")
         fp.MARK_READY_BARRIER.hit()
         self._entry.drain()
         fp.MARK_READY_DRAINED.hit()

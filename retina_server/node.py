@@ -103,6 +103,7 @@ class RetinaNode:
         # Snapshots below it cannot be answered exactly: the visibility restored at
         # start folded every delete up to it into the base (checkpointAppliedTs).
         self.read_floor_ts = 0
+        self._failure_lock = threading.Lock()
         # Called once when the node fails closed (the lifecycle goes FAILED).
         self.on_fail_closed: Callable[[str], None] = lambda _reason: None
         self.pipeline = IngestPipeline(node_id, settings.close_workers, self.fail_closed)
@@ -111,10 +112,12 @@ class RetinaNode:
 
     # --- failure ---
     def fail_closed(self, reason: str) -> None:
-        if self.failure is None:
+        with self._failure_lock:  # check and set in one step: the first reason wins
+            if self.failure is not None:
+                return
             self.failure = reason
-            log.critical("node_failed_closed", node=self.node_id, reason=reason)
-            self.on_fail_closed(reason)
+        log.critical("node_failed_closed", node=self.node_id, reason=reason)
+        self.on_fail_closed(reason)
 
     def check_writable(self) -> None:
         if self.failure is not None:

@@ -20,8 +20,10 @@ admission is the lifecycle table (lifecycle.py), and refusals are one type
 
 Lifecycle publishing: the leased key changes only when the external state
 changes (RECOVERING → READY or FAILED). Internal phases are published on a
-best-effort basis: an etcd error there is logged and the heartbeat retries,
-so a transient etcd outage never fails a start-up.
+best-effort basis: an etcd error there is logged and the heartbeat retries.
+Start-up steps that read or write etcd or the catalog are retried while those
+are briefly away (``startup_retry_s``), so a transient outage never fails a
+start-up; a longer one fails the node closed with the dependency named.
 """
 
 from __future__ import annotations
@@ -30,14 +32,16 @@ import contextlib
 import hmac
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 from prometheus_client import Gauge
 
 from retina_common import failpoints as fp
-from retina_common.catalog import Catalog, FileType
+from retina_common.catalog import Catalog, CatalogOutcomeUnknown, CatalogUnavailable, FileType
 from retina_common.etcd import EtcdError
 from retina_common.lifecycle_record import LifecycleState
 from retina_common.log import get_logger, token_hash
@@ -49,15 +53,15 @@ from retina_server.checkpoint import (
     Pointer,
     build_body,
 )
-from retina_server.cleansing import RewindInvariantBroken, cleanse, my_files, rewind
+from retina_server.cleansing import RewindFailed, cleanse, my_files, rewind
 from retina_server.lifecycle import LifecyclePublisher, LifecycleStateMachine, Phase, Request
 from retina_server.node import RetinaNode
 from retina_server.replay_admission import ReplayEntry
 from retina_server.replay_ts import ReplayStarts, derive
 
 log = get_logger(component="recovery")
+T = TypeVar("T")
 
-STATE = Gauge("retina_lifecycle_state", "1 for the node's current lifecycle phase", ["phase"])
 CHECKPOINT_AGE = Gauge("retina_checkpoint_applied_ts", "checkpointAppliedTs of the last checkpoint")
 CHECKPOINT_BYTES = Gauge("retina_checkpoint_bytes", "Size of the last checkpoint body")
 REPLAY_START = Gauge("retina_replay_from_ts", "Derived replay start", ["scope"])
@@ -92,13 +96,12 @@ class RecoveryCoordinator:
         self.entry = ReplayEntry()
         self._checkpoint_lock = threading.Lock()
         self.last_checkpoint: Pointer | None = None
+        self.startup_retry_s = 120.0
 
     # --- lifecycle plumbing -----------------------------------------------------------
     def _move(self, phase: Phase, reason: str = "") -> None:
         before = self._machine.state
         self._machine.transition(phase, reason)
-        for p in Phase:
-            STATE.labels(phase=p.value).set(1 if p == phase else 0)
         if self._machine.state != before or phase == Phase.AWAITING_REPLAY:
             self._publish_quietly()
 
@@ -128,18 +131,36 @@ class RecoveryCoordinator:
 
     def fail(self, reason: str) -> None:
         self.entry.close()
-        self._machine.fail(reason)
-        self._publish_quietly()
+        if self._machine.fail(reason):
+            self._publish_quietly()
 
     # --- start-up ------------------------------------------------------------------------
+    def _retry(self, fn: Callable[[], T], what: str) -> T:
+        """Run a start-up step that reads or writes etcd or the catalog, retrying while
+        they are briefly away (every step is idempotent). Past ``startup_retry_s``
+        the error propagates and the node fails closed."""
+        deadline = time.monotonic() + self.startup_retry_s
+        pause = 0.2
+        while True:
+            try:
+                return fn()
+            except (CatalogUnavailable, CatalogOutcomeUnknown, EtcdError) as exc:
+                if time.monotonic() + pause > deadline:
+                    raise
+                log.warning("recovery_dependency_retry", node=self._node.node_id, step=what,
+                            error=str(exc), error_type=type(exc).__name__)
+                time.sleep(pause)  # backoff between attempts, not synchronisation
+                pause = min(pause * 2, 2.0)
+
     def run_startup(self) -> None:
         self._move(Phase.LOADING_CHECKPOINT)
         try:
-            loaded = self._store.load()
+            loaded = self._retry(self._store.load, "load checkpoint")
         except CheckpointUnusable as exc:
             self.fail(f"no usable checkpoint: {exc}")
             return
-        files = self._catalog.get_files_by_type(None, list(FileType))
+        files = self._retry(lambda: self._catalog.get_files_by_type(None, list(FileType)),
+                            "enumerate files")
         mine = my_files(self._node.node_id, files)
         regular = [f for f in mine if f.type == FileType.REGULAR]
         if loaded is None and regular:
@@ -151,14 +172,15 @@ class RecoveryCoordinator:
         applied = loaded.body.header.checkpoint_applied_ts if loaded else 0
         self.attempt = Attempt(self.attempt.token,
                                loaded.body.header.checkpoint_id if loaded else 0, applied)
-        result = cleanse(self._node, self._catalog, loaded, files, mine)
+        result = cleanse(self._node, self._catalog, loaded, files, mine, self._retry)
         fp.RECOVERY_CLEANSING_AFTER.hit()
+        paths = self._retry(self._catalog.list_paths, "list paths")
         starts = derive(applied, result.segments, self._node.owned_vnodes,
-                        sorted({p.table_id for p in self._catalog.list_paths()}))
+                        sorted({p.table_id for p in paths}))
         fp.RECOVERY_REWIND_BEFORE.hit()
         try:
             rewind(self._node, starts, result.kept)
-        except RewindInvariantBroken as exc:
+        except RewindFailed as exc:
             self.fail(str(exc))
             return
         fp.RECOVERY_REWIND_AFTER.hit()
@@ -234,6 +256,8 @@ class RecoveryCoordinator:
             else "",
             "checkpoint_id": self.attempt.checkpoint_id,
             "recovery_epoch": self.recovery_epoch,
-            "replay_ts_ready": self.attempt.starts is not None and phase != Phase.FAILED,
+            # Only once the entry is open: GetRecoveryReplayTs answers from then on.
+            "replay_ts_ready": self.attempt.starts is not None and phase in (
+                Phase.AWAITING_REPLAY, Phase.BARRIER, Phase.READY),
             "failure_reason": self._machine.reason if phase == Phase.FAILED else "",
         }

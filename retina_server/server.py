@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     publisher.start()
     try:
         recovery.run_startup()
-    except (CatalogError, EtcdError, OSError) as exc:
+    except Exception as exc:  # whatever it is, the node must say FAILED, not hang
         log.error("recovery_start_failed", error=str(exc), error_type=type(exc).__name__)
         recovery.fail(f"start-up failed: {exc}")
     # Wait in slices: a process-directed signal may land on one of gRPC's threads,

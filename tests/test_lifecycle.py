@@ -54,7 +54,7 @@ def test_the_happy_path_and_what_each_phase_admits() -> None:
         Request.REPLAY_TS: "ok", Request.MARK_READY: "ok"})
     assert table[Phase.BARRIER] == (LifecycleState.RECOVERING, {
         Request.WRITE: u, Request.REPLAY_WRITE: f, Request.READ: u, Request.CHECKPOINT: u,
-        Request.REPLAY_TS: "ok", Request.MARK_READY: u})
+        Request.REPLAY_TS: "ok", Request.MARK_READY: "ok"})
     assert table[Phase.READY] == (LifecycleState.READY, {
         Request.WRITE: "ok", Request.REPLAY_WRITE: f, Request.READ: "ok",
         Request.CHECKPOINT: "ok", Request.REPLAY_TS: f, Request.MARK_READY: "ok"})
@@ -104,3 +104,14 @@ def test_publisher_writes_a_leased_fresh_value_and_never_the_token(etcd: EtcdSto
                .updated_at_ms == 5_000, 5, "the heartbeat to refresh updatedAtMs")
     publisher.stop()  # revokes the lease: the key goes at once
     assert etcd.get(lifecycle_key(node)) is None
+
+
+def test_failed_is_never_replaced_by_a_late_ready(etcd: EtcdStore) -> None:
+    node = "127.0.0.1:40124"
+    publisher = LifecyclePublisher(etcd, node, ttl_s=5)
+    publisher.publish(LifecycleState.FAILED, checkpoint_id=1, recovery_epoch=1, token_hash="")
+    publisher.publish(LifecycleState.READY, checkpoint_id=1, recovery_epoch=1, token_hash="")
+    kv = etcd.get(lifecycle_key(node))
+    assert kv is not None and LifecycleRecord.parse(node, kv.value).state == \
+        LifecycleState.FAILED
+    publisher.stop()
