@@ -23,6 +23,7 @@ import functools
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -36,7 +37,13 @@ from cdc_client.retention import run_retention
 from cdc_client.source import Source, SourceError
 from cdc_client.translate import MalformedChange, TableMap
 from retina_common import failpoints
-from retina_common.catalog import Catalog, CatalogError, TableRecord
+from retina_common.catalog import (
+    Catalog,
+    CatalogOutcomeUnknown,
+    CatalogUnavailable,
+    NotFoundError,
+    TableRecord,
+)
 from retina_common.config import CdcConfig, Config, ConfigError, load_config
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.keys import LIFECYCLE_PREFIX
@@ -90,13 +97,27 @@ def open_source(cdc: CdcConfig, start_after: str | None) -> Source:
     return DebeziumFileSource(Path(cdc.debezium_dir), start_after=start_after)
 
 
+CATALOG_LOOKUP_RETRY_S = 60.0
+
+
 def table_map(catalog: Catalog, schema: str) -> TableMap:
     @functools.cache
     def lookup(schema_name: str, name: str) -> TableRecord | None:
-        try:
-            return catalog.get_table(schema_name, name)
-        except CatalogError:
-            return None
+        # Only "no such table" makes an event malformed. A catalog that is away is
+        # waited for, and past the bound it is a crash (exit 1: a restart resumes),
+        # never a stop that blames the event (found by the fault campaign).
+        deadline = time.monotonic() + CATALOG_LOOKUP_RETRY_S
+        while True:
+            try:
+                return catalog.get_table(schema_name, name)
+            except NotFoundError:
+                return None
+            except (CatalogUnavailable, CatalogOutcomeUnknown) as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("cdc_catalog_lookup_retry", table=f"{schema_name}.{name}",
+                            error=str(exc))
+                time.sleep(0.5)  # backoff between attempts
     return TableMap(schema, lookup)
 
 

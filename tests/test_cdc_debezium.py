@@ -168,3 +168,22 @@ def test_bad_configuration_exits_2_with_the_setting_named(
                             env={**os.environ, "RETINA__CDC__SOURCE_DSN": "", **override})
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
+
+
+def test_a_catalog_outage_is_never_an_unknown_table(catalog: Catalog,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a table the catalog does not have makes an event malformed (exit 3); a
+    catalog that is away is waited for and then is a crash (exit 1, a restart resumes).
+    Found by the fault campaign (seed 101, episode 550)."""
+    import cdc_client.main as cdc_main
+    from cdc_client.translate import MalformedChange
+    from retina_common.catalog import CatalogUnavailable
+    from retina_common.cluster import free_port
+
+    with pytest.raises(MalformedChange, match="unknown table"):
+        cdc_main.table_map(catalog, "shop").table("public.nope", "test")
+    monkeypatch.setattr(cdc_main, "CATALOG_LOOKUP_RETRY_S", 0.5)
+    away = Catalog(f"host=127.0.0.1 port={free_port()} dbname=none user=postgres",
+                   connect_timeout_s=1)
+    with pytest.raises(CatalogUnavailable):
+        cdc_main.table_map(away, "shop").table("public.orders", "test")
