@@ -76,19 +76,12 @@ class ChangelogGap(Exception):
     def __init__(self, short: Mapping[int, int], retained_from_ts: int) -> None:
         self.short = dict(sorted(short.items()))
         self.retained_from_ts = retained_from_ts
-        vnode, needed = min(self.short.items(), key=lambda item: (item[1], item[0]))
-        super().__init__(f"replay gap: vnode {vnode} needs the changelog from ts {needed}, "
-                         f"it holds ts >= {retained_from_ts} only "
+        # The virtual node that needs the oldest timestamp, and that timestamp.
+        self.vnode, self.needed_ts = min(self.short.items(),
+                                         key=lambda item: (item[1], item[0]))
+        super().__init__(f"replay gap: vnode {self.vnode} needs the changelog from ts "
+                         f"{self.needed_ts}, it holds ts >= {retained_from_ts} only "
                          f"({len(self.short)} virtual node(s) short)")
-
-    @property
-    def vnode(self) -> int:
-        """The virtual node that needs the oldest timestamp."""
-        return min(self.short.items(), key=lambda item: (item[1], item[0]))[0]
-
-    @property
-    def needed_ts(self) -> int:
-        return min(self.short.values())
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,6 @@ import functools
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 from types import FrameType
 
@@ -51,6 +50,7 @@ from retina_common.log import configure_logging
 from retina_common.metrics import serve_metrics
 from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
+from retina_common.retry import until_deadline
 from retina_common.storage import file_uri, root_uri
 from retina_common.topology import Topology, load_topology
 
@@ -106,18 +106,16 @@ def table_map(catalog: Catalog, schema: str) -> TableMap:
         # Only "no such table" makes an event malformed. A catalog that is away is
         # waited for, and past the bound it is a crash (exit 1: a restart resumes),
         # never a stop that blames the event (found by the fault campaign).
-        deadline = time.monotonic() + CATALOG_LOOKUP_RETRY_S
-        while True:
-            try:
-                return catalog.get_table(schema_name, name)
-            except NotFoundError:
-                return None
-            except (CatalogUnavailable, CatalogOutcomeUnknown) as exc:
-                if time.monotonic() > deadline:
-                    raise
-                log.warning("cdc_catalog_lookup_retry", table=f"{schema_name}.{name}",
-                            error=str(exc))
-                time.sleep(0.5)  # backoff between attempts
+        try:
+            return until_deadline(
+                lambda: catalog.get_table(schema_name, name),
+                transient=(CatalogUnavailable, CatalogOutcomeUnknown),
+                deadline_s=CATALOG_LOOKUP_RETRY_S,
+                on_retry=lambda exc: log.warning("cdc_catalog_lookup_retry",
+                                                 table=f"{schema_name}.{name}",
+                                                 error=str(exc)))
+        except NotFoundError:
+            return None
     return TableMap(schema, lookup)
 
 

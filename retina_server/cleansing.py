@@ -236,15 +236,17 @@ def rewind(node: RetinaNode, starts: ReplayStarts, kept: list[KeptFile]) -> tupl
     """Back to the state as of each scope's replay start; returns (index versions
     removed, rows hidden). Then checks INDEX_POINTS_AT_DURABLE_ROWS."""
     vnode_of = node.topology.vnode_of_key
+    survivors: list[tuple[int, bytes, int, int]] = []
     removed = node.index.truncate_versions(
         starts.node_replay_from_ts,
-        lambda table_id, key: starts.scope_start(table_id, vnode_of(key)))
+        lambda table_id, key: starts.scope_start(table_id, vnode_of(key)),
+        lambda *version: survivors.append(version))
     hidden = sum(_hide_rows_at_or_after(node, k, starts.scope_start(k.entry.table_id,
                                                                      k.entry.vnode))
                  for k in kept)
     log.info("recovery_rewound", node=node.node_id, index_versions_removed=removed,
              rows_hidden=hidden)
-    check_index_points_at_durable_rows(node, starts.node_replay_from_ts)
+    check_index_points_at_durable_rows(node, survivors)
     return removed, hidden
 
 
@@ -277,11 +279,13 @@ def _hide_in_file(node: RetinaNode, kept: KeptFile, start: int) -> int:
     return hidden
 
 
-def check_index_points_at_durable_rows(node: RetinaNode, from_ts: int) -> None:
-    """INDEX_POINTS_AT_DURABLE_ROWS over every version at or above ``from_ts`` (the
-    lowest timestamp any replay of this node can write at)."""
+def check_index_points_at_durable_rows(
+        node: RetinaNode, versions: list[tuple[int, bytes, int, int]]) -> None:
+    """INDEX_POINTS_AT_DURABLE_ROWS over ``versions`` (table, key, ts, rowId): every
+    version the rewind kept at or above the node's replay start, the lowest
+    timestamp any replay of this node can write at."""
     bad: list[str] = []
-    for table_id, key, ts, row_id in node.index.versions_from(from_ts):
+    for table_id, key, ts, row_id in versions:
         if row_id == TOMBSTONE:
             continue
         location = node.index.location_of(row_id)

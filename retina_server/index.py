@@ -463,31 +463,17 @@ class LocalIndexService:
         except lmdb.Error as exc:
             raise IndexBackendError(f"restorePrimaryEntries failed: {exc}") from exc
 
-    def versions_from(self, min_ts: int) -> Iterator[tuple[int, bytes, int, int]]:
-        """Every version at or after ``min_ts`` as (tableId, key, ts, rowId or TOMBSTONE),
-        in timestamp order (through the by-timestamp index)."""
-        try:
-            with self._env.begin() as txn:
-                cursor = txn.cursor(db=self._by_ts)
-                if not cursor.set_range(_TS.pack(min_ts)):
-                    return
-                for entry in cursor.iternext(keys=True, values=False):
-                    ts = _TS.unpack(entry[:8])[0]
-                    table_id, key = _split_prefix(entry[8:])
-                    value = txn.get(entry[8:] + entry[:8], db=self._primary)
-                    if value is not None:
-                        yield table_id, key, ts, _ROW.unpack(value)[0]
-        except lmdb.Error as exc:
-            raise IndexBackendError(f"primary index scan failed: {exc}") from exc
-
-    def truncate_versions(self, min_ts: int, start_of: Callable[[int, bytes], int]) -> int:
+    def truncate_versions(self, min_ts: int, start_of: Callable[[int, bytes], int],
+                          kept: Callable[[int, bytes, int, int], None] | None = None) -> int:
         """Remove every version written at or after its scope's replay start.
 
         ``start_of(table_id, key)`` gives the scope's start; only versions at or
         after ``min_ts`` (the smallest start) are looked at, through the
         by-timestamp index. Recovery calls this during cleansing so that the
         index holds exactly the state as of each replay start; replay redoes
-        the rest. Returns the number of versions removed.
+        the rest. ``kept(table_id, key, ts, row_id)`` is told every version of
+        that range that stays (in the same scan: the rewind checks them).
+        Returns the number of versions removed.
         """
         removed = 0
         try:
@@ -501,6 +487,10 @@ class LocalIndexService:
                     table_id, key = _split_prefix(entry[8:])
                     if ts >= start_of(table_id, key):
                         doomed.append((entry, entry[8:] + entry[:8]))
+                    elif kept is not None:
+                        value = txn.get(entry[8:] + entry[:8], db=self._primary)
+                        if value is not None:
+                            kept(table_id, key, ts, _ROW.unpack(value)[0])
                 for by_ts, version in doomed:
                     txn.delete(by_ts, db=self._by_ts)
                     txn.delete(version, db=self._primary)

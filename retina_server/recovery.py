@@ -32,7 +32,6 @@ import contextlib
 import hmac
 import secrets
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -46,6 +45,7 @@ from retina_common.etcd import EtcdError
 from retina_common.lifecycle_record import LifecycleState
 from retina_common.log import get_logger, token_hash
 from retina_common.refusal import Refusal
+from retina_common.retry import until_deadline
 from retina_server.checkpoint import (
     CheckpointError,
     CheckpointStore,
@@ -139,18 +139,13 @@ class RecoveryCoordinator:
         """Run a start-up step that reads or writes etcd or the catalog, retrying while
         they are briefly away (every step is idempotent). Past ``startup_retry_s``
         the error propagates and the node fails closed."""
-        deadline = time.monotonic() + self.startup_retry_s
-        pause = 0.2
-        while True:
-            try:
-                return fn()
-            except (CatalogUnavailable, CatalogOutcomeUnknown, EtcdError) as exc:
-                if time.monotonic() + pause > deadline:
-                    raise
-                log.warning("recovery_dependency_retry", node=self._node.node_id, step=what,
-                            error=str(exc), error_type=type(exc).__name__)
-                time.sleep(pause)  # backoff between attempts, not synchronisation
-                pause = min(pause * 2, 2.0)
+        def retrying(exc: BaseException) -> None:
+            log.warning("recovery_dependency_retry", node=self._node.node_id, step=what,
+                        error=str(exc), error_type=type(exc).__name__)
+
+        return until_deadline(fn, transient=(CatalogUnavailable, CatalogOutcomeUnknown,
+                                             EtcdError),
+                              deadline_s=self.startup_retry_s, on_retry=retrying)
 
     def run_startup(self) -> None:
         self._move(Phase.LOADING_CHECKPOINT)

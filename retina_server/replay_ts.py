@@ -24,6 +24,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import cached_property
 
 MIN_REPLAY_TS = 0
 PLUS_INF = (1 << 63) - 1  # +INF on the wire (int64 max)
@@ -78,13 +79,9 @@ class ReplayStarts:
             return self.node_replay_from_ts
         return self.vnode_replay_from_ts.get(vnode, self.node_replay_from_ts)
 
-    @property
+    @cached_property
     def _by_scope(self) -> dict[tuple[int, int], int]:
-        cached = self.__dict__.get("_scope_map")
-        if cached is None:
-            cached = {(s.table_id, s.vnode): s.scope_replay_from_ts for s in self.scopes}
-            object.__setattr__(self, "_scope_map", cached)
-        return cached
+        return {(s.table_id, s.vnode): s.scope_replay_from_ts for s in self.scopes}
 
 
 def chain_problem(chain: list[IngestSegment]) -> str:

@@ -28,6 +28,7 @@ from retina_common.codec import encode_value
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
+from spark_jobs.cdc_replay import EXIT_REPLAY_GAP
 
 from .dataplane import SCHEMA, DataPlane
 from .support import ROOT, begin_write, eventually
@@ -267,3 +268,35 @@ def test_snapshot_query_exits_4_while_a_node_is_recovering(logged: LoggedPlane,
     assert "query gate refused" in result.stderr and not out.exists()
     assert plane.status(victim).state == rpb.RECOVERING
 
+
+# --- the retention low-watermark ----------------------------------------------------------
+def test_cdc_replay_exits_5_on_a_replay_gap_and_sends_nothing(logged: LoggedPlane) -> None:
+    """A start below the changelog's retention low-watermark stops the job with exit 5
+    before Spark starts: nothing is sent, a recovering node is not marked READY."""
+    plane = logged.plane
+    rng = random.Random(5)
+    next_id = workload(logged, rng, 10, 0)
+    victim = plane.nodes[0]
+    plane.checkpoint(victim)
+    workload(logged, rng, 5, next_id)
+    records = logged.changelog.records()
+    # Retention of everything but the newest batch: far above the victim's checkpoint.
+    assert logged.changelog.drop_before(records[-1].first_ts) == len(records) - 1
+    retained = logged.changelog.retained_from()
+    assert retained == records[-2].last_ts + 1
+    rows = {t: plane.read(t) for t in ("orders", "events")}
+
+    backfill = run_job("spark_jobs.cdc_replay", "--config", logged.config, "--backfill",
+                       "--from-ts", "1")
+    assert backfill.returncode == EXIT_REPLAY_GAP == 5, backfill.stdout + backfill.stderr
+    assert "replay gap" in backfill.stderr and f"ts >= {retained} only" in backfill.stderr
+    assert {t: plane.read(t) for t in rows} == rows  # nothing was written
+
+    plane.retinas[victim].kill9()
+    plane.retinas[victim].start()
+    recover = run_job("spark_jobs.cdc_replay", "--config", logged.config, "--recover", victim)
+    assert recover.returncode == EXIT_REPLAY_GAP, recover.stdout + recover.stderr
+    assert f"{victim} stays RECOVERING" in recover.stderr and "replay gap" in recover.stderr
+    assert "is READY" not in recover.stdout
+    status = plane.status(victim)
+    assert status.state == rpb.RECOVERING and status.replay_ts_ready
