@@ -21,7 +21,7 @@ import grpc
 
 from retina_common.catalog import Catalog, ColumnSpec, TableRecord
 from retina_common.client import TableWriter, requests_by_node
-from retina_common.cluster import PostgresInstance, free_port, write_config
+from retina_common.cluster import PostgresInstance, free_ports, write_config
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc
@@ -96,7 +96,7 @@ class DataPlane:
         self.workdir = workdir
         self.etcd = etcd
         self.catalog = catalog
-        self.nodes = [f"127.0.0.1:{free_port()}" for _ in range(nodes)]
+        self.nodes = [f"127.0.0.1:{port}" for port in free_ports(nodes)]
         self.topology = Topology(tuple(self.nodes), virtual_nodes)
         self.trans = TransServerProcess(workdir / "trans", etcd.endpoint, dsn, self.nodes,
                                         gate={"stale_after_ms": 5000})
@@ -206,6 +206,9 @@ class DataPlane:
     # --- reading -------------------------------------------------------------------
     def read(self, table: str) -> dict[bytes, dict[str, Any]]:
         assert self.reader is not None
+        # MarkReady returns once READY is in etcd; the gate learns it through its
+        # watch a moment later. Wait for that, then read one gated snapshot.
+        eventually(self.gate_open, 15, "the query gate to admit a read")
         snap = self.reader.read(SCHEMA, table)
         writer = self.writers[table]
         out = {}
