@@ -88,6 +88,13 @@ class RetinaConfig:
     max_rows_per_request: int = 100_000
     # Recovery checkpoints while READY (also on demand: CreateCheckpoint).
     checkpoint_interval_ms: int = 60_000
+    # Storage GC on this node: the maintenance round (fold deletion chains, prune
+    # primary-index versions) runs this often while READY; files replaced by a GC
+    # rewrite are kept this long for readers whose file list predates the swap
+    # (their cleanupAt); a prepared rewrite must be committed within the TTL.
+    gc_interval_ms: int = 30_000
+    gc_retired_retention_ms: int = 600_000
+    gc_prepare_ttl_ms: int = 1_800_000
 
 
 @dataclass(frozen=True)

@@ -312,3 +312,65 @@ CDC_RETENTION_WATERMARK_BEFORE = Failpoint(
 CDC_RETENTION_WATERMARK_AFTER = Failpoint(
     "cdc.retention.watermark.after",
     "low-watermark durable above the batches to drop, none of them deleted yet")
+
+# --- Storage GC commit, promotion and rollback (docs/write-paths/storage-gc.md) ---------
+CATALOG_REVERT_SWAP_COMMIT_BEFORE = Failpoint(
+    "catalog.revert_swap.commit.before",
+    "revertSwap: old files REGULAR again and the new file RETIRED inside the transaction, "
+    "not committed")
+CATALOG_REVERT_SWAP_COMMIT_AFTER = Failpoint(
+    "catalog.revert_swap.commit.after", "revertSwap committed, caller not yet told")
+GC_JOURNAL_SWITCHING_BEFORE = Failpoint(
+    "gc.journal.switching.before",
+    "new file written and registered TEMPORARY_GC, row ids reserved, no journal record yet")
+GC_JOURNAL_SWITCHING_AFTER = Failpoint(
+    "gc.journal.switching.after", "journal INDEX_SWITCHING durable; index, visibility, "
+    "catalog untouched")
+GC_VISIBILITY_BEFORE = Failpoint(
+    "gc.visibility.before", "stream locked, new-file visibility not built")
+GC_VISIBILITY_AFTER = Failpoint(
+    "gc.visibility.after", "new-file visibility built (base = cutoff, chain items for later "
+    "deletes), not installed")
+GC_MAIN_INDEX_BEFORE = Failpoint(
+    "gc.main_index.before", "MainIndex ranges of the new file not yet written")
+GC_MAIN_INDEX_AFTER = Failpoint(
+    "gc.main_index.after", "MainIndex ranges of the new file durable (flush marker written)")
+GC_PRIMARY_SWITCH_BEFORE = Failpoint(
+    "gc.primary_switch.before", "primary entries still point at the old rows")
+GC_PRIMARY_SWITCH_AFTER = Failpoint(
+    "gc.primary_switch.after", "primary entries durable on the new rows, catalog not swapped")
+GC_SWAP_BEFORE = Failpoint(
+    "gc.swap.before", "index switched; atomicSwapFiles not called")
+GC_SWAP_AFTER = Failpoint(
+    "gc.swap.after", "atomicSwapFiles committed (new REGULAR, old RETIRED); journal still "
+    "INDEX_SWITCHING")
+GC_JOURNAL_SWAPPED_BEFORE = Failpoint(
+    "gc.journal.swapped.before", "swap committed, SWAPPED_NOT_CHECKPOINTED not written")
+GC_JOURNAL_SWAPPED_AFTER = Failpoint(
+    "gc.journal.swapped.after", "journal SWAPPED_NOT_CHECKPOINTED durable; registry still "
+    "holds the old files")
+GC_REGISTRY_BEFORE = Failpoint(
+    "gc.registry.before", "registry and visibility index not yet switched to the new file")
+GC_REGISTRY_AFTER = Failpoint(
+    "gc.registry.after", "registry holds the new file, old files retired in memory")
+GC_JOURNAL_CHECKPOINTED_BEFORE = Failpoint(
+    "gc.journal.checkpointed.before", "a durable checkpoint holds the new file; journal still "
+    "SWAPPED_NOT_CHECKPOINTED")
+GC_JOURNAL_CHECKPOINTED_AFTER = Failpoint(
+    "gc.journal.checkpointed.after", "journal CHECKPOINTED durable")
+GC_ROLLBACK_PRIMARY_BEFORE = Failpoint(
+    "gc.rollback.primary.before", "rollback: primary entries still on the new rows")
+GC_ROLLBACK_PRIMARY_AFTER = Failpoint(
+    "gc.rollback.primary.after", "rollback: primary entries durable back on the old rows")
+GC_ROLLBACK_CATALOG_BEFORE = Failpoint(
+    "gc.rollback.catalog.before", "rollback: catalog not yet reverted")
+GC_ROLLBACK_CATALOG_AFTER = Failpoint(
+    "gc.rollback.catalog.after", "rollback: old files REGULAR, the new file no longer REGULAR")
+GC_ROLLBACK_MAIN_INDEX_BEFORE = Failpoint(
+    "gc.rollback.main_index.before", "rollback: new file's MainIndex ranges still there")
+GC_ROLLBACK_MAIN_INDEX_AFTER = Failpoint(
+    "gc.rollback.main_index.after", "rollback: new file's MainIndex ranges deleted")
+GC_JOURNAL_ABORTED_BEFORE = Failpoint(
+    "gc.journal.aborted.before", "rollback done, journal not yet ABORTED")
+GC_JOURNAL_ABORTED_AFTER = Failpoint(
+    "gc.journal.aborted.after", "journal ABORTED durable")

@@ -80,6 +80,18 @@ def open_parquet(path_uri: str, name: str) -> pq.ParquetFile:
     return pq.ParquetFile(fs.open_input_file(path))
 
 
+def object_size(path_uri: str, name: str) -> int:
+    """Size in bytes of a stored object (raises OSError if it is not there)."""
+    directory = local_dir(path_uri)
+    if directory is not None:
+        return (directory / name).stat().st_size
+    fs, path = pafs.FileSystem.from_uri(file_uri(path_uri, name))
+    info = fs.get_file_info(path)
+    if info.type != pafs.FileType.File:
+        raise FileNotFoundError(file_uri(path_uri, name))
+    return int(info.size)
+
+
 def delete_quietly(path_uri: str, name: str) -> None:
     """Best-effort removal of an object and its temporary sibling."""
     directory = local_dir(path_uri)

@@ -8,7 +8,7 @@ range (best effort: a footer that cannot be read only warns). Kept files are
 re-registered and get their visibility from the body (base =
 checkpointAppliedTs, empty chain). A discarded admitted segment becomes
 PENDING, so its rows are replayed. This node's REGULAR files that no kept
-entry covers, and no GC journal protects, become RETIRED (cleanupAt = now);
+entry covers, and no open GC journal entry protects, become RETIRED (cleanupAt = now);
 its TEMPORARY_INGEST files are deleted. Write buffers start empty.
 
 **The rewind** runs once the replay starts are derived: every primary-index
@@ -98,12 +98,6 @@ class CleansingResult:
     retired: int
 
 
-def gc_journal_protected_files(_catalog: Catalog) -> set[int]:
-    """Hook for the Storage GC journal (a later issue): REGULAR files a GC task in
-    INDEX_SWITCHING / SWAPPED_NOT_CHECKPOINTED protects from cleansing. None yet."""
-    return set()
-
-
 def my_files(node_id: str, files: list[FileRecord]) -> list[FileRecord]:
     """This node's REGULAR and TEMPORARY_INGEST files (by the name's node id)."""
     mine = []
@@ -118,9 +112,11 @@ def my_files(node_id: str, files: list[FileRecord]) -> list[FileRecord]:
 
 def cleanse(node: RetinaNode, catalog: Catalog, loaded: LoadedCheckpoint | None,
             files: list[FileRecord], mine: list[FileRecord],
-            retry: Retry = _once) -> CleansingResult:
+            retry: Retry = _once, protected: frozenset[int] = frozenset()) -> CleansingResult:
     """``retry(fn, what)`` runs each catalog call (the recovery coordinator retries a
-    catalog that is briefly away; every step here is idempotent)."""
+    catalog that is briefly away; every step here is idempotent). ``protected``: files
+    an open Storage GC journal entry holds (GcJournal.protected_files); they are never
+    retired here, whatever the checkpoint says."""
     body = loaded.body if loaded else None
     by_id = {f.file_id: f for f in files}
     paths = {p.path_id: p for p in retry(catalog.list_paths, "list paths")}
@@ -144,15 +140,15 @@ def cleanse(node: RetinaNode, catalog: Catalog, loaded: LoadedCheckpoint | None,
                 if s.kind == SegmentKind.ADMITTED and s.file_id in discarded else s
                 for s in (body.segments if body else [])]
     retired = _retire_leftovers(node, catalog, mine, {k.entry.file_id for k in kept}, paths,
-                                retry)
+                                retry, protected)
     log.info("cleansing_done", node=node.node_id, kept=len(kept), discarded=len(discarded),
              retired=retired)
     return CleansingResult(segments, kept, len(discarded), retired)
 
 
 def _retire_leftovers(node: RetinaNode, catalog: Catalog, mine: list[FileRecord],
-                      kept: set[int], paths: dict[int, PathRecord], retry: Retry) -> int:
-    protected = gc_journal_protected_files(catalog)
+                      kept: set[int], paths: dict[int, PathRecord], retry: Retry,
+                      protected: frozenset[int]) -> int:
     now = int(time.time() * 1000)
     retired = 0
     for f in mine:

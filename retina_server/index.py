@@ -285,6 +285,66 @@ class LocalIndexService:
             self._flushed.remove_file(file_id)
             self._buffer.remove_file(file_id)
 
+    def ranges_of_file(self, file_id: int) -> list[RowIdRange]:
+        """Every durable or buffered MainIndex range of a file, in row-id order."""
+        with self._lock:
+            return sorted(self._flushed.of_file(file_id) + self._buffer.of_file(file_id),
+                          key=lambda r: r.row_id_start)
+
+    def files_with_ranges(self) -> set[int]:
+        """Files that have durable MainIndex ranges."""
+        with self._lock:
+            return {int(f) for (f,) in self._sqlite.execute(
+                "SELECT DISTINCT file_id FROM row_id_ranges")}
+
+    def switch_primary(self, table_id: int, keys: Sequence[bytes], from_rows: Sequence[int],
+                       to_rows: Sequence[int]) -> int:
+        """Storage GC's primary switch (updatePrimaryResolved over every version): each
+        version of ``keys[i]`` that points at ``from_rows[i]`` is pointed at
+        ``to_rows[i]``, at its own timestamp; a version that points elsewhere (the key
+        was replaced or deleted since) is left alone. One durable LMDB transaction;
+        idempotent, and the reverse call undoes it. Returns versions switched."""
+        switched = 0
+        try:
+            with self._env.begin(write=True, db=self._primary) as txn:
+                cursor = txn.cursor(db=self._primary)
+                for key, old, new in zip(keys, from_rows, to_rows, strict=True):
+                    prefix = _version_prefix(table_id, key)
+                    want = _ROW.pack(old)
+                    if not cursor.set_range(prefix):
+                        continue
+                    hits = []
+                    for version, value in cursor:
+                        if not version.startswith(prefix) or len(version) != len(prefix) + 8:
+                            break
+                        if value == want:
+                            hits.append(version)
+                    for version in hits:
+                        txn.put(version, _ROW.pack(new), db=self._primary)
+                    switched += len(hits)
+        except lmdb.Error as exc:
+            raise IndexBackendError(f"primary switch failed: {exc}") from exc
+        return switched
+
+    def versions_pointing_into(self, ranges: Sequence[tuple[int, int]],
+                               limit: int = 5) -> list[tuple[int, bytes, int, int]]:
+        """Versions (table, key, ts, rowId) whose rowId lies in one of the half-open
+        ``ranges``; a full scan, used only when recovery finds row ids no journal
+        explains."""
+        found: list[tuple[int, bytes, int, int]] = []
+        spans = sorted(ranges)
+        starts = [a for a, _ in spans]
+        with self._env.begin(db=self._primary) as txn:
+            for version, value in txn.cursor(db=self._primary):
+                (row_id,) = _ROW.unpack(value)
+                i = bisect.bisect_right(starts, row_id) - 1
+                if i >= 0 and row_id < spans[i][1]:
+                    table_id, key = _split_prefix(version[:-8])
+                    found.append((table_id, key, _TS.unpack(version[-8:])[0], row_id))
+                    if len(found) >= limit:
+                        break
+        return found
+
     @contextmanager
     def write_batch(self) -> Iterator[None]:
         """Every primary-index write inside the block is one durable LMDB transaction.
@@ -498,3 +558,142 @@ class LocalIndexService:
         except lmdb.Error as exc:
             raise IndexBackendError(f"primary index truncation failed: {exc}") from exc
         return removed
+
+    # --- version pruning (the GC scheduler: retina_server/gc_scheduler.py) ---
+    def prune_versions(self, horizon: int, since: int = 0, *, keys_per_txn: int = 5_000,
+                       entries_per_txn: int = 50_000) -> int:
+        """Remove the primary-index versions no resolution at or above ``horizon`` reads.
+
+        Rule, per key: of its versions with ``ts < horizon`` only the latest one
+        (call it L) stays, and L goes too when it is a TOMBSTONE. Versions at or
+        above ``horizon`` are never touched; ``horizon <= 0`` removes nothing.
+
+        Invariant PRUNE_KEEPS_ANSWERS_ABOVE_HORIZON: resolvePrimary and
+        resolve_for_delete answer exactly as before at every ``T >= horizon``.
+        Proof: per key both read only (a) the version at exactly ``T`` and (b) the
+        latest version with ``ts < T``, and both give "no version" and a TOMBSTONE
+        the same answer (nothing found). (a) has ``ts = T >= horizon``: untouched.
+        (b): if the key has a version in ``[horizon, T)``, the latest of them is (b)
+        before and after, untouched. Otherwise (b) was L: it is still there when it
+        is a row id; when it was a TOMBSTONE, no version below ``horizon`` is left,
+        so (b) is "no version", the same answer as the tombstone gave. QED.
+
+        It holds through a rewind too: ``truncate_versions`` from a start
+        ``s >= horizon`` keeps exactly the versions below ``s``, whose part below
+        ``horizon`` is the same with or without the truncation, so pruning and
+        truncation commute and the replay's resolutions (at ``T >= s``) are exact.
+        That is why the scheduler's horizon is at most the replay floor (the lowest
+        replay start any restart can use). Precondition: nothing writes a version
+        below ``horizon`` afterwards (the scheduler's horizon is at most safeGcTs,
+        below the HWM, so every write transaction below it has ended; a replay
+        writes at or above its start).
+
+        Incremental: after a prune at ``h1`` every key has at most one version below
+        ``h1``, a row id, so at ``h2 > h1`` only keys with a version in ``[h1, h2)``
+        can have anything to remove. They are found by scanning ``primary_by_ts``
+        from ``since`` (the previous horizon; 0 for every key) up to ``horizon``.
+        Bounded work: keys are pruned in LMDB write transactions of at most
+        ``keys_per_txn`` keys (found within ``entries_per_txn`` by-timestamp
+        entries), so a concurrent UpdateRecord waits for one short transaction at
+        most. A key's versions and their ``primary_by_ts`` entries go in the same
+        transaction: a crash leaves both dbs consistent and some keys not yet
+        pruned (the next process prunes from ``since = 0`` and finds them).
+
+        Never call it inside a ``write_batch`` (one LMDB writer per thread:
+        RuntimeError). Returns the number of versions removed; IndexBackendError on
+        a storage failure (the transactions committed before it stay).
+        """
+        if getattr(self._batch, "txn", None) is not None:
+            raise RuntimeError("prune_versions inside a write_batch would deadlock LMDB")
+        if horizon <= 0 or since >= horizon:
+            return 0
+        end = _TS.pack(horizon)
+        position: bytes | None = _TS.pack(max(since, 0))
+        removed = 0
+        try:
+            while position is not None:
+                prefixes, position = self._keys_written(position, end, keys_per_txn,
+                                                        entries_per_txn)
+                if prefixes:
+                    removed += self._prune_keys(sorted(prefixes), end)
+        except lmdb.Error as exc:
+            raise IndexBackendError(f"primary index pruning failed: {exc}") from exc
+        return removed
+
+    def _keys_written(self, start: bytes, end: bytes, max_keys: int,
+                      max_entries: int) -> tuple[set[bytes], bytes | None]:
+        """Distinct key prefixes of the ``primary_by_ts`` entries in ``[start, end)``,
+        from ``start`` on, and the entry the next chunk starts at (None: done)."""
+        found: set[bytes] = set()
+        with self._env.begin(db=self._by_ts) as txn:
+            cursor = txn.cursor(db=self._by_ts)
+            if not cursor.set_range(start):
+                return found, None
+            for scanned, entry in enumerate(cursor.iternext(keys=True, values=False)):
+                if entry[:8] >= end:
+                    return found, None
+                if len(found) >= max_keys or scanned >= max_entries:
+                    return found, entry  # not consumed: the next chunk starts here
+                found.add(entry[8:])
+        return found, None
+
+    def _prune_keys(self, prefixes: Sequence[bytes], end: bytes) -> int:
+        """Apply the pruning rule to each key (``tableId|len|key``) in one write txn."""
+        doomed: list[bytes] = []
+        with self._env.begin(write=True, db=self._primary) as txn:
+            cursor = txn.cursor(db=self._primary)
+            for prefix in prefixes:
+                width = len(prefix) + 8
+                below: list[bytes] = []
+                last = b""
+                moved = cursor.set_range(prefix)
+                while moved:
+                    version = cursor.key()
+                    if (len(version) != width or not version.startswith(prefix)
+                            or version[-8:] >= end):
+                        break
+                    below.append(version)
+                    last = cursor.value()
+                    moved = cursor.next()
+                if not below:
+                    continue
+                doomed.extend(below[:-1])
+                if _ROW.unpack(last)[0] == TOMBSTONE:
+                    doomed.append(below[-1])
+            for version in doomed:
+                txn.delete(version, db=self._primary)
+                txn.delete(version[-8:] + version[:-8], db=self._by_ts)
+        return len(doomed)
+
+    def primary_version_count(self) -> int:
+        """Versions in the primary index (LMDB's entry count: O(1))."""
+        try:
+            with self._env.begin() as txn:
+                return int(txn.stat(self._primary)["entries"])
+        except lmdb.Error as exc:
+            raise IndexBackendError(f"primary index stat failed: {exc}") from exc
+
+    def versions(self) -> list[tuple[int, bytes, int, int]]:
+        """Every version as (tableId, key, ts, rowId or TOMBSTONE), in key then ts
+        order. A full scan: for tests and diagnostics only."""
+        with self._env.begin(db=self._primary) as txn:
+            return [(*_split_prefix(version[:-8]), _TS.unpack(version[-8:])[0],
+                     _ROW.unpack(value)[0])
+                    for version, value in txn.cursor(db=self._primary)]
+
+    def version_index_mismatches(self, limit: int = 10) -> list[str]:
+        """Diagnostics (a full scan of both dbs): versions without their
+        ``primary_by_ts`` entry and entries without their version; [] when they agree."""
+        problems: list[str] = []
+        with self._env.begin(db=self._primary) as txn:
+            for version in txn.cursor(db=self._primary).iternext(values=False):
+                if txn.get(version[-8:] + version[:-8], db=self._by_ts) is None:
+                    problems.append(f"version {version.hex()} has no by-ts entry")
+                    if len(problems) >= limit:
+                        return problems
+            for entry in txn.cursor(db=self._by_ts).iternext(values=False):
+                if txn.get(entry[8:] + entry[:8], db=self._primary) is None:
+                    problems.append(f"by-ts entry {entry.hex()} has no version")
+                    if len(problems) >= limit:
+                        return problems
+        return problems

@@ -14,13 +14,13 @@ admission gate: the gRPC services and the recovery coordinator call
 
 (U = UNAVAILABLE: retry later; F = FAILED_PRECONDITION: a protocol refusal; ok = admitted)
 
-| phase | WRITE | REPLAY_WRITE | READ | CHECKPOINT | REPLAY_TS | MARK_READY |
-|---|---|---|---|---|---|---|
-| STARTING, LOADING_CHECKPOINT, CLEANSING | U | F | U | U | U | U |
-| AWAITING_REPLAY | U | ok | U | U | ok | ok |
-| BARRIER | U | F (entry closed) | U | U | ok | ok (resumes an interrupted barrier) |
-| READY | ok | F (no attempt) | ok | ok | F | ok (same token) |
-| FAILED | F | F | F | F | F | F |
+| phase | WRITE | REPLAY_WRITE | READ | CHECKPOINT | REPLAY_TS | MARK_READY | GC |
+|---|---|---|---|---|---|---|---|
+| STARTING, LOADING_CHECKPOINT, CLEANSING | U | F | U | U | U | U | U |
+| AWAITING_REPLAY | U | ok | U | U | ok | ok | U |
+| BARRIER | U | F (entry closed) | U | U | ok | ok (resumes an interrupted barrier) | U |
+| READY | ok | F (no attempt) | ok | ok | F | ok (same token) | ok |
+| FAILED | F | F | F | F | F | F | F |
 
 Invariant READY_ONLY_THROUGH_BARRIER: READY is reachable only from BARRIER,
 that is only through MarkReady; a fresh start takes the same path.
@@ -65,6 +65,7 @@ class Request(StrEnum):
     CHECKPOINT = "checkpoint"
     REPLAY_TS = "replay starts"
     MARK_READY = "MarkReady"
+    GC = "Storage GC"
 
 
 EXTERNAL: dict[Phase, LifecycleState] = {
@@ -92,7 +93,7 @@ _REFUSED = grpc.StatusCode.FAILED_PRECONDITION
 _RECOVERING_EARLY: dict[Request, grpc.StatusCode | None] = {
     Request.WRITE: _UNAVAILABLE, Request.REPLAY_WRITE: _REFUSED, Request.READ: _UNAVAILABLE,
     Request.CHECKPOINT: _UNAVAILABLE, Request.REPLAY_TS: _UNAVAILABLE,
-    Request.MARK_READY: _UNAVAILABLE,
+    Request.MARK_READY: _UNAVAILABLE, Request.GC: _UNAVAILABLE,
 }
 # None: admitted. A status: refused with it (see the module docstring's table).
 ADMISSION: dict[Phase, dict[Request, grpc.StatusCode | None]] = {
@@ -101,14 +102,16 @@ ADMISSION: dict[Phase, dict[Request, grpc.StatusCode | None]] = {
     Phase.CLEANSING: _RECOVERING_EARLY,
     Phase.AWAITING_REPLAY: {
         Request.WRITE: _UNAVAILABLE, Request.REPLAY_WRITE: None, Request.READ: _UNAVAILABLE,
-        Request.CHECKPOINT: _UNAVAILABLE, Request.REPLAY_TS: None, Request.MARK_READY: None},
+        Request.CHECKPOINT: _UNAVAILABLE, Request.REPLAY_TS: None, Request.MARK_READY: None,
+        Request.GC: _UNAVAILABLE},
     Phase.BARRIER: {
         Request.WRITE: _UNAVAILABLE, Request.REPLAY_WRITE: _REFUSED, Request.READ: _UNAVAILABLE,
         Request.CHECKPOINT: _UNAVAILABLE, Request.REPLAY_TS: None,
-        Request.MARK_READY: None},
+        Request.MARK_READY: None, Request.GC: _UNAVAILABLE},
     Phase.READY: {
         Request.WRITE: None, Request.REPLAY_WRITE: _REFUSED, Request.READ: None,
-        Request.CHECKPOINT: None, Request.REPLAY_TS: _REFUSED, Request.MARK_READY: None},
+        Request.CHECKPOINT: None, Request.REPLAY_TS: _REFUSED, Request.MARK_READY: None,
+        Request.GC: None},
     Phase.FAILED: dict.fromkeys(Request, _REFUSED),
 }
 

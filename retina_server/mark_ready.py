@@ -10,7 +10,8 @@
 3. in-flight replay requests drain;
 4. the phase moves to READY inside the node: CDC writes are admitted, the
    query gate still refuses, because etcd still says RECOVERING;
-5. the READY hooks run, once: table caches are dropped, the flush timer starts,
+5. the READY hooks run, once: the GC scheduler starts (gc_scheduler.py), table
+   caches are dropped, the flush timer starts,
    the READY checkpoint is taken (it captures everything replayed), periodic
    checkpoints start;
 6. queries are unblocked last (invariant READY_HOOKS_BEFORE_QUERIES): READY is
@@ -46,8 +47,10 @@ class ReadyHooks:
     """What starts when the node becomes READY; :meth:`run` is idempotent."""
 
     def __init__(self, node: RetinaNode, checkpoint: Callable[[], object],
-                 checkpoint_interval_s: float, stop: threading.Event) -> None:
+                 checkpoint_interval_s: float, stop: threading.Event,
+                 start_gc: Callable[[], None] = lambda: None) -> None:
         self._node = node
+        self._start_gc = start_gc
         self._checkpoint = checkpoint
         self._interval = checkpoint_interval_s
         self._stop = stop
@@ -58,6 +61,7 @@ class ReadyHooks:
         with self._lock:
             if self._done:
                 return
+            self._start_gc()  # the spec's order: GC scheduler, then caches
             self._node.invalidate_caches()
             self._node.start()
             # So that every later restart has a pointer, and the replayed state is in it.

@@ -217,13 +217,22 @@ class RetinaNode:
     def query_visibility(self, file_id: int, rg_ids: list[int],
                          ts: int) -> list[tuple[int, int, BitMap]]:
         """(rgId, rowCount, deleted bitmap at ts) of a published or buffered file."""
-        if not self.in_baseline(file_id):
+        retired = None if self.in_baseline(file_id) else self.visibility.retired(file_id)
+        if retired is None and not self.in_baseline(file_id):
             raise VisibilityError(f"file {file_id} is not served by {self.node_id}")
-        wanted = rg_ids or (self.visibility.row_groups(file_id) or
-                            list(range(len(self._buffer_files[file_id].blocks))))
+        if retired is not None:  # replaced by Storage GC: read as of before the swap
+            wanted = rg_ids or list(range(len(retired)))
+        else:
+            wanted = rg_ids or (self.visibility.row_groups(file_id) or
+                                list(range(len(self._buffer_files[file_id].blocks))))
         out = []
         for rg in wanted:
-            entry = self.rg_visibility(file_id, rg)
+            if retired is not None:
+                if not 0 <= rg < len(retired):
+                    raise VisibilityError(f"no visibility for file {file_id} rg {rg}")
+                entry = retired[rg]
+            else:
+                entry = self.rg_visibility(file_id, rg)
             if ts < entry.base_timestamp:  # its deletes up to the base are folded in
                 raise Refusal(grpc.StatusCode.ABORTED,
                               f"snapshot {ts} is below the visibility base "

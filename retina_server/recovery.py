@@ -40,20 +40,30 @@ import grpc
 from prometheus_client import Gauge
 
 from retina_common import failpoints as fp
-from retina_common.catalog import Catalog, CatalogOutcomeUnknown, CatalogUnavailable, FileType
+from retina_common.catalog import (
+    Catalog,
+    CatalogOutcomeUnknown,
+    CatalogUnavailable,
+    FileRecord,
+    FileType,
+)
 from retina_common.etcd import EtcdError
 from retina_common.lifecycle_record import LifecycleState
 from retina_common.log import get_logger, token_hash
 from retina_common.refusal import Refusal
 from retina_common.retry import until_deadline
 from retina_server.checkpoint import (
+    CheckpointBody,
     CheckpointError,
     CheckpointStore,
     CheckpointUnusable,
+    LoadedCheckpoint,
     Pointer,
     build_body,
 )
 from retina_server.cleansing import RewindFailed, cleanse, my_files, rewind
+from retina_server.gc_journal import CorruptJournal, GcJournal
+from retina_server.gc_recovery import GcJournalMismatch, check_unjournaled, decide
 from retina_server.lifecycle import LifecyclePublisher, LifecycleStateMachine, Phase, Request
 from retina_server.node import RetinaNode
 from retina_server.replay_admission import ReplayEntry
@@ -84,8 +94,12 @@ class Attempt:
 class RecoveryCoordinator:
     def __init__(self, node: RetinaNode, catalog: Catalog, store: CheckpointStore,
                  machine: LifecycleStateMachine, publisher: LifecyclePublisher,
-                 high_watermark: Callable[[], int], recovery_epoch: int) -> None:
+                 high_watermark: Callable[[], int], recovery_epoch: int,
+                 gc_journal: GcJournal) -> None:
         self._node = node
+        self._gc_journal = gc_journal
+        # Told every checkpoint this process publishes (GC promotion, the replay floor).
+        self.checkpoint_listeners: list[Callable[[CheckpointBody], None]] = []
         self._catalog = catalog
         self._store = store
         self._machine = machine
@@ -156,6 +170,11 @@ class RecoveryCoordinator:
             return
         files = self._retry(lambda: self._catalog.get_files_by_type(None, list(FileType)),
                             "enumerate files")
+        try:
+            files = self._gc_decisions(loaded, files)
+        except (CorruptJournal, GcJournalMismatch) as exc:
+            self.fail(f"GC journal mismatch: {exc}")
+            return
         mine = my_files(self._node.node_id, files)
         regular = [f for f in mine if f.type == FileType.REGULAR]
         if loaded is None and regular:
@@ -167,7 +186,8 @@ class RecoveryCoordinator:
         applied = loaded.body.header.checkpoint_applied_ts if loaded else 0
         self.attempt = Attempt(self.attempt.token,
                                loaded.body.header.checkpoint_id if loaded else 0, applied)
-        result = cleanse(self._node, self._catalog, loaded, files, mine, self._retry)
+        result = cleanse(self._node, self._catalog, loaded, files, mine, self._retry,
+                         frozenset(self._gc_journal.protected_files()))
         fp.RECOVERY_CLEANSING_AFTER.hit()
         paths = self._retry(self._catalog.list_paths, "list paths")
         starts = derive(applied, result.segments, self._node.owned_vnodes,
@@ -191,6 +211,23 @@ class RecoveryCoordinator:
                  slot=loaded.slot if loaded else None, token_hash=self.attempt.token_hash)
         self.entry.open()
         self._move(Phase.AWAITING_REPLAY)
+
+    def _gc_decisions(self, loaded: LoadedCheckpoint | None,
+                      files: list[FileRecord]) -> list[FileRecord]:
+        """Storage GC journal decisions (gc_recovery.py), before cleansing reads the
+        catalog; returns the catalog's files as they are afterwards."""
+        self._gc_journal.load()
+        checkpointed = {f.file_id for f in loaded.body.files} if loaded else set()
+        decisions = self._retry(lambda: decide(self._node, self._catalog, self._gc_journal,
+                                               checkpointed, files), "GC journal decisions")
+        if decisions:
+            log.info("gc_recovery_decided", node=self._node.node_id,
+                     decisions=[(d.rewrite_id, d.state_before, d.decision) for d in decisions])
+            files = self._retry(
+                lambda: self._catalog.get_files_by_type(None, list(FileType)), "enumerate files")
+        self._retry(lambda: check_unjournaled(self._node, self._catalog, self._gc_journal, files),
+                    "unjournaled GC files")
+        return files
 
     # --- replay -----------------------------------------------------------------------------
     def check_attempt(self, token: str, checkpoint_id: int) -> None:
@@ -237,6 +274,12 @@ class RecoveryCoordinator:
                 raise Refusal(grpc.StatusCode.INTERNAL, self._node.failure)
             pointer = self._store.publish(body)
             self.last_checkpoint = pointer
+            for listener in self.checkpoint_listeners:
+                try:
+                    listener(body)
+                except Exception as exc:  # the checkpoint stands; the next one retries
+                    log.error("checkpoint_listener_failed", error=str(exc),
+                              error_type=type(exc).__name__)
             CHECKPOINT_AGE.set(pointer.checkpoint_applied_ts)
             CHECKPOINT_BYTES.set(pointer.length)
             return pointer

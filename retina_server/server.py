@@ -41,14 +41,18 @@ from retina_common.pb import retina_pb2, retina_pb2_grpc, trans_pb2, trans_pb2_g
 from retina_common.refusal import Refusal
 from retina_common.storage import root_uri
 from retina_common.topology import Topology, load_topology
-from retina_server.checkpoint import CheckpointStore
+from retina_server.checkpoint import CheckpointBody, CheckpointStore
+from retina_server.gc_journal import GcJournal
+from retina_server.gc_scheduler import GcScheduler, ReplayFloor
 from retina_server.index import LocalIndexService
 from retina_server.lifecycle import LifecyclePublisher, LifecycleStateMachine, Phase
 from retina_server.mark_ready import MarkReadyBarrier, ReadyHooks
 from retina_server.node import BufferSettings, RetinaNode
 from retina_server.read_guard import ReadTransactionGuard, TransStatus
 from retina_server.recovery import RecoveryCoordinator
+from retina_server.replay_ts import derive
 from retina_server.service import RetinaService
+from retina_server.storage_gc import GcSettings, StorageGc
 
 SERVICE_NAME = retina_pb2.DESCRIPTOR.services_by_name["RetinaWorkerService"].full_name
 SHUTDOWN_DEADLINE_S = 25.0
@@ -83,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     trans = trans_pb2_grpc.TransServiceStub(grpc.insecure_channel(config.trans.listen))
     try:
         catalog.bootstrap()
-        index = LocalIndexService(Path(rc.state_dir) / f"{host}-{port}" / "index")
+        state_dir = Path(rc.state_dir) / f"{host}-{port}"
+        index = LocalIndexService(state_dir / "index")
+        journal = GcJournal(state_dir / "gc_journal")
         storage = root_uri(config.storage.root)
         node = RetinaNode(node_id, topology, catalog, index, storage,
                           BufferSettings(rc.block_rows, rc.blocks_per_file, rc.flush_interval_ms,
@@ -106,10 +112,33 @@ def main(argv: list[str] | None = None) -> int:
             raise Refusal(grpc.StatusCode.UNAVAILABLE,
                           f"TransServer unreachable: {exc.code().name}") from exc
 
+    def safe_gc_ts() -> int:
+        try:
+            return trans.GetSafeGcTimestamp(trans_pb2.GetSafeGcTimestampRequest(),
+                                            timeout=10).safe_gc_ts
+        except grpc.RpcError as exc:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE,
+                          f"TransServer unreachable: {exc.code().name}") from exc
+
     recovery = RecoveryCoordinator(
         node, catalog, CheckpointStore(etcd, node_id, storage, topology.topology_hash),
-        machine, publisher, high_watermark, index.allocate("recovery_epoch") + 1)
+        machine, publisher, high_watermark, index.allocate("recovery_epoch") + 1, journal)
     node.on_fail_closed = recovery.fail
+    gc = StorageGc(node, catalog, journal, safe_gc_ts,
+                   GcSettings(rc.gc_retired_retention_ms, rc.gc_prepare_ttl_ms))
+    replay_floor = ReplayFloor()
+
+    def observe_checkpoint(body: CheckpointBody) -> None:
+        start = derive(body.header.checkpoint_applied_ts, body.segments, node.owned_vnodes, [])
+        replay_floor.observe(body.header.checkpoint_id, start.node_replay_from_ts)
+
+    # Observed before promotion: a crash in between leaves a lower floor, never a higher one.
+    recovery.checkpoint_listeners += [
+        observe_checkpoint, lambda body: gc.promote({f.file_id for f in body.files})]
+    scheduler = GcScheduler(node, safe_gc_ts, gc.gc_floor, replay_floor.floor,
+                            rc.gc_interval_ms / 1000, stop,
+                            is_ready=lambda: machine.phase == Phase.READY)
+    gc.fold_fence = scheduler.fold_fence
     def trans_status(trans_id: int) -> TransStatus:
         try:
             reply = trans.GetTransStatus(trans_pb2.GetTransStatusRequest(trans_id=trans_id),
@@ -119,12 +148,13 @@ def main(argv: list[str] | None = None) -> int:
                           f"TransServer unreachable: {exc.code().name}") from exc
         return TransStatus(reply.live, reply.read_only, reply.lease_expires_at_ms)
 
-    hooks = ReadyHooks(node, recovery.create_checkpoint, rc.checkpoint_interval_ms / 1000, stop)
+    hooks = ReadyHooks(node, recovery.create_checkpoint, rc.checkpoint_interval_ms / 1000, stop,
+                       start_gc=scheduler.start)
     barrier = MarkReadyBarrier(machine, recovery.entry, recovery.check_attempt, hooks,
                                recovery.publish_ready)
     retina_pb2_grpc.add_RetinaWorkerServiceServicer_to_server(
         RetinaService(node, recovery, barrier, machine, ReadTransactionGuard(trans_status),
-                      rc.max_rows_per_request), handle.server)
+                      rc.max_rows_per_request, gc, scheduler), handle.server)
     metrics_port = serve_metrics(rc.metrics_listen)
 
     received: list[str] = []
@@ -153,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # whatever it is, the node must say FAILED, not hang
         log.error("recovery_start_failed", error=str(exc), error_type=type(exc).__name__)
         recovery.fail(f"start-up failed: {exc}")
+    if recovery.attempt.starts is not None:  # the loaded checkpoint bounds the prune horizon
+        replay_floor.observe(recovery.attempt.checkpoint_id,
+                             recovery.attempt.starts.node_replay_from_ts)
     # Wait in slices: a process-directed signal may land on one of gRPC's threads,
     # and then only a main thread that wakes up runs the Python handler.
     while not stop.wait(0.2):

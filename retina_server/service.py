@@ -5,9 +5,10 @@ of request is admitted in the current phase; every failure is answered
 through the one mapping of retina_common/refusal.py. Reads also refuse a
 snapshot the node can no longer answer exactly (below the visibility base it
 restored at start: ABORTED, begin a new query), and answer only reads of a
-live read-only transaction (read_guard.py). AddVisibility and
-Register/UnregisterOffload belong to Storage GC and query offload and answer
-UNIMPLEMENTED until those exist.
+live read-only transaction (read_guard.py). The Storage GC RPCs
+(storage_gc.py) are admitted only while READY. AddVisibility (superseded by
+CommitGcRewrite, which installs the new file's visibility itself) and
+Register/UnregisterOffload (query offload) answer UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc as pb_grpc
 from retina_common.refusal import Refusal, abort, status_of
 from retina_server import replay_admission
+from retina_server.gc_scheduler import GcScheduler
 from retina_server.lifecycle import LifecycleStateMachine, Request
 from retina_server.mark_ready import MarkReadyBarrier
 from retina_server.node import RetinaNode
 from retina_server.read_guard import ReadTransactionGuard
 from retina_server.recovery import RecoveryCoordinator
+from retina_server.storage_gc import StorageGc
 from retina_server.update_record import apply, prepare
 from retina_server.visibility import bitmap_to_bytes
 
@@ -46,8 +49,11 @@ MODES = {pb.VNODE: "VNODE", pb.NODE: "NODE"}
 class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
     def __init__(self, node: RetinaNode, recovery: RecoveryCoordinator,
                  barrier: MarkReadyBarrier, machine: LifecycleStateMachine,
-                 reads: ReadTransactionGuard, max_rows_per_request: int) -> None:
+                 reads: ReadTransactionGuard, max_rows_per_request: int,
+                 gc: StorageGc, scheduler: GcScheduler) -> None:
         self._node = node
+        self._gc = gc
+        self._scheduler = scheduler
         self._recovery = recovery
         self._barrier = barrier
         self._machine = machine
@@ -189,4 +195,70 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             return pb.CreateCheckpointResponse(
                 checkpoint_id=pointer.checkpoint_id,
                 checkpoint_applied_ts=pointer.checkpoint_applied_ts, body_length=pointer.length)
+        return self._guard(context, run)
+
+    # --- Storage GC ------------------------------------------------------------------------
+    def PrepareGcRewrite(self, request: pb.PrepareGcRewriteRequest,
+                         context: grpc.ServicerContext) -> pb.PrepareGcRewriteResponse:
+        def run() -> pb.PrepareGcRewriteResponse:
+            self._machine.admit(Request.GC)
+            self._reads.check(request.trans_id)
+            p = self._gc.prepare(request.schema_name, request.table_name,
+                                 request.virtual_node_id, list(request.old_file_ids),
+                                 request.safe_gc_ts)
+            return pb.PrepareGcRewriteResponse(
+                rewrite_id=p.rewrite_id, file_name=p.file_name, path_id=p.stream.path_id,
+                path_uri=p.stream.path_uri, cutoff_ts=p.cutoff, expires_at_ms=p.expires_at_ms,
+                expected_rows=p.expected_rows)
+        return self._guard(context, run)
+
+    def CommitGcRewrite(self, request: pb.CommitGcRewriteRequest,
+                        context: grpc.ServicerContext) -> pb.CommitGcRewriteResponse:
+        def run() -> pb.CommitGcRewriteResponse:
+            self._machine.admit(Request.GC)
+            r = self._gc.commit(request.rewrite_id, request.new_file_id)
+            return pb.CommitGcRewriteResponse(
+                rewrite_id=r.rewrite_id, outcome=r.outcome, new_file_id=r.new_file_id,
+                retired_file_ids=list(r.retired_file_ids), rows_kept=r.rows_kept,
+                rows_dropped=r.rows_dropped, chain_items=r.chain_items,
+                journal_state=r.journal_state)
+        return self._guard(context, run)
+
+    def AbortGcRewrite(self, request: pb.AbortGcRewriteRequest,
+                       context: grpc.ServicerContext) -> pb.AbortGcRewriteResponse:
+        def run() -> pb.AbortGcRewriteResponse:
+            self._machine.admit(Request.GC)
+            self._gc.abort(request.rewrite_id)
+            return pb.AbortGcRewriteResponse()
+        return self._guard(context, run)
+
+    def GetGcStatus(self, request: pb.GetGcStatusRequest,
+                    context: grpc.ServicerContext) -> pb.GetGcStatusResponse:
+        def run() -> pb.GetGcStatusResponse:
+            entries = [pb.GcJournalEntry(
+                rewrite_id=e.rewrite_id, state=e.state.value, table_id=e.table_id,
+                virtual_node_id=e.vnode, new_file_id=e.new_file_id,
+                old_file_ids=e.old_file_ids, cutoff_ts=e.cutoff_ts, rows_kept=e.rows_kept,
+                created_at_ms=e.created_at_ms, updated_at_ms=e.updated_at_ms, reason=e.reason)
+                for e in self._gc.journal.entries()]
+            floor = self._gc.gc_floor()
+            status = self._scheduler.status()
+            return pb.GetGcStatusResponse(
+                entries=entries, pending_rewrites=self._gc.pending_count(),
+                fold_floor_ts=-1 if floor is None else floor,
+                last_fold_ts=int(status.get("last_fold_ts") or 0),
+                last_prune_horizon_ts=int(status.get("last_prune_horizon_ts") or 0))
+        return self._guard(context, run)
+
+    def RunGcMaintenance(self, request: pb.RunGcMaintenanceRequest,
+                         context: grpc.ServicerContext) -> pb.RunGcMaintenanceResponse:
+        def run() -> pb.RunGcMaintenanceResponse:
+            self._machine.admit(Request.GC)
+            r = self._scheduler.run_once()
+            if r.skipped in ("safe_gc_ts_unavailable", "floor_unavailable"):
+                raise Refusal(grpc.StatusCode.UNAVAILABLE,
+                              f"maintenance skipped: {r.skipped}; retry")
+            return pb.RunGcMaintenanceResponse(
+                folded_items=r.folded_items, pruned_versions=r.pruned_versions,
+                fold_ts=r.fold_ts, prune_horizon_ts=r.prune_horizon_ts)
         return self._guard(context, run)

@@ -125,6 +125,9 @@ class VisibilityIndex:
 
     def __init__(self) -> None:
         self._entries: dict[RGKey, RGVisibility] = {}
+        # Files a Storage GC swap replaced: frozen (no delete reaches them any more),
+        # still answering reads whose file list predates the swap, until the sweeper.
+        self._retired: dict[int, list[RGVisibility]] = {}
         self._lock = threading.Lock()
 
     def add_file(self, file_id: int, row_counts: Iterable[int], base_ts: int = 0) -> None:
@@ -165,6 +168,25 @@ class VisibilityIndex:
     def files(self) -> set[int]:
         with self._lock:
             return {k.file_id for k in self._entries}
+
+    def retire_file(self, file_id: int) -> None:
+        """Move a replaced file's row groups aside (they keep answering old readers)."""
+        with self._lock:
+            keys = sorted((k for k in self._entries if k.file_id == file_id),
+                          key=lambda k: k.rg_id)
+            self._retired[file_id] = [self._entries.pop(k) for k in keys]
+
+    def retired(self, file_id: int) -> list[RGVisibility] | None:
+        with self._lock:
+            return self._retired.get(file_id)
+
+    def forget_retired(self, file_id: int) -> None:
+        with self._lock:
+            self._retired.pop(file_id, None)
+
+    def retired_files(self) -> set[int]:
+        with self._lock:
+            return set(self._retired)
 
 def bitmap_to_bytes(bitmap: BitMap, row_count: int) -> bytes:
     """Dense little-endian bitset of ``row_count`` bits (bit i = row i deleted)."""

@@ -46,18 +46,19 @@ def test_the_happy_path_and_what_each_phase_admits() -> None:
     table[sm.phase] = (sm.state, admitted(sm))
     u, f = "UNAVAILABLE", "FAILED_PRECONDITION"
     early = {Request.WRITE: u, Request.REPLAY_WRITE: f, Request.READ: u, Request.CHECKPOINT: u,
-             Request.REPLAY_TS: u, Request.MARK_READY: u}
+             Request.REPLAY_TS: u, Request.MARK_READY: u, Request.GC: u}
     assert table[Phase.STARTING] == (LifecycleState.RECOVERING, early)
     assert table[Phase.CLEANSING] == (LifecycleState.RECOVERING, early)
     assert table[Phase.AWAITING_REPLAY] == (LifecycleState.RECOVERING, {
         Request.WRITE: u, Request.REPLAY_WRITE: "ok", Request.READ: u, Request.CHECKPOINT: u,
-        Request.REPLAY_TS: "ok", Request.MARK_READY: "ok"})
+        Request.REPLAY_TS: "ok", Request.MARK_READY: "ok", Request.GC: u})
     assert table[Phase.BARRIER] == (LifecycleState.RECOVERING, {
         Request.WRITE: u, Request.REPLAY_WRITE: f, Request.READ: u, Request.CHECKPOINT: u,
-        Request.REPLAY_TS: "ok", Request.MARK_READY: "ok"})
+        Request.REPLAY_TS: "ok", Request.MARK_READY: "ok", Request.GC: u})
     assert table[Phase.READY] == (LifecycleState.READY, {
         Request.WRITE: "ok", Request.REPLAY_WRITE: f, Request.READ: "ok",
-        Request.CHECKPOINT: "ok", Request.REPLAY_TS: f, Request.MARK_READY: "ok"})
+        Request.CHECKPOINT: "ok", Request.REPLAY_TS: f, Request.MARK_READY: "ok",
+        Request.GC: "ok"})
     assert [new for _old, new in seen] == HAPPY_PATH
 
 

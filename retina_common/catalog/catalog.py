@@ -61,6 +61,8 @@ from retina_common.failpoints import (
     CATALOG_ADD_FILE_BEFORE_COMMIT,
     CATALOG_DELETE_FILES_AFTER_COMMIT,
     CATALOG_DELETE_FILES_BEFORE_COMMIT,
+    CATALOG_REVERT_SWAP_COMMIT_AFTER,
+    CATALOG_REVERT_SWAP_COMMIT_BEFORE,
     CATALOG_SWAP_AFTER_COMMIT,
     CATALOG_SWAP_BEFORE_COMMIT,
     CATALOG_UPDATE_FILE_AFTER_COMMIT,
@@ -425,6 +427,49 @@ class Catalog:
         log.info("catalog_files_swapped", new_file=new_file_id, retired=old,
                  cleanup_at=cleanup_at)
         return result
+
+    def revert_swap(self, new_file_id: int, old_file_ids: Iterable[int],
+                    cleanup_at: int) -> str:
+        """Undo an atomicSwapFiles in one transaction: the old files REGULAR again
+        (cleanupAt cleared), the new file RETIRED(cleanupAt). Idempotent; returns what
+        it found: ``"reverted"``, ``"already"`` (a retry of a lost answer) or
+        ``"not_swapped"`` (the swap never committed: new TEMPORARY_GC, old REGULAR;
+        nothing changes). Any other combination raises
+        :class:`SwapPreconditionError` and changes nothing: the catalog disagrees
+        with the GC journal.
+        """
+        old = sorted(set(old_file_ids))
+        check_cleanup_at(FileType.RETIRED, cleanup_at)
+
+        def body(cur: Any) -> str:
+            cur.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE file_id = ANY(%s) "
+                        "ORDER BY file_id FOR UPDATE", (sorted([new_file_id, *old]),))
+            rows = {r.file_id: r for r in map(_file, cur.fetchall())}
+            missing = [f for f in [new_file_id, *old] if f not in rows]
+            if missing:
+                raise SwapPreconditionError(SwapPrecondition.OLD_FILE_MISSING, missing[0],
+                                            f"revert: file {missing[0]} does not exist")
+            new_type = rows[new_file_id].type
+            old_types = {rows[f].type for f in old}
+            if new_type == FileType.TEMPORARY_GC and old_types == {FileType.REGULAR}:
+                return "not_swapped"
+            if new_type == FileType.RETIRED and old_types == {FileType.REGULAR}:
+                return "already"
+            if new_type != FileType.REGULAR or old_types != {FileType.RETIRED}:
+                raise SwapPreconditionError(
+                    SwapPrecondition.OLD_FILE_NOT_REGULAR, new_file_id,
+                    f"revert: new file {new_file_id} is {new_type.name}, old files are "
+                    f"{sorted(t.name for t in old_types)}")
+            cur.execute("UPDATE files SET type = %s, cleanup_at = %s WHERE file_id = %s",
+                        (int(FileType.RETIRED), cleanup_at, new_file_id))
+            cur.execute("UPDATE files SET type = %s, cleanup_at = NULL WHERE file_id = ANY(%s)",
+                        (int(FileType.REGULAR), old))
+            return "reverted"
+
+        outcome = self._transaction(body, before_commit=CATALOG_REVERT_SWAP_COMMIT_BEFORE,
+                                    after_commit=CATALOG_REVERT_SWAP_COMMIT_AFTER)
+        log.info("catalog_swap_reverted", new_file=new_file_id, old_files=old, outcome=outcome)
+        return outcome
 
     # --- FILES: enumeration -----------------------------------------------------------
     def get_file(self, file_id: int) -> FileRecord | None:

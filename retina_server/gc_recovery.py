@@ -1,0 +1,145 @@
+"""Recovery's decision per Storage GC journal entry (specification C07.6), made at start-up
+right after the checkpoint is loaded and before cleansing reads the catalog.
+
+| journal state | loaded checkpoint holds the new file | decision |
+|---|---|---|
+| INDEX_SWITCHING | no | roll back |
+| INDEX_SWITCHING | yes | FAILED (impossible by construction: the journal disagrees) |
+| SWAPPED_NOT_CHECKPOINTED | yes | promote to CHECKPOINTED (keep the new file) |
+| SWAPPED_NOT_CHECKPOINTED | no | roll back to the old-file baseline |
+| CHECKPOINTED, ABORTED | — | nothing (final) |
+
+A rollback first checks its anchors (the old files' catalog rows, MainIndex
+ranges and objects, and the row counts the journal recorded); if one is gone
+the node fails closed rather than guess (runbook: "GC journal mismatch").
+Rollback steps are idempotent (storage_gc.roll_back), so a crash inside one
+is finished by the next start.
+
+Unjournaled GC files: a TEMPORARY_GC file of this node that no entry names
+but that has MainIndex ranges means a rewrite whose journal is gone; if any
+primary-index version points into those ranges the node fails closed
+(GC_ROWS_HAVE_A_JOURNAL), otherwise the ranges are dropped.
+
+A journal record that does not check (CRC32C, length) fails the node closed:
+it is never read as "no entry".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from prometheus_client import Counter
+
+from retina_common import failpoints as fp
+from retina_common import file_names
+from retina_common.catalog import (
+    Catalog,
+    CatalogOutcomeUnknown,
+    CatalogUnavailable,
+    FileRecord,
+    FileType,
+)
+from retina_common.log import get_logger
+from retina_server.gc_journal import GcJournal, JournalEntry, JournalState
+from retina_server.node import RetinaNode
+from retina_server.storage_gc import Survivors, roll_back, survivors
+
+log = get_logger(component="gc_recovery")
+DECISIONS = Counter("retina_gc_recovery_decisions_total",
+                    "Recovery decisions on GC journal entries", ["decision"])
+
+
+class GcJournalMismatch(Exception):
+    """The journal, the checkpoint and the catalog disagree, or a rollback anchor is gone:
+    the node fails closed."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    rewrite_id: str
+    state_before: str
+    decision: str  # "promote" | "roll_back"
+
+
+def decide(node: RetinaNode, catalog: Catalog, journal: GcJournal,
+           checkpointed: set[int], files: list[FileRecord]) -> list[Decision]:
+    """Decide every open entry. ``checkpointed``: file ids of the loaded checkpoint;
+    ``files``: the catalog's files (re-read by the caller afterwards)."""
+    decisions = []
+    by_id = {f.file_id: f for f in files}
+    for entry in journal.open_entries():
+        holds_new = entry.new_file_id in checkpointed
+        if entry.state == JournalState.SWAPPED_NOT_CHECKPOINTED and holds_new:
+            journal.write(entry.moved(JournalState.CHECKPOINTED, entry.updated_at_ms,
+                                      "recovery: the loaded checkpoint holds the new file"),
+                          fp.GC_JOURNAL_CHECKPOINTED_BEFORE, fp.GC_JOURNAL_CHECKPOINTED_AFTER)
+            decisions.append(Decision(entry.rewrite_id, entry.state.value, "promote"))
+            DECISIONS.labels(decision="promote").inc()
+            log.info("gc_recovery_promoted", node=node.node_id, rewrite_id=entry.rewrite_id,
+                     new_file_id=entry.new_file_id)
+            continue
+        if holds_new:
+            raise GcJournalMismatch(
+                f"rewrite {entry.rewrite_id} is {entry.state.value}, but the checkpoint holds "
+                f"its new file {entry.new_file_id}")
+        plan = _anchors(node, catalog, entry, by_id)
+        roll_back(node, catalog, journal, entry, plan,
+                  f"recovery: {entry.state.value} and the loaded checkpoint does not hold the "
+                  "new file")
+        decisions.append(Decision(entry.rewrite_id, entry.state.value, "roll_back"))
+        DECISIONS.labels(decision="roll_back").inc()
+    return decisions
+
+
+def _anchors(node: RetinaNode, catalog: Catalog, entry: JournalEntry,
+             by_id: dict[int, FileRecord]) -> Survivors:
+    """What a rollback needs: the old files (catalog rows, objects, MainIndex ranges)
+    and the survivors' keys and old row ids. Raises GcJournalMismatch if one is gone."""
+    for old in entry.old_files:
+        record = by_id.get(old.file_id)
+        if record is None or record.type not in (FileType.REGULAR, FileType.RETIRED):
+            raise GcJournalMismatch(
+                f"rewrite {entry.rewrite_id}: rollback anchor gone: old file {old.file_id} is "
+                f"{'missing' if record is None else record.type.name} in the catalog")
+    try:
+        table = node.table(entry.schema_name, entry.table_name)
+        if table.table_id != entry.table_id:
+            raise LookupError(f"table {entry.table_name} is now table {table.table_id}")
+        return survivors(node, table, entry.path_uri,
+                         [(o.file_id, o.name, o.rg_row_counts) for o in entry.old_files],
+                         entry.dropped)
+    except (CatalogUnavailable, CatalogOutcomeUnknown):
+        raise  # the catalog is briefly away: start-up retries
+    except Exception as exc:  # an anchor is unreadable: never guess
+        raise GcJournalMismatch(f"rewrite {entry.rewrite_id}: rollback anchor gone: "
+                                f"{exc}") from exc
+
+
+def check_unjournaled(node: RetinaNode, catalog: Catalog, journal: GcJournal,
+                      files: list[FileRecord]) -> int:
+    """GC_ROWS_HAVE_A_JOURNAL (see the module docstring); returns ranges dropped."""
+    named = {f for e in journal.entries() for f in (e.new_file_id, *e.old_file_ids)}
+    with_ranges = node.index.files_with_ranges()
+    suspects = []
+    for f in files:
+        if f.type != FileType.TEMPORARY_GC or f.file_id in named or \
+                f.file_id not in with_ranges:
+            continue
+        with contextlib.suppress(ValueError):
+            if file_names.parse(f.name).node_id == node.node_id:
+                suspects.append(f)
+    if not suspects:
+        return 0
+    spans = [(r.row_id_start, r.row_id_end) for f in suspects
+             for r in node.index.ranges_of_file(f.file_id)]
+    bad = node.index.versions_pointing_into(spans)
+    if bad:
+        raise GcJournalMismatch(
+            "GC_ROWS_HAVE_A_JOURNAL: primary-index versions point at rows of GC files "
+            f"{[f.file_id for f in suspects][:5]} that no journal entry names: "
+            + "; ".join(f"table {t} key {k.hex()[:16]}@{ts} -> row {r}" for t, k, ts, r in bad))
+    for f in suspects:
+        node.index.delete_main_index_range(f.file_id)
+        log.warning("gc_unjournaled_ranges_dropped", file_id=f.file_id, name=f.name)
+    return len(suspects)

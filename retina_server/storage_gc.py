@@ -1,0 +1,723 @@
+"""Storage GC, the commit side on the owning Retina node (specification C07, section 5).
+
+A Spark job (spark_jobs/storage_gc.py) rewrites old REGULAR files of one
+stream into one new file that holds their rows not deleted at or below the
+cutoff (safeGcTs), registers it TEMPORARY_GC and asks this node to commit it.
+
+**PrepareGcRewrite** checks the group (READY; REGULAR files of this node's
+stream, consecutive in firstBlockId order, none in another rewrite; a cutoff
+at or below the TransServer's safeGcTs and at or above every old row group's
+visibility base), pins the cutoff (the GC scheduler folds no visibility
+above a pinned cutoff, so the job can read visibility at exactly it), and
+names the new file with this node's naming scheme. Nothing durable happens.
+
+**CommitGcRewrite**, in this order, each durable step between two failpoints
+(docs/write-paths/storage-gc.md names every window and recovery's answer):
+
+1. verify the new file against the survivors the node computes itself (row
+   count, primary keys and commit timestamps, row by row, in Arrow);
+2. reserve row ids, set the new file's row-id hull (still TEMPORARY_GC);
+3. journal INDEX_SWITCHING (write-ahead: everything below can be undone);
+4. under the stream's publisher and buffer locks (the switch only):
+   new-file visibility, ``baseTimestamp = cutoff`` and one chain item per
+   delete after the cutoff, including deletes that arrived while Spark
+   rewrote; MainIndex ranges of the new file (durable); the primary switch
+   (every version still on an old row moves to its new row);
+   ``atomicSwapFiles(new, olds, cleanupAt)``; journal SWAPPED_NOT_CHECKPOINTED;
+   the registry and visibility index move to the new file (the old files'
+   visibility stays, frozen, for readers whose file list predates the swap);
+5. the next durable checkpoint that holds the new file promotes the entry to
+   CHECKPOINTED (:meth:`StorageGc.promote`).
+
+A failure before the swap committed rolls back in place (primary switched
+back, MainIndex ranges and the new file dropped, journal ABORTED) and the
+call is refused with nothing changed; a failure after it, or a rollback that
+fails, fails the node closed, and recovery decides from the journal
+(gc_recovery.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import grpc
+import numpy as np
+import pyarrow as pa
+from prometheus_client import Counter, Gauge
+from pyroaring import BitMap
+
+from retina_common import failpoints as fp
+from retina_common import file_names
+from retina_common.catalog import (
+    Catalog,
+    CatalogError,
+    CatalogOutcomeUnknown,
+    CatalogUnavailable,
+    FileRecord,
+    FileType,
+    TableRecord,
+)
+from retina_common.catalog.errors import SwapPreconditionError
+from retina_common.codec import EncodingError, encode_primary_keys
+from retina_common.log import get_logger
+from retina_common.refusal import Refusal
+from retina_common.retry import until_deadline
+from retina_common.storage import delete_quietly, object_size, open_parquet
+from retina_server.gc_journal import GcJournal, JournalEntry, JournalState, OldFile
+from retina_server.index import RowIdRange
+from retina_server.node import RetinaNode, Stream, table_schema
+from retina_server.registry import IngestFileMeta
+from retina_server.visibility import RGVisibility
+from retina_server.write_buffer import COMMIT_TS
+
+log = get_logger(component="storage_gc")
+
+REWRITES = Counter("retina_gc_rewrites_total", "Storage GC rewrites by outcome", ["outcome"])
+ROWS_RECLAIMED = Counter("retina_gc_rows_reclaimed_total",
+                         "Deleted rows removed from storage by committed rewrites")
+ROWS_REWRITTEN = Counter("retina_gc_rows_rewritten_total", "Rows moved into new files")
+BYTES_BEFORE = Counter("retina_gc_bytes_before_total", "Bytes of old files replaced")
+BYTES_AFTER = Counter("retina_gc_bytes_after_total", "Bytes of the new files replacing them")
+JOURNAL_ENTRIES = Gauge("retina_gc_journal_entries", "GC journal entries by state", ["state"])
+JOURNAL_OLDEST_OPEN = Gauge("retina_gc_journal_oldest_open_age_seconds",
+                            "Age of the oldest journal entry not CHECKPOINTED or ABORTED")
+PENDING = Gauge("retina_gc_pending_rewrites", "Rewrites prepared, not committed or aborted")
+
+
+class GcRolledBack(Exception):
+    """The commit failed before the swap and was undone: nothing changed."""
+
+
+@dataclass(frozen=True)
+class GcSettings:
+    # How long replaced files stay (cleanupAt - swap time): readers whose file list
+    # predates the swap keep reading them until then (the sweepers delete later).
+    retired_retention_ms: int = 600_000
+    # A prepared rewrite must commit within this; it pins the fold floor meanwhile.
+    prepare_ttl_ms: int = 1_800_000
+    # How long an unknown swap outcome is re-read before the node fails closed.
+    swap_outcome_deadline_s: float = 60.0
+
+
+@dataclass
+class PendingRewrite:
+    rewrite_id: str
+    table: TableRecord
+    stream: Stream
+    old: list[IngestFileMeta]
+    old_names: list[str]
+    rg_row_counts: list[tuple[int, ...]]
+    cutoff: int
+    file_name: str
+    expires_at_ms: int
+    dropped: dict[tuple[int, int], BitMap]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def expected_rows(self) -> int:
+        total = sum(sum(c) for c in self.rg_row_counts)
+        return total - sum(len(b) for b in self.dropped.values())
+
+
+@dataclass(frozen=True)
+class Survivors:
+    """The rows a rewrite keeps, in new-file order."""
+
+    keys: list[bytes]
+    commit_ts: np.ndarray
+    old_row_ids: np.ndarray
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    rewrite_id: str
+    new_file_id: int
+    retired_file_ids: tuple[int, ...]
+    rows_kept: int
+    rows_dropped: int
+    chain_items: int
+    journal_state: str
+    outcome: str = "COMMITTED"
+
+
+def _refuse(code: grpc.StatusCode, message: str) -> Refusal:
+    return Refusal(code, message)
+
+
+# --- the survivors: shared by the commit (verification) and recovery (rollback) -------------
+def old_row_ids(ranges: list[RowIdRange], rg_row_counts: tuple[int, ...],
+                file_id: int) -> list[np.ndarray]:
+    """Per row group, the row id of every row, from the file's MainIndex ranges.
+    Raises LookupError if the ranges do not cover the file (an anchor is gone)."""
+    out = [np.full(n, -1, dtype=np.int64) for n in rg_row_counts]
+    for r in ranges:
+        if r.rg_id >= len(out) or r.rg_row_offset + r.count > len(out[r.rg_id]):
+            raise LookupError(f"file {file_id}: MainIndex range outside the file's row groups")
+        out[r.rg_id][r.rg_row_offset:r.rg_row_offset + r.count] = \
+            np.arange(r.row_id_start, r.row_id_end, dtype=np.int64)
+    for rg, ids in enumerate(out):
+        if len(ids) and ids.min() < 0:
+            raise LookupError(f"file {file_id} row group {rg}: MainIndex ranges do not cover it")
+    return out
+
+
+def kept_mask(row_count: int, dropped: BitMap) -> np.ndarray:
+    keep = np.ones(row_count, dtype=bool)
+    if len(dropped):
+        idx = np.frombuffer(dropped.to_array(), dtype=np.uint32)
+        keep[idx[idx < row_count]] = False
+    return keep
+
+
+def key_columns(table: TableRecord) -> tuple[list[str], list[str]]:
+    by_name = {c.name: c for c in table.columns}
+    names = list(table.primary_key)
+    return names, [by_name[n].type for n in names]
+
+
+def survivors(node: RetinaNode, table: TableRecord, path_uri: str,
+              files: list[tuple[int, str, tuple[int, ...]]],
+              dropped: dict[tuple[int, int], BitMap]) -> Survivors:
+    """Keys, commit timestamps and old row ids of the rows the rewrite keeps, read
+    from the old files (only the key and commit-ts columns) and their MainIndex
+    ranges. Raises LookupError / OSError / ValueError if an anchor is unreadable."""
+    names, types = key_columns(table)
+    keys: list[pa.Array] = []
+    stamps: list[np.ndarray] = []
+    ids: list[np.ndarray] = []
+    for file_id, name, counts in files:
+        per_rg = old_row_ids(node.index.ranges_of_file(file_id), counts, file_id)
+        parquet = open_parquet(path_uri, name)
+        if parquet.metadata.num_row_groups != len(counts):
+            raise LookupError(f"file {file_id} has {parquet.metadata.num_row_groups} row "
+                              f"groups, {len(counts)} expected")
+        for rg, count in enumerate(counts):
+            part = parquet.read_row_group(rg, columns=[*names, COMMIT_TS])
+            if part.num_rows != count:
+                raise LookupError(f"file {file_id} rg {rg} has {part.num_rows} rows, "
+                                  f"{count} expected")
+            keep = kept_mask(count, dropped.get((file_id, rg), BitMap()))
+            part = part.filter(pa.array(keep))
+            keys.append(encode_primary_keys(
+                types, [part.column(n).combine_chunks() for n in names]))
+            stamps.append(part.column(COMMIT_TS).to_numpy())
+            ids.append(per_rg[rg][keep])
+    flat = pa.concat_arrays(keys) if keys else pa.array([], pa.binary())
+    return Survivors(flat.to_pylist(),
+                     np.concatenate(stamps) if stamps else np.array([], np.int64),
+                     np.concatenate(ids) if ids else np.array([], np.int64))
+
+
+# --- the commit side ---------------------------------------------------------------------------
+class StorageGc:
+    def __init__(self, node: RetinaNode, catalog: Catalog, journal: GcJournal,
+                 safe_gc_ts: Callable[[], int], settings: GcSettings = GcSettings(),
+                 clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> None:
+        self._node = node
+        self._catalog = catalog
+        self._journal = journal
+        self._safe_gc_ts = safe_gc_ts
+        self._settings = settings
+        self._clock_ms = clock_ms
+        self._pending: dict[str, PendingRewrite] = {}
+        # The GC scheduler's fold target (gc_scheduler.GcScheduler.fold_fence), set by the
+        # server once both exist.
+        self.fold_fence: Callable[[], int] = lambda: 0
+        self._done: dict[str, CommitResult] = {}
+        self._lock = threading.Lock()
+        self.update_gauges()
+
+    @property
+    def journal(self) -> GcJournal:
+        return self._journal
+
+    # --- prepare ---------------------------------------------------------------------------
+    def prepare(self, schema_name: str, table_name: str, vnode: int, old_ids: list[int],
+                safe_gc_ts: int) -> PendingRewrite:
+        node = self._node
+        node.check_writable()
+        if not old_ids:
+            raise _refuse(grpc.StatusCode.INVALID_ARGUMENT, "old_file_ids is empty")
+        if len(set(old_ids)) != len(old_ids):
+            raise _refuse(grpc.StatusCode.INVALID_ARGUMENT, f"old_file_ids repeat: {old_ids}")
+        if vnode not in node.owned_vnodes:
+            raise _refuse(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"virtual node {vnode} is not served by {node.node_id}")
+        try:
+            table = node.table(schema_name, table_name)
+        except CatalogError as exc:
+            raise _refuse(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"unknown table {schema_name}.{table_name}: {exc}") from None
+        stream = node.stream(table, vnode)
+        old = self._stream_run(table, vnode, old_ids)
+        self._check_cutoff(old, safe_gc_ts)
+        with self._lock:
+            self._expire()
+            busy = {m.file_id for p in self._pending.values() for m in p.old}
+            busy |= self._journal.protected_files()
+            clash = sorted(busy & set(old_ids))
+            if clash:
+                raise _refuse(grpc.StatusCode.ABORTED,
+                              f"files {clash} are in another rewrite; try again later")
+            names = [self._file_name(m.file_id) for m in old]
+            counts = [tuple(node.visibility.get(m.file_id, rg).row_count
+                            for rg in range(m.num_row_group)) for m in old]
+            dropped = {(m.file_id, rg): node.visibility.get(m.file_id, rg).deleted_at(safe_gc_ts)
+                       for m in old for rg in range(m.num_row_group)}
+            seq = node.index.allocate("file_seq")
+            name = file_names.make(node.node_id, datetime.now(UTC), seq, vnode)
+            pending = PendingRewrite(uuid.uuid4().hex, table, stream, old, names, counts,
+                                     safe_gc_ts, name,
+                                     self._clock_ms() + self._settings.prepare_ttl_ms, dropped)
+            self._pending[pending.rewrite_id] = pending
+            # FOLD_FENCE: pinned first, fence read after; a maintenance round that read
+            # the pins before this one may already fold up to its fence.
+            if safe_gc_ts < self.fold_fence():
+                del self._pending[pending.rewrite_id]
+                raise _refuse(grpc.StatusCode.ABORTED,
+                              f"cutoff {safe_gc_ts} is below the visibility fold under way; "
+                              "take a newer safe GC timestamp")
+        PENDING.set(len(self._pending))
+        log.info("gc_rewrite_prepared", node=node.node_id, table=table.name, vnode=vnode,
+                 rewrite_id=pending.rewrite_id, old_files=old_ids, cutoff_ts=safe_gc_ts,
+                 expected_rows=pending.expected_rows, file_name=name)
+        return pending
+
+    def _file_name(self, file_id: int) -> str:
+        record = self._catalog.get_file(file_id)
+        if record is None or record.type != FileType.REGULAR:
+            raise _refuse(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"file {file_id} is not a REGULAR file in the catalog")
+        return record.name
+
+    def _stream_run(self, table: TableRecord, vnode: int,
+                    old_ids: list[int]) -> list[IngestFileMeta]:
+        """The old files as registry entries: REGULAR files of this stream, consecutive
+        in firstBlockId order (so the new file's block span overlaps no other file's,
+        and the replay-start chain stays trustworthy), in that order."""
+        files = self._node.registry.stream_files(table.table_id, vnode)
+        position = {m.file_id: i for i, m in enumerate(files)}
+        unknown = [f for f in old_ids if f not in position]
+        if unknown:
+            raise _refuse(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"files {unknown} are not published files of {table.name} "
+                          f"vnode {vnode} on {self._node.node_id}")
+        first = position[old_ids[0]]
+        if [position[f] for f in old_ids] != list(range(first, first + len(old_ids))):
+            raise _refuse(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"files {old_ids} are not consecutive in the stream's firstBlockId "
+                          "order; a rewrite replaces a run of neighbouring files")
+        return [files[position[f]] for f in old_ids]
+
+    def _check_cutoff(self, old: list[IngestFileMeta], cutoff: int) -> None:
+        try:
+            safe = self._safe_gc_ts()
+        except Refusal:
+            raise
+        except Exception as exc:
+            raise _refuse(grpc.StatusCode.UNAVAILABLE,
+                          f"safe GC timestamp unavailable: {exc}") from exc
+        if cutoff <= 0 or cutoff > safe:
+            raise _refuse(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"cutoff {cutoff} is not in (0, safeGcTs {safe}]")
+        floor = max([self._node.read_floor_ts] +
+                    [self._node.visibility.get(m.file_id, rg).base_timestamp
+                     for m in old for rg in range(m.num_row_group)])
+        if cutoff < floor:
+            raise _refuse(grpc.StatusCode.ABORTED,
+                          f"cutoff {cutoff} is below the visibility base {floor} of these files; "
+                          "take a newer safe GC timestamp")
+
+    def gc_floor(self) -> int | None:
+        """The lowest pinned cutoff: no visibility may be folded above it."""
+        with self._lock:
+            self._expire()
+            return min((p.cutoff for p in self._pending.values()), default=None)
+
+    def _expire(self) -> None:
+        now = self._clock_ms()
+        for rid in [r for r, p in self._pending.items() if p.expires_at_ms <= now]:
+            log.warning("gc_rewrite_expired", rewrite_id=rid)
+            REWRITES.labels(outcome="expired").inc()
+            del self._pending[rid]
+
+    def abort(self, rewrite_id: str) -> None:
+        with self._lock:
+            pending = self._pending.pop(rewrite_id, None)
+        if pending is not None:
+            REWRITES.labels(outcome="aborted_by_job").inc()
+            log.info("gc_rewrite_abandoned", rewrite_id=rewrite_id)
+        PENDING.set(len(self._pending))
+
+    # --- commit ------------------------------------------------------------------------------
+    def commit(self, rewrite_id: str, new_file_id: int) -> CommitResult:
+        done = self._finished(rewrite_id, new_file_id)
+        if done is not None:
+            return done
+        with self._lock:
+            self._expire()
+            pending = self._pending.get(rewrite_id)
+        if pending is None:
+            raise _refuse(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"rewrite {rewrite_id} is unknown or expired here (the node may have "
+                          "restarted); prepare the rewrite again")
+        if not pending.lock.acquire(blocking=False):
+            raise _refuse(grpc.StatusCode.UNAVAILABLE, f"rewrite {rewrite_id} is committing")
+        try:
+            done = self._finished(rewrite_id, new_file_id)
+            if done is not None:
+                return done
+            self._node.check_writable()
+            if pending.expires_at_ms <= self._clock_ms():  # its pin lapsed: folds passed it
+                raise _refuse(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"rewrite {rewrite_id} expired; prepare it again")
+            result = self._commit(pending, new_file_id)
+        except GcRolledBack as exc:
+            REWRITES.labels(outcome="rolled_back").inc()
+            self._forget(rewrite_id)
+            if isinstance(exc.__cause__, Refusal):  # e.g. the swap's precondition failed
+                raise exc.__cause__ from None
+            raise _refuse(grpc.StatusCode.ABORTED, f"{exc}; nothing changed, prepare the "
+                                                   "rewrite again") from None
+        finally:
+            pending.lock.release()
+            self.update_gauges()
+        self._forget(rewrite_id)
+        with self._lock:
+            self._done[rewrite_id] = result
+        return result
+
+    def _forget(self, rewrite_id: str) -> None:
+        with self._lock:
+            self._pending.pop(rewrite_id, None)
+        PENDING.set(len(self._pending))
+
+    def _finished(self, rewrite_id: str, new_file_id: int) -> CommitResult | None:
+        """The answer to a repeated commit (the first answer was lost)."""
+        with self._lock:
+            done = self._done.get(rewrite_id)
+        entry = self._journal.get(rewrite_id)
+        if done is None and entry is None:
+            return None
+        if entry is not None and entry.state == JournalState.ABORTED:
+            raise _refuse(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"rewrite {rewrite_id} was rolled back: {entry.reason}")
+        if entry is not None and entry.new_file_id != new_file_id:
+            raise _refuse(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"rewrite {rewrite_id} committed file {entry.new_file_id}, "
+                          f"not {new_file_id}")
+        if done is not None:
+            state = entry.state.value if entry else done.journal_state
+            return CommitResult(done.rewrite_id, done.new_file_id, done.retired_file_ids,
+                                done.rows_kept, done.rows_dropped, done.chain_items, state)
+        if entry is not None and entry.state == JournalState.INDEX_SWITCHING:
+            raise _refuse(grpc.StatusCode.UNAVAILABLE, f"rewrite {rewrite_id} is committing")
+        assert entry is not None
+        return CommitResult(rewrite_id, entry.new_file_id, tuple(entry.old_file_ids),
+                            entry.rows_kept, sum(len(b) for b in entry.dropped.values()), 0,
+                            entry.state.value)
+
+    def _commit(self, pending: PendingRewrite, new_file_id: int) -> CommitResult:
+        node = self._node
+        record, new_counts, plan = self._verify(pending, new_file_id)
+        kept = len(plan.keys)
+        start = node.index.allocate_row_ids(max(kept, 1))
+        now = self._clock_ms()
+        entry = JournalEntry(
+            pending.rewrite_id, JournalState.INDEX_SWITCHING, node.node_id,
+            pending.table.schema_name, pending.table.name, pending.table.table_id,
+            pending.stream.vnode, pending.stream.path_id, pending.stream.path_uri, new_file_id,
+            record.name, start, tuple(new_counts),
+            tuple(OldFile(m.file_id, n, c, m.first_block_id, m.block_count)
+                  for m, n, c in zip(pending.old, pending.old_names, pending.rg_row_counts,
+                                     strict=True)),
+            pending.cutoff, now + self._settings.retired_retention_ms, now, now, "",
+            pending.dropped)
+        try:
+            self._journal.write(entry, fp.GC_JOURNAL_SWITCHING_BEFORE,
+                                fp.GC_JOURNAL_SWITCHING_AFTER)
+        except OSError as exc:
+            raise _refuse(grpc.StatusCode.UNAVAILABLE,
+                          f"GC journal write failed: {exc}") from exc
+        stream = pending.stream
+        progress = _Progress()
+        try:
+            self._catalog.update_file(new_file_id, min_row_id=start,
+                                      max_row_id=start + max(kept, 1) - 1,
+                                      num_row_group=len(new_counts),
+                                      expected_type=FileType.TEMPORARY_GC)
+            with stream.publisher.lock, stream.buffer.lock:
+                chain_items = self._switch(pending, entry, plan, progress)
+        except Exception as exc:
+            if progress.swapped:
+                node.fail_closed(f"GC rewrite {pending.rewrite_id} failed after its swap "
+                                 f"committed: {exc}")
+                raise
+            self._roll_back_live(entry, plan, progress, exc)
+            raise GcRolledBack(f"rewrite {pending.rewrite_id} rolled back: {exc}") from exc
+        result = CommitResult(pending.rewrite_id, new_file_id, tuple(entry.old_file_ids), kept,
+                              sum(len(b) for b in pending.dropped.values()), chain_items,
+                              JournalState.SWAPPED_NOT_CHECKPOINTED.value)
+        REWRITES.labels(outcome="committed").inc()
+        ROWS_RECLAIMED.inc(result.rows_dropped)
+        ROWS_REWRITTEN.inc(kept)
+        self._count_bytes(pending, record)
+        log.info("gc_rewrite_committed", node=node.node_id, table=pending.table.name,
+                 vnode=stream.vnode, rewrite_id=pending.rewrite_id, new_file_id=new_file_id,
+                 old_files=entry.old_file_ids, rows_kept=kept, rows_dropped=result.rows_dropped,
+                 chain_items=chain_items, cutoff_ts=pending.cutoff)
+        return result
+
+    def _count_bytes(self, pending: PendingRewrite, record: FileRecord) -> None:
+        with contextlib.suppress(OSError, ValueError):  # a metric: never fails a commit
+            path = pending.stream.path_uri
+            BYTES_BEFORE.inc(sum(object_size(path, n) for n in pending.old_names))
+            BYTES_AFTER.inc(object_size(path, record.name))
+
+    def _verify(self, pending: PendingRewrite,
+                new_file_id: int) -> tuple[FileRecord, list[int], Survivors]:
+        """The new file holds exactly the survivors, in order (refused otherwise)."""
+        record = self._catalog.get_file(new_file_id)
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        if record is None:
+            raise _refuse(bad, f"new file {new_file_id} is not in the catalog")
+        if record.type != FileType.TEMPORARY_GC:
+            raise _refuse(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"new file {new_file_id} is {record.type.name}, not TEMPORARY_GC")
+        if record.name != pending.file_name or record.path_id != pending.stream.path_id:
+            raise _refuse(bad, f"new file {new_file_id} ({record.name}) is not the file this "
+                               f"rewrite named ({pending.file_name})")
+        try:
+            parquet = open_parquet(pending.stream.path_uri, record.name)
+            expected = table_schema(pending.table)
+            if parquet.schema_arrow.names != expected.names:
+                raise _refuse(bad, f"new file columns {parquet.schema_arrow.names} are not the "
+                                   f"table's {expected.names}")
+            counts = [parquet.metadata.row_group(i).num_rows
+                      for i in range(parquet.metadata.num_row_groups)]
+            if sum(counts) != pending.expected_rows:
+                raise _refuse(bad, f"new file holds {sum(counts)} rows; {pending.expected_rows} "
+                                   "survive the cutoff")
+            if any(c == 0 for c in counts):
+                raise _refuse(bad, "new file has an empty row group")
+            names, types = key_columns(pending.table)
+            written = parquet.read(columns=[*names, COMMIT_TS])
+            new_keys = encode_primary_keys(types, [written.column(n).combine_chunks()
+                                                   for n in names])
+            plan = survivors(self._node, pending.table, pending.stream.path_uri,
+                             list(zip([m.file_id for m in pending.old], pending.old_names,
+                                      pending.rg_row_counts, strict=True)), pending.dropped)
+        except (OSError, ValueError, EncodingError, LookupError, KeyError) as exc:
+            raise _refuse(bad, f"new file {record.name} cannot be checked: {exc}") from exc
+        if not np.array_equal(written.column(COMMIT_TS).to_numpy(), plan.commit_ts):
+            raise _refuse(bad, "new file rows are not the survivors in order (commit "
+                               "timestamps differ)")
+        if new_keys.to_pylist() != plan.keys:
+            raise _refuse(bad, "new file rows are not the survivors in order (primary keys "
+                               "differ)")
+        return record, counts, plan
+
+    def _switch(self, pending: PendingRewrite, entry: JournalEntry, plan: Survivors,
+                progress: _Progress) -> int:
+        """Step 4 of the module docstring, under the stream's locks. Returns chain items."""
+        node, index = self._node, self._node.index
+        new_id, start = entry.new_file_id, entry.new_row_id_start
+        counts = list(entry.new_rg_row_counts)
+        fp.GC_VISIBILITY_BEFORE.hit()
+        visibility, chain_items = self._new_visibility(pending, counts)
+        fp.GC_VISIBILITY_AFTER.hit()
+        fp.GC_MAIN_INDEX_BEFORE.hit()
+        progress.main_index = True
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+        index.put_main_index_entries(
+            [RowIdRange(start + int(offsets[rg]), n, new_id, rg, 0)
+             for rg, n in enumerate(counts)])
+        index.flush_file(new_id)
+        fp.GC_MAIN_INDEX_AFTER.hit()
+        fp.GC_PRIMARY_SWITCH_BEFORE.hit()
+        progress.primary = True
+        new_rows = (start + np.arange(len(plan.keys), dtype=np.int64)).tolist()
+        index.switch_primary(pending.table.table_id, plan.keys, plan.old_row_ids.tolist(),
+                             new_rows)
+        fp.GC_PRIMARY_SWITCH_AFTER.hit()
+        fp.GC_SWAP_BEFORE.hit()
+        self._swap(entry, progress)
+        fp.GC_SWAP_AFTER.hit()
+        self._journal.write(entry.moved(JournalState.SWAPPED_NOT_CHECKPOINTED,
+                                        self._clock_ms()),
+                            fp.GC_JOURNAL_SWAPPED_BEFORE, fp.GC_JOURNAL_SWAPPED_AFTER)
+        fp.GC_REGISTRY_BEFORE.hit()
+        first, last = pending.old[0], pending.old[-1]
+        stamps = plan.commit_ts
+        node.registry.register(IngestFileMeta(
+            new_id, pending.table.table_id, pending.stream.vnode, first.first_block_id,
+            int(stamps.min()) if len(stamps) else 0, int(stamps.max()) if len(stamps) else 0,
+            len(plan.keys), start, start + max(len(plan.keys), 1) - 1, len(counts),
+            last.first_block_id + last.block_count - first.first_block_id))
+        for rg, vis in enumerate(visibility):
+            node.visibility.adopt(new_id, rg, vis)
+        for m in pending.old:  # REGISTRY_COVERS_VISIBILITY holds at every point
+            node.visibility.retire_file(m.file_id)
+            node.registry.unregister(m.file_id)
+        fp.GC_REGISTRY_AFTER.hit()
+        return chain_items
+
+    def _new_visibility(self, pending: PendingRewrite,
+                        counts: list[int]) -> tuple[list[RGVisibility], int]:
+        """New-file visibility: base = cutoff, empty base bitmap (the rows deleted at or
+        below the cutoff are gone), and a chain item for every delete after it, read
+        now under the stream lock, so deletes that raced the rewrite are carried."""
+        cutoff = pending.cutoff
+        out = [RGVisibility(n, cutoff) for n in counts]
+        bounds = np.cumsum(counts)
+        items: dict[tuple[int, int], list[int]] = defaultdict(list)  # (new rg, ts) -> rows
+        before = 0  # survivors in earlier old row groups
+        for meta, rg_counts in zip(pending.old, pending.rg_row_counts, strict=True):
+            for rg, n in enumerate(rg_counts):
+                vis = self._node.visibility.get(meta.file_id, rg)
+                dropped = pending.dropped[(meta.file_id, rg)]
+                keep = np.flatnonzero(kept_mask(n, dropped))
+                _base_ts, _base, chain = vis.snapshot()
+                for ts, row in chain:
+                    if ts <= cutoff:
+                        continue  # dropped: deleted at or below the cutoff
+                    pos = int(np.searchsorted(keep, row))
+                    if pos >= len(keep) or keep[pos] != row:
+                        raise RuntimeError(f"delete of dropped row {row} at {ts} > cutoff")
+                    g = before + pos
+                    new_rg = int(np.searchsorted(bounds, g, side="right"))
+                    offset = g - (int(bounds[new_rg - 1]) if new_rg else 0)
+                    items[(new_rg, ts)].append(offset)
+                before += len(keep)
+        for (rg, ts), rows in sorted(items.items(), key=lambda kv: kv[0][1]):
+            out[rg].delete(rows, ts)
+        return out, sum(len(r) for r in items.values())
+
+    def _swap(self, entry: JournalEntry, progress: _Progress) -> None:
+        cleanup_at = entry.cleanup_at_ms
+        try:
+            self._catalog.atomic_swap_files(entry.new_file_id, entry.old_file_ids, cleanup_at)
+        except CatalogOutcomeUnknown:
+            progress.swapped = None  # unknown until re-read
+            state = until_deadline(lambda: swap_state(self._catalog, entry),
+                                   transient=(CatalogUnavailable, CatalogOutcomeUnknown),
+                                   deadline_s=self._settings.swap_outcome_deadline_s)
+            if state != "swapped":
+                progress.swapped = False
+                raise RuntimeError("atomicSwapFiles did not commit (re-read)") from None
+        except SwapPreconditionError as exc:
+            raise _refuse(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
+        except CatalogUnavailable as exc:
+            raise _refuse(grpc.StatusCode.UNAVAILABLE, f"catalog unavailable: {exc}") from exc
+        progress.swapped = True
+
+    def _roll_back_live(self, entry: JournalEntry, plan: Survivors, progress: _Progress,
+                        cause: BaseException) -> None:
+        """Undo a commit that failed before its swap; the node fails closed if it cannot."""
+        reason = f"commit failed: {cause}"
+        log.warning("gc_rewrite_rolling_back", rewrite_id=entry.rewrite_id, reason=reason)
+        try:
+            if progress.swapped is None:
+                raise RuntimeError("swap outcome unknown")
+            roll_back(self._node, self._catalog, self._journal, entry,
+                      plan if progress.primary else None, reason,
+                      main_index=progress.main_index)
+        except Exception as exc:
+            self._node.fail_closed(f"GC rewrite {entry.rewrite_id} could not be rolled back "
+                                   f"({exc}); recovery decides from the journal")
+            raise
+
+    # --- promotion ---------------------------------------------------------------------------
+    def promote(self, checkpointed_files: set[int]) -> int:
+        """A durable checkpoint holds these files: their entries become CHECKPOINTED."""
+        promoted = 0
+        for entry in self._journal.open_entries():
+            if entry.state == JournalState.SWAPPED_NOT_CHECKPOINTED and \
+                    entry.new_file_id in checkpointed_files:
+                self._journal.write(entry.moved(JournalState.CHECKPOINTED, self._clock_ms()),
+                                    fp.GC_JOURNAL_CHECKPOINTED_BEFORE,
+                                    fp.GC_JOURNAL_CHECKPOINTED_AFTER)
+                promoted += 1
+                log.info("gc_journal_promoted", rewrite_id=entry.rewrite_id,
+                         new_file_id=entry.new_file_id)
+        if promoted:
+            self.update_gauges()
+        return promoted
+
+    # --- status ------------------------------------------------------------------------------
+    def pending_count(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def update_gauges(self) -> None:
+        entries = self._journal.entries()
+        for state in JournalState:
+            JOURNAL_ENTRIES.labels(state=state.value).set(
+                sum(e.state == state for e in entries))
+        open_ages = [self._clock_ms() - e.created_at_ms for e in entries
+                     if e.state != JournalState.CHECKPOINTED and e.state != JournalState.ABORTED]
+        JOURNAL_OLDEST_OPEN.set(max(open_ages, default=0) / 1000)
+        PENDING.set(len(self._pending))
+
+
+@dataclass
+class _Progress:
+    """How far a commit got: what a rollback has to undo."""
+
+    main_index: bool = False
+    primary: bool = False
+    swapped: bool | None = False  # None: the swap's outcome is unknown
+
+
+def swap_state(catalog: Catalog, entry: JournalEntry) -> str:
+    """"swapped", "not_swapped" or "mismatch", from the catalog rows."""
+    new = catalog.get_file(entry.new_file_id)
+    olds = [catalog.get_file(f) for f in entry.old_file_ids]
+    old_types = {o.type if o else None for o in olds}
+    if new is not None and new.type == FileType.REGULAR and old_types == {FileType.RETIRED}:
+        return "swapped"
+    if new is not None and new.type == FileType.TEMPORARY_GC and \
+            old_types == {FileType.REGULAR}:
+        return "not_swapped"
+    return "mismatch"
+
+
+def roll_back(node: RetinaNode, catalog: Catalog, journal: GcJournal, entry: JournalEntry,
+              plan: Survivors | None, reason: str, *, main_index: bool = True) -> None:
+    """Undo a rewrite, every step idempotent (safe to repeat after a crash in it):
+    primary entries back on the old rows → catalog reverted (old REGULAR; the new
+    file RETIRED if the swap had committed, else deleted with its object) → the
+    new file's MainIndex ranges deleted → journal ABORTED. ``plan`` None: the
+    primary switch never started."""
+    if plan is not None:
+        fp.GC_ROLLBACK_PRIMARY_BEFORE.hit()
+        start = entry.new_row_id_start
+        node.index.switch_primary(entry.table_id, plan.keys,
+                                  (start + np.arange(len(plan.keys))).tolist(),
+                                  plan.old_row_ids.tolist())
+        fp.GC_ROLLBACK_PRIMARY_AFTER.hit()
+    fp.GC_ROLLBACK_CATALOG_BEFORE.hit()
+    outcome = catalog.revert_swap(entry.new_file_id, entry.old_file_ids,
+                                  int(time.time() * 1000))
+    if outcome == "not_swapped":
+        # Never visible to anyone: no reader can hold it.
+        delete_quietly(entry.path_uri, entry.new_file_name)
+        with contextlib.suppress(CatalogError):
+            catalog.delete_files([entry.new_file_id])
+    fp.GC_ROLLBACK_CATALOG_AFTER.hit()
+    if main_index:
+        fp.GC_ROLLBACK_MAIN_INDEX_BEFORE.hit()
+        node.index.delete_main_index_range(entry.new_file_id)
+        fp.GC_ROLLBACK_MAIN_INDEX_AFTER.hit()
+    journal.write(entry.moved(JournalState.ABORTED, int(time.time() * 1000), reason),
+                  fp.GC_JOURNAL_ABORTED_BEFORE, fp.GC_JOURNAL_ABORTED_AFTER)
+    log.warning("gc_rewrite_rolled_back", rewrite_id=entry.rewrite_id,
+                new_file_id=entry.new_file_id, old_files=entry.old_file_ids, reason=reason,
+                catalog=outcome)

@@ -1,0 +1,115 @@
+"""A Storage GC rewriter for node-side tests: the Spark job's protocol (prepare → read
+visibility at the cutoff → write and register the new file → commit) without Spark,
+so that a test can stop between any two of its steps."""
+
+from __future__ import annotations
+
+import io
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from retina_common import file_names
+from retina_common.catalog import FileRecord, FileType
+from retina_common.pb import retina_pb2 as rpb
+from retina_common.pb import trans_pb2 as tpb
+from retina_common.storage import open_parquet, write_durably
+
+from .dataplane import SCHEMA, DataPlane
+from .support import eventually
+
+
+@dataclass
+class Prepared:
+    node: str
+    table: str
+    vnode: int
+    old: list[FileRecord]
+    reply: rpb.PrepareGcRewriteResponse
+    trans_id: int
+
+
+def streams(dp: DataPlane, table: str) -> dict[tuple[str, int], list[FileRecord]]:
+    """REGULAR files of a table per (node, vnode), in the name's sequence order."""
+    path = dp.catalog.get_paths(dp.tables[table].table_id)[0]
+    out: dict[tuple[str, int], list[FileRecord]] = defaultdict(list)
+    for f in dp.catalog.get_regular_files(path.path_id):
+        name = file_names.parse(f.name)
+        out[(name.node_id, name.vnode)].append(f)
+    return {k: sorted(v, key=lambda f: file_names.parse(f.name).seq) for k, v in out.items()}
+
+
+def begin_read(dp: DataPlane) -> int:
+    # MarkReady returns before the gate's watch sees READY: wait for the gate first.
+    eventually(dp.gate_open, 15, "the query gate to admit")
+    return dp.trans.stub().BeginTrans(tpb.BeginTransRequest(read_only=True),
+                                      timeout=10).trans_id
+
+
+def end(dp: DataPlane, trans_id: int) -> None:
+    dp.trans.stub().CommitTrans(tpb.CommitTransRequest(trans_id=trans_id), timeout=10)
+
+
+def prepare(dp: DataPlane, node: str, table: str, vnode: int, old: list[FileRecord],
+            trans_id: int | None = None) -> Prepared:
+    trans_id = trans_id or begin_read(dp)
+    safe = dp.trans.stub().GetSafeGcTimestamp(tpb.GetSafeGcTimestampRequest(),
+                                              timeout=10).safe_gc_ts
+    reply = dp.retinas[node].stub.PrepareGcRewrite(rpb.PrepareGcRewriteRequest(
+        schema_name=SCHEMA, table_name=table, virtual_node_id=vnode,
+        old_file_ids=[f.file_id for f in old], safe_gc_ts=safe, trans_id=trans_id), timeout=30)
+    return Prepared(node, table, vnode, old, reply, trans_id)
+
+
+def write_new_file(dp: DataPlane, p: Prepared, row_group_rows: int = 50) -> int:
+    """Read the old files, drop rows deleted at the cutoff, write and register the new
+    file (TEMPORARY_GC); returns its file id."""
+    stub = dp.retinas[p.node].stub
+    parts = []
+    for f in p.old:
+        vis = stub.QueryVisibility(rpb.QueryVisibilityRequest(
+            file_id=f.file_id, timestamp=p.reply.cutoff_ts, trans_id=p.trans_id), timeout=30)
+        parquet = open_parquet(p.reply.path_uri, f.name)
+        for rg in vis.row_groups:
+            rows = parquet.read_row_group(rg.rg_id)
+            bits = np.unpackbits(np.frombuffer(rg.deleted_bitmap, dtype=np.uint8),
+                                 bitorder="little")[:rg.row_count].astype(bool)
+            parts.append(rows.filter(pa.array(~bits)))
+    schema = open_parquet(p.reply.path_uri, p.old[0].name).schema_arrow
+    table = pa.concat_tables(parts) if parts else schema.empty_table()
+    assert table.num_rows == p.reply.expected_rows
+    sink = io.BytesIO()
+    pq.write_table(table, sink, row_group_size=row_group_rows)
+    record = dp.catalog.add_file(p.reply.file_name, FileType.TEMPORARY_GC,
+                                 pq.ParquetFile(io.BytesIO(sink.getvalue())).num_row_groups,
+                                 p.reply.path_id)
+    write_durably(p.reply.path_uri, p.reply.file_name, sink.getvalue())
+    return record.file_id
+
+
+def commit(dp: DataPlane, p: Prepared, new_file_id: int) -> rpb.CommitGcRewriteResponse:
+    return dp.retinas[p.node].stub.CommitGcRewrite(rpb.CommitGcRewriteRequest(
+        rewrite_id=p.reply.rewrite_id, new_file_id=new_file_id), timeout=60)
+
+
+def rewrite(dp: DataPlane, node: str, table: str, vnode: int,
+            old: list[FileRecord]) -> rpb.CommitGcRewriteResponse:
+    p = prepare(dp, node, table, vnode, old)
+    try:
+        return commit(dp, p, write_new_file(dp, p))
+    finally:
+        end(dp, p.trans_id)
+
+
+def journal(dp: DataPlane, node: str) -> dict[str, rpb.GcJournalEntry]:
+    reply = dp.retinas[node].stub.GetGcStatus(rpb.GetGcStatusRequest(), timeout=10)
+    return {e.rewrite_id: e for e in reply.entries}
+
+
+def regular_rows(dp: DataPlane, table: str) -> int:
+    path = dp.catalog.get_paths(dp.tables[table].table_id)[0]
+    return sum(open_parquet(path.uri, f.name).metadata.num_rows
+               for f in dp.catalog.get_regular_files(path.path_id))

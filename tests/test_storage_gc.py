@@ -1,0 +1,388 @@
+"""Storage GC, the commit side on a real Retina node (issue 10): a rewrite reclaims deleted
+rows and compacts files while reads stay exact; a kill at every GC failpoint is followed by
+recovery's decision from the journal and a whole-snapshot comparison with the model;
+deletes racing the rewrite are never lost; a read transaction older than the rewrite keeps
+reading its snapshot; refusals change nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from retina_common.catalog import Catalog, FileType
+from retina_common.pb import retina_pb2 as rpb
+from retina_common.pb import trans_pb2 as tpb
+from retina_common.reader import HIDDEN
+
+from . import gc
+from .dataplane import SCHEMA, DataPlane
+from .support import eventually, rpc_error
+from .test_recovery_protocol import order
+
+
+def settle(plane: DataPlane, catalog: Catalog, table: str = "orders") -> None:
+    """Wait until every row of ``table`` is in a published file (nothing buffered)."""
+    path = catalog.get_paths(plane.tables[table].table_id)[0]
+
+    def published() -> bool:
+        plane.retinas[plane.nodes[0]].stub.CreateCheckpoint(rpb.CreateCheckpointRequest(),
+                                                            timeout=30)
+        pending = [f for f in catalog.get_files_by_type(path.path_id,
+                                                        [FileType.TEMPORARY_INGEST])]
+        return not pending
+    eventually(published, 30, f"every {table} row to be published")
+
+
+def load(plane: DataPlane, catalog: Catalog, rows: int = 120, batch: int = 20,
+         delete_every: int = 3) -> None:
+    """``rows`` orders in several small files, then every ``delete_every``-th deleted."""
+    for start in range(0, rows, batch):
+        plane.commit({"orders": {"replaces": [order(i) for i in range(start, start + batch)]}})
+        settle(plane, catalog)  # a file per batch and stream: small files to compact
+    plane.commit({"orders": {"deletes": [{"id": i} for i in range(0, rows, delete_every)]}})
+    advance(plane)
+    settle(plane, catalog)
+
+
+def advance(plane: DataPlane) -> None:
+    """One more write elsewhere: safeGcTs (below every read snapshot, and a snapshot is
+    the HWM) passes the deletes only once a later transaction has committed."""
+    plane.commit({"events": {"replaces": [{"tenant": 0, "seq": len(plane.changelog),
+                                           "payload": b"x", "ok": True}]}})
+
+
+def biggest_stream(plane: DataPlane) -> tuple[str, int, list]:
+    streams = gc.streams(plane, "orders")
+    (node, vnode), files = max(streams.items(), key=lambda kv: len(kv[1]))
+    return node, vnode, files
+
+
+def all_streams_rewritten(plane: DataPlane) -> list[rpb.CommitGcRewriteResponse]:
+    return [gc.rewrite(plane, node, "orders", vnode, files)
+            for (node, vnode), files in gc.streams(plane, "orders").items()]
+
+
+def test_a_rewrite_reclaims_deleted_rows_and_reads_stay_exact(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane()
+    load(plane, catalog)
+    node = plane.nodes[0]
+    before = plane.read("orders")
+    assert before == plane.model.rows["orders"]
+    files_before = sum(len(f) for f in gc.streams(plane, "orders").values())
+    assert gc.regular_rows(plane, "orders") > len(before)  # deleted rows still stored
+    results = all_streams_rewritten(plane)
+    assert all(r.outcome == "COMMITTED" for r in results)
+    assert sum(r.rows_dropped for r in results) == 40
+    assert sum(r.rows_kept for r in results) == len(before)
+    assert plane.read("orders") == before
+    assert gc.regular_rows(plane, "orders") == len(before)  # only live rows stored
+    assert sum(len(f) for f in gc.streams(plane, "orders").values()) < files_before
+    states = {e.state for e in gc.journal(plane, node).values()}
+    assert states == {"SWAPPED_NOT_CHECKPOINTED"}
+    plane.checkpoint(node)
+    assert {e.state for e in gc.journal(plane, node).values()} == {"CHECKPOINTED"}
+    # Writes after the rewrite find the moved rows: replace and delete some of them.
+    plane.commit({"orders": {"replaces": [order(i, note="7") for i in range(1, 60, 4)],
+                             "deletes": [{"id": i} for i in range(2, 60, 4)]}})
+    assert plane.read("orders") == plane.model.rows["orders"]
+    for _ in range(2):  # two restarts in a row
+        plane.retinas[node].kill9()
+        plane.retinas[node].start()
+        plane.recover(node)
+        assert plane.read("orders") == plane.model.rows["orders"]
+
+
+def test_a_second_pass_compacts_the_rewritten_files_again(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane()
+    load(plane, catalog)
+    all_streams_rewritten(plane)
+    plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, 5)]}})
+    plane.commit({"orders": {"replaces": [order(i) for i in range(200, 240)]}})
+    advance(plane)
+    settle(plane, catalog)
+    all_streams_rewritten(plane)
+    assert plane.read("orders") == plane.model.rows["orders"]
+    assert gc.regular_rows(plane, "orders") == len(plane.model.rows["orders"])
+    assert all(len(f) == 1 for f in gc.streams(plane, "orders").values())
+
+
+def test_deletes_racing_the_rewrite_are_never_lost(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane()
+    load(plane, catalog)
+    node, vnode, files = biggest_stream(plane)
+    prepared = gc.prepare(plane, node, "orders", vnode, files)
+    new_file = gc.write_new_file(plane, prepared)
+    # While "Spark" rewrote: deletes and replaces of rows of exactly these files.
+    live = [k for k in plane.model.rows["orders"]]
+    ids = sorted(plane.model.rows["orders"][k]["id"] for k in live)
+    plane.commit({"orders": {"deletes": [{"id": i} for i in ids[:10]],
+                             "replaces": [order(i, note="9") for i in ids[10:20]]}})
+    reply = gc.commit(plane, prepared, new_file)
+    gc.end(plane, prepared.trans_id)
+    assert reply.chain_items > 0
+    assert plane.read("orders") == plane.model.rows["orders"]
+    plane.commit({"orders": {"deletes": [{"id": i} for i in ids[20:30]]}})
+    assert plane.read("orders") == plane.model.rows["orders"]
+    plane.retinas[node].kill9()
+    plane.retinas[node].start()
+    plane.recover(node)
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+def test_a_read_transaction_older_than_the_rewrite_reads_its_snapshot(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane()
+    load(plane, catalog)
+    assert plane.reader is not None
+    expected = plane.model.snapshot()["orders"]
+    with plane.reader.transaction() as old:
+        listing = plane.trans.stub().ListQueryFiles(tpb.ListQueryFilesRequest(
+            trans_id=old.trans_id, schema_name=SCHEMA, table_name="orders"), timeout=10)
+        plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, 3)]}})
+        advance(plane)
+        all_streams_rewritten(plane)  # replaces exactly the files listed above
+        # The files it listed before the swap still read right (retired visibility) ...
+        rows = [{k: v for k, v in r.items() if k not in HIDDEN}
+                for f in listing.files for r in plane.reader.read_file(f, old).to_pylist()]
+        writer = plane.writers["orders"]
+        assert {writer.key(r): r for r in rows} == expected
+        # ... and a listing taken now (the new files) gives the same snapshot.
+        again = plane.reader.read_in(old, SCHEMA, "orders").table.to_pylist()
+        assert {writer.key(r): r for r in again} == expected
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+# --- kills at every GC failpoint ---------------------------------------------------------------
+PRE_SWAP = ["gc.journal.switching.before", "gc.journal.switching.after", "gc.visibility.after",
+            "gc.main_index.before", "gc.main_index.after", "gc.primary_switch.before",
+            "gc.primary_switch.after", "gc.swap.before", "catalog.swap.commit.before"]
+POST_SWAP = ["catalog.swap.commit.after", "gc.swap.after", "gc.journal.swapped.before",
+             "gc.journal.swapped.after", "gc.registry.before", "gc.registry.after"]
+
+
+def _old_name(point: str) -> str:
+    """The catalog failpoints carry their pre-scheme names until the rename lands."""
+    return {"catalog.swap.commit.before": "catalog.swap.before_commit",
+            "catalog.swap.commit.after": "catalog.swap.after_commit"}.get(point, point)
+
+
+@pytest.mark.parametrize("point", PRE_SWAP + POST_SWAP)
+def test_a_kill_during_the_commit_recovers_to_the_model(
+        point: str, make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    from retina_common import failpoints
+    name = point if point in failpoints.catalogue() else _old_name(point)
+    plane = make_plane()
+    load(plane, catalog)
+    node, vnode, files = biggest_stream(plane)
+    retina = plane.retinas[node]
+    retina.stop()
+    retina.start(f"{name}=exit(137)")
+    plane.recover(node)
+    prepared = gc.prepare(plane, node, "orders", vnode, files)
+    new_file = gc.write_new_file(plane, prepared)
+    err = rpc_error(lambda: gc.commit(plane, prepared, new_file))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert retina.wait_exit() == 137
+    retina.start()
+    plane.recover(node)
+    entries = list(gc.journal(plane, node).values())
+    if point == "gc.journal.switching.before":
+        assert entries == []
+    else:
+        # No checkpoint holds the new file: every open entry is rolled back.
+        assert [e.state for e in entries] == ["ABORTED"], entries
+    assert plane.read("orders") == plane.model.rows["orders"]
+    regular = {f.file_id for fs in gc.streams(plane, "orders").values() for f in fs}
+    assert {f.file_id for f in files} <= regular and new_file not in regular
+    # The old rows are found again: delete and replace some; restart once more.
+    plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, 7)],
+                             "replaces": [order(i, note="3") for i in range(2, 120, 7)]}})
+    assert plane.read("orders") == plane.model.rows["orders"]
+    retina.kill9()
+    retina.start()
+    plane.recover(node)
+    assert plane.read("orders") == plane.model.rows["orders"]
+    # And GC of the same files works after the rollback.
+    node, vnode, files = biggest_stream(plane)
+    assert gc.rewrite(plane, node, "orders", vnode, files).outcome == "COMMITTED"
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+@pytest.mark.parametrize("point", ["gc.journal.checkpointed.before",
+                                   "gc.journal.checkpointed.after"])
+def test_a_kill_during_promotion_keeps_the_new_file(
+        point: str, make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane(checkpoint_interval_ms=3_600_000)
+    load(plane, catalog)
+    node, vnode, files = biggest_stream(plane)
+    retina = plane.retinas[node]
+    retina.stop()
+    retina.start(f"{point}=exit(137)")
+    plane.recover(node)  # its READY checkpoint holds no GC file: nothing promoted
+    reply = gc.rewrite(plane, node, "orders", vnode, files)
+    rpc_error(lambda: plane.checkpoint(node))  # the checkpoint lands, promotion dies
+    assert retina.wait_exit() == 137
+    retina.start()
+    plane.recover(node)
+    assert [e.state for e in gc.journal(plane, node).values()] == ["CHECKPOINTED"]
+    regular = {f.file_id for fs in gc.streams(plane, "orders").values() for f in fs}
+    assert reply.new_file_id in regular and not regular & {f.file_id for f in files}
+    assert plane.read("orders") == plane.model.rows["orders"]
+    plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, 5)]}})
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+def test_a_swapped_rewrite_without_a_checkpoint_rolls_back_and_a_kill_in_the_rollback_is_finished(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane(checkpoint_interval_ms=3_600_000)
+    load(plane, catalog)
+    node, vnode, files = biggest_stream(plane)
+    retina = plane.retinas[node]
+    reply = gc.rewrite(plane, node, "orders", vnode, files)
+    plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, 4)]}})
+    retina.kill9()  # SWAPPED_NOT_CHECKPOINTED; the loaded checkpoint has the old files
+    retina.start("gc.rollback.primary.after=exit(137)", wait=False)
+    assert retina.wait_exit() == 137  # a crash in the middle of recovery's rollback
+    retina.start("gc.rollback.catalog.after=exit(137)", wait=False)
+    assert retina.wait_exit() == 137
+    retina.start()
+    plane.recover(node)
+    assert [e.state for e in gc.journal(plane, node).values()] == ["ABORTED"]
+    regular = {f.file_id for fs in gc.streams(plane, "orders").values() for f in fs}
+    assert {f.file_id for f in files} <= regular and reply.new_file_id not in regular
+    assert plane.read("orders") == plane.model.rows["orders"]
+    plane.commit({"orders": {"replaces": [order(i, note="1") for i in range(0, 120, 2)]}})
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+def test_a_failure_before_the_swap_rolls_back_in_place(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane(failpoints="gc.swap.before=raise*1")
+    load(plane, catalog)
+    node, vnode, files = biggest_stream(plane)
+    prepared = gc.prepare(plane, node, "orders", vnode, files)
+    new_file = gc.write_new_file(plane, prepared)
+    err = rpc_error(lambda: gc.commit(plane, prepared, new_file))
+    assert err.code() == grpc.StatusCode.ABORTED, err.details()
+    assert plane.status(node).state == rpb.READY
+    assert [e.state for e in gc.journal(plane, node).values()] == ["ABORTED"]
+    assert catalog.get_file(new_file) is None  # the new file is discarded
+    assert plane.read("orders") == plane.model.rows["orders"]
+    plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, 3)]}})
+    assert plane.read("orders") == plane.model.rows["orders"]
+    # A commit of the rolled-back rewrite is refused; a new one succeeds.
+    again = rpc_error(lambda: gc.commit(plane, prepared, new_file))
+    assert again.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert gc.rewrite(plane, node, "orders", vnode, files).outcome == "COMMITTED"
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+# --- refusals --------------------------------------------------------------------------------
+def test_gc_rpcs_outside_ready_are_unavailable(make_plane: Callable[..., DataPlane]) -> None:
+    plane = make_plane(recover=False)
+    stub = plane.retinas[plane.nodes[0]].stub
+    plane.wait_replay_ready(plane.nodes[0])
+    for call in (lambda: stub.PrepareGcRewrite(rpb.PrepareGcRewriteRequest(), timeout=10),
+                 lambda: stub.CommitGcRewrite(rpb.CommitGcRewriteRequest(), timeout=10),
+                 lambda: stub.RunGcMaintenance(rpb.RunGcMaintenanceRequest(), timeout=10)):
+        assert rpc_error(call).code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_malformed_and_out_of_protocol_rewrites_are_refused_and_change_nothing(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane()
+    load(plane, catalog, rows=160)
+    node, vnode, files = biggest_stream(plane)
+    assert len(files) >= 3
+    stub = plane.retinas[node].stub
+    trans_id = gc.begin_read(plane)
+    safe = plane.trans.stub().GetSafeGcTimestamp(tpb.GetSafeGcTimestampRequest(),
+                                                 timeout=10).safe_gc_ts
+
+    def prepare(ids: list[int], ts: int = safe, t: int = trans_id) -> grpc.RpcError:
+        return rpc_error(lambda: stub.PrepareGcRewrite(rpb.PrepareGcRewriteRequest(
+            schema_name=SCHEMA, table_name="orders", virtual_node_id=vnode, old_file_ids=ids,
+            safe_gc_ts=ts, trans_id=t), timeout=10))
+
+    ids = [f.file_id for f in files]
+    assert prepare([]).code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert prepare([ids[0], ids[0]]).code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert prepare([ids[0], ids[2]]).code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert prepare([ids[0]], ts=safe + 1000).code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert prepare([ids[0]], t=0).code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert prepare([10**9]).code() == grpc.StatusCode.FAILED_PRECONDITION
+    unknown = rpc_error(lambda: stub.CommitGcRewrite(rpb.CommitGcRewriteRequest(
+        rewrite_id="nope", new_file_id=1), timeout=10))
+    assert unknown.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # A new file that is not the survivors (here: one row short) is refused.
+    prepared = gc.prepare(plane, node, "orders", vnode, files[:1], trans_id)
+    other = gc.prepare(plane, node, "orders", vnode, files[1:2], trans_id)
+    wrong = gc.write_new_file(plane, other)  # the survivors of another file
+    err = rpc_error(lambda: gc.commit(plane, prepared, wrong))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert gc.journal(plane, node) == {}
+    assert {f.file_id for f in gc.streams(plane, "orders")[(node, vnode)]} == set(ids)
+    assert plane.read("orders") == plane.model.rows["orders"]
+    gc.end(plane, trans_id)
+
+
+# --- the journal is never read as absent -------------------------------------------------------
+def _journal_dir(plane: DataPlane, node: str) -> Path:
+    return plane.workdir / "state" / node.replace(":", "-") / "gc_journal"
+
+
+def test_a_corrupt_journal_record_fails_the_node_closed(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane()
+    load(plane, catalog)
+    node, vnode, files = biggest_stream(plane)
+    gc.rewrite(plane, node, "orders", vnode, files)
+    plane.retinas[node].kill9()
+    record = next(_journal_dir(plane, node).glob("*.gcj"))
+    data = bytearray(record.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    record.write_bytes(bytes(data))
+    plane.retinas[node].start()
+    eventually(lambda: plane.status(node).state == rpb.FAILED, 30, "the node to fail closed")
+    assert "GC journal" in plane.status(node).failure_reason
+    assert not plane.gate_open()
+
+
+def test_a_rollback_without_its_anchors_fails_closed(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane(checkpoint_interval_ms=3_600_000)
+    load(plane, catalog)
+    node, vnode, files = biggest_stream(plane)
+    gc.rewrite(plane, node, "orders", vnode, files)
+    plane.retinas[node].kill9()  # SWAPPED_NOT_CHECKPOINTED: recovery must roll back
+    path = catalog.get_paths(plane.tables["orders"].table_id)[0]
+    (Path(path.uri.removeprefix("file://")) / files[0].name).unlink()  # an old file is gone
+    plane.retinas[node].start()
+    eventually(lambda: plane.status(node).state == rpb.FAILED, 30, "the node to fail closed")
+    assert "anchor" in plane.status(node).failure_reason
+
+
+def test_gc_rows_without_a_journal_fail_the_node_closed(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane()
+    load(plane, catalog)
+    node, vnode, files = biggest_stream(plane)
+    retina = plane.retinas[node]
+    retina.stop()
+    retina.start("gc.primary_switch.after=exit(137)")
+    plane.recover(node)
+    prepared = gc.prepare(plane, node, "orders", vnode, files)
+    new_file = gc.write_new_file(plane, prepared)
+    rpc_error(lambda: gc.commit(plane, prepared, new_file))
+    assert retina.wait_exit() == 137
+    for record in _journal_dir(plane, node).glob("*.gcj"):
+        record.unlink()  # the journal is lost: its switched primary entries are not
+    retina.start()
+    eventually(lambda: plane.status(node).state == rpb.FAILED, 30, "the node to fail closed")
+    assert "GC_ROWS_HAVE_A_JOURNAL" in plane.status(node).failure_reason
