@@ -5,7 +5,7 @@ right after the checkpoint is loaded and before cleansing reads the catalog.
 |---|---|---|
 | INDEX_SWITCHING | no | roll back |
 | INDEX_SWITCHING | yes | FAILED (impossible by construction: the journal disagrees) |
-| SWAPPED_NOT_CHECKPOINTED | yes | promote to CHECKPOINTED (keep the new file) |
+| SWAPPED_NOT_CHECKPOINTED | yes | keep the new file (promoted once both slots hold it) |
 | SWAPPED_NOT_CHECKPOINTED | no | roll back to the old-file baseline |
 | CHECKPOINTED, ABORTED | — | nothing (final) |
 
@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from retina_common import failpoints as fp
 from retina_common import file_names
 from retina_common.catalog import (
     Catalog,
@@ -59,7 +58,7 @@ class GcJournalMismatch(Exception):
 class Decision:
     rewrite_id: str
     state_before: str
-    decision: str  # "promote" | "roll_back"
+    decision: str  # "keep" | "roll_back"
 
 
 def decide(node: RetinaNode, catalog: Catalog, journal: GcJournal,
@@ -71,12 +70,11 @@ def decide(node: RetinaNode, catalog: Catalog, journal: GcJournal,
     for entry in journal.open_entries():
         holds_new = entry.new_file_id in checkpointed
         if entry.state == JournalState.SWAPPED_NOT_CHECKPOINTED and holds_new:
-            journal.write(entry.moved(JournalState.CHECKPOINTED, entry.updated_at_ms,
-                                      "recovery: the loaded checkpoint holds the new file"),
-                          fp.GC_JOURNAL_CHECKPOINTED_BEFORE, fp.GC_JOURNAL_CHECKPOINTED_AFTER)
-            decisions.append(Decision(entry.rewrite_id, entry.state.value, "promote"))
-            DECISIONS.labels(decision="promote").inc()
-            log.info("gc_recovery_promoted", node=node.node_id, rewrite_id=entry.rewrite_id,
+            # Keep the new file. Promotion waits until both slots hold it (the READY
+            # checkpoint makes that so): a later fallback to ``previous`` must find it.
+            decisions.append(Decision(entry.rewrite_id, entry.state.value, "keep"))
+            DECISIONS.labels(decision="keep").inc()
+            log.info("gc_recovery_kept", node=node.node_id, rewrite_id=entry.rewrite_id,
                      new_file_id=entry.new_file_id)
             continue
         if holds_new:

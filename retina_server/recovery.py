@@ -100,6 +100,8 @@ class RecoveryCoordinator:
         self._gc_journal = gc_journal
         # Told every checkpoint this process publishes (GC promotion, the replay floor).
         self.checkpoint_listeners: list[Callable[[CheckpointBody], None]] = []
+        # Told the file ids of the checkpoint the start-up loaded (GC promotion).
+        self.loaded_listeners: list[Callable[[set[int]], None]] = []
         self._catalog = catalog
         self._store = store
         self._machine = machine
@@ -218,6 +220,8 @@ class RecoveryCoordinator:
         catalog; returns the catalog's files as they are afterwards."""
         self._gc_journal.load()
         checkpointed = {f.file_id for f in loaded.body.files} if loaded else set()
+        for listener in self.loaded_listeners:
+            listener(checkpointed)
         decisions = self._retry(lambda: decide(self._node, self._catalog, self._gc_journal,
                                                checkpointed, files), "GC journal decisions")
         if decisions:

@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         replay_floor.observe(body.header.checkpoint_id, start.node_replay_from_ts)
 
     # Observed before promotion: a crash in between leaves a lower floor, never a higher one.
+    recovery.loaded_listeners.append(gc.observe_loaded)
     recovery.checkpoint_listeners += [
         observe_checkpoint, lambda body: gc.promote({f.file_id for f in body.files})]
     scheduler = GcScheduler(node, safe_gc_ts, gc.gc_floor, replay_floor.floor,

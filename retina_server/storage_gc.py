@@ -26,8 +26,8 @@ names the new file with this node's naming scheme. Nothing durable happens.
    ``atomicSwapFiles(new, olds, cleanupAt)``; journal SWAPPED_NOT_CHECKPOINTED;
    the registry and visibility index move to the new file (the old files'
    visibility stays, frozen, for readers whose file list predates the swap);
-5. the next durable checkpoint that holds the new file promotes the entry to
-   CHECKPOINTED (:meth:`StorageGc.promote`).
+5. once both checkpoint slots hold the new file (the second checkpoint after the
+   commit), the entry is promoted to CHECKPOINTED (:meth:`StorageGc.promote`).
 
 A failure before the swap committed rolls back in place (primary switched
 back, MainIndex ranges and the new file dropped, journal ABORTED) and the
@@ -42,7 +42,7 @@ import contextlib
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -231,6 +231,8 @@ class StorageGc:
         # server once both exist.
         self.fold_fence: Callable[[], int] = lambda: 0
         self._done: dict[str, CommitResult] = {}
+        # File ids of the two newest checkpoints (the current and the previous slot).
+        self._recent: deque[frozenset[int]] = deque(maxlen=2)
         self._lock = threading.Lock()
         self.update_gauges()
 
@@ -635,12 +637,25 @@ class StorageGc:
             raise
 
     # --- promotion ---------------------------------------------------------------------------
+    def observe_loaded(self, checkpointed_files: set[int]) -> None:
+        """The checkpoint this process started from (it is ``previous`` after the next
+        publish)."""
+        with self._lock:
+            self._recent.append(frozenset(checkpointed_files))
+
     def promote(self, checkpointed_files: set[int]) -> int:
-        """A durable checkpoint holds these files: their entries become CHECKPOINTED."""
+        """A checkpoint was published holding these files. An entry becomes CHECKPOINTED
+        once *both* slots hold its new file (PROMOTE_WHEN_BOTH_SLOTS_HOLD): a start that
+        falls back to ``previous`` must still find a checkpoint with the new file,
+        because after promotion nothing rolls the rewrite back."""
+        with self._lock:
+            self._recent.append(frozenset(checkpointed_files))
+            both = frozenset.intersection(*self._recent) if len(self._recent) == 2 \
+                else frozenset()
         promoted = 0
         for entry in self._journal.open_entries():
             if entry.state == JournalState.SWAPPED_NOT_CHECKPOINTED and \
-                    entry.new_file_id in checkpointed_files:
+                    entry.new_file_id in both:
                 self._journal.write(entry.moved(JournalState.CHECKPOINTED, self._clock_ms()),
                                     fp.GC_JOURNAL_CHECKPOINTED_BEFORE,
                                     fp.GC_JOURNAL_CHECKPOINTED_AFTER)

@@ -83,7 +83,9 @@ def test_a_rewrite_reclaims_deleted_rows_and_reads_stay_exact(
     assert sum(len(f) for f in gc.streams(plane, "orders").values()) < files_before
     states = {e.state for e in gc.journal(plane, node).values()}
     assert states == {"SWAPPED_NOT_CHECKPOINTED"}
-    plane.checkpoint(node)
+    plane.checkpoint(node)  # current holds the new files, previous does not
+    assert {e.state for e in gc.journal(plane, node).values()} == {"SWAPPED_NOT_CHECKPOINTED"}
+    plane.checkpoint(node)  # both slots hold them
     assert {e.state for e in gc.journal(plane, node).values()} == {"CHECKPOINTED"}
     # Writes after the rewrite find the moved rows: replace and delete some of them.
     plane.commit({"orders": {"replaces": [order(i, note="7") for i in range(1, 60, 4)],
@@ -226,7 +228,8 @@ def test_a_kill_during_promotion_keeps_the_new_file(
     retina.start(f"{point}=exit(137)")
     plane.recover(node)  # its READY checkpoint holds no GC file: nothing promoted
     reply = gc.rewrite(plane, node, "orders", vnode, files)
-    rpc_error(lambda: plane.checkpoint(node))  # the checkpoint lands, promotion dies
+    plane.checkpoint(node)  # current holds the new file
+    rpc_error(lambda: plane.checkpoint(node))  # both slots do: promotion dies
     assert retina.wait_exit() == 137
     retina.start()
     plane.recover(node)
@@ -386,3 +389,36 @@ def test_gc_rows_without_a_journal_fail_the_node_closed(
     retina.start()
     eventually(lambda: plane.status(node).state == rpb.FAILED, 30, "the node to fail closed")
     assert "GC_ROWS_HAVE_A_JOURNAL" in plane.status(node).failure_reason
+
+
+# --- the GC scheduler inside a real node --------------------------------------------------------
+def test_maintenance_folds_and_prunes_and_recovery_still_converges(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane(checkpoint_interval_ms=3_600_000, gc_interval_ms=3_600_000)
+    node = plane.nodes[0]
+    stub = plane.retinas[node].stub
+    for round_ in range(4):  # many versions per key, and deletes to fold
+        plane.commit({"orders": {"replaces": [order(i, note=str(round_)) for i in range(60)]}})
+        plane.commit({"orders": {"deletes": [{"id": i} for i in range(round_, 60, 9)]}})
+    advance(plane)
+    settle(plane, catalog)  # published: the checkpoints' replay starts move up
+    for _ in range(2):  # the prune horizon waits for two checkpoints after READY
+        plane.checkpoint(node)
+    advance(plane)
+    done = stub.RunGcMaintenance(rpb.RunGcMaintenanceRequest(), timeout=60)
+    assert done.folded_items > 0 and done.pruned_versions > 0, done
+    assert plane.read("orders") == plane.model.rows["orders"]
+    for cycle in range(2):  # writes after the prune, a crash, a replay over pruned keys
+        plane.commit({"orders": {"replaces": [order(i, note=f"r{cycle}") for i in range(0, 60, 2)],
+                                 "deletes": [{"id": i} for i in range(1, 60, 6)]}})
+        plane.retinas[node].kill9()
+        plane.retinas[node].start()
+        plane.recover(node)
+        assert plane.read("orders") == plane.model.rows["orders"]
+        plane.checkpoint(node)
+        advance(plane)
+        stub = plane.retinas[node].stub
+        stub.RunGcMaintenance(rpb.RunGcMaintenanceRequest(), timeout=60)
+        assert plane.read("orders") == plane.model.rows["orders"]
+    status = stub.GetGcStatus(rpb.GetGcStatusRequest(), timeout=10)
+    assert status.last_fold_ts > 0
