@@ -168,27 +168,39 @@ def cdc_pipeline(state: ClusterState, check: Callable[[bool, str], None],
     check(True, f"SIGKILL {victim} after {crash['at_txn']} of {transactions} source "
                 f"transactions; restarted: RECOVERING -> replay -> MarkReady -> READY in "
                 f"{ready_s:.2f}s while the stream kept flowing")
-    reader = SnapshotReader(state.trans_listen, load_topology(state.topology_path))
     result: dict[str, Any] = {}
 
     def converged() -> bool:
-        result.clear()
-        for name, writer in writers.items():
-            want = {writer.key(r): _norm(r) for r in workload.rows(name)}
-            got = {writer.key(r): _norm(r) for r in reader.read(SCHEMA, name).table.to_pylist()}
-            result[name] = (len(want), want == got)
-        return all(same for _n, same in result.values())
+        return snapshot_equals_source(state, writers, workload, result)
 
     with contextlib.suppress(ClusterError):  # the checks below name the table that differs
         wait_for(converged, 60, "the gated snapshot to equal the source")
     caught_up_s = time.monotonic() - workload.last_commit
     for name, (rows, same) in result.items():
         check(same, f"{SCHEMA}.{name}: gated snapshot = source table ({rows} rows)")
-    reader.close()
     catalog.close()
     return {"transactions": transactions, "workload_s": workload_s, "ready_s": ready_s,
             "caught_up_s": caught_up_s, "replay": replay, "replay_start": replay_start,
-            "rows": {n: r for n, (r, _s) in result.items()}}
+            "rows": {n: r for n, (r, _s) in result.items()},
+            # For the acts that follow on the same cluster (demo_gc.py).
+            "more_writes": lambda n: workload.run(n, rate_per_s, lambda _c: None),
+            "converged": converged}
+
+
+def snapshot_equals_source(state: ClusterState, writers: dict[str, TableWriter],
+                           workload: Workload, result: dict[str, Any]) -> bool:
+    """One gated snapshot of every table against the source; ``result[table]`` is
+    (source rows, equal)."""
+    result.clear()
+    reader = SnapshotReader(state.trans_listen, load_topology(state.topology_path))
+    try:
+        for name, writer in writers.items():
+            want = {writer.key(r): _norm(r) for r in workload.rows(name)}
+            got = {writer.key(r): _norm(r) for r in reader.read(SCHEMA, name).table.to_pylist()}
+            result[name] = (len(want), want == got)
+    finally:
+        reader.close()
+    return all(same for _n, same in result.values())
 
 
 def _norm(row: dict[str, Any]) -> dict[str, Any]:
