@@ -35,22 +35,22 @@ from pyroaring import BitMap
 
 from retina_common import file_names
 from retina_common.catalog import Catalog, ColumnSpec, FileType
-from retina_common.cluster import free_port, start_cluster, start_retina_server, stop_cluster
-from retina_common.etcd import EtcdStore
-from retina_common.log import configure_logging
-from retina_common.pb import retina_pb2_grpc
-from retina_common.recovery_driver import wait_replay_ready
-from retina_common.storage import write_durably
-from retina_common.topology import Topology
-from retina_server.checkpoint import (
+from retina_common.checkpoint import (
     CheckpointBody,
     CheckpointHeader,
     CheckpointStore,
     FileEntry,
     RGEntry,
 )
+from retina_common.cluster import free_port, start_cluster, start_retina_server, stop_cluster
+from retina_common.etcd import EtcdStore
+from retina_common.log import configure_logging
+from retina_common.pb import retina_pb2_grpc
+from retina_common.recovery_driver import wait_replay_ready
+from retina_common.replay_ts import IngestSegment, SegmentKind
+from retina_common.storage import write_durably
+from retina_common.topology import Topology
 from retina_server.index import LocalIndexService, RowIdRange
-from retina_server.replay_ts import IngestSegment, SegmentKind
 
 
 def main() -> None:

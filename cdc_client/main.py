@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     def on_signal(_signum: int, _frame: FrameType | None) -> None:
-        stop.set()  # only a flag: see retina_server.server
+        stop.set()  # only a flag, as in the Retina server's signal handler
         connector.stop()
 
     signal.signal(signal.SIGTERM, on_signal)

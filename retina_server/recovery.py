@@ -3,13 +3,13 @@ in its own module (specification sections 2-4, 6; C04-C06).
 
 Start-up (``run_startup``), in this order:
 
-1. LOADING_CHECKPOINT (checkpoint.py): load ``current``, else ``previous``.
+1. LOADING_CHECKPOINT (retina_common/checkpoint.py): load ``current``, else ``previous``.
    Both unusable → FAILED. No pointer and no REGULAR file of this node in the
    catalog → a fresh start (checkpointId 0). No pointer but REGULAR files →
    FAILED.
 2. CLEANSING (cleansing.py): keep the entries the catalog confirms, retire
    catalog-only REGULAR files, delete leftover TEMPORARY_INGEST files.
-3. Replay starts (replay_ts.py), then the rewind (cleansing.py) back to
+3. Replay starts (retina_common/replay_ts.py), then the rewind (cleansing.py) back to
    exactly the state they start from, and the INDEX_POINTS_AT_DURABLE_ROWS
    check. → AWAITING_REPLAY, with ``replayTsReady``, the replay entry open.
 
@@ -41,23 +41,18 @@ from prometheus_client import Gauge
 
 from retina_common import failpoints as fp
 from retina_common.catalog import Catalog, CatalogOutcomeUnknown, CatalogUnavailable, FileType
+from retina_common.checkpoint import CheckpointError, CheckpointStore, CheckpointUnusable, Pointer
 from retina_common.etcd import EtcdError
 from retina_common.lifecycle_record import LifecycleState
 from retina_common.log import get_logger, token_hash
 from retina_common.refusal import Refusal
+from retina_common.replay_ts import ReplayStarts, derive
 from retina_common.retry import until_deadline
-from retina_server.checkpoint import (
-    CheckpointError,
-    CheckpointStore,
-    CheckpointUnusable,
-    Pointer,
-    build_body,
-)
+from retina_server.checkpoint import build_body
 from retina_server.cleansing import RewindFailed, cleanse, my_files, rewind
 from retina_server.lifecycle import LifecyclePublisher, LifecycleStateMachine, Phase, Request
 from retina_server.node import RetinaNode
 from retina_server.replay_admission import ReplayEntry
-from retina_server.replay_ts import ReplayStarts, derive
 
 log = get_logger(component="recovery")
 T = TypeVar("T")

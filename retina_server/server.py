@@ -31,6 +31,7 @@ import grpc
 
 from retina_common import failpoints
 from retina_common.catalog import Catalog, CatalogError
+from retina_common.checkpoint import CheckpointStore
 from retina_common.config import Config, ConfigError, load_config, split_host_port
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.grpc_server import ServerHandle
@@ -41,7 +42,6 @@ from retina_common.pb import retina_pb2, retina_pb2_grpc, trans_pb2, trans_pb2_g
 from retina_common.refusal import Refusal
 from retina_common.storage import root_uri
 from retina_common.topology import Topology, load_topology
-from retina_server.checkpoint import CheckpointStore
 from retina_server.index import LocalIndexService
 from retina_server.lifecycle import LifecyclePublisher, LifecycleStateMachine, Phase
 from retina_server.mark_ready import MarkReadyBarrier, ReadyHooks

@@ -9,10 +9,7 @@ import pytest
 from pyroaring import BitMap
 
 from retina_common import failpoints
-from retina_common.etcd import EtcdStore
-from retina_common.failpoints import FailpointTriggered
-from retina_common.keys import checkpoint_slot_key
-from retina_server.checkpoint import (
+from retina_common.checkpoint import (
     CheckpointBody,
     CheckpointConflict,
     CheckpointHeader,
@@ -25,7 +22,10 @@ from retina_server.checkpoint import (
     decode,
     encode,
 )
-from retina_server.replay_ts import IngestSegment, SegmentKind
+from retina_common.etcd import EtcdStore
+from retina_common.failpoints import FailpointTriggered
+from retina_common.keys import checkpoint_slot_key
+from retina_common.replay_ts import IngestSegment, SegmentKind
 
 NODE, TOPO = "127.0.0.1:18890", "ab" * 32
 
