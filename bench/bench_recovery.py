@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pyroaring import BitMap
 
+from devtools.cluster import free_port, start_cluster, start_retina_server, stop_cluster
 from retina_common import file_names
 from retina_common.catalog import Catalog, ColumnSpec, FileType
 from retina_common.checkpoint import (
@@ -42,7 +43,6 @@ from retina_common.checkpoint import (
     FileEntry,
     RGEntry,
 )
-from retina_common.cluster import free_port, start_cluster, start_retina_server, stop_cluster
 from retina_common.etcd import EtcdStore
 from retina_common.log import configure_logging
 from retina_common.pb import retina_pb2_grpc

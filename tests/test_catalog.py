@@ -521,8 +521,8 @@ def test_cli_refusals_use_exit_code_1(catalog: Catalog, path_id: int, cli_config
 
 
 def test_unreachable_catalog_is_reported_as_unavailable() -> None:
+    from devtools.cluster import free_port
     from retina_common.catalog import CatalogUnavailable
-    from retina_common.cluster import free_port
 
     cat = Catalog(f"host=127.0.0.1 port={free_port()} dbname=x user=x", connect_timeout_s=2)
     with pytest.raises(CatalogUnavailable):

@@ -15,10 +15,10 @@ import requests
 from cdc_client.changelog import Changelog
 from cdc_client.main import STOPPED_BY_REPLAY_GAP
 from cdc_client.retention import horizon, run_retention
+from devtools.cluster import PostgresInstance
 from retina_common import failpoints
 from retina_common.catalog import Catalog, FileType
 from retina_common.checkpoint import CheckpointStore
-from retina_common.cluster import PostgresInstance
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb

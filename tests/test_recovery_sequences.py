@@ -13,9 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
+from devtools.cluster import EtcdInstance, start_etcd, terminate
 from retina_common import failpoints
 from retina_common.catalog import Catalog, FileType
-from retina_common.cluster import EtcdInstance, start_etcd, terminate
 from retina_common.etcd import EtcdStore
 from retina_common.keys import checkpoint_slot_key
 from retina_common.pb import retina_pb2 as rpb
