@@ -39,6 +39,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import crc32c
 import pyarrow as pa
@@ -53,6 +54,9 @@ from retina_common.failpoints import (
     CDC_RETENTION_WATERMARK_BEFORE,
 )
 
+if TYPE_CHECKING:
+    from retina_common.config import Config
+
 DELETE, REPLACE = 0, 1
 _MAGIC = "RCLB1"
 _WATERMARK_MAGIC = "RCLW1"
@@ -62,6 +66,14 @@ SEGMENT_SCHEMA = pa.schema([
     ("ts", pa.int64()), ("seq", pa.int32()), ("table", pa.string()), ("op", pa.int8()),
     ("key", pa.binary()), ("values", pa.list_(pa.binary())),
 ])
+
+
+def changelog_root(config: Config) -> str:
+    """Where the changelog lives: ``cdc.changelog_root``, else ``_changelog`` under storage.
+
+    Here, not in the connector's process module, because the Spark replay job needs it too."""
+    return config.cdc.changelog_root or storage.file_uri(storage.root_uri(config.storage.root),
+                                                         "_changelog")
 
 
 class CorruptChangelog(Exception):
