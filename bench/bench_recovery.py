@@ -5,7 +5,7 @@ names (default 1,000 published files, 10 million rows):
 
 * 1,000 real Parquet ingest files (one row group of 10,000 rows each), with
   REGULAR catalog rows and MainIndex flush markers;
-* a checkpoint that admits them, with 1% of the rows deleted, published
+* a checkpoint that admits them, with 1% of the rows deleted, installed
   through the real store (body + etcd two-slot swap).
 
 Then it starts a real ``retina-server`` and measures the time from process
@@ -122,7 +122,7 @@ def main() -> None:
         store = CheckpointStore(EtcdStore([state.etcd.endpoint]), node, storage,
                                 topology.topology_hash)
         t0 = time.perf_counter()
-        pointer = store.publish(body)
+        pointer = store.install(body)
         write_s = time.perf_counter() - t0
         print(f"checkpoint body: {pointer.length:,} bytes = {pointer.length * 8 / total:.3f} "
               f"bits per row ({pointer.length / args.files:,.0f} bytes per row group of "

@@ -19,11 +19,12 @@ the row group's deleted rows at checkpointAppliedTs, which becomes its base.
 That costs about one bit per row at worst, plus a small fixed cost per row
 group.
 
-Publish: write the immutable body (fsync, rename) → one etcd transaction
-that moves ``current`` to ``previous`` and sets the new ``current``, guarded
-by the revision of ``current`` read before → delete bodies that neither slot
-references. Load: ``current``, else ``previous``. A corrupt body is never
-taken as "absent": if both slots are unusable, loading fails.
+Install (not "publish": that word is the ingest file publish): write the
+immutable body (fsync, rename) → one etcd transaction that moves ``current``
+to ``previous`` and sets the new ``current``, guarded by the revision of
+``current`` read before → delete bodies that neither slot references. Load:
+``current``, else ``previous``. A corrupt body is never taken as "absent": if
+both slots are unusable, loading fails.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class ForeignCheckpoint(CheckpointError):
 
 
 class CheckpointConflict(CheckpointError):
-    """``current`` moved under us: another writer published. Nothing was changed."""
+    """``current`` moved under us: another writer installed one. Nothing was changed."""
 
 
 class CheckpointUnusable(CheckpointError):
@@ -268,7 +269,7 @@ class CheckpointStore:
         self._current = checkpoint_slot_key(node_id, "current")
         self._previous = checkpoint_slot_key(node_id, "previous")
 
-    def publish(self, body: CheckpointBody) -> Pointer:
+    def install(self, body: CheckpointBody) -> Pointer:
         """Write the body, swap the slots, clean up what no slot references."""
         data = encode(body)
         name = f"ckpt-{body.header.checkpoint_id:020d}.bin"
@@ -292,9 +293,9 @@ class CheckpointStore:
                 else None
         if swapped is None:
             raise CheckpointConflict(f"checkpoint {pointer.checkpoint_id}: current moved; "
-                                     "another writer published")
+                                     "another writer installed one")
         fp.CHECKPOINT_SWAP_AFTER.hit()
-        log.info("checkpoint_published", node=self._node, checkpoint_id=pointer.checkpoint_id,
+        log.info("checkpoint_installed", node=self._node, checkpoint_id=pointer.checkpoint_id,
                  bytes=pointer.length, applied_ts=pointer.checkpoint_applied_ts)
         self.cleanup()
         return pointer

@@ -277,11 +277,11 @@ MARK_READY_BARRIER = Failpoint(
 MARK_READY_DRAINED = Failpoint(
     "recovery.mark_ready.drained",
     "replay requests drained, the node not yet READY inside (no hook has run)")
-MARK_READY_PUBLISH_BEFORE = Failpoint(
-    "recovery.mark_ready.publish.before",
+MARK_READY_ANNOUNCE_BEFORE = Failpoint(
+    "recovery.mark_ready.announce.before",
     "READY inside and READY hooks done (READY checkpoint taken); READY not yet in etcd")
-MARK_READY_PUBLISH_AFTER = Failpoint(
-    "recovery.mark_ready.publish.after", "READY published and health SERVING")
+MARK_READY_ANNOUNCE_AFTER = Failpoint(
+    "recovery.mark_ready.announce.after", "READY announced and health SERVING")
 RECOVERY_REWIND_BEFORE = Failpoint(
     "recovery.rewind.before", "cleansing done, replay starts derived, nothing rewound")
 RECOVERY_REWIND_AFTER = Failpoint(

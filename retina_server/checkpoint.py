@@ -7,7 +7,7 @@ cut of the registry and the write buffer. Streams that exist only in the
 registry (a table not written since this process started: a *cold* stream)
 are walked too. Invariant CHECKPOINT_COVERS_REGISTRY, checked on every body:
 every file registered when generation began is in the body; a miss is
-refused (and the node fails closed), never published, because the next
+refused (and the node fails closed), never installed, because the next
 start would retire the missing file as a catalog-only REGULAR file.
 """
 
@@ -64,7 +64,7 @@ def build_body(node: RetinaNode, applied_ts: int, checkpoint_id: int,
     if missing:
         raise CheckpointIncomplete(
             f"CHECKPOINT_COVERS_REGISTRY: registered files {sorted(missing)[:5]} are not in "
-            f"checkpoint {checkpoint_id}; it is not published")
+            f"checkpoint {checkpoint_id}; it is not installed")
     header = CheckpointHeader(node.node_id, checkpoint_id, writer_epoch,
                               int(time.time() * 1000), applied_ts, node.topology.topology_hash)
     return CheckpointBody(header, files, segments, rgs)

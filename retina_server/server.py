@@ -43,7 +43,7 @@ from retina_common.refusal import Refusal
 from retina_common.storage import root_uri
 from retina_common.topology import Topology, load_topology
 from retina_server.index import LocalIndexService
-from retina_server.lifecycle import LifecyclePublisher, LifecycleStateMachine, Phase
+from retina_server.lifecycle import LifecycleAnnouncer, LifecycleStateMachine, Phase
 from retina_server.mark_ready import MarkReadyBarrier, ReadyHooks
 from retina_server.node import BufferSettings, RetinaNode
 from retina_server.read_guard import ReadTransactionGuard, TransStatus
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("retina_server_start_failed", error=str(exc), error_type=type(exc).__name__)
         return 4
     machine = LifecycleStateMachine()
-    publisher = LifecyclePublisher(
+    announcer = LifecycleAnnouncer(
         etcd, node_id, rc.lifecycle_ttl_s,
         on_put=lambda state: handle.set_serving(state == LifecycleState.READY))
     stop = threading.Event()
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
     recovery = RecoveryCoordinator(
         node, catalog, CheckpointStore(etcd, node_id, storage, topology.topology_hash),
-        machine, publisher, high_watermark, index.allocate("recovery_epoch") + 1)
+        machine, announcer, high_watermark, index.allocate("recovery_epoch") + 1)
     node.on_fail_closed = recovery.fail
     def trans_status(trans_id: int) -> TransStatus:
         try:
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hooks = ReadyHooks(node, recovery.create_checkpoint, rc.checkpoint_interval_ms / 1000, stop)
     barrier = MarkReadyBarrier(machine, recovery.entry, recovery.check_attempt, hooks,
-                               recovery.publish_ready)
+                               recovery.announce_ready)
     retina_pb2_grpc.add_RetinaWorkerServiceServicer_to_server(
         RetinaService(node, recovery, barrier, machine, ReadTransactionGuard(trans_status),
                       rc.max_rows_per_request), handle.server)
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("retina_server_started", listen=handle.address, metrics_port=metrics_port,
              vnodes=list(topology.vnodes_of(node_id)), topology_hash=topology.topology_hash[:16],
              recovery_epoch=recovery.recovery_epoch)
-    publisher.start()
+    announcer.start()
     try:
         recovery.run_startup()
     except Exception as exc:  # whatever it is, the node must say FAILED, not hang
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 recovery.create_checkpoint()
             except Exception as exc:
                 log.error("checkpoint_failed", error=str(exc), error_type=type(exc).__name__)
-        publisher.stop(revoke=True)
+        announcer.stop(revoke=True)
 
     worker = threading.Thread(target=shut_down, name="shutdown", daemon=True)
     worker.start()

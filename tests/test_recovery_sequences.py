@@ -150,10 +150,10 @@ def test_mark_ready_survives_an_etcd_outage(private_etcd: tuple[EtcdInstance, Pa
         restarted = start_etcd(Path(inst.data_dir), workdir / "etcd.log",
                                ports=(inst.client_port, inst.peer_port))
         inst.pid = restarted.pid
-        # The heartbeat publishes READY by itself; a retried MarkReady is harmless.
+        # The heartbeat announces READY by itself; a retried MarkReady is harmless.
         eventually(lambda: lifecycle_state(store, node) == "READY", 30, "READY in etcd")
         eventually(lambda: health(node) == health_pb2.HealthCheckResponse.SERVING, 10,
-                   "health to follow the READY the heartbeat published")
+                   "health to follow the READY the heartbeat announced")
         stub.MarkReady(request, timeout=60)
         assert health(node) == health_pb2.HealthCheckResponse.SERVING
         eventually(plane.gate_open, 15, "the gate to admit")
@@ -169,13 +169,13 @@ def test_mark_ready_survives_an_etcd_outage(private_etcd: tuple[EtcdInstance, Pa
         plane.stop()
 
 
-def test_ready_is_published_only_after_its_hooks(make_plane: Callable[..., DataPlane],
+def test_ready_is_announced_only_after_its_hooks(make_plane: Callable[..., DataPlane],
                                                  etcd: EtcdStore, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     gate_dir = tmp_path / "failpoints"
     gate_dir.mkdir()
     monkeypatch.setenv(failpoints.DIR_VAR, str(gate_dir))
-    point = "recovery.mark_ready.publish.before"
+    point = "recovery.mark_ready.announce.before"
     plane = make_plane(failpoints=f"{point}=block", recover=False)
     node = plane.nodes[0]
     retina = plane.retinas[node]
@@ -246,10 +246,10 @@ def test_outcome_unknown_from_the_catalog_and_etcd_converges(
     pointer = plane.checkpoint(node)
     assert pointer.checkpoint_id > 0
     log = plane.retinas[node].log_path.read_text()
-    # The lost catalog answer was retried, and a checkpoint was published past the lost
+    # The lost catalog answer was retried, and a checkpoint was installed past the lost
     # etcd answer (the READY checkpoint's swap or this one).
     assert "ingest_publish_retry" in log, plane.retinas[node].log_tail()
-    assert "checkpoint_published" in log, plane.retinas[node].log_tail()
+    assert "checkpoint_installed" in log, plane.retinas[node].log_tail()
     assert plane.read("orders") == plane.model.rows["orders"]
     restart_and_recover(plane, node)
     assert plane.read("orders") == plane.model.rows["orders"]
