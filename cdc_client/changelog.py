@@ -48,8 +48,8 @@ import pyarrow.parquet as pq
 
 from retina_common import storage
 from retina_common.failpoints import (
-    CDC_CHANGELOG_AFTER_RECORD,
-    CDC_CHANGELOG_AFTER_SEGMENTS,
+    CDC_CHANGELOG_RECORD_AFTER,
+    CDC_CHANGELOG_SEGMENTS_AFTER,
     CDC_RETENTION_WATERMARK_AFTER,
     CDC_RETENTION_WATERMARK_BEFORE,
 )
@@ -234,13 +234,13 @@ class Changelog:
         # The segments are independent: writing them concurrently lets the file
         # system fold their fsyncs into fewer journal commits.
         refs = list(self._pool.map(write, *zip(*sorted(by_vnode.items()), strict=True)))
-        CDC_CHANGELOG_AFTER_SEGMENTS.hit()
+        CDC_CHANGELOG_SEGMENTS_AFTER.hit()
         record = BatchRecord(first, last, tuple(
             {"ts": t.ts, "position": t.position, "sourceTxid": t.source_txid,
              "commitTimeMs": t.commit_time_ms, "rows": len(t.rows)} for t in transactions),
             tuple(refs))
         storage.write_durably(self._uri("batches"), record.name, record.to_bytes())
-        CDC_CHANGELOG_AFTER_RECORD.hit()
+        CDC_CHANGELOG_RECORD_AFTER.hit()
         return record
 
     def _list(self, sub: str) -> list[str]:

@@ -276,14 +276,14 @@ class CheckpointStore:
         pointer = Pointer(body.header.checkpoint_id, f"{self._dir}/{name}", len(data),
                           crc32c.crc32c(data), body.header.checkpoint_applied_ts,
                           body.header.writer_epoch)
-        fp.CHECKPOINT_BODY_BEFORE.hit()
+        fp.CHECKPOINT_BODY_WRITE_BEFORE.hit()
         write_durably(self._dir, name, data)
-        fp.CHECKPOINT_BODY_AFTER.hit()
+        fp.CHECKPOINT_BODY_WRITE_AFTER.hit()
         current = self._etcd.get(self._current)
         puts = [(self._current, pointer.to_json(), 0)]
         if current is not None:
             puts.append((self._previous, current.value, 0))
-        fp.CHECKPOINT_SWAP_BEFORE.hit()
+        fp.CHECKPOINT_POINTER_SWAP_BEFORE.hit()
         try:
             swapped = self._etcd.compare_and_swap(
                 [(self._current, 0 if current is None else current.mod_revision)], puts)
@@ -294,7 +294,7 @@ class CheckpointStore:
         if swapped is None:
             raise CheckpointConflict(f"checkpoint {pointer.checkpoint_id}: current moved; "
                                      "another writer installed one")
-        fp.CHECKPOINT_SWAP_AFTER.hit()
+        fp.CHECKPOINT_POINTER_SWAP_AFTER.hit()
         log.info("checkpoint_installed", node=self._node, checkpoint_id=pointer.checkpoint_id,
                  bytes=pointer.length, applied_ts=pointer.checkpoint_applied_ts)
         self.cleanup()

@@ -108,13 +108,13 @@ class MarkReadyBarrier:
         self._entry.close()
         if phase == Phase.AWAITING_REPLAY:
             self._machine.transition(Phase.BARRIER, "MarkReady")
-        fp.MARK_READY_BARRIER.hit()
+        fp.RECOVERY_MARK_READY_BARRIER_AFTER.hit()
         self._entry.drain()
-        fp.MARK_READY_DRAINED.hit()
+        fp.RECOVERY_MARK_READY_DRAIN_AFTER.hit()
         self._machine.transition(Phase.READY, "MarkReady barrier passed")
 
     def _unblock_queries(self) -> None:
-        fp.MARK_READY_ANNOUNCE_BEFORE.hit()
+        fp.RECOVERY_MARK_READY_ANNOUNCE_BEFORE.hit()
         try:
             self._announce_ready()
         except EtcdError as exc:
@@ -122,5 +122,5 @@ class MarkReadyBarrier:
             raise Refusal(grpc.StatusCode.UNAVAILABLE,
                           f"the node is READY but READY is not yet announced ({exc}); "
                           "retry MarkReady") from exc
-        fp.MARK_READY_ANNOUNCE_AFTER.hit()
+        fp.RECOVERY_MARK_READY_ANNOUNCE_AFTER.hit()
         log.info("node_ready")

@@ -128,9 +128,9 @@ def test_a_malformed_pointer_is_unusable_not_absent(store: CheckpointStore,
 
 
 @pytest.mark.parametrize("point, survivor", [
-    ("checkpoint.before_body_write", 1), ("checkpoint.after_body_write", 1),
-    ("checkpoint.before_pointer_swap", 1), ("checkpoint.after_pointer_swap", 2),
-    ("checkpoint.before_cleanup", 2),
+    ("checkpoint.body_write.before", 1), ("checkpoint.body_write.after", 1),
+    ("checkpoint.pointer_swap.before", 1), ("checkpoint.pointer_swap.after", 2),
+    ("checkpoint.cleanup.before", 2),
 ])
 def test_a_crash_at_each_step_leaves_a_usable_checkpoint(
         store: CheckpointStore, tmp_path: Path, active_failpoints, point: str,
@@ -154,7 +154,7 @@ def test_a_concurrent_writer_is_refused(store: CheckpointStore, tmp_path: Path,
     store.install(body(1))
     other = CheckpointStore(etcd, NODE, "file://" + str(tmp_path / "storage"), TOPO)
     # A reads `current`, writes its body, then waits before its swap (the first hit only).
-    active_failpoints("checkpoint.before_pointer_swap=block*1")
+    active_failpoints("checkpoint.pointer_swap.before=block*1")
     outcome: list[BaseException | None] = []
 
     def install_a() -> None:
@@ -166,10 +166,10 @@ def test_a_concurrent_writer_is_refused(store: CheckpointStore, tmp_path: Path,
 
     a = threading.Thread(target=install_a)
     a.start()
-    failpoints.wait_hit(failpoint_dir, "checkpoint.before_pointer_swap")
+    failpoints.wait_hit(failpoint_dir, "checkpoint.pointer_swap.before")
     assert f"ckpt-{2:020d}.bin" in bodies_on_disk(tmp_path)  # A's body is written
     other.install(body(3))  # B swaps first
-    failpoints.release(failpoint_dir, "checkpoint.before_pointer_swap")
+    failpoints.release(failpoint_dir, "checkpoint.pointer_swap.before")
     a.join(timeout=30)
     assert len(outcome) == 1 and isinstance(outcome[0], CheckpointConflict)
     loaded = store.load()

@@ -87,7 +87,7 @@ def test_files_closing_out_of_order_publish_in_first_block_order(
 
 CRASH_POINTS = [
     "index.primary_commit.before", "index.primary_commit.after",
-    "ingest.alloc.before_catalog", "ingest.alloc.after_catalog",
+    "ingest.alloc.catalog.before", "ingest.alloc.catalog.after",
     "ingest.close.before", "ingest.close.after",
     "ingest.index_flush.before", "ingest.index_flush.after",
     "ingest.catalog_regular.before", "ingest.catalog_regular.after",

@@ -108,7 +108,7 @@ def test_a_crash_between_replay_and_mark_ready_duplicates_nothing(
         retina.kill9()  # ...and a crash before MarkReady
     else:
         retina.kill9()
-        retina.start(failpoints="recovery.mark_ready.barrier=exit(137)")
+        retina.start(failpoints="recovery.mark_ready.barrier.after=exit(137)")
         with pytest.raises(grpc.RpcError):
             plane.recover(node)  # the process dies inside the barrier
         assert retina.wait_exit() == 137
@@ -236,8 +236,8 @@ def test_outcome_unknown_from_the_catalog_and_etcd_converges(
         make_plane: Callable[..., DataPlane], catalog: Catalog, etcd: EtcdStore) -> None:
     # The first REGULAR publish and the first etcd transaction after start (the READY
     # checkpoint's slot swap) both commit and then lose their answer.
-    plane = make_plane(failpoints="catalog.update_file.after_commit=raise*1;"
-                                  "etcd.txn.after_commit=raise*1")
+    plane = make_plane(failpoints="catalog.update_file.commit.after=raise*1;"
+                                  "etcd.txn.commit.after=raise*1")
     node = plane.nodes[0]
     plane.commit({"orders": {"replaces": [order(i) for i in range(50)]}})
     eventually(lambda: len(catalog.get_files_by_type(None, [FileType.REGULAR])) >= 2, 20,
@@ -293,7 +293,7 @@ def test_an_interrupted_barrier_is_finished_by_the_next_mark_ready(
         make_plane: Callable[..., DataPlane]) -> None:
     # The first MarkReady fails after it closed the replay entry (BARRIER); the node
     # must not stay there: the retried MarkReady finishes the barrier.
-    plane = make_plane(failpoints="recovery.mark_ready.drained=raise*1", recover=False)
+    plane = make_plane(failpoints="recovery.mark_ready.drain.after=raise*1", recover=False)
     node = plane.nodes[0]
     status = plane.wait_replay_ready(node)
     request = rpb.MarkReadyRequest(recovery_attempt_token=status.recovery_attempt_token,

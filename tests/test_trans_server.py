@@ -95,7 +95,7 @@ def test_timestamps_survive_kill9_restart(trans_factory: Callable[..., TransServ
 
 
 @pytest.mark.parametrize("counter", ["ts_block", "txid_block"])
-@pytest.mark.parametrize("point", ["before_persist", "after_persist"])
+@pytest.mark.parametrize("point", ["persist.before", "persist.after"])
 def test_kill_at_block_failpoints(trans_factory: Callable[..., TransServerProcess],
                                   etcd: EtcdStore, counter: str, point: str) -> None:
     server = trans_factory(trans={"ts_block_size": 4})
