@@ -16,6 +16,8 @@ COPY trans_gate ./trans_gate
 COPY retina_server ./retina_server
 COPY cdc_client ./cdc_client
 COPY spark_jobs ./spark_jobs
+# retina-cluster (a dev tool, not runtime) is in devtools; the image keeps it for local use.
+COPY devtools ./devtools
 RUN pip install --no-cache-dir "grpcio-tools>=1.60" \
  && python -m retina_common.codegen --force \
  && pip install --no-cache-dir . \

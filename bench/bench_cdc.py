@@ -32,8 +32,7 @@ from pathlib import Path
 import grpc
 import psycopg2
 
-from retina_common.catalog import Catalog, ColumnSpec
-from retina_common.cluster import (
+from devtools.cluster import (
     ClusterState,
     free_port,
     node_state,
@@ -43,6 +42,7 @@ from retina_common.cluster import (
     stop_cluster,
     wait_for,
 )
+from retina_common.catalog import Catalog, ColumnSpec
 from retina_common.log import configure_logging
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.reader import SnapshotReader

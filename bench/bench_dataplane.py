@@ -26,15 +26,15 @@ from pathlib import Path
 
 import grpc
 
-from retina_common.catalog import Catalog, ColumnSpec
-from retina_common.client import TableWriter, requests_by_node
-from retina_common.cluster import (
+from devtools.cluster import (
     free_port,
     start_cluster,
     start_retina_server,
     stop_cluster,
     wait_for,
 )
+from retina_common.catalog import Catalog, ColumnSpec
+from retina_common.client import TableWriter, requests_by_node
 from retina_common.log import configure_logging
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc

@@ -5,7 +5,7 @@ names (default 1,000 published files, 10 million rows):
 
 * 1,000 real Parquet ingest files (one row group of 10,000 rows each), with
   REGULAR catalog rows and MainIndex flush markers;
-* a checkpoint that admits them, with 1% of the rows deleted, published
+* a checkpoint that admits them, with 1% of the rows deleted, installed
   through the real store (body + etcd two-slot swap).
 
 Then it starts a real ``retina-server`` and measures the time from process
@@ -33,24 +33,24 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pyroaring import BitMap
 
+from devtools.cluster import free_port, start_cluster, start_retina_server, stop_cluster
 from retina_common import file_names
 from retina_common.catalog import Catalog, ColumnSpec, FileType
-from retina_common.cluster import free_port, start_cluster, start_retina_server, stop_cluster
-from retina_common.etcd import EtcdStore
-from retina_common.log import configure_logging
-from retina_common.pb import retina_pb2_grpc
-from retina_common.recovery_driver import wait_replay_ready
-from retina_common.storage import write_durably
-from retina_common.topology import Topology
-from retina_server.checkpoint import (
+from retina_common.checkpoint import (
     CheckpointBody,
     CheckpointHeader,
     CheckpointStore,
     FileEntry,
     RGEntry,
 )
+from retina_common.etcd import EtcdStore
+from retina_common.log import configure_logging
+from retina_common.pb import retina_pb2_grpc
+from retina_common.recovery_driver import wait_replay_ready
+from retina_common.replay_ts import IngestSegment, SegmentKind
+from retina_common.storage import write_durably
+from retina_common.topology import Topology
 from retina_server.index import LocalIndexService, RowIdRange
-from retina_server.replay_ts import IngestSegment, SegmentKind
 
 
 def main() -> None:
@@ -122,7 +122,7 @@ def main() -> None:
         store = CheckpointStore(EtcdStore([state.etcd.endpoint]), node, storage,
                                 topology.topology_hash)
         t0 = time.perf_counter()
-        pointer = store.publish(body)
+        pointer = store.install(body)
         write_s = time.perf_counter() - t0
         print(f"checkpoint body: {pointer.length:,} bytes = {pointer.length * 8 / total:.3f} "
               f"bits per row ({pointer.length / args.files:,.0f} bytes per row group of "

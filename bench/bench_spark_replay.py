@@ -43,15 +43,15 @@ import pyspark
 
 from cdc_client.changelog import DELETE, REPLACE, Changelog, ChangeRow, LoggedTransaction
 from cdc_client.replay import node_starts, requests
-from retina_common.catalog import Catalog, ColumnSpec, TableRecord
-from retina_common.client import TableWriter
-from retina_common.cluster import (
+from devtools.cluster import (
     ClusterState,
     free_port,
     start_cluster,
     start_retina_server,
     stop_cluster,
 )
+from retina_common.catalog import Catalog, ColumnSpec, TableRecord
+from retina_common.client import TableWriter
 from retina_common.codec import encode_value
 from retina_common.log import configure_logging
 from retina_common.pb import retina_pb2 as rpb

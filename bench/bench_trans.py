@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 import requests
 
-from retina_common.cluster import start_cluster, stop_cluster, wait_for
+from devtools.cluster import start_cluster, stop_cluster, wait_for
 from retina_common.etcd import EtcdStore
 from retina_common.keys import lifecycle_key
 from retina_common.lifecycle_record import LifecycleRecord, LifecycleState

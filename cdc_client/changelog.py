@@ -39,6 +39,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import crc32c
 import pyarrow as pa
@@ -47,11 +48,14 @@ import pyarrow.parquet as pq
 
 from retina_common import storage
 from retina_common.failpoints import (
-    CDC_CHANGELOG_AFTER_RECORD,
-    CDC_CHANGELOG_AFTER_SEGMENTS,
+    CDC_CHANGELOG_RECORD_AFTER,
+    CDC_CHANGELOG_SEGMENTS_AFTER,
     CDC_RETENTION_WATERMARK_AFTER,
     CDC_RETENTION_WATERMARK_BEFORE,
 )
+
+if TYPE_CHECKING:
+    from retina_common.config import Config
 
 DELETE, REPLACE = 0, 1
 _MAGIC = "RCLB1"
@@ -62,6 +66,14 @@ SEGMENT_SCHEMA = pa.schema([
     ("ts", pa.int64()), ("seq", pa.int32()), ("table", pa.string()), ("op", pa.int8()),
     ("key", pa.binary()), ("values", pa.list_(pa.binary())),
 ])
+
+
+def changelog_root(config: Config) -> str:
+    """Where the changelog lives: ``cdc.changelog_root``, else ``_changelog`` under storage.
+
+    Here, not in the connector's process module, because the Spark replay job needs it too."""
+    return config.cdc.changelog_root or storage.file_uri(storage.root_uri(config.storage.root),
+                                                         "_changelog")
 
 
 class CorruptChangelog(Exception):
@@ -222,13 +234,13 @@ class Changelog:
         # The segments are independent: writing them concurrently lets the file
         # system fold their fsyncs into fewer journal commits.
         refs = list(self._pool.map(write, *zip(*sorted(by_vnode.items()), strict=True)))
-        CDC_CHANGELOG_AFTER_SEGMENTS.hit()
+        CDC_CHANGELOG_SEGMENTS_AFTER.hit()
         record = BatchRecord(first, last, tuple(
             {"ts": t.ts, "position": t.position, "sourceTxid": t.source_txid,
              "commitTimeMs": t.commit_time_ms, "rows": len(t.rows)} for t in transactions),
             tuple(refs))
         storage.write_durably(self._uri("batches"), record.name, record.to_bytes())
-        CDC_CHANGELOG_AFTER_RECORD.hit()
+        CDC_CHANGELOG_RECORD_AFTER.hit()
         return record
 
     def _list(self, sub: str) -> list[str]:

@@ -52,13 +52,13 @@ from cdc_client.translate import TableMap
 from retina_common.catalog import TableRecord
 from retina_common.etcd import EtcdUnavailable
 from retina_common.failpoints import (
-    CDC_BATCH_AFTER_BEGIN,
+    CDC_BATCH_BEGIN_AFTER,
     CDC_COMMIT_AFTER,
-    CDC_POSITION_AFTER_STORE,
-    CDC_REPLAY_AFTER_REQUEST,
-    CDC_REPLAY_BEFORE_MARK_READY,
-    CDC_SEND_AFTER_ALL,
-    CDC_SEND_BETWEEN_NODES,
+    CDC_POSITION_STORE_AFTER,
+    CDC_REPLAY_MARK_READY_BEFORE,
+    CDC_REPLAY_REQUEST_AFTER,
+    CDC_SEND_ALL_ACKS_AFTER,
+    CDC_SEND_NODE_ACK_AFTER,
 )
 from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
@@ -274,7 +274,7 @@ class Connector:
     def _process_once(self, batch: Batch) -> None:
         t0 = time.monotonic()
         began = self._begin(len(batch.transactions))
-        CDC_BATCH_AFTER_BEGIN.hit()
+        CDC_BATCH_BEGIN_AFTER.hit()
         ids = [t.trans_id for t in began]
         logged = [LoggedTransaction(b.timestamp, t.position, t.source_txid, t.commit_time_ms,
                                     [dataclasses.replace(r, ts=b.timestamp) for r in rows])
@@ -296,7 +296,7 @@ class Connector:
         committed = CommittedPosition(record.last_position, record.last_ts, self.source.name)
         self._store_position(committed)
         self._committed = committed
-        CDC_POSITION_AFTER_STORE.hit()
+        CDC_POSITION_STORE_AFTER.hit()
         self.intake.ack(committed.position)
         m.COMMITTED_TS.set(committed.ts)
         m.LAG_TIMESTAMPS.set(max(0, committed.ts - hwm))
@@ -367,10 +367,10 @@ class Connector:
                 errors.append(error)
                 abort.set()
             elif acknowledged < len(futures) and not errors:
-                CDC_SEND_BETWEEN_NODES.hit()
+                CDC_SEND_NODE_ACK_AFTER.hit()
         if errors:
             raise errors[0]
-        CDC_SEND_AFTER_ALL.hit()
+        CDC_SEND_ALL_ACKS_AFTER.hit()
 
     def _send_to_node(self, node: str, rows: list[ChangeRow], ids: list[int],
                       abort: threading.Event) -> None:
@@ -450,7 +450,7 @@ class Connector:
                     counter["rows"] += n
                     counter["requests"] += 1
                     m.REPLAY_ROWS.labels(node=node).inc(n)
-                    CDC_REPLAY_AFTER_REQUEST.hit()
+                    CDC_REPLAY_REQUEST_AFTER.hit()
                     if self._open_ids and time.monotonic() - self._extended_at > 2:
                         self._extend(self._open_ids)
             except ChangelogGap as gap:  # retention ran while we replayed
@@ -460,7 +460,7 @@ class Connector:
             self._check_retained(node, vnode_starts)
             # drive_recovery sends MarkReady as soon as this generator is done:
             # every request above has been acknowledged by now.
-            CDC_REPLAY_BEFORE_MARK_READY.hit()
+            CDC_REPLAY_MARK_READY_BEFORE.hit()
 
         m.REPLAY_IN_PROGRESS.labels(node=node).set(1)
         try:

@@ -29,7 +29,7 @@ from types import FrameType
 import grpc
 import structlog
 
-from cdc_client.changelog import Changelog, CorruptChangelog
+from cdc_client.changelog import Changelog, CorruptChangelog, changelog_root
 from cdc_client.connector import Connector, ConnectorStopped, ReplayGap, Settings
 from cdc_client.positions import ConnectorFenced, PositionStore
 from cdc_client.retention import run_retention
@@ -43,7 +43,7 @@ from retina_common.catalog import (
     NotFoundError,
     TableRecord,
 )
-from retina_common.config import CdcConfig, Config, ConfigError, load_config
+from retina_common.config import CdcConfig, ConfigError, load_config
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.keys import LIFECYCLE_PREFIX
 from retina_common.log import configure_logging
@@ -51,17 +51,12 @@ from retina_common.metrics import serve_metrics
 from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.retry import until_deadline
-from retina_common.storage import file_uri, root_uri
 from retina_common.topology import Topology, load_topology
 
 STOPPED_BY_REFUSAL = 3
 STOPPED_BY_REPLAY_GAP = 5  # a node needs dropped changelog: an operator rebuilds it
 CRASHED = 1  # anything else: restart it; it resumes from the committed position
 log = structlog.get_logger("cdc")
-
-
-def changelog_root(config: Config) -> str:
-    return config.cdc.changelog_root or file_uri(root_uri(config.storage.root), "_changelog")
 
 
 def settings_of(cdc: CdcConfig, retina_max_rows: int) -> Settings:
@@ -207,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     def on_signal(_signum: int, _frame: FrameType | None) -> None:
-        stop.set()  # only a flag: see retina_server.server
+        stop.set()  # only a flag, as in the Retina server's signal handler
         connector.stop()
 
     signal.signal(signal.SIGTERM, on_signal)

@@ -14,10 +14,10 @@ import structlog
 
 from cdc_client import metrics as m
 from cdc_client.changelog import Changelog
+from retina_common.checkpoint import CheckpointError, CheckpointStore
 from retina_common.etcd import EtcdStore
+from retina_common.replay_ts import derive
 from retina_common.topology import Topology
-from retina_server.checkpoint import CheckpointError, CheckpointStore
-from retina_server.replay_ts import derive
 
 log = structlog.get_logger("cdc.retention")
 

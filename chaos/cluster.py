@@ -1,7 +1,7 @@
 """The campaign's long-lived cluster: etcd, PostgreSQL (source + catalog), TransServer,
 Retina nodes and ``retina-cdc``, each process supervised through its own ``Popen``.
 
-``retina_common.cluster`` starts the infrastructure; the Retina, TransServer and
+``devtools.cluster`` starts the infrastructure; the Retina, TransServer and
 connector processes are spawned here instead of through ``start_process`` because the
 campaign must read their exit codes (137 means "died at the failpoint"), and a ``Popen``
 object that is dropped lets ``subprocess`` reap the child behind our back.
@@ -22,8 +22,7 @@ from pathlib import Path
 
 import psycopg2
 
-from retina_common.catalog import Catalog
-from retina_common.cluster import (
+from devtools.cluster import (
     ClusterError,
     ClusterState,
     _as_postgres,
@@ -41,6 +40,7 @@ from retina_common.cluster import (
     wait_for,
     write_config,
 )
+from retina_common.catalog import Catalog
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.topology import load_topology
 

@@ -32,9 +32,9 @@ from .workload import PROBE_TABLE, SCHEMA
 RETINA_PREFIXES = ("ingest.", "index.", "checkpoint.", "recovery.", "catalog.", "etcd.")
 # Points no process of this topology reaches, with the reason (reported, never hidden).
 UNREACHABLE = {
-    "catalog.swap.before_commit": "atomicSwapFiles is only called by the Storage GC commit "
+    "catalog.swap.commit.before": "atomicSwapFiles is only called by the Storage GC commit "
                                   "(Spark rewrite + owning node), which the campaign does not run",
-    "catalog.swap.after_commit": "atomicSwapFiles is only called by the Storage GC commit "
+    "catalog.swap.commit.after": "atomicSwapFiles is only called by the Storage GC commit "
                                  "(Spark rewrite + owning node), which the campaign does not run",
 }
 # Points reached while a process starts (bootstrap, cleansing, MarkReady) or during the one
@@ -45,8 +45,8 @@ FAILPOINT_DEADLINE_S = 10.0
 # Points reached only when an earlier crash left something behind: first crash the node at
 # the preparing point, then arm the point itself on the next start. Cleansing deletes the
 # TEMPORARY_INGEST files of a crashed node, and a crash right after ingest.alloc leaves one.
-PREPARE = {"catalog.delete_files.before_commit": "ingest.alloc.after_catalog",
-           "catalog.delete_files.after_commit": "ingest.alloc.after_catalog"}
+PREPARE = {"catalog.delete_files.commit.before": "ingest.alloc.catalog.after",
+           "catalog.delete_files.commit.after": "ingest.alloc.catalog.after"}
 EXIT_AT_FAILPOINT = 137
 
 
@@ -279,13 +279,13 @@ def _drive_until_exit(ctx: FaultContext, name: str, timeout_s: float) -> int | N
 
 def mark_ready_crash(ctx: FaultContext) -> FaultResult:
     """A crash between the end of replay and MarkReady, with rows buffered at the
-    checkpoint: on the Retina side (recovery.mark_ready.barrier) or, when the catalogue
-    has it, on the connector side (cdc.replay.before_mark_ready)."""
-    cdc_point = "cdc.replay.before_mark_ready"
+    checkpoint: on the Retina side (recovery.mark_ready.barrier.after) or, when the catalogue
+    has it, on the connector side (cdc.replay.mark_ready.before)."""
+    cdc_point = "cdc.replay.mark_ready.before"
     if cdc_point in failpoints.catalogue() and ctx.rng.random() < 0.5:
         point = cdc_point
     else:
-        point = "recovery.mark_ready.barrier"
+        point = "recovery.mark_ready.barrier.after"
     result = arm_failpoint(ctx, point, 1)
     result.kind = "mark_ready_crash"
     return result

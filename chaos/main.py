@@ -23,7 +23,7 @@ from typing import Any
 
 import psycopg2
 
-from retina_common.cluster import ClusterError, pid_alive
+from devtools.cluster import ClusterError, pid_alive
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.topology import load_topology

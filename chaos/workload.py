@@ -17,8 +17,8 @@ from typing import Any
 import psycopg2
 import psycopg2.extras
 
+from devtools.cluster import PostgresInstance
 from retina_common.catalog import Catalog, ColumnSpec
-from retina_common.cluster import PostgresInstance
 from retina_common.topology import Topology
 
 SOURCE_DB = "chaos_source"

@@ -230,7 +230,7 @@ class EtcdStore:
         result = self._post("/kv/txn", {"compare": compare, "success": success, "failure": []},
                             write=True)
         try:
-            fp.ETCD_TXN_AFTER_COMMIT.hit()
+            fp.ETCD_TXN_COMMIT_AFTER.hit()
         except fp.FailpointTriggered as exc:  # the answer lost after etcd applied it
             raise EtcdOutcomeUnknown(f"etcd /kv/txn: {exc}") from exc
         # The JSON gateway omits false booleans.

@@ -1,10 +1,15 @@
 """The failpoint catalogue: one named point before and after every durable step.
 
+Names follow one scheme, ``<path>.<step>.before|after`` (the point is just
+before or just after the step), and each constant is its name in capitals with
+dots as underscores (``catalog.swap.commit.before`` is
+``CATALOG_SWAP_COMMIT_BEFORE``); tests/test_failpoints.py checks both.
+
 Call sites import the point objects (``from retina_common.failpoints import
-TS_BLOCK_BEFORE_PERSIST``), so a misspelt name fails at import. Points are
+TRANS_TS_BLOCK_PERSIST_BEFORE``), so a misspelt name fails at import. Points are
 inert unless ``RETINA_FAILPOINTS`` names them::
 
-    RETINA_FAILPOINTS="trans.ts_block.after_persist=exit(137);catalog.swap.before_commit=sleep(2)"
+    RETINA_FAILPOINTS="trans.ts_block.persist.after=exit(137);catalog.swap.commit.before=sleep(2)"
 
 Actions: ``exit(code)`` (``os._exit``: no cleanup, no flush, like a kill),
 ``raise`` / ``raise(message)`` (raises :class:`FailpointTriggered`),
@@ -176,54 +181,54 @@ def catalogue() -> dict[str, str]:
 
 
 # --- TransServer: durable timestamp / transaction-id block allocation -------
-TS_BLOCK_BEFORE_PERSIST = Failpoint(
-    "trans.ts_block.before_persist",
+TRANS_TS_BLOCK_PERSIST_BEFORE = Failpoint(
+    "trans.ts_block.persist.before",
     "a new timestamp block is chosen but not yet written to etcd")
-TS_BLOCK_AFTER_PERSIST = Failpoint(
-    "trans.ts_block.after_persist",
+TRANS_TS_BLOCK_PERSIST_AFTER = Failpoint(
+    "trans.ts_block.persist.after",
     "the new timestamp block is durable in etcd, no timestamp of it handed out yet")
-TXID_BLOCK_BEFORE_PERSIST = Failpoint(
-    "trans.txid_block.before_persist",
+TRANS_TXID_BLOCK_PERSIST_BEFORE = Failpoint(
+    "trans.txid_block.persist.before",
     "a new transaction-id block is chosen but not yet written to etcd")
-TXID_BLOCK_AFTER_PERSIST = Failpoint(
-    "trans.txid_block.after_persist",
+TRANS_TXID_BLOCK_PERSIST_AFTER = Failpoint(
+    "trans.txid_block.persist.after",
     "the new transaction-id block is durable in etcd, no id of it handed out yet")
 
 # --- etcd ---
-ETCD_TXN_AFTER_COMMIT = Failpoint(
-    "etcd.txn.after_commit",
+ETCD_TXN_COMMIT_AFTER = Failpoint(
+    "etcd.txn.commit.after",
     "an etcd transaction (compare-and-swap) applied, its answer not yet returned; "
     "'raise' makes it an outcome-unknown error")
 
 # --- Catalog (PostgreSQL) ---
-CATALOG_BOOTSTRAP_BEFORE_COMMIT = Failpoint(
-    "catalog.bootstrap.before_commit",
+CATALOG_BOOTSTRAP_COMMIT_BEFORE = Failpoint(
+    "catalog.bootstrap.commit.before",
     "schema DDL executed inside the bootstrap transaction, not committed")
-CATALOG_BOOTSTRAP_AFTER_COMMIT = Failpoint(
-    "catalog.bootstrap.after_commit", "catalog schema committed, caller not yet told")
-CATALOG_ADD_FILE_BEFORE_COMMIT = Failpoint(
-    "catalog.add_file.before_commit", "file row inserted, transaction not committed")
-CATALOG_ADD_FILE_AFTER_COMMIT = Failpoint(
-    "catalog.add_file.after_commit", "file row committed, caller not yet told")
-CATALOG_UPDATE_FILE_BEFORE_COMMIT = Failpoint(
-    "catalog.update_file.before_commit", "file row updated, transaction not committed")
-CATALOG_UPDATE_FILE_AFTER_COMMIT = Failpoint(
-    "catalog.update_file.after_commit", "file update committed, caller not yet told")
-CATALOG_DELETE_FILES_BEFORE_COMMIT = Failpoint(
-    "catalog.delete_files.before_commit", "file rows deleted, transaction not committed")
-CATALOG_DELETE_FILES_AFTER_COMMIT = Failpoint(
-    "catalog.delete_files.after_commit", "file deletion committed, caller not yet told")
-CATALOG_SWAP_BEFORE_COMMIT = Failpoint(
-    "catalog.swap.before_commit",
+CATALOG_BOOTSTRAP_COMMIT_AFTER = Failpoint(
+    "catalog.bootstrap.commit.after", "catalog schema committed, caller not yet told")
+CATALOG_ADD_FILE_COMMIT_BEFORE = Failpoint(
+    "catalog.add_file.commit.before", "file row inserted, transaction not committed")
+CATALOG_ADD_FILE_COMMIT_AFTER = Failpoint(
+    "catalog.add_file.commit.after", "file row committed, caller not yet told")
+CATALOG_UPDATE_FILE_COMMIT_BEFORE = Failpoint(
+    "catalog.update_file.commit.before", "file row updated, transaction not committed")
+CATALOG_UPDATE_FILE_COMMIT_AFTER = Failpoint(
+    "catalog.update_file.commit.after", "file update committed, caller not yet told")
+CATALOG_DELETE_FILES_COMMIT_BEFORE = Failpoint(
+    "catalog.delete_files.commit.before", "file rows deleted, transaction not committed")
+CATALOG_DELETE_FILES_COMMIT_AFTER = Failpoint(
+    "catalog.delete_files.commit.after", "file deletion committed, caller not yet told")
+CATALOG_SWAP_COMMIT_BEFORE = Failpoint(
+    "catalog.swap.commit.before",
     "atomicSwapFiles: new file REGULAR and old files RETIRED inside the transaction, not committed")
-CATALOG_SWAP_AFTER_COMMIT = Failpoint(
-    "catalog.swap.after_commit", "atomicSwapFiles committed, caller not yet told")
+CATALOG_SWAP_COMMIT_AFTER = Failpoint(
+    "catalog.swap.commit.after", "atomicSwapFiles committed, caller not yet told")
 
 # --- Retina ingest publish (docs/write-paths/ingest-publish.md) -----------------
-INGEST_ALLOC_BEFORE = Failpoint(
-    "ingest.alloc.before_catalog", "a new ingest file is chosen, not yet in the catalog")
-INGEST_ALLOC_AFTER = Failpoint(
-    "ingest.alloc.after_catalog", "the ingest file is TEMPORARY_INGEST in the catalog, no row yet")
+INGEST_ALLOC_CATALOG_BEFORE = Failpoint(
+    "ingest.alloc.catalog.before", "a new ingest file is chosen, not yet in the catalog")
+INGEST_ALLOC_CATALOG_AFTER = Failpoint(
+    "ingest.alloc.catalog.after", "the ingest file is TEMPORARY_INGEST in the catalog, no row yet")
 INGEST_CLOSE_BEFORE = Failpoint(
     "ingest.close.before", "file bytes built in memory, nothing written to storage")
 INGEST_CLOSE_AFTER = Failpoint(
@@ -233,9 +238,9 @@ INGEST_INDEX_FLUSH_BEFORE = Failpoint(
 INGEST_INDEX_FLUSH_AFTER = Failpoint(
     "ingest.index_flush.after",
     "MainIndex ranges of the file durable, catalog still TEMPORARY_INGEST")
-INGEST_CATALOG_BEFORE = Failpoint(
+INGEST_CATALOG_REGULAR_BEFORE = Failpoint(
     "ingest.catalog_regular.before", "about to mark the file REGULAR in the catalog")
-INGEST_CATALOG_AFTER = Failpoint(
+INGEST_CATALOG_REGULAR_AFTER = Failpoint(
     "ingest.catalog_regular.after", "the file is REGULAR in the catalog, not yet registered")
 INGEST_REGISTRY_BEFORE = Failpoint(
     "ingest.registry.before", "about to register the file in the ingest registry")
@@ -247,65 +252,65 @@ INGEST_CLEANUP_AFTER = Failpoint(
     "ingest.cleanup.after", "the file's blocks are gone from the write buffer; publish complete")
 
 # --- Retina UpdateRecord ---------------------------------------------------------
-PRIMARY_COMMIT_BEFORE = Failpoint(
+INDEX_PRIMARY_COMMIT_BEFORE = Failpoint(
     "index.primary_commit.before",
     "a request's primary-index writes staged in LMDB, not committed; inserts not visible")
-PRIMARY_COMMIT_AFTER = Failpoint(
+INDEX_PRIMARY_COMMIT_AFTER = Failpoint(
     "index.primary_commit.after",
-    "a request's primary-index writes durable; its inserts not yet published visible")
+    "a request's primary-index writes durable; its inserts not yet settled visible")
 
 # --- Retina recovery checkpoint (docs/write-paths/checkpoint.md) -----------------
-CHECKPOINT_BODY_BEFORE = Failpoint(
-    "checkpoint.before_body_write", "checkpoint body encoded in memory, nothing on storage")
-CHECKPOINT_BODY_AFTER = Failpoint(
-    "checkpoint.after_body_write", "body durable on storage, no slot points at it")
-CHECKPOINT_SWAP_BEFORE = Failpoint(
-    "checkpoint.before_pointer_swap", "about to swap current/previous in etcd")
-CHECKPOINT_SWAP_AFTER = Failpoint(
-    "checkpoint.after_pointer_swap", "current is the new body, previous the old current")
+CHECKPOINT_BODY_WRITE_BEFORE = Failpoint(
+    "checkpoint.body_write.before", "checkpoint body encoded in memory, nothing on storage")
+CHECKPOINT_BODY_WRITE_AFTER = Failpoint(
+    "checkpoint.body_write.after", "body durable on storage, no slot points at it")
+CHECKPOINT_POINTER_SWAP_BEFORE = Failpoint(
+    "checkpoint.pointer_swap.before", "about to swap current/previous in etcd")
+CHECKPOINT_POINTER_SWAP_AFTER = Failpoint(
+    "checkpoint.pointer_swap.after", "current is the new body, previous the old current")
 CHECKPOINT_CLEANUP_BEFORE = Failpoint(
-    "checkpoint.before_cleanup", "slots swapped; bodies no slot references not yet deleted")
+    "checkpoint.cleanup.before", "slots swapped; bodies no slot references not yet deleted")
 
 # --- Retina recovery (docs/recovery.md) -------------------------------------------
 RECOVERY_CLEANSING_BEFORE = Failpoint(
     "recovery.cleansing.before", "checkpoint loaded, nothing cleansed or retired yet")
 RECOVERY_CLEANSING_AFTER = Failpoint(
     "recovery.cleansing.after", "cleansing done (files retired, leftovers deleted), "
-    "replay starts not yet published")
-MARK_READY_BARRIER = Failpoint(
-    "recovery.mark_ready.barrier", "MarkReady accepted: replay entry closed, not yet READY")
-MARK_READY_DRAINED = Failpoint(
-    "recovery.mark_ready.drained",
+    "replay starts not yet derived")
+RECOVERY_MARK_READY_BARRIER_AFTER = Failpoint(
+    "recovery.mark_ready.barrier.after", "MarkReady accepted: replay entry closed, not yet READY")
+RECOVERY_MARK_READY_DRAIN_AFTER = Failpoint(
+    "recovery.mark_ready.drain.after",
     "replay requests drained, the node not yet READY inside (no hook has run)")
-MARK_READY_PUBLISH_BEFORE = Failpoint(
-    "recovery.mark_ready.publish.before",
+RECOVERY_MARK_READY_ANNOUNCE_BEFORE = Failpoint(
+    "recovery.mark_ready.announce.before",
     "READY inside and READY hooks done (READY checkpoint taken); READY not yet in etcd")
-MARK_READY_PUBLISH_AFTER = Failpoint(
-    "recovery.mark_ready.publish.after", "READY published and health SERVING")
+RECOVERY_MARK_READY_ANNOUNCE_AFTER = Failpoint(
+    "recovery.mark_ready.announce.after", "READY announced and health SERVING")
 RECOVERY_REWIND_BEFORE = Failpoint(
     "recovery.rewind.before", "cleansing done, replay starts derived, nothing rewound")
 RECOVERY_REWIND_AFTER = Failpoint(
     "recovery.rewind.after", "index versions dropped and kept rows hidden; replay entry closed")
 
 # --- CDC connector (docs/write-paths/cdc-changelog.md) ------------------------------
-CDC_BATCH_AFTER_BEGIN = Failpoint(
-    "cdc.batch.after_begin", "timestamps allocated for a batch, nothing in the changelog")
-CDC_CHANGELOG_AFTER_SEGMENTS = Failpoint(
-    "cdc.changelog.after_segments", "segments durable, no batch record names them")
-CDC_CHANGELOG_AFTER_RECORD = Failpoint(
-    "cdc.changelog.after_record", "batch durable in the changelog, nothing sent")
-CDC_SEND_BETWEEN_NODES = Failpoint(
-    "cdc.send.between_nodes", "a Retina node acknowledged the batch, another has not yet")
-CDC_SEND_AFTER_ALL = Failpoint(
-    "cdc.send.after_all", "every Retina node acknowledged, transactions not committed")
+CDC_BATCH_BEGIN_AFTER = Failpoint(
+    "cdc.batch.begin.after", "timestamps allocated for a batch, nothing in the changelog")
+CDC_CHANGELOG_SEGMENTS_AFTER = Failpoint(
+    "cdc.changelog.segments.after", "segments durable, no batch record names them")
+CDC_CHANGELOG_RECORD_AFTER = Failpoint(
+    "cdc.changelog.record.after", "batch durable in the changelog, nothing sent")
+CDC_SEND_NODE_ACK_AFTER = Failpoint(
+    "cdc.send.node_ack.after", "a Retina node acknowledged the batch, another has not yet")
+CDC_SEND_ALL_ACKS_AFTER = Failpoint(
+    "cdc.send.all_acks.after", "every Retina node acknowledged, transactions not committed")
 CDC_COMMIT_AFTER = Failpoint(
     "cdc.commit.after", "batch committed at the TransServer, position not stored")
-CDC_POSITION_AFTER_STORE = Failpoint(
-    "cdc.position.after_store", "committed position stored in etcd, source not acknowledged")
-CDC_REPLAY_AFTER_REQUEST = Failpoint(
-    "cdc.replay.after_request", "one recovery replay request acknowledged, more to send")
-CDC_REPLAY_BEFORE_MARK_READY = Failpoint(
-    "cdc.replay.before_mark_ready", "replay of a node complete, MarkReady not sent")
+CDC_POSITION_STORE_AFTER = Failpoint(
+    "cdc.position.store.after", "committed position stored in etcd, source not acknowledged")
+CDC_REPLAY_REQUEST_AFTER = Failpoint(
+    "cdc.replay.request.after", "one recovery replay request acknowledged, more to send")
+CDC_REPLAY_MARK_READY_BEFORE = Failpoint(
+    "cdc.replay.mark_ready.before", "replay of a node complete, MarkReady not sent")
 CDC_RETENTION_WATERMARK_BEFORE = Failpoint(
     "cdc.retention.watermark.before",
     "retention chose batches to drop, low-watermark not yet raised, nothing deleted")

@@ -1,379 +1,36 @@
-"""Recovery checkpoints: the body format and the two-slot store (specification C04.1/C04.2/C04.4).
+"""Checkpoint generation: the body of a running node (specification C04.1).
 
-Body (all integers big-endian)::
-
-    MAGIC "RTNACKP1" | schema version u16 | header length u32 | header JSON
-    | file count u32 | FileEntry * n
-    | segment count u32 | IngestSegmentEntry * n
-    | rg count u32 | (RGEntry fixed part, roaring bitmap bytes) * n
-    | body length u64 | CRC32C u32 (of every byte before it)
-
-The header holds retinaNodeId, checkpointId, writerEpoch, writeTime,
-checkpointAppliedTs and topologyHash. Replay starts are *not* stored: they
-are derived from the segments on every start (replay_ts.py). Each RGEntry is
-the row group's deleted rows at checkpointAppliedTs, which becomes its base.
-That costs about one bit per row at worst, plus a small fixed cost per row
-group.
+The format and the two-slot store are in retina_common/checkpoint.py.
 
 ``build_body`` takes the body from a running node: per stream, one consistent
 cut of the registry and the write buffer. Streams that exist only in the
 registry (a table not written since this process started: a *cold* stream)
 are walked too. Invariant CHECKPOINT_COVERS_REGISTRY, checked on every body:
 every file registered when generation began is in the body; a miss is
-refused (and the node fails closed), never published, because the next
+refused (and the node fails closed), never installed, because the next
 start would retire the missing file as a catalog-only REGULAR file.
-
-Publish: write the immutable body (fsync, rename) → one etcd transaction
-that moves ``current`` to ``previous`` and sets the new ``current``, guarded
-by the revision of ``current`` read before → delete bodies that neither slot
-references. Load: ``current``, else ``previous``. A corrupt body is never
-taken as "absent": if both slots are unusable, loading fails.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import struct
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-import crc32c
-from pyroaring import BitMap
-
-from retina_common import failpoints as fp
-from retina_common.etcd import EtcdOutcomeUnknown, EtcdStore
-from retina_common.keys import checkpoint_slot_key
-from retina_common.log import get_logger
-from retina_common.storage import delete_quietly, local_dir, read_bytes, write_durably
-from retina_server.replay_ts import IngestSegment, SegmentKind
+from retina_common.checkpoint import (
+    CheckpointBody,
+    CheckpointHeader,
+    CheckpointIncomplete,
+    FileEntry,
+    RGEntry,
+)
+from retina_common.replay_ts import IngestSegment, SegmentKind
 from retina_server.write_buffer import FileState
 
 if TYPE_CHECKING:
     from retina_server.node import RetinaNode
     from retina_server.registry import IngestFileMeta
 
-log = get_logger(component="checkpoint")
 
-MAGIC = b"RTNACKP1"
-SCHEMA_VERSION = 1
-_FILE = struct.Struct(">qqiqqqqqqi")
-_SEGMENT = struct.Struct(">qiBqqiqqq")
-_RG = struct.Struct(">qiqqI")
-_TRAILER = struct.Struct(">QI")
-_HEADER_FIELDS = ("retinaNodeId", "checkpointId", "writerEpoch", "writeTime",
-                  "checkpointAppliedTs", "topologyHash")
-
-
-class CheckpointError(Exception):
-    """Base class of checkpoint failures."""
-
-
-class CorruptCheckpoint(CheckpointError):
-    """The body is truncated, bit-flipped, of an unknown version, or malformed."""
-
-
-class ForeignCheckpoint(CheckpointError):
-    """A valid body of another node or another topology: never used."""
-
-
-class CheckpointConflict(CheckpointError):
-    """``current`` moved under us: another writer published. Nothing was changed."""
-
-
-class CheckpointUnusable(CheckpointError):
-    """Pointers exist but neither slot leads to a usable body."""
-
-
-class CheckpointIncomplete(CheckpointError):
-    """CHECKPOINT_COVERS_REGISTRY does not hold: the body would lose a file."""
-
-
-@dataclass(frozen=True)
-class CheckpointHeader:
-    retina_node_id: str
-    checkpoint_id: int
-    writer_epoch: int
-    write_time_ms: int
-    checkpoint_applied_ts: int
-    topology_hash: str
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    file_id: int
-    table_id: int
-    vnode: int
-    first_block_id: int
-    min_commit_ts: int
-    max_commit_ts: int
-    record_num: int
-    min_row_id: int
-    max_row_id: int
-    num_row_group: int
-
-
-@dataclass(frozen=True)
-class RGEntry:
-    file_id: int
-    rg_id: int
-    row_count: int
-    base_timestamp: int
-    deleted: BitMap = field(compare=False)
-
-    def same(self, other: RGEntry) -> bool:
-        return (self.file_id, self.rg_id, self.row_count, self.base_timestamp) == \
-            (other.file_id, other.rg_id, other.row_count, other.base_timestamp) and \
-            self.deleted == other.deleted
-
-
-@dataclass
-class CheckpointBody:
-    header: CheckpointHeader
-    files: list[FileEntry]
-    segments: list[IngestSegment]
-    row_groups: list[RGEntry]
-
-
-def encode(body: CheckpointBody) -> bytes:
-    h = body.header
-    header = json.dumps({"retinaNodeId": h.retina_node_id, "checkpointId": h.checkpoint_id,
-                         "writerEpoch": h.writer_epoch, "writeTime": h.write_time_ms,
-                         "checkpointAppliedTs": h.checkpoint_applied_ts,
-                         "topologyHash": h.topology_hash}, separators=(",", ":")).encode()
-    parts = [MAGIC, struct.pack(">HI", SCHEMA_VERSION, len(header)), header,
-             struct.pack(">I", len(body.files))]
-    parts += [_FILE.pack(*asdict(f).values()) for f in body.files]
-    parts.append(struct.pack(">I", len(body.segments)))
-    parts += [_SEGMENT.pack(s.table_id, s.vnode, int(s.kind), s.file_id, s.first_block_id,
-                            s.block_count, s.row_count, s.min_commit_ts, s.max_commit_ts)
-              for s in body.segments]
-    parts.append(struct.pack(">I", len(body.row_groups)))
-    for rg in body.row_groups:
-        bits = rg.deleted.serialize()
-        parts += [_RG.pack(rg.file_id, rg.rg_id, rg.row_count, rg.base_timestamp, len(bits)),
-                  bits]
-    data = b"".join(parts)
-    length = len(data) + _TRAILER.size
-    head = data + struct.pack(">Q", length)
-    return head + struct.pack(">I", crc32c.crc32c(head))
-
-
-class _Reader:
-    def __init__(self, data: bytes, end: int) -> None:
-        self._data, self._pos, self._end = data, 0, end
-
-    def take(self, size: int) -> bytes:
-        if self._pos + size > self._end:
-            raise CorruptCheckpoint("body ends inside a section")
-        chunk = self._data[self._pos:self._pos + size]
-        self._pos += size
-        return chunk
-
-    def unpack(self, fmt: struct.Struct) -> tuple:
-        return fmt.unpack(self.take(fmt.size))
-
-    @property
-    def done(self) -> bool:
-        return self._pos == self._end
-
-
-def decode(data: bytes, *, expect_node: str, expect_topology_hash: str) -> CheckpointBody:
-    """Parse and validate a body; raises CorruptCheckpoint or ForeignCheckpoint."""
-    if len(data) < len(MAGIC) + 6 + _TRAILER.size:
-        raise CorruptCheckpoint(f"body of {len(data)} bytes is too short")
-    if not data.startswith(MAGIC):
-        raise CorruptCheckpoint("bad magic")
-    length, crc = _TRAILER.unpack(data[-_TRAILER.size:])
-    if length != len(data):
-        raise CorruptCheckpoint(f"length field says {length} bytes, the body has {len(data)}")
-    if crc32c.crc32c(data[:-4]) != crc:
-        raise CorruptCheckpoint("CRC32C mismatch")
-    reader = _Reader(data, len(data) - _TRAILER.size)
-    reader.take(len(MAGIC))
-    version, header_len = reader.unpack(struct.Struct(">HI"))
-    if version != SCHEMA_VERSION:
-        raise CorruptCheckpoint(f"schema version {version}; this code reads {SCHEMA_VERSION}")
-    try:
-        raw = json.loads(reader.take(header_len))
-        header = CheckpointHeader(*(raw[k] for k in _HEADER_FIELDS))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptCheckpoint(f"bad header: {exc}") from None
-    if header.retina_node_id != expect_node:
-        raise ForeignCheckpoint(f"body of node {header.retina_node_id}, not {expect_node}")
-    if header.topology_hash != expect_topology_hash:
-        raise ForeignCheckpoint("body written under another topology (topologyHash differs)")
-    if header.checkpoint_applied_ts < 0 or header.checkpoint_id < 0:
-        raise CorruptCheckpoint("negative checkpointAppliedTs or checkpointId")
-    (n,) = reader.unpack(struct.Struct(">I"))
-    files = [FileEntry(*reader.unpack(_FILE)) for _ in range(n)]
-    (n,) = reader.unpack(struct.Struct(">I"))
-    segments = []
-    for _ in range(n):
-        t, v, kind, f, first, blocks, rows, lo, hi = reader.unpack(_SEGMENT)
-        try:
-            segments.append(IngestSegment(t, v, SegmentKind(kind), f, first, blocks, rows, lo, hi))
-        except ValueError:
-            raise CorruptCheckpoint(f"unknown segment kind {kind}") from None
-    (n,) = reader.unpack(struct.Struct(">I"))
-    rgs = []
-    for _ in range(n):
-        f, rg, rows, base_ts, size = reader.unpack(_RG)
-        try:
-            bits = BitMap.deserialize(reader.take(size))
-        except (ValueError, OSError) as exc:
-            raise CorruptCheckpoint(f"bad bitmap of file {f} rg {rg}: {exc}") from None
-        rgs.append(RGEntry(f, rg, rows, base_ts, bits))
-    if not reader.done:
-        raise CorruptCheckpoint("trailing bytes after the last section")
-    return CheckpointBody(header, files, segments, rgs)
-
-
-@dataclass(frozen=True)
-class Pointer:
-    """The JSON value of a slot (ARCHITECTURE.md)."""
-
-    checkpoint_id: int
-    path: str
-    length: int
-    crc32c: int
-    checkpoint_applied_ts: int
-    writer_epoch: int
-
-    def to_json(self) -> str:
-        return json.dumps({"checkpointId": self.checkpoint_id, "path": self.path,
-                           "length": self.length, "crc32c": self.crc32c,
-                           "checkpointAppliedTs": self.checkpoint_applied_ts,
-                           "writerEpoch": self.writer_epoch}, separators=(",", ":"))
-
-    @classmethod
-    def parse(cls, raw: bytes) -> Pointer:
-        try:
-            d = json.loads(raw)
-            return cls(int(d["checkpointId"]), str(d["path"]), int(d["length"]),
-                       int(d["crc32c"]), int(d["checkpointAppliedTs"]), int(d["writerEpoch"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptCheckpoint(f"malformed pointer: {exc}") from None
-
-
-@dataclass(frozen=True)
-class LoadedCheckpoint:
-    slot: str  # "current" or "previous"
-    pointer: Pointer
-    body: CheckpointBody
-    rejected: tuple[str, ...]  # why a slot before it was not used
-
-
-_BODY_NAME = re.compile(r"^ckpt-(\d{20})\.bin$")
-
-
-class CheckpointStore:
-    def __init__(self, etcd: EtcdStore, node_id: str, storage_root: str,
-                 topology_hash: str) -> None:
-        self._etcd = etcd
-        self._node = node_id
-        self._topology_hash = topology_hash
-        self._dir = f"{storage_root.rstrip('/')}/_checkpoints/{node_id.replace(':', '-')}"
-        self._current = checkpoint_slot_key(node_id, "current")
-        self._previous = checkpoint_slot_key(node_id, "previous")
-
-    def publish(self, body: CheckpointBody) -> Pointer:
-        """Write the body, swap the slots, clean up what no slot references."""
-        data = encode(body)
-        name = f"ckpt-{body.header.checkpoint_id:020d}.bin"
-        pointer = Pointer(body.header.checkpoint_id, f"{self._dir}/{name}", len(data),
-                          crc32c.crc32c(data), body.header.checkpoint_applied_ts,
-                          body.header.writer_epoch)
-        fp.CHECKPOINT_BODY_BEFORE.hit()
-        write_durably(self._dir, name, data)
-        fp.CHECKPOINT_BODY_AFTER.hit()
-        current = self._etcd.get(self._current)
-        puts = [(self._current, pointer.to_json(), 0)]
-        if current is not None:
-            puts.append((self._previous, current.value, 0))
-        fp.CHECKPOINT_SWAP_BEFORE.hit()
-        try:
-            swapped = self._etcd.compare_and_swap(
-                [(self._current, 0 if current is None else current.mod_revision)], puts)
-        except EtcdOutcomeUnknown:
-            after = self._etcd.get(self._current)
-            swapped = 1 if after is not None and after.value == pointer.to_json().encode() \
-                else None
-        if swapped is None:
-            raise CheckpointConflict(f"checkpoint {pointer.checkpoint_id}: current moved; "
-                                     "another writer published")
-        fp.CHECKPOINT_SWAP_AFTER.hit()
-        log.info("checkpoint_published", node=self._node, checkpoint_id=pointer.checkpoint_id,
-                 bytes=pointer.length, applied_ts=pointer.checkpoint_applied_ts)
-        self.cleanup()
-        return pointer
-
-    def referenced(self) -> set[str]:
-        paths = set()
-        for key in (self._current, self._previous):
-            kv = self._etcd.get(key)
-            if kv is not None:
-                try:
-                    paths.add(Pointer.parse(kv.value).path)
-                except CorruptCheckpoint:
-                    # An unreadable pointer could still name any body: keep them all.
-                    return {"*"}
-        return paths
-
-    def cleanup(self) -> list[str]:
-        """Delete bodies neither slot references (replaced ones, orphans of a crash)."""
-        referenced = self.referenced()
-        directory = local_dir(self._dir)
-        if "*" in referenced or directory is None or not directory.exists():
-            return []
-        fp.CHECKPOINT_CLEANUP_BEFORE.hit()
-        removed = []
-        for body in sorted(Path(directory).iterdir()):
-            uri = f"{self._dir}/{body.name}"
-            if _BODY_NAME.match(body.name) and uri not in referenced:
-                delete_quietly(self._dir, body.name)
-                removed.append(body.name)
-        return removed
-
-    def read_slot(self, slot: str) -> tuple[Pointer, CheckpointBody] | None:
-        """The slot's pointer and verified body; None if the slot is empty.
-        Raises CheckpointError or OSError if it cannot be used."""
-        kv = self._etcd.get(self._current if slot == "current" else self._previous)
-        if kv is None:
-            return None
-        pointer = Pointer.parse(kv.value)
-        directory, _, name = pointer.path.rpartition("/")
-        data = read_bytes(directory, name)
-        if len(data) != pointer.length or crc32c.crc32c(data) != pointer.crc32c:
-            raise CorruptCheckpoint("body differs from its pointer (length or CRC32C)")
-        body = decode(data, expect_node=self._node, expect_topology_hash=self._topology_hash)
-        if body.header.checkpoint_id != pointer.checkpoint_id:
-            raise CorruptCheckpoint("pointer and body name different checkpoints")
-        return pointer, body
-
-    def load(self) -> LoadedCheckpoint | None:
-        """``current`` if usable, else ``previous``; None only if no slot exists at all."""
-        rejected: list[str] = []
-        any_pointer = False
-        for slot in ("current", "previous"):
-            try:
-                found = self.read_slot(slot)
-            except (CheckpointError, OSError) as exc:
-                any_pointer = True
-                rejected.append(f"{slot}: {exc}")
-                log.warning("checkpoint_slot_rejected", node=self._node, slot=slot,
-                            error=str(exc))
-                continue
-            if found is not None:
-                return LoadedCheckpoint(slot, found[0], found[1], tuple(rejected))
-        if any_pointer:
-            raise CheckpointUnusable("; ".join(rejected))
-        return None
-
-
-# --- generation ------------------------------------------------------------------------------
 def build_body(node: RetinaNode, applied_ts: int, checkpoint_id: int,
                writer_epoch: int) -> CheckpointBody:
     """The body of a checkpoint at ``applied_ts`` (see the module docstring)."""
@@ -407,7 +64,7 @@ def build_body(node: RetinaNode, applied_ts: int, checkpoint_id: int,
     if missing:
         raise CheckpointIncomplete(
             f"CHECKPOINT_COVERS_REGISTRY: registered files {sorted(missing)[:5]} are not in "
-            f"checkpoint {checkpoint_id}; it is not published")
+            f"checkpoint {checkpoint_id}; it is not installed")
     header = CheckpointHeader(node.node_id, checkpoint_id, writer_epoch,
                               int(time.time() * 1000), applied_ts, node.topology.topology_hash)
     return CheckpointBody(header, files, segments, rgs)

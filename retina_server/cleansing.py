@@ -49,13 +49,13 @@ from retina_common.catalog import (
     FileTypeMismatch,
     PathRecord,
 )
+from retina_common.checkpoint import FileEntry, LoadedCheckpoint, RGEntry
 from retina_common.log import get_logger
+from retina_common.replay_ts import IngestSegment, ReplayStarts, SegmentKind
 from retina_common.storage import delete_quietly, open_parquet
-from retina_server.checkpoint import FileEntry, LoadedCheckpoint, RGEntry
 from retina_server.index import TOMBSTONE
 from retina_server.node import RetinaNode
 from retina_server.registry import IngestFileMeta
-from retina_server.replay_ts import IngestSegment, ReplayStarts, SegmentKind
 from retina_server.visibility import RGVisibility
 from retina_server.write_buffer import COMMIT_TS
 

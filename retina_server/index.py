@@ -365,7 +365,7 @@ class LocalIndexService:
             raise
         else:
             try:
-                fp.PRIMARY_COMMIT_BEFORE.hit()
+                fp.INDEX_PRIMARY_COMMIT_BEFORE.hit()
             except BaseException:
                 txn.abort()
                 raise
@@ -373,7 +373,7 @@ class LocalIndexService:
                 txn.commit()
             except lmdb.Error as exc:
                 raise IndexBackendError(f"primary index commit failed: {exc}") from exc
-            fp.PRIMARY_COMMIT_AFTER.hit()
+            fp.INDEX_PRIMARY_COMMIT_AFTER.hit()
         finally:
             self._batch.txn = None
 

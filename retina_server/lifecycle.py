@@ -185,7 +185,7 @@ class LifecycleStateMachine:
                             f"({phase.value}){hint}")
 
 
-class LifecyclePublisher:
+class LifecycleAnnouncer:
     """Keeps ``/pixels/retina/lifecycle/<node>`` current on a lease of its own.
 
     The value is re-written (new ``updatedAtMs``) every ``ttl_s / 3`` seconds,
@@ -202,7 +202,7 @@ class LifecyclePublisher:
         self._ttl = ttl_s
         self._clock_ms = clock_ms
         # Told after every successful put: health follows what etcd says, including
-        # a READY that only the heartbeat managed to publish (mark_ready.py).
+        # a READY that only the heartbeat managed to announce (mark_ready.py).
         self._on_put = on_put
         self._lease = 0
         self._record: LifecycleRecord | None = None
@@ -210,11 +210,11 @@ class LifecyclePublisher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lifecycle-heartbeat", daemon=True)
 
-    def publish(self, state: LifecycleState, *, checkpoint_id: int | None, recovery_epoch: int,
-                token_hash: str) -> None:
+    def announce(self, state: LifecycleState, *, checkpoint_id: int | None, recovery_epoch: int,
+                 token_hash: str) -> None:
         with self._lock:
             if self._record is not None and self._record.state == LifecycleState.FAILED:
-                return  # FAILED is final: a late READY publish must never replace it
+                return  # FAILED is final: a late READY announcement must never replace it
             self._record = LifecycleRecord(state, self._node, checkpoint_id, recovery_epoch,
                                            token_hash, self._clock_ms())
             self._put_locked()

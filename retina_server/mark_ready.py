@@ -15,13 +15,13 @@
    the READY checkpoint is taken (it captures everything replayed), periodic
    checkpoints start;
 6. queries are unblocked last (invariant READY_HOOKS_BEFORE_QUERIES): READY is
-   published to the lifecycle key; health says SERVING from the moment a put of
-   READY succeeds (the lifecycle publisher tells the server).
+   announced on the lifecycle key; health says SERVING from the moment a put of
+   READY succeeds (the lifecycle announcer tells the server).
 
 If step 6 cannot reach etcd, MarkReady answers UNAVAILABLE; the node is READY
 with its hooks run, the heartbeat keeps re-putting the READY record (and health
 turns SERVING when one lands), and a retried MarkReady with the same token
-publishes it again. A node is never
+announces it again. A node is never
 READY without its hooks, and a transient etcd error never wedges it.
 """
 
@@ -83,12 +83,12 @@ class ReadyHooks:
 class MarkReadyBarrier:
     def __init__(self, machine: LifecycleStateMachine, entry: ReplayEntry,
                  check_attempt: Callable[[str, int], None], hooks: ReadyHooks,
-                 publish_ready: Callable[[], None]) -> None:
+                 announce_ready: Callable[[], None]) -> None:
         self._machine = machine
         self._entry = entry
         self._check_attempt = check_attempt
         self._hooks = hooks
-        self._publish_ready = publish_ready
+        self._announce_ready = announce_ready
         self._lock = threading.Lock()  # one MarkReady at a time
 
     def mark_ready(self, token: str, checkpoint_id: int) -> None:
@@ -112,19 +112,19 @@ class MarkReadyBarrier:
         self._entry.close()
         if phase == Phase.AWAITING_REPLAY:
             self._machine.transition(Phase.BARRIER, "MarkReady")
-        fp.MARK_READY_BARRIER.hit()
+        fp.RECOVERY_MARK_READY_BARRIER_AFTER.hit()
         self._entry.drain()
-        fp.MARK_READY_DRAINED.hit()
+        fp.RECOVERY_MARK_READY_DRAIN_AFTER.hit()
         self._machine.transition(Phase.READY, "MarkReady barrier passed")
 
     def _unblock_queries(self) -> None:
-        fp.MARK_READY_PUBLISH_BEFORE.hit()
+        fp.RECOVERY_MARK_READY_ANNOUNCE_BEFORE.hit()
         try:
-            self._publish_ready()
+            self._announce_ready()
         except EtcdError as exc:
-            log.warning("ready_publish_failed", error=str(exc))
+            log.warning("ready_announce_failed", error=str(exc))
             raise Refusal(grpc.StatusCode.UNAVAILABLE,
-                          f"the node is READY but READY is not yet published ({exc}); "
+                          f"the node is READY but READY is not yet announced ({exc}); "
                           "retry MarkReady") from exc
-        fp.MARK_READY_PUBLISH_AFTER.hit()
+        fp.RECOVERY_MARK_READY_ANNOUNCE_AFTER.hit()
         log.info("node_ready")

@@ -182,9 +182,9 @@ class RetinaNode:
         buffer.next_block_id = first_block
         now = datetime.now(UTC)
         name = file_names.make(self.node_id, now, seq, buffer.vnode)
-        fp.INGEST_ALLOC_BEFORE.hit()
+        fp.INGEST_ALLOC_CATALOG_BEFORE.hit()
         record = self.catalog.add_file(name, FileType.TEMPORARY_INGEST, 0, path_id)
-        fp.INGEST_ALLOC_AFTER.hit()
+        fp.INGEST_ALLOC_CATALOG_AFTER.hit()
         file = IngestFile(record.file_id, name, path_id, path_uri, buffer.table_id,
                           buffer.vnode, first_block, int(now.timestamp() * 1000))
         with self._lock:

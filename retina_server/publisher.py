@@ -149,9 +149,9 @@ class StreamPublisher:
         fp.INGEST_INDEX_FLUSH_BEFORE.hit()
         self._index.flush_file(file.file_id)
         fp.INGEST_INDEX_FLUSH_AFTER.hit()
-        fp.INGEST_CATALOG_BEFORE.hit()
+        fp.INGEST_CATALOG_REGULAR_BEFORE.hit()
         self._mark_regular(file)
-        fp.INGEST_CATALOG_AFTER.hit()
+        fp.INGEST_CATALOG_REGULAR_AFTER.hit()
         fp.INGEST_REGISTRY_BEFORE.hit()
         self._registry.register(IngestFileMeta(
             file.file_id, file.table_id, file.vnode, file.first_block_id,

@@ -3,13 +3,13 @@ in its own module (specification sections 2-4, 6; C04-C06).
 
 Start-up (``run_startup``), in this order:
 
-1. LOADING_CHECKPOINT (checkpoint.py): load ``current``, else ``previous``.
+1. LOADING_CHECKPOINT (retina_common/checkpoint.py): load ``current``, else ``previous``.
    Both unusable → FAILED. No pointer and no REGULAR file of this node in the
    catalog → a fresh start (checkpointId 0). No pointer but REGULAR files →
    FAILED.
 2. CLEANSING (cleansing.py): keep the entries the catalog confirms, retire
    catalog-only REGULAR files, delete leftover TEMPORARY_INGEST files.
-3. Replay starts (replay_ts.py), then the rewind (cleansing.py) back to
+3. Replay starts (retina_common/replay_ts.py), then the rewind (cleansing.py) back to
    exactly the state they start from, and the INDEX_POINTS_AT_DURABLE_ROWS
    check. → AWAITING_REPLAY, with ``replayTsReady``, the replay entry open.
 
@@ -18,8 +18,8 @@ mark_ready.py; checkpoint bodies come from checkpoint.build_body. Phase
 admission is the lifecycle table (lifecycle.py), and refusals are one type
 (retina_common/refusal.py).
 
-Lifecycle publishing: the leased key changes only when the external state
-changes (RECOVERING → READY or FAILED). Internal phases are published on a
+Lifecycle announcements: the leased key changes only when the external state
+changes (RECOVERING → READY or FAILED). Internal phases are announced on a
 best-effort basis: an etcd error there is logged and the heartbeat retries.
 Start-up steps that read or write etcd or the catalog are retried while those
 are briefly away (``startup_retry_s``), so a transient outage never fails a
@@ -47,27 +47,27 @@ from retina_common.catalog import (
     FileRecord,
     FileType,
 )
-from retina_common.etcd import EtcdError
-from retina_common.lifecycle_record import LifecycleState
-from retina_common.log import get_logger, token_hash
-from retina_common.refusal import Refusal
-from retina_common.retry import until_deadline
-from retina_server.checkpoint import (
+from retina_common.checkpoint import (
     CheckpointBody,
     CheckpointError,
     CheckpointStore,
     CheckpointUnusable,
     LoadedCheckpoint,
     Pointer,
-    build_body,
 )
+from retina_common.etcd import EtcdError
+from retina_common.lifecycle_record import LifecycleState
+from retina_common.log import get_logger, token_hash
+from retina_common.refusal import Refusal
+from retina_common.replay_ts import ReplayStarts, derive
+from retina_common.retry import until_deadline
+from retina_server.checkpoint import build_body
 from retina_server.cleansing import RewindFailed, cleanse, my_files, rewind
 from retina_server.gc_journal import CorruptJournal, GcJournal
 from retina_server.gc_recovery import GcJournalMismatch, check_unjournaled, decide
-from retina_server.lifecycle import LifecyclePublisher, LifecycleStateMachine, Phase, Request
+from retina_server.lifecycle import LifecycleAnnouncer, LifecycleStateMachine, Phase, Request
 from retina_server.node import RetinaNode
 from retina_server.replay_admission import ReplayEntry
-from retina_server.replay_ts import ReplayStarts, derive
 
 log = get_logger(component="recovery")
 T = TypeVar("T")
@@ -93,7 +93,7 @@ class Attempt:
 
 class RecoveryCoordinator:
     def __init__(self, node: RetinaNode, catalog: Catalog, store: CheckpointStore,
-                 machine: LifecycleStateMachine, publisher: LifecyclePublisher,
+                 machine: LifecycleStateMachine, announcer: LifecycleAnnouncer,
                  high_watermark: Callable[[], int], recovery_epoch: int,
                  gc_journal: GcJournal) -> None:
         self._node = node
@@ -105,7 +105,7 @@ class RecoveryCoordinator:
         self._catalog = catalog
         self._store = store
         self._machine = machine
-        self._publisher = publisher
+        self._announcer = announcer
         self._hwm = high_watermark
         self.recovery_epoch = recovery_epoch
         self.attempt = Attempt(secrets.token_urlsafe(32), 0, 0)
@@ -119,36 +119,36 @@ class RecoveryCoordinator:
         before = self._machine.state
         self._machine.transition(phase, reason)
         if self._machine.state != before or phase == Phase.AWAITING_REPLAY:
-            self._publish_quietly()
+            self._announce_quietly()
 
-    def _publish(self) -> None:
+    def _announce(self) -> None:
         """Put the lifecycle record; raises EtcdError (the heartbeat keeps retrying)."""
-        self._publisher.publish(self._machine.state, checkpoint_id=self.attempt.checkpoint_id,
-                                recovery_epoch=self.recovery_epoch,
-                                token_hash=self.attempt.token_hash
-                                if self._machine.state != LifecycleState.READY else "")
+        self._announcer.announce(self._machine.state, checkpoint_id=self.attempt.checkpoint_id,
+                                 recovery_epoch=self.recovery_epoch,
+                                 token_hash=self.attempt.token_hash
+                                 if self._machine.state != LifecycleState.READY else "")
 
-    def _publish_quietly(self) -> None:
+    def _announce_quietly(self) -> None:
         try:
-            self._publish()
+            self._announce()
         except EtcdError as exc:
-            log.warning("lifecycle_publish_deferred", node=self._node.node_id,
+            log.warning("lifecycle_announce_deferred", node=self._node.node_id,
                         state=self._machine.state.value, error=str(exc))
 
-    def publish_ready(self) -> None:
+    def announce_ready(self) -> None:
         """MarkReady's last step: READY in etcd (raises EtcdError; see mark_ready.py)."""
         if self._machine.phase != Phase.READY:
-            raise Refusal(grpc.StatusCode.INTERNAL, "READY published outside READY")
-        self._publish()
+            raise Refusal(grpc.StatusCode.INTERNAL, "READY announced outside READY")
+        self._announce()
 
     def announce(self) -> None:
-        """Publish the current (RECOVERING) state at once, before start-up work."""
-        self._publish()
+        """Announce the current (RECOVERING) state at once, before start-up work."""
+        self._announce()
 
     def fail(self, reason: str) -> None:
         self.entry.close()
         if self._machine.fail(reason):
-            self._publish_quietly()
+            self._announce_quietly()
 
     # --- start-up ------------------------------------------------------------------------
     def _retry(self, fn: Callable[[], T], what: str) -> T:
@@ -260,7 +260,7 @@ class RecoveryCoordinator:
 
     # --- checkpoints -----------------------------------------------------------------------------
     def create_checkpoint(self) -> Pointer:
-        """Generate and publish a checkpoint (READY only)."""
+        """Generate and install a checkpoint (READY only)."""
         self._machine.admit(Request.CHECKPOINT)
         with self._checkpoint_lock:
             # HWM - 1 (every write at or below it has been applied), but never
@@ -270,13 +270,13 @@ class RecoveryCoordinator:
                 body = build_body(self._node, applied,
                                   self._node.index.allocate("checkpoint_id") + 1,
                                   self.recovery_epoch)
-            except CheckpointError as exc:  # an invariant broke: never publish, fail closed
+            except CheckpointError as exc:  # an invariant broke: never install, fail closed
                 self._node.fail_closed(str(exc))
                 raise Refusal(grpc.StatusCode.INTERNAL, str(exc)) from exc
             self._node.check_registry_covers_visibility()
             if self._node.failure:
                 raise Refusal(grpc.StatusCode.INTERNAL, self._node.failure)
-            pointer = self._store.publish(body)
+            pointer = self._store.install(body)
             self.last_checkpoint = pointer
             for listener in self.checkpoint_listeners:
                 try:

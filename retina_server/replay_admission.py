@@ -29,7 +29,7 @@ import grpc
 from prometheus_client import Counter
 
 from retina_common.refusal import Refusal
-from retina_server.replay_ts import ReplayStarts
+from retina_common.replay_ts import ReplayStarts
 from retina_server.update_record import PreparedUpdate
 
 SKIPPED = Counter("retina_replay_already_durable_total",

@@ -31,6 +31,7 @@ import grpc
 
 from retina_common import failpoints
 from retina_common.catalog import Catalog, CatalogError
+from retina_common.checkpoint import CheckpointBody, CheckpointStore
 from retina_common.config import Config, ConfigError, load_config, split_host_port
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.grpc_server import ServerHandle
@@ -39,18 +40,17 @@ from retina_common.log import configure_logging
 from retina_common.metrics import serve_metrics
 from retina_common.pb import retina_pb2, retina_pb2_grpc, trans_pb2, trans_pb2_grpc
 from retina_common.refusal import Refusal
+from retina_common.replay_ts import derive
 from retina_common.storage import root_uri
 from retina_common.topology import Topology, load_topology
-from retina_server.checkpoint import CheckpointBody, CheckpointStore
 from retina_server.gc_journal import GcJournal
 from retina_server.gc_scheduler import GcScheduler, ReplayFloor
 from retina_server.index import LocalIndexService
-from retina_server.lifecycle import LifecyclePublisher, LifecycleStateMachine, Phase
+from retina_server.lifecycle import LifecycleAnnouncer, LifecycleStateMachine, Phase
 from retina_server.mark_ready import MarkReadyBarrier, ReadyHooks
 from retina_server.node import BufferSettings, RetinaNode
 from retina_server.read_guard import ReadTransactionGuard, TransStatus
 from retina_server.recovery import RecoveryCoordinator
-from retina_server.replay_ts import derive
 from retina_server.service import RetinaService
 from retina_server.storage_gc import GcSettings, StorageGc
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("retina_server_start_failed", error=str(exc), error_type=type(exc).__name__)
         return 4
     machine = LifecycleStateMachine()
-    publisher = LifecyclePublisher(
+    announcer = LifecycleAnnouncer(
         etcd, node_id, rc.lifecycle_ttl_s,
         on_put=lambda state: handle.set_serving(state == LifecycleState.READY))
     stop = threading.Event()
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     recovery = RecoveryCoordinator(
         node, catalog, CheckpointStore(etcd, node_id, storage, topology.topology_hash),
-        machine, publisher, high_watermark, index.allocate("recovery_epoch") + 1, journal)
+        machine, announcer, high_watermark, index.allocate("recovery_epoch") + 1, journal)
     node.on_fail_closed = recovery.fail
     gc = StorageGc(node, catalog, journal, safe_gc_ts,
                    GcSettings(rc.gc_retired_retention_ms, rc.gc_prepare_ttl_ms))
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     hooks = ReadyHooks(node, recovery.create_checkpoint, rc.checkpoint_interval_ms / 1000, stop,
                        start_gc=scheduler.start)
     barrier = MarkReadyBarrier(machine, recovery.entry, recovery.check_attempt, hooks,
-                               recovery.publish_ready)
+                               recovery.announce_ready)
     retina_pb2_grpc.add_RetinaWorkerServiceServicer_to_server(
         RetinaService(node, recovery, barrier, machine, ReadTransactionGuard(trans_status),
                       rc.max_rows_per_request, gc, scheduler), handle.server)
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("retina_server_started", listen=handle.address, metrics_port=metrics_port,
              vnodes=list(topology.vnodes_of(node_id)), topology_hash=topology.topology_hash[:16],
              recovery_epoch=recovery.recovery_epoch)
-    publisher.start()
+    announcer.start()
     try:
         recovery.run_startup()
     except Exception as exc:  # whatever it is, the node must say FAILED, not hang
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 recovery.create_checkpoint()
             except Exception as exc:
                 log.error("checkpoint_failed", error=str(exc), error_type=type(exc).__name__)
-        publisher.stop(revoke=True)
+        announcer.stop(revoke=True)
 
     worker = threading.Thread(target=shut_down, name="shutdown", daemon=True)
     worker.start()

@@ -17,7 +17,7 @@ Apply, per TableUpdateData in request order (section 5, "Unified write order"):
   counted once however often the request deletes it.
 * INSERT: append pending → putMainIndexEntries → putPrimaryEntriesOnly →
   publishPendingAppend(visible). If a step fails, the rows are compensated
-  (visibility delete at T, primary entries rolled back, publish hidden); if
+  (visibility delete at T, primary entries rolled back, settled hidden); if
   the compensation fails too, the node fails closed. An append that fails
   part-way (the next ingest file cannot be registered: catalog down) still
   reports the handles it created, so those rows are compensated too: a
@@ -26,7 +26,7 @@ Apply, per TableUpdateData in request order (section 5, "Unified write order"):
 
 Every primary-index write of a request is one durable LMDB transaction (one
 fsync per request): the inserts' rows become visible only after it
-committed, so "putPrimaryEntriesOnly before publish visible" holds for the
+committed, so "putPrimaryEntriesOnly before publishPendingAppend(visible)" holds for the
 durable state too. If the commit fails, every staged insert of the request
 is compensated; DELETE effects already applied to visibility stay, and a
 retry converges over them (re-deleting changes nothing).
@@ -60,7 +60,7 @@ from retina_common.pb import retina_pb2 as pb
 from retina_common.refusal import Refusal
 from retina_server.index import IndexBackendError, Resolution, RowIdRange
 from retina_server.node import NodeFailedClosed, RetinaNode, Stream
-from retina_server.write_buffer import AppendHandle, PublishMode
+from retina_server.write_buffer import AppendHandle, SettleMode
 
 
 @dataclass
@@ -254,7 +254,7 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate]) -> pb.UpdateRecordRes
                               f"request failed and was compensated: {exc}") from exc
             raise
         for stream, _u, handles in staged:
-            stream.buffer.publish(handles, PublishMode.VISIBLE)
+            stream.buffer.settle(handles, SettleMode.VISIBLE)
     for stream in order:
         node.submit_sealed(stream)
     return response
@@ -315,7 +315,7 @@ def _compensate(node: RetinaNode, stream: Stream, u: PreparedUpdate,
         node.index.put_main_index_entries(_ranges(handles))
         for h in handles:
             h.block.visibility.delete(range(h.start, h.start + h.count), u.ts)
-        stream.buffer.publish(handles, PublishMode.HIDDEN)
+        stream.buffer.settle(handles, SettleMode.HIDDEN)
     except Exception as exc:
         node.fail_closed(f"compensation of a failed insert failed: {exc}")
         raise NodeFailedClosed(str(exc)) from exc

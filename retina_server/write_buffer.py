@@ -8,7 +8,8 @@ moment it is appended.
 
 AppendSegmentState (C02.4): a block separates its physical size from a
 query-visible ``visible_size`` that only grows. An append reserves rows as a
-pending *handle*; ``publish(handle, visible|hidden)`` settles it, and
+pending *handle*; ``settle(handles, visible|hidden)`` settles it (the
+specification's publishPendingAppend), and
 ``visible_size`` advances over the longest prefix of settled handles.
 Hidden rows were compensated (deleted in visibility, primary restored)
 before they were settled, so they stay invisible at every snapshot.
@@ -42,7 +43,7 @@ class FileState(StrEnum):
     FAILED = "FAILED"
 
 
-class PublishMode(StrEnum):
+class SettleMode(StrEnum):
     VISIBLE = "visible"
     HIDDEN = "hidden"
 
@@ -185,8 +186,10 @@ class StreamBuffer:
             offset += take
         return handles
 
-    def publish(self, handles: list[AppendHandle], mode: PublishMode) -> None:
-        """publishPendingAppend: settle handles; advance visible_size over the settled prefix."""
+    def settle(self, handles: list[AppendHandle], mode: SettleMode) -> None:
+        """publishPendingAppend: settle handles; advance visible_size over the settled prefix.
+
+        Not called "publish": that word is the ingest file publish (publisher.py)."""
         del mode  # hidden rows are already deleted in visibility; both modes settle
         for h in handles:
             count, _ = h.block.pending[h.start]

@@ -40,21 +40,21 @@ from demo_cdc import TABLES as CDC_TABLES
 from demo_cdc import cdc_pipeline
 from demo_gc import KILL_POINT, gc_act
 
-from retina_common import file_names
-from retina_common.catalog import Catalog, ColumnSpec, FileType, SwapPreconditionError
-from retina_common.cluster import (
+from devtools.cluster import (
     ClusterState,
     start_cluster,
     start_trans_server,
     stop_cluster,
     wait_for,
 )
+from devtools.standin import StandInLifecycle
+from retina_common import file_names
+from retina_common.catalog import Catalog, ColumnSpec, FileType, SwapPreconditionError
 from retina_common.etcd import EtcdStore
 from retina_common.lifecycle_record import LifecycleState
 from retina_common.log import configure_logging
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.pb import trans_pb2_grpc
-from retina_common.standin import StandInLifecycle
 
 
 class DemoFailure(Exception):

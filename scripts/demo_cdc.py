@@ -17,9 +17,7 @@ from typing import Any
 
 import psycopg2
 
-from retina_common.catalog import Catalog, ColumnSpec
-from retina_common.client import TableWriter
-from retina_common.cluster import (
+from devtools.cluster import (
     ClusterError,
     ClusterState,
     free_port,
@@ -29,6 +27,8 @@ from retina_common.cluster import (
     start_retina_servers,
     wait_for,
 )
+from retina_common.catalog import Catalog, ColumnSpec
+from retina_common.client import TableWriter
 from retina_common.log import logged_events
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.reader import SnapshotReader

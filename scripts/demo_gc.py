@@ -18,9 +18,9 @@ from typing import Any
 
 import grpc
 
+from devtools.cluster import ClusterState, node_state, start_retina_server, wait_for
 from retina_common import file_names
 from retina_common.catalog import Catalog, FileType
-from retina_common.cluster import ClusterState, node_state, start_retina_server, wait_for
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc
 from retina_common.storage import object_size, open_parquet

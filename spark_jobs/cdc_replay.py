@@ -55,8 +55,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from pyspark.accumulators import AccumulatorParam
 
-from cdc_client.changelog import Changelog, ChangelogGap, CorruptChangelog
-from cdc_client.main import changelog_root
+from cdc_client.changelog import Changelog, ChangelogGap, CorruptChangelog, changelog_root
 from cdc_client.replay import changelog_rows, node_starts, replay_requests
 from retina_common.catalog import Catalog, CatalogError, TableRecord
 from retina_common.config import Config, ConfigError

@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg2
 
-from retina_common.cluster import PostgresInstance, free_port
+from devtools.cluster import PostgresInstance, free_port
 from retina_common.log import logged_events
 from retina_common.pb import retina_pb2 as rpb
 

@@ -17,9 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from retina_common import failpoints
-from retina_common.catalog import Catalog
-from retina_common.cluster import (
+from devtools.cluster import (
     EtcdInstance,
     PostgresInstance,
     start_etcd,
@@ -27,6 +25,8 @@ from retina_common.cluster import (
     stop_postgres,
     terminate,
 )
+from retina_common import failpoints
+from retina_common.catalog import Catalog
 from retina_common.etcd import EtcdStore
 
 from .dataplane import DataPlane

@@ -19,9 +19,9 @@ from typing import Any
 
 import grpc
 
+from devtools.cluster import PostgresInstance, free_ports, write_config
 from retina_common.catalog import Catalog, ColumnSpec, TableRecord
 from retina_common.client import TableWriter, requests_by_node
-from retina_common.cluster import PostgresInstance, free_ports, write_config
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from retina_common.cluster import free_port, grpc_serving, write_config
+from devtools.cluster import free_port, grpc_serving, write_config
 from retina_common.etcd import EtcdStore
 from retina_common.keys import lifecycle_key
 from retina_common.lifecycle_record import LifecycleRecord, LifecycleState

@@ -84,7 +84,7 @@ def test_bootstrap_refuses_an_unversioned_catalog(catalog_dsn: str) -> None:
         Catalog(catalog_dsn).bootstrap()
 
 
-@pytest.mark.parametrize("point, committed", [("before_commit", False), ("after_commit", True)])
+@pytest.mark.parametrize("point, committed", [("commit.before", False), ("commit.after", True)])
 def test_kill_during_bootstrap(catalog_dsn: str, tmp_path: Path, point: str,
                                committed: bool) -> None:
     config = tmp_path / "retina.toml"
@@ -380,9 +380,9 @@ def _lock_waiters(catalog_dsn: str) -> int:
 
 def _overlapping(catalog_dsn: str, swaps: list[tuple[int, list[int]]],
                  enable: Callable[[str], None], failpoint_dir: Path) -> list[object]:
-    """The first swap holds its row locks at ``catalog.swap.before_commit`` until the
+    """The first swap holds its row locks at ``catalog.swap.commit.before`` until the
     second is seen waiting on a lock: the two really overlap, every time."""
-    point = "catalog.swap.before_commit"
+    point = "catalog.swap.commit.before"
     for leftover in failpoint_dir.glob(f"{point}.*"):
         leftover.unlink()
     enable(f"{point}=block*1")
@@ -459,7 +459,7 @@ def cli_config(tmp_path: Path, catalog_dsn: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("point, committed", [("before_commit", False), ("after_commit", True)])
+@pytest.mark.parametrize("point, committed", [("commit.before", False), ("commit.after", True)])
 def test_kill_during_swap(catalog: Catalog, path_id: int, cli_config: Path, point: str,
                           committed: bool) -> None:
     a, b = regular(catalog, path_id, 1), regular(catalog, path_id, 2, lo=20)
@@ -480,7 +480,7 @@ def test_kill_during_swap(catalog: Catalog, path_id: int, cli_config: Path, poin
     assert {f.file_id for f in catalog.get_regular_files(path_id)} == {new.file_id}
 
 
-@pytest.mark.parametrize("point, committed", [("before_commit", False), ("after_commit", True)])
+@pytest.mark.parametrize("point, committed", [("commit.before", False), ("commit.after", True)])
 def test_kill_during_update_file(catalog: Catalog, path_id: int, cli_config: Path, point: str,
                                  committed: bool) -> None:
     f = catalog.add_file(name(seq=1), FileType.TEMPORARY_INGEST, 0, path_id)
@@ -497,7 +497,7 @@ def test_kill_during_update_file(catalog: Catalog, path_id: int, cli_config: Pat
     ("add_file", lambda p, f: ["add-file", str(p), name(seq=9), "TEMPORARY_INGEST"]),
     ("delete_files", lambda p, f: ["delete-files", str(f)]),
 ])
-@pytest.mark.parametrize("point", ["before_commit", "after_commit"])
+@pytest.mark.parametrize("point", ["commit.before", "commit.after"])
 def test_kill_during_add_and_delete(catalog: Catalog, path_id: int, cli_config: Path, step: str,
                                     args_of: Callable, point: str) -> None:
     f = regular(catalog, path_id, 1)
@@ -505,7 +505,7 @@ def test_kill_during_add_and_delete(catalog: Catalog, path_id: int, cli_config: 
     result = _cli(cli_config, f"catalog.{step}.{point}=exit(137)", *args_of(path_id, f.file_id))
     assert result.returncode == 137
     after = {x.file_id for x in all_files(catalog)}
-    if point == "before_commit":
+    if point == "commit.before":
         assert after == before
     elif step == "add_file":
         assert len(after - before) == 1 and before <= after
@@ -521,8 +521,8 @@ def test_cli_refusals_use_exit_code_1(catalog: Catalog, path_id: int, cli_config
 
 
 def test_unreachable_catalog_is_reported_as_unavailable() -> None:
+    from devtools.cluster import free_port
     from retina_common.catalog import CatalogUnavailable
-    from retina_common.cluster import free_port
 
     cat = Catalog(f"host=127.0.0.1 port={free_port()} dbname=x user=x", connect_timeout_s=2)
     with pytest.raises(CatalogUnavailable):

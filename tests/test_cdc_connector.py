@@ -15,13 +15,13 @@ import requests
 from cdc_client.changelog import Changelog
 from cdc_client.main import STOPPED_BY_REPLAY_GAP
 from cdc_client.retention import horizon, run_retention
+from devtools.cluster import PostgresInstance
 from retina_common import failpoints
 from retina_common.catalog import Catalog, FileType
-from retina_common.cluster import PostgresInstance
+from retina_common.checkpoint import CheckpointStore
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
-from retina_server.checkpoint import CheckpointStore
 
 from .cdc import CdcPlane, SourceDb
 from .dataplane import DataPlane
@@ -71,9 +71,9 @@ def test_source_changes_reach_retina(make_cdc: Callable[..., CdcPlane]) -> None:
 
 
 CRASH_POINTS = [
-    "cdc.batch.after_begin", "cdc.changelog.after_segments", "cdc.changelog.after_record",
-    "cdc.send.between_nodes", "cdc.send.after_all", "cdc.commit.after",
-    "cdc.position.after_store",
+    "cdc.batch.begin.after", "cdc.changelog.segments.after", "cdc.changelog.record.after",
+    "cdc.send.node_ack.after", "cdc.send.all_acks.after", "cdc.commit.after",
+    "cdc.position.store.after",
 ]
 
 
@@ -129,7 +129,7 @@ def test_retina_crash_during_replay(make_cdc: Callable[..., CdcPlane], failpoint
     """The node dies again while the connector replays into it; the connector
     starts the replay over against the new attempt."""
     monkeypatch.setenv(failpoints.DIR_VAR, str(failpoint_dir))
-    point = "cdc.replay.after_request"
+    point = "cdc.replay.request.after"
     cdc = make_cdc(request_max_rows=10)
     cdc.cdc.start(f"{point}=block")  # the connector waits after its first replay request
     eventually(cdc.all_ready, 60, "both nodes READY")
@@ -312,7 +312,7 @@ def test_a_replay_gap_stops_the_connector_and_the_node_stays_recovering(
     assert replays_of(cdc, victim, "cdc_replay_done") == dones
 
 
-@pytest.mark.parametrize("point", ["cdc.replay.after_request", "cdc.replay.before_mark_ready"])
+@pytest.mark.parametrize("point", ["cdc.replay.request.after", "cdc.replay.mark_ready.before"])
 def test_connector_crash_while_driving_recovery_converges(make_cdc: Callable[..., CdcPlane],
                                                           point: str) -> None:
     """The connector dies while it replays into a recovering node, or after the

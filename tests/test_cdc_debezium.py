@@ -177,8 +177,8 @@ def test_a_catalog_outage_is_never_an_unknown_table(catalog: Catalog,
     Found by the fault campaign (seed 101, episode 550)."""
     import cdc_client.main as cdc_main
     from cdc_client.translate import MalformedChange
+    from devtools.cluster import free_port
     from retina_common.catalog import CatalogUnavailable
-    from retina_common.cluster import free_port
 
     with pytest.raises(MalformedChange, match="unknown table"):
         cdc_main.table_map(catalog, "shop").table("public.nope", "test")

@@ -9,10 +9,7 @@ import pytest
 from pyroaring import BitMap
 
 from retina_common import failpoints
-from retina_common.etcd import EtcdStore
-from retina_common.failpoints import FailpointTriggered
-from retina_common.keys import checkpoint_slot_key
-from retina_server.checkpoint import (
+from retina_common.checkpoint import (
     CheckpointBody,
     CheckpointConflict,
     CheckpointHeader,
@@ -25,7 +22,10 @@ from retina_server.checkpoint import (
     decode,
     encode,
 )
-from retina_server.replay_ts import IngestSegment, SegmentKind
+from retina_common.etcd import EtcdStore
+from retina_common.failpoints import FailpointTriggered
+from retina_common.keys import checkpoint_slot_key
+from retina_common.replay_ts import IngestSegment, SegmentKind
 
 NODE, TOPO = "127.0.0.1:18890", "ab" * 32
 
@@ -92,21 +92,21 @@ def bodies_on_disk(tmp_path: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
 
 
-def test_publish_swaps_current_and_previous(store: CheckpointStore, tmp_path: Path) -> None:
+def test_install_swaps_current_and_previous(store: CheckpointStore, tmp_path: Path) -> None:
     assert store.load() is None  # no pointer at all: a fresh node
-    store.publish(body(1))
-    store.publish(body(2))
+    store.install(body(1))
+    store.install(body(2))
     loaded = store.load()
     assert loaded is not None and loaded.slot == "current"
     assert loaded.body.header.checkpoint_id == 2
-    store.publish(body(3))
+    store.install(body(3))
     # Body 1 is referenced by no slot any more: cleaned up. 2 and 3 stay.
     assert bodies_on_disk(tmp_path) == [f"ckpt-{i:020d}.bin" for i in (2, 3)]
 
 
 def test_a_damaged_current_falls_back_to_previous(store: CheckpointStore, tmp_path: Path) -> None:
-    store.publish(body(1))
-    store.publish(body(2))
+    store.install(body(1))
+    store.install(body(2))
     newest = tmp_path / "storage" / "_checkpoints" / NODE.replace(":", "-") / \
         f"ckpt-{2:020d}.bin"
     data = bytearray(newest.read_bytes())
@@ -128,21 +128,21 @@ def test_a_malformed_pointer_is_unusable_not_absent(store: CheckpointStore,
 
 
 @pytest.mark.parametrize("point, survivor", [
-    ("checkpoint.before_body_write", 1), ("checkpoint.after_body_write", 1),
-    ("checkpoint.before_pointer_swap", 1), ("checkpoint.after_pointer_swap", 2),
-    ("checkpoint.before_cleanup", 2),
+    ("checkpoint.body_write.before", 1), ("checkpoint.body_write.after", 1),
+    ("checkpoint.pointer_swap.before", 1), ("checkpoint.pointer_swap.after", 2),
+    ("checkpoint.cleanup.before", 2),
 ])
 def test_a_crash_at_each_step_leaves_a_usable_checkpoint(
         store: CheckpointStore, tmp_path: Path, active_failpoints, point: str,
         survivor: int) -> None:
-    store.publish(body(1))
+    store.install(body(1))
     active_failpoints(f"{point}=raise")
     with pytest.raises(FailpointTriggered):
-        store.publish(body(2))
+        store.install(body(2))
     active_failpoints("")
     loaded = store.load()
     assert loaded is not None and loaded.body.header.checkpoint_id == survivor
-    store.publish(body(3))  # whatever the crash left unreferenced is cleaned up now
+    store.install(body(3))  # whatever the crash left unreferenced is cleaned up now
     assert bodies_on_disk(tmp_path) == [f"ckpt-{i:020d}.bin" for i in (survivor, 3)]
 
 
@@ -151,25 +151,25 @@ def test_a_concurrent_writer_is_refused(store: CheckpointStore, tmp_path: Path,
                                         failpoint_dir: Path) -> None:
     import threading
 
-    store.publish(body(1))
+    store.install(body(1))
     other = CheckpointStore(etcd, NODE, "file://" + str(tmp_path / "storage"), TOPO)
     # A reads `current`, writes its body, then waits before its swap (the first hit only).
-    active_failpoints("checkpoint.before_pointer_swap=block*1")
+    active_failpoints("checkpoint.pointer_swap.before=block*1")
     outcome: list[BaseException | None] = []
 
-    def publish_a() -> None:
+    def install_a() -> None:
         try:
-            store.publish(body(2))
+            store.install(body(2))
             outcome.append(None)
         except BaseException as exc:
             outcome.append(exc)
 
-    a = threading.Thread(target=publish_a)
+    a = threading.Thread(target=install_a)
     a.start()
-    failpoints.wait_hit(failpoint_dir, "checkpoint.before_pointer_swap")
+    failpoints.wait_hit(failpoint_dir, "checkpoint.pointer_swap.before")
     assert f"ckpt-{2:020d}.bin" in bodies_on_disk(tmp_path)  # A's body is written
-    other.publish(body(3))  # B swaps first
-    failpoints.release(failpoint_dir, "checkpoint.before_pointer_swap")
+    other.install(body(3))  # B swaps first
+    failpoints.release(failpoint_dir, "checkpoint.pointer_swap.before")
     a.join(timeout=30)
     assert len(outcome) == 1 and isinstance(outcome[0], CheckpointConflict)
     loaded = store.load()

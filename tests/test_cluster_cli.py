@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 
-from retina_common.cluster import ClusterState, pid_alive
+from devtools.cluster import ClusterState, pid_alive
 from retina_common.etcd import EtcdStore
 from retina_common.pb import trans_pb2_grpc
 
@@ -17,7 +17,7 @@ from .support import ROOT, begin_write
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "retina_common.cluster_cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "devtools.cluster_cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=180)
 
 

@@ -22,7 +22,7 @@ from retina_common.topology import Topology
 from retina_server.gc_scheduler import GcScheduler, MaintenanceResult, ReplayFloor
 from retina_server.index import TOMBSTONE, LocalIndexService, Resolved, RowIdRange
 from retina_server.node import BufferSettings, RetinaNode, table_schema
-from retina_server.write_buffer import PublishMode
+from retina_server.write_buffer import SettleMode
 
 from .support import eventually
 
@@ -294,7 +294,7 @@ def test_fold_reaches_write_buffer_blocks(tmp_path: Path, catalog: Catalog) -> N
                                        schema=schema)
     with stream.buffer.lock:
         handles = stream.buffer.append_pending(batch, 1, node.index.allocate_row_ids(20))
-        stream.buffer.publish(handles, PublishMode.VISIBLE)
+        stream.buffer.settle(handles, SettleMode.VISIBLE)
         blocks = [b for f in stream.buffer.files for b in f.blocks]
     assert len(blocks) == 3
     for n, block in enumerate(blocks):

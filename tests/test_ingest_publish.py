@@ -87,7 +87,7 @@ def test_files_closing_out_of_order_publish_in_first_block_order(
 
 CRASH_POINTS = [
     "index.primary_commit.before", "index.primary_commit.after",
-    "ingest.alloc.before_catalog", "ingest.alloc.after_catalog",
+    "ingest.alloc.catalog.before", "ingest.alloc.catalog.after",
     "ingest.close.before", "ingest.close.after",
     "ingest.index_flush.before", "ingest.index_flush.after",
     "ingest.catalog_regular.before", "ingest.catalog_regular.after",
@@ -184,7 +184,7 @@ def test_retina_query_prints_the_snapshot(make_plane: Callable[..., DataPlane]) 
 def test_a_publish_gives_up_on_a_catalog_that_stays_away(tmp_path: Path) -> None:
     """The publisher's catalog retry is bounded: past it the node fails closed instead of
     holding the stream's publish lock (and so every checkpoint) forever."""
-    from retina_common.cluster import free_port
+    from devtools.cluster import free_port
     from retina_server.index import LocalIndexService
     from retina_server.publisher import StreamPublisher
     from retina_server.registry import IngestFileMetadataRegistry

@@ -12,7 +12,7 @@ from retina_common.refusal import Refusal
 from retina_server.lifecycle import (
     TRANSITIONS,
     IllegalTransition,
-    LifecyclePublisher,
+    LifecycleAnnouncer,
     LifecycleStateMachine,
     Phase,
     Request,
@@ -89,30 +89,30 @@ def test_failed_is_final_and_reachable_from_every_phase() -> None:
             sm.transition(Phase.STARTING)
 
 
-def test_publisher_writes_a_leased_fresh_value_and_never_the_token(etcd: EtcdStore) -> None:
+def test_announcer_writes_a_leased_fresh_value_and_never_the_token(etcd: EtcdStore) -> None:
     node = "127.0.0.1:40123"
     clock = [1_000]
-    publisher = LifecyclePublisher(etcd, node, ttl_s=1, clock_ms=lambda: clock[0])
-    publisher.publish(LifecycleState.RECOVERING, checkpoint_id=3, recovery_epoch=2,
+    announcer = LifecycleAnnouncer(etcd, node, ttl_s=1, clock_ms=lambda: clock[0])
+    announcer.announce(LifecycleState.RECOVERING, checkpoint_id=3, recovery_epoch=2,
                       token_hash="abcdef12")
     record = LifecycleRecord.parse(node, etcd.get(lifecycle_key(node)).value)
     assert (record.state, record.checkpoint_id, record.token_hash) == (
         LifecycleState.RECOVERING, 3, "abcdef12")
     assert etcd.get(lifecycle_key(node)).lease != 0
-    publisher.start()
+    announcer.start()
     clock[0] = 5_000
     eventually(lambda: LifecycleRecord.parse(node, etcd.get(lifecycle_key(node)).value)
                .updated_at_ms == 5_000, 5, "the heartbeat to refresh updatedAtMs")
-    publisher.stop()  # revokes the lease: the key goes at once
+    announcer.stop()  # revokes the lease: the key goes at once
     assert etcd.get(lifecycle_key(node)) is None
 
 
 def test_failed_is_never_replaced_by_a_late_ready(etcd: EtcdStore) -> None:
     node = "127.0.0.1:40124"
-    publisher = LifecyclePublisher(etcd, node, ttl_s=5)
-    publisher.publish(LifecycleState.FAILED, checkpoint_id=1, recovery_epoch=1, token_hash="")
-    publisher.publish(LifecycleState.READY, checkpoint_id=1, recovery_epoch=1, token_hash="")
+    announcer = LifecycleAnnouncer(etcd, node, ttl_s=5)
+    announcer.announce(LifecycleState.FAILED, checkpoint_id=1, recovery_epoch=1, token_hash="")
+    announcer.announce(LifecycleState.READY, checkpoint_id=1, recovery_epoch=1, token_hash="")
     kv = etcd.get(lifecycle_key(node))
     assert kv is not None and LifecycleRecord.parse(node, kv.value).state == \
         LifecycleState.FAILED
-    publisher.stop()
+    announcer.stop()

@@ -242,9 +242,9 @@ def test_a_second_crash_during_recovery_recovers_again(
 
 # --- checkpoints: crashes and damage ---
 @pytest.mark.parametrize("point, swapped", [
-    ("checkpoint.before_body_write", False), ("checkpoint.after_body_write", False),
-    ("checkpoint.before_pointer_swap", False), ("checkpoint.after_pointer_swap", True),
-    ("checkpoint.before_cleanup", True),
+    ("checkpoint.body_write.before", False), ("checkpoint.body_write.after", False),
+    ("checkpoint.pointer_swap.before", False), ("checkpoint.pointer_swap.after", True),
+    ("checkpoint.cleanup.before", True),
 ])
 def test_a_crash_at_each_checkpoint_failpoint_leaves_a_usable_checkpoint(
         make_plane: Callable[..., DataPlane], point: str, swapped: bool) -> None:
@@ -265,7 +265,7 @@ def test_a_crash_at_each_checkpoint_failpoint_leaves_a_usable_checkpoint(
 
 
 def _body(plane: DataPlane, etcd: EtcdStore, node: str, slot: str) -> Path:
-    from retina_server.checkpoint import Pointer
+    from retina_common.checkpoint import Pointer
 
     pointer = Pointer.parse(etcd.get(checkpoint_slot_key(node, slot)).value)
     return Path(pointer.path.removeprefix("file://"))
@@ -336,7 +336,7 @@ def test_a_node_outside_the_topology_refuses_to_start(tmp_path: Path) -> None:
     assert result.returncode == 2 and "is not in the topology" in result.stderr
 
 
-@pytest.mark.parametrize("point", ["recovery.cleansing.after", "recovery.mark_ready.barrier"])
+@pytest.mark.parametrize("point", ["recovery.cleansing.after", "recovery.mark_ready.barrier.after"])
 def test_a_crash_inside_recovery_recovers_again(make_plane: Callable[..., DataPlane],
                                                 point: str) -> None:
     plane = make_plane()
@@ -346,7 +346,7 @@ def test_a_crash_inside_recovery_recovers_again(make_plane: Callable[..., DataPl
     workload(plane, random.Random(18), 8, 10_000)
     retina = plane.retinas[node]
     retina.kill9()
-    in_barrier = point == "recovery.mark_ready.barrier"
+    in_barrier = point == "recovery.mark_ready.barrier.after"
     retina.start(failpoints=f"{point}=exit(137)", wait=in_barrier)
     if in_barrier:
         with pytest.raises(grpc.RpcError):

@@ -13,9 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
+from devtools.cluster import EtcdInstance, start_etcd, terminate
 from retina_common import failpoints
 from retina_common.catalog import Catalog, FileType
-from retina_common.cluster import EtcdInstance, start_etcd, terminate
 from retina_common.etcd import EtcdStore
 from retina_common.keys import checkpoint_slot_key
 from retina_common.pb import retina_pb2 as rpb
@@ -108,7 +108,7 @@ def test_a_crash_between_replay_and_mark_ready_duplicates_nothing(
         retina.kill9()  # ...and a crash before MarkReady
     else:
         retina.kill9()
-        retina.start(failpoints="recovery.mark_ready.barrier=exit(137)")
+        retina.start(failpoints="recovery.mark_ready.barrier.after=exit(137)")
         with pytest.raises(grpc.RpcError):
             plane.recover(node)  # the process dies inside the barrier
         assert retina.wait_exit() == 137
@@ -150,10 +150,10 @@ def test_mark_ready_survives_an_etcd_outage(private_etcd: tuple[EtcdInstance, Pa
         restarted = start_etcd(Path(inst.data_dir), workdir / "etcd.log",
                                ports=(inst.client_port, inst.peer_port))
         inst.pid = restarted.pid
-        # The heartbeat publishes READY by itself; a retried MarkReady is harmless.
+        # The heartbeat announces READY by itself; a retried MarkReady is harmless.
         eventually(lambda: lifecycle_state(store, node) == "READY", 30, "READY in etcd")
         eventually(lambda: health(node) == health_pb2.HealthCheckResponse.SERVING, 10,
-                   "health to follow the READY the heartbeat published")
+                   "health to follow the READY the heartbeat announced")
         stub.MarkReady(request, timeout=60)
         assert health(node) == health_pb2.HealthCheckResponse.SERVING
         eventually(plane.gate_open, 15, "the gate to admit")
@@ -169,13 +169,13 @@ def test_mark_ready_survives_an_etcd_outage(private_etcd: tuple[EtcdInstance, Pa
         plane.stop()
 
 
-def test_ready_is_published_only_after_its_hooks(make_plane: Callable[..., DataPlane],
+def test_ready_is_announced_only_after_its_hooks(make_plane: Callable[..., DataPlane],
                                                  etcd: EtcdStore, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     gate_dir = tmp_path / "failpoints"
     gate_dir.mkdir()
     monkeypatch.setenv(failpoints.DIR_VAR, str(gate_dir))
-    point = "recovery.mark_ready.publish.before"
+    point = "recovery.mark_ready.announce.before"
     plane = make_plane(failpoints=f"{point}=block", recover=False)
     node = plane.nodes[0]
     retina = plane.retinas[node]
@@ -236,8 +236,8 @@ def test_outcome_unknown_from_the_catalog_and_etcd_converges(
         make_plane: Callable[..., DataPlane], catalog: Catalog, etcd: EtcdStore) -> None:
     # The first REGULAR publish and the first etcd transaction after start (the READY
     # checkpoint's slot swap) both commit and then lose their answer.
-    plane = make_plane(failpoints="catalog.update_file.after_commit=raise*1;"
-                                  "etcd.txn.after_commit=raise*1")
+    plane = make_plane(failpoints="catalog.update_file.commit.after=raise*1;"
+                                  "etcd.txn.commit.after=raise*1")
     node = plane.nodes[0]
     plane.commit({"orders": {"replaces": [order(i) for i in range(50)]}})
     eventually(lambda: len(catalog.get_files_by_type(None, [FileType.REGULAR])) >= 2, 20,
@@ -246,10 +246,10 @@ def test_outcome_unknown_from_the_catalog_and_etcd_converges(
     pointer = plane.checkpoint(node)
     assert pointer.checkpoint_id > 0
     log = plane.retinas[node].log_path.read_text()
-    # The lost catalog answer was retried, and a checkpoint was published past the lost
+    # The lost catalog answer was retried, and a checkpoint was installed past the lost
     # etcd answer (the READY checkpoint's swap or this one).
     assert "ingest_publish_retry" in log, plane.retinas[node].log_tail()
-    assert "checkpoint_published" in log, plane.retinas[node].log_tail()
+    assert "checkpoint_installed" in log, plane.retinas[node].log_tail()
     assert plane.read("orders") == plane.model.rows["orders"]
     restart_and_recover(plane, node)
     assert plane.read("orders") == plane.model.rows["orders"]
@@ -293,7 +293,7 @@ def test_an_interrupted_barrier_is_finished_by_the_next_mark_ready(
         make_plane: Callable[..., DataPlane]) -> None:
     # The first MarkReady fails after it closed the replay entry (BARRIER); the node
     # must not stay there: the retried MarkReady finishes the barrier.
-    plane = make_plane(failpoints="recovery.mark_ready.drained=raise*1", recover=False)
+    plane = make_plane(failpoints="recovery.mark_ready.drain.after=raise*1", recover=False)
     node = plane.nodes[0]
     status = plane.wait_replay_ready(node)
     request = rpb.MarkReadyRequest(recovery_attempt_token=status.recovery_attempt_token,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from retina_server.replay_ts import (
+from retina_common.replay_ts import (
     MIN_REPLAY_TS,
     PLUS_INF,
     IngestSegment,

@@ -23,7 +23,7 @@ from cdc_client.sources.postgres import (
     format_lsn,
     parse_lsn,
 )
-from retina_common.cluster import PostgresInstance
+from devtools.cluster import PostgresInstance
 
 from .support import eventually
 

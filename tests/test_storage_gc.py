@@ -168,23 +168,15 @@ POST_SWAP = ["catalog.swap.commit.after", "gc.swap.after", "gc.journal.swapped.b
              "gc.journal.swapped.after", "gc.registry.before", "gc.registry.after"]
 
 
-def _old_name(point: str) -> str:
-    """The catalog failpoints carry their pre-scheme names until the rename lands."""
-    return {"catalog.swap.commit.before": "catalog.swap.before_commit",
-            "catalog.swap.commit.after": "catalog.swap.after_commit"}.get(point, point)
-
-
 @pytest.mark.parametrize("point", PRE_SWAP + POST_SWAP)
 def test_a_kill_during_the_commit_recovers_to_the_model(
         point: str, make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
-    from retina_common import failpoints
-    name = point if point in failpoints.catalogue() else _old_name(point)
     plane = make_plane()
     load(plane, catalog)
     node, vnode, files = biggest_stream(plane)
     retina = plane.retinas[node]
     retina.stop()
-    retina.start(f"{name}=exit(137)")
+    retina.start(f"{point}=exit(137)")
     plane.recover(node)
     prepared = gc.prepare(plane, node, "orders", vnode, files)
     new_file = gc.write_new_file(plane, prepared)

@@ -12,8 +12,8 @@ import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from devtools.cluster import EtcdInstance, free_port, start_etcd, terminate
 from retina_common.catalog import Catalog, ColumnSpec, FileType
-from retina_common.cluster import EtcdInstance, free_port, start_etcd, terminate
 from retina_common.etcd import EtcdStore
 from retina_common.keys import lifecycle_key
 from retina_common.lifecycle_record import LifecycleState
@@ -95,7 +95,7 @@ def test_timestamps_survive_kill9_restart(trans_factory: Callable[..., TransServ
 
 
 @pytest.mark.parametrize("counter", ["ts_block", "txid_block"])
-@pytest.mark.parametrize("point", ["before_persist", "after_persist"])
+@pytest.mark.parametrize("point", ["persist.before", "persist.after"])
 def test_kill_at_block_failpoints(trans_factory: Callable[..., TransServerProcess],
                                   etcd: EtcdStore, counter: str, point: str) -> None:
     server = trans_factory(trans={"ts_block_size": 4})
@@ -124,7 +124,7 @@ def test_an_etcd_outage_at_a_block_boundary_is_unavailable_then_heals(
     """A new timestamp block needs etcd: while it is away the answer is UNAVAILABLE
     (retry), never UNKNOWN (which a client reads as a refusal), and the same server
     serves again once etcd is back."""
-    from retina_common.cluster import start_etcd, terminate
+    from devtools.cluster import start_etcd, terminate
 
     private = start_etcd(tmp_path / "etcd", tmp_path / "etcd.log")
     try:

@@ -19,8 +19,8 @@ from trans_gate.transactions import (
 
 
 def counter(etcd: EtcdStore, key: str = TRANS_TIMESTAMP_KEY, block: int = 3) -> DurableCounter:
-    c = DurableCounter(etcd, key, block, failpoints.TS_BLOCK_BEFORE_PERSIST,
-                       failpoints.TS_BLOCK_AFTER_PERSIST)
+    c = DurableCounter(etcd, key, block, failpoints.TRANS_TS_BLOCK_PERSIST_BEFORE,
+                       failpoints.TRANS_TS_BLOCK_PERSIST_AFTER)
     c.open()
     return c
 

@@ -13,14 +13,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from retina_common.catalog import Catalog, FileType
-from retina_common.cluster import (
+from devtools.cluster import (
     PostgresInstance,
     _as_postgres,
     _pg_bin,
     start_postgres,
     stop_postgres,
 )
+from retina_common.catalog import Catalog, FileType
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb

@@ -53,11 +53,11 @@ class TransServer:
         store = EtcdStore(config.etcd.endpoints, config.etcd.timeout_s)
         tc = config.trans
         self.timestamps = DurableCounter(store, TRANS_TIMESTAMP_KEY, tc.ts_block_size,
-                                         failpoints.TS_BLOCK_BEFORE_PERSIST,
-                                         failpoints.TS_BLOCK_AFTER_PERSIST)
+                                         failpoints.TRANS_TS_BLOCK_PERSIST_BEFORE,
+                                         failpoints.TRANS_TS_BLOCK_PERSIST_AFTER)
         self.trans_ids = DurableCounter(store, TRANS_ID_KEY, tc.ts_block_size,
-                                        failpoints.TXID_BLOCK_BEFORE_PERSIST,
-                                        failpoints.TXID_BLOCK_AFTER_PERSIST)
+                                        failpoints.TRANS_TXID_BLOCK_PERSIST_BEFORE,
+                                        failpoints.TRANS_TXID_BLOCK_PERSIST_AFTER)
         expected = load_topology(config.topology_file).nodes if config.gate.retina_enabled else ()
         self.gate = QueryAvailabilityGate(expected, config.gate.stale_after_ms, now_ms,
                                           enabled=config.gate.retina_enabled)

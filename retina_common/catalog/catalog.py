@@ -57,16 +57,16 @@ from retina_common.catalog.model import (
     check_name,
 )
 from retina_common.failpoints import (
-    CATALOG_ADD_FILE_AFTER_COMMIT,
-    CATALOG_ADD_FILE_BEFORE_COMMIT,
-    CATALOG_DELETE_FILES_AFTER_COMMIT,
-    CATALOG_DELETE_FILES_BEFORE_COMMIT,
+    CATALOG_ADD_FILE_COMMIT_AFTER,
+    CATALOG_ADD_FILE_COMMIT_BEFORE,
+    CATALOG_DELETE_FILES_COMMIT_AFTER,
+    CATALOG_DELETE_FILES_COMMIT_BEFORE,
     CATALOG_REVERT_SWAP_COMMIT_AFTER,
     CATALOG_REVERT_SWAP_COMMIT_BEFORE,
-    CATALOG_SWAP_AFTER_COMMIT,
-    CATALOG_SWAP_BEFORE_COMMIT,
-    CATALOG_UPDATE_FILE_AFTER_COMMIT,
-    CATALOG_UPDATE_FILE_BEFORE_COMMIT,
+    CATALOG_SWAP_COMMIT_AFTER,
+    CATALOG_SWAP_COMMIT_BEFORE,
+    CATALOG_UPDATE_FILE_COMMIT_AFTER,
+    CATALOG_UPDATE_FILE_COMMIT_BEFORE,
     Failpoint,
     FailpointTriggered,
 )
@@ -307,8 +307,8 @@ class Catalog:
                 (name, int(file_type), num_row_group, path_id, min_row_id, max_row_id, cleanup_at))
             return _file(cur.fetchone())
 
-        return self._transaction(body, before_commit=CATALOG_ADD_FILE_BEFORE_COMMIT,
-                                 after_commit=CATALOG_ADD_FILE_AFTER_COMMIT)
+        return self._transaction(body, before_commit=CATALOG_ADD_FILE_COMMIT_BEFORE,
+                                 after_commit=CATALOG_ADD_FILE_COMMIT_AFTER)
 
     def update_file(self, file_id: int, *, file_type: FileType = _UNSET,
                     num_row_group: int = _UNSET, min_row_id: int | None = _UNSET,
@@ -348,8 +348,8 @@ class Catalog:
                  new.cleanup_at, file_id))
             return _file(cur.fetchone())
 
-        return self._transaction(body, before_commit=CATALOG_UPDATE_FILE_BEFORE_COMMIT,
-                                 after_commit=CATALOG_UPDATE_FILE_AFTER_COMMIT)
+        return self._transaction(body, before_commit=CATALOG_UPDATE_FILE_COMMIT_BEFORE,
+                                 after_commit=CATALOG_UPDATE_FILE_COMMIT_AFTER)
 
     def delete_files(self, file_ids: Iterable[int]) -> int:
         """Delete every listed file or none: a missing id raises and nothing is deleted."""
@@ -365,8 +365,8 @@ class Catalog:
                 raise NotFoundError(f"files {missing} do not exist; nothing deleted")
             return len(deleted)
 
-        return self._transaction(body, before_commit=CATALOG_DELETE_FILES_BEFORE_COMMIT,
-                                 after_commit=CATALOG_DELETE_FILES_AFTER_COMMIT)
+        return self._transaction(body, before_commit=CATALOG_DELETE_FILES_COMMIT_BEFORE,
+                                 after_commit=CATALOG_DELETE_FILES_COMMIT_AFTER)
 
     def atomic_swap_files(self, new_file_id: int, old_file_ids: Iterable[int],
                           cleanup_at: int) -> SwapResult:
@@ -422,8 +422,8 @@ class Catalog:
             retired = tuple(sorted(map(_file, cur.fetchall()), key=lambda f: f.file_id))
             return SwapResult(new_file=promoted, retired_files=retired)
 
-        result = self._transaction(body, before_commit=CATALOG_SWAP_BEFORE_COMMIT,
-                                   after_commit=CATALOG_SWAP_AFTER_COMMIT)
+        result = self._transaction(body, before_commit=CATALOG_SWAP_COMMIT_BEFORE,
+                                   after_commit=CATALOG_SWAP_COMMIT_AFTER)
         log.info("catalog_files_swapped", new_file=new_file_id, retired=old,
                  cleanup_at=cleanup_at)
         return result

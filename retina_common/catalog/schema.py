@@ -13,8 +13,8 @@ from typing import Any
 
 from retina_common.catalog.errors import CatalogVersionError
 from retina_common.failpoints import (
-    CATALOG_BOOTSTRAP_AFTER_COMMIT,
-    CATALOG_BOOTSTRAP_BEFORE_COMMIT,
+    CATALOG_BOOTSTRAP_COMMIT_AFTER,
+    CATALOG_BOOTSTRAP_COMMIT_BEFORE,
 )
 
 CURRENT_VERSION = 1
@@ -119,7 +119,7 @@ def bootstrap(conn: Any) -> int:
         elif found < CURRENT_VERSION:
             cur.execute("UPDATE catalog_version SET version = %s, updated_at = now() WHERE id = 1",
                         (CURRENT_VERSION,))
-    CATALOG_BOOTSTRAP_BEFORE_COMMIT.hit()
+    CATALOG_BOOTSTRAP_COMMIT_BEFORE.hit()
     conn.commit()
-    CATALOG_BOOTSTRAP_AFTER_COMMIT.hit()
+    CATALOG_BOOTSTRAP_COMMIT_AFTER.hit()
     return found

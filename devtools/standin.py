@@ -1,9 +1,9 @@
-"""A stand-in lifecycle publisher for the demo's query-gate walkthrough.
+"""A stand-in lifecycle announcer for the demo's query-gate walkthrough.
 
 It writes READY (or any state) lifecycle values for a set of node ids on its
 own lease and refreshes them, the way a Retina node does, so the gate can be
-shown before any Retina process runs. Real nodes publish their own state
-(``retina_server.lifecycle.LifecyclePublisher``) and reach READY only
+shown before any Retina process runs. Real nodes announce their own state
+(``retina_server.lifecycle.LifecycleAnnouncer``) and reach READY only
 through MarkReady.
 """
 
@@ -29,9 +29,9 @@ class StandInLifecycle:
 
     def set(self, node: str, state: LifecycleState) -> None:
         self._states[node] = state
-        self._publish()
+        self._announce()
 
-    def _publish(self) -> None:
+    def _announce(self) -> None:
         now = int(time.time() * 1000)
         for node, state in list(self._states.items()):
             record = LifecycleRecord(state, node, None, 1, "", now)
@@ -40,10 +40,10 @@ class StandInLifecycle:
     def _run(self) -> None:
         while not self._stop.wait(self._refresh_s):
             self._store.keepalive(self._lease)
-            self._publish()
+            self._announce()
 
     def start(self) -> StandInLifecycle:
-        self._publish()
+        self._announce()
         self._thread.start()
         return self
 

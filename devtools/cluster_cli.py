@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from retina_common.cluster import (
+from devtools.cluster import (
     ClusterError,
     ClusterState,
     grpc_serving,
