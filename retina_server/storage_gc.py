@@ -16,9 +16,9 @@ names the new file with this node's naming scheme. Nothing durable happens.
 
 1. verify the new file against the survivors the node computes itself (row
    count, primary keys and commit timestamps, row by row, in Arrow);
-2. reserve row ids, set the new file's row-id hull (still TEMPORARY_GC);
-3. journal INDEX_SWITCHING (write-ahead: everything below can be undone);
-4. under the stream's publisher and buffer locks (the switch only):
+2. reserve row ids; journal INDEX_SWITCHING (write-ahead: everything below can
+   be undone); set the new file's row-id hull (it is still TEMPORARY_GC);
+3. under the stream's publisher and buffer locks (the switch only):
    new-file visibility, ``baseTimestamp = cutoff`` and one chain item per
    delete after the cutoff, including deletes that arrived while Spark
    rewrote; MainIndex ranges of the new file (durable); the primary switch
@@ -26,7 +26,7 @@ names the new file with this node's naming scheme. Nothing durable happens.
    ``atomicSwapFiles(new, olds, cleanupAt)``; journal SWAPPED_NOT_CHECKPOINTED;
    the registry and visibility index move to the new file (the old files'
    visibility stays, frozen, for readers whose file list predates the swap);
-5. once both checkpoint slots hold the new file (the second checkpoint after the
+4. once both checkpoint slots hold the new file (the second checkpoint after the
    commit), the entry is promoted to CHECKPOINTED (:meth:`StorageGc.promote`).
 
 A failure before the swap committed rolls back in place (primary switched
@@ -344,8 +344,11 @@ class StorageGc:
             return min((p.cutoff for p in self._pending.values()), default=None)
 
     def _expire(self) -> None:
+        """Forget lapsed rewrites; never one that is committing (its pin must hold until
+        the new visibility is built)."""
         now = self._clock_ms()
-        for rid in [r for r, p in self._pending.items() if p.expires_at_ms <= now]:
+        for rid in [r for r, p in self._pending.items()
+                    if p.expires_at_ms <= now and not p.lock.locked()]:
             log.warning("gc_rewrite_expired", rewrite_id=rid)
             REWRITES.labels(outcome="expired").inc()
             del self._pending[rid]
@@ -445,9 +448,11 @@ class StorageGc:
         try:
             self._journal.write(entry, fp.GC_JOURNAL_SWITCHING_BEFORE,
                                 fp.GC_JOURNAL_SWITCHING_AFTER)
-        except OSError as exc:
+        except Exception as exc:
+            # Nothing of the rewrite is applied. A record that reached its rename anyway
+            # is rolled back (harmlessly) by the next start, or overwritten by a retry.
             raise _refuse(grpc.StatusCode.UNAVAILABLE,
-                          f"GC journal write failed: {exc}") from exc
+                          f"GC journal write failed, nothing changed: {exc}") from exc
         stream = pending.stream
         progress = _Progress()
         try:
@@ -534,6 +539,7 @@ class StorageGc:
         counts = list(entry.new_rg_row_counts)
         fp.GC_VISIBILITY_BEFORE.hit()
         visibility, chain_items = self._new_visibility(pending, counts)
+        node.visibility.stage_file(new_id, visibility)  # readable from the swap on
         fp.GC_VISIBILITY_AFTER.hit()
         fp.GC_MAIN_INDEX_BEFORE.hit()
         progress.main_index = True
@@ -565,6 +571,7 @@ class StorageGc:
             last.first_block_id + last.block_count - first.first_block_id))
         for rg, vis in enumerate(visibility):
             node.visibility.adopt(new_id, rg, vis)
+        node.visibility.unstage_file(new_id)
         for m in pending.old:  # REGISTRY_COVERS_VISIBILITY holds at every point
             node.visibility.retire_file(m.file_id)
             node.registry.unregister(m.file_id)
@@ -584,6 +591,9 @@ class StorageGc:
         for meta, rg_counts in zip(pending.old, pending.rg_row_counts, strict=True):
             for rg, n in enumerate(rg_counts):
                 vis = self._node.visibility.get(meta.file_id, rg)
+                if vis.base_timestamp > cutoff:  # FOLD_FENCE broke: deletes would be lost
+                    raise RuntimeError(f"file {meta.file_id} rg {rg} was folded to "
+                                       f"{vis.base_timestamp}, above the cutoff {cutoff}")
                 dropped = pending.dropped[(meta.file_id, rg)]
                 keep = np.flatnonzero(kept_mask(n, dropped))
                 _base_ts, _base, chain = vis.snapshot()
@@ -624,6 +634,7 @@ class StorageGc:
                         cause: BaseException) -> None:
         """Undo a commit that failed before its swap; the node fails closed if it cannot."""
         reason = f"commit failed: {cause}"
+        self._node.visibility.unstage_file(entry.new_file_id)
         log.warning("gc_rewrite_rolling_back", rewrite_id=entry.rewrite_id, reason=reason)
         try:
             if progress.swapped is None:
@@ -705,7 +716,8 @@ def swap_state(catalog: Catalog, entry: JournalEntry) -> str:
 
 
 def roll_back(node: RetinaNode, catalog: Catalog, journal: GcJournal, entry: JournalEntry,
-              plan: Survivors | None, reason: str, *, main_index: bool = True) -> None:
+              plan: Survivors | None, reason: str, *, main_index: bool = True,
+              catalog_deadline_s: float = 60.0) -> None:
     """Undo a rewrite, every step idempotent (safe to repeat after a crash in it):
     primary entries back on the old rows → catalog reverted (old REGULAR; the new
     file RETIRED if the swap had committed, else deleted with its object) → the
@@ -719,10 +731,15 @@ def roll_back(node: RetinaNode, catalog: Catalog, journal: GcJournal, entry: Jou
                                   plan.old_row_ids.tolist())
         fp.GC_ROLLBACK_PRIMARY_AFTER.hit()
     fp.GC_ROLLBACK_CATALOG_BEFORE.hit()
-    outcome = catalog.revert_swap(entry.new_file_id, entry.old_file_ids,
-                                  int(time.time() * 1000))
+    # Retried while the catalog is briefly away: giving up here fails the node closed.
+    outcome = until_deadline(
+        lambda: catalog.revert_swap(entry.new_file_id, entry.old_file_ids,
+                                    int(time.time() * 1000)),
+        transient=(CatalogUnavailable, CatalogOutcomeUnknown), deadline_s=catalog_deadline_s,
+        on_retry=lambda exc: log.warning("gc_rollback_catalog_retry", error=str(exc)))
     if outcome == "not_swapped":
-        # Never visible to anyone: no reader can hold it.
+        # Never visible to anyone: no reader can hold it. (A row already gone was
+        # deleted by an earlier attempt of this same rollback.)
         delete_quietly(entry.path_uri, entry.new_file_name)
         with contextlib.suppress(CatalogError):
             catalog.delete_files([entry.new_file_id])

@@ -128,6 +128,9 @@ class VisibilityIndex:
         # Files a Storage GC swap replaced: frozen (no delete reaches them any more),
         # still answering reads whose file list predates the swap, until the sweeper.
         self._retired: dict[int, list[RGVisibility]] = {}
+        # A Storage GC file between its catalog swap and its registration: readers that
+        # list it in that moment get its visibility (nothing can delete from it yet).
+        self._staged: dict[int, list[RGVisibility]] = {}
         self._lock = threading.Lock()
 
     def add_file(self, file_id: int, row_counts: Iterable[int], base_ts: int = 0) -> None:
@@ -177,8 +180,17 @@ class VisibilityIndex:
             self._retired[file_id] = [self._entries.pop(k) for k in keys]
 
     def retired(self, file_id: int) -> list[RGVisibility] | None:
+        """A replaced file's row groups, else a staged GC file's (read-only views)."""
         with self._lock:
-            return self._retired.get(file_id)
+            return self._retired.get(file_id) or self._staged.get(file_id)
+
+    def stage_file(self, file_id: int, entries: list[RGVisibility]) -> None:
+        with self._lock:
+            self._staged[file_id] = list(entries)
+
+    def unstage_file(self, file_id: int) -> None:
+        with self._lock:
+            self._staged.pop(file_id, None)
 
     def forget_retired(self, file_id: int) -> None:
         with self._lock:

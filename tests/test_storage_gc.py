@@ -161,7 +161,8 @@ def test_a_read_transaction_older_than_the_rewrite_reads_its_snapshot(
 
 
 # --- kills at every GC failpoint ---------------------------------------------------------------
-PRE_SWAP = ["gc.journal.switching.before", "gc.journal.switching.after", "gc.visibility.after",
+PRE_SWAP = ["gc.journal.switching.before", "gc.journal.switching.after", "gc.visibility.before",
+            "gc.visibility.after",
             "gc.main_index.before", "gc.main_index.after", "gc.primary_switch.before",
             "gc.primary_switch.after", "gc.swap.before", "catalog.swap.commit.before"]
 POST_SWAP = ["catalog.swap.commit.after", "gc.swap.after", "gc.journal.swapped.before",
@@ -242,10 +243,12 @@ def test_a_swapped_rewrite_without_a_checkpoint_rolls_back_and_a_kill_in_the_rol
     reply = gc.rewrite(plane, node, "orders", vnode, files)
     plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, 4)]}})
     retina.kill9()  # SWAPPED_NOT_CHECKPOINTED; the loaded checkpoint has the old files
-    retina.start("gc.rollback.primary.after=exit(137)", wait=False)
-    assert retina.wait_exit() == 137  # a crash in the middle of recovery's rollback
-    retina.start("gc.rollback.catalog.after=exit(137)", wait=False)
-    assert retina.wait_exit() == 137
+    # Crashes in the middle of recovery's rollback, one start after another; each
+    # start redoes the idempotent steps and gets one further.
+    for point in ("gc.rollback.primary.after", "catalog.revert_swap.commit.after",
+                  "gc.rollback.main_index.after", "gc.journal.aborted.before"):
+        retina.start(f"{point}=exit(137)", wait=False)
+        assert retina.wait_exit() == 137, point
     retina.start()
     plane.recover(node)
     assert [e.state for e in gc.journal(plane, node).values()] == ["ABORTED"]
@@ -253,6 +256,41 @@ def test_a_swapped_rewrite_without_a_checkpoint_rolls_back_and_a_kill_in_the_rol
     assert {f.file_id for f in files} <= regular and reply.new_file_id not in regular
     assert plane.read("orders") == plane.model.rows["orders"]
     plane.commit({"orders": {"replaces": [order(i, note="1") for i in range(0, 120, 2)]}})
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+ROLLBACK = ["gc.rollback.primary.before", "gc.rollback.primary.after",
+            "gc.rollback.catalog.before", "catalog.revert_swap.commit.before",
+            "catalog.revert_swap.commit.after", "catalog.delete_files.commit.after",
+            "gc.rollback.catalog.after", "gc.rollback.main_index.before",
+            "gc.rollback.main_index.after", "gc.journal.aborted.before",
+            "gc.journal.aborted.after"]
+
+
+@pytest.mark.parametrize("point", ROLLBACK)
+def test_a_kill_during_an_in_place_rollback_is_finished_by_recovery(
+        point: str, make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane()
+    load(plane, catalog)
+    node, vnode, files = biggest_stream(plane)
+    retina = plane.retinas[node]
+    retina.stop()
+    retina.start(f"gc.swap.before=raise*1;{point}=exit(137)")  # fail, then die rolling back
+    plane.recover(node)
+    prepared = gc.prepare(plane, node, "orders", vnode, files)
+    new_file = gc.write_new_file(plane, prepared)
+    assert rpc_error(lambda: gc.commit(plane, prepared, new_file)).code() == \
+        grpc.StatusCode.UNAVAILABLE
+    assert retina.wait_exit() == 137
+    retina.start()
+    plane.recover(node)
+    assert [e.state for e in gc.journal(plane, node).values()] == ["ABORTED"]
+    regular = {f.file_id for fs in gc.streams(plane, "orders").values() for f in fs}
+    assert {f.file_id for f in files} <= regular
+    assert catalog.get_file(new_file) is None  # never swapped: discarded
+    assert plane.read("orders") == plane.model.rows["orders"]
+    plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, 5)],
+                             "replaces": [order(i, note="x") for i in range(2, 120, 5)]}})
     assert plane.read("orders") == plane.model.rows["orders"]
 
 

@@ -432,11 +432,16 @@ class Catalog:
                     cleanup_at: int) -> str:
         """Undo an atomicSwapFiles in one transaction: the old files REGULAR again
         (cleanupAt cleared), the new file RETIRED(cleanupAt). Idempotent; returns what
-        it found: ``"reverted"``, ``"already"`` (a retry of a lost answer) or
-        ``"not_swapped"`` (the swap never committed: new TEMPORARY_GC, old REGULAR;
-        nothing changes). Any other combination raises
-        :class:`SwapPreconditionError` and changes nothing: the catalog disagrees
-        with the GC journal.
+        it found:
+
+        * ``"not_swapped"``: the new file is TEMPORARY_GC or gone, so the swap never
+          committed (it flips the new file and the old ones together); nothing changes;
+        * ``"already"``: the new file is RETIRED and the old ones REGULAR (a retry of a
+          lost answer); nothing changes;
+        * ``"reverted"``: the new file was REGULAR and every old one RETIRED.
+
+        Any other combination raises :class:`SwapPreconditionError` and changes
+        nothing: the catalog disagrees with the GC journal.
         """
         old = sorted(set(old_file_ids))
         check_cleanup_at(FileType.RETIRED, cleanup_at)
@@ -445,21 +450,17 @@ class Catalog:
             cur.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE file_id = ANY(%s) "
                         "ORDER BY file_id FOR UPDATE", (sorted([new_file_id, *old]),))
             rows = {r.file_id: r for r in map(_file, cur.fetchall())}
-            missing = [f for f in [new_file_id, *old] if f not in rows]
-            if missing:
-                raise SwapPreconditionError(SwapPrecondition.OLD_FILE_MISSING, missing[0],
-                                            f"revert: file {missing[0]} does not exist")
-            new_type = rows[new_file_id].type
-            old_types = {rows[f].type for f in old}
-            if new_type == FileType.TEMPORARY_GC and old_types == {FileType.REGULAR}:
+            new = rows.get(new_file_id)
+            if new is None or new.type == FileType.TEMPORARY_GC:
                 return "not_swapped"
-            if new_type == FileType.RETIRED and old_types == {FileType.REGULAR}:
+            old_types = {rows[f].type if f in rows else None for f in old}
+            if new.type == FileType.RETIRED and old_types == {FileType.REGULAR}:
                 return "already"
-            if new_type != FileType.REGULAR or old_types != {FileType.RETIRED}:
+            if new.type != FileType.REGULAR or old_types != {FileType.RETIRED}:
                 raise SwapPreconditionError(
                     SwapPrecondition.OLD_FILE_NOT_REGULAR, new_file_id,
-                    f"revert: new file {new_file_id} is {new_type.name}, old files are "
-                    f"{sorted(t.name for t in old_types)}")
+                    f"revert: new file {new_file_id} is {new.type.name}, old files are "
+                    f"{sorted(t.name if t else 'missing' for t in old_types)}")
             cur.execute("UPDATE files SET type = %s, cleanup_at = %s WHERE file_id = %s",
                         (int(FileType.RETIRED), cleanup_at, new_file_id))
             cur.execute("UPDATE files SET type = %s, cleanup_at = NULL WHERE file_id = ANY(%s)",
