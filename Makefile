@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STATE ?= .retina-cluster
 
-.PHONY: setup demo test test-fast lint bench chaos proto cluster-up cluster-down cluster-status clean
+.PHONY: setup demo test test-fast lint bench chaos gc proto cluster-up cluster-down cluster-status clean
 
 setup:
 	@bash scripts/setup.sh
@@ -24,6 +24,13 @@ CHAOS_ARGS ?= --seed 1 --episodes 20
 
 chaos: setup
 	@$(PY) -m chaos $(CHAOS_ARGS)
+
+# Storage GC rewrites with Spark over the local cluster (docs/spark.md, "storage_gc");
+# e.g. `make gc GC_ARGS="--schema shop --table orders --dry-run"`.
+GC_ARGS ?= --schema shop --all-tables
+
+gc: setup
+	@$(PY) -m spark_jobs.storage_gc --config $(STATE)/retina.toml $(GC_ARGS)
 
 lint: setup
 	@$(VENV)/bin/ruff check .

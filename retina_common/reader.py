@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 
 from retina_common import file_names
 from retina_common.client import channel
+from retina_common.codec import COMMIT_TS
 from retina_common.config import ConfigError, load_config
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
@@ -40,7 +41,6 @@ from retina_common.pb import trans_pb2 as tpb
 from retina_common.storage import read_bytes
 from retina_common.topology import Topology, load_topology
 
-COMMIT_TS = "_commit_ts"
 FILE_ID = "_file_id"
 HIDDEN = (COMMIT_TS, FILE_ID)
 

@@ -50,6 +50,7 @@ from retina_common.catalog import (
     PathRecord,
 )
 from retina_common.checkpoint import FileEntry, LoadedCheckpoint, RGEntry
+from retina_common.codec import COMMIT_TS
 from retina_common.log import get_logger
 from retina_common.replay_ts import IngestSegment, ReplayStarts, SegmentKind
 from retina_common.storage import delete_quietly, open_parquet
@@ -57,7 +58,6 @@ from retina_server.index import TOMBSTONE
 from retina_server.node import RetinaNode
 from retina_server.registry import IngestFileMeta
 from retina_server.visibility import RGVisibility
-from retina_server.write_buffer import COMMIT_TS
 
 log = get_logger(component="cleansing")
 T = TypeVar("T")

@@ -34,7 +34,7 @@ from retina_common.catalog import (
     FileType,
     TableRecord,
 )
-from retina_common.codec import arrow_type
+from retina_common.codec import COMMIT_TS, arrow_type
 from retina_common.log import get_logger
 from retina_common.refusal import Refusal
 from retina_common.topology import Topology
@@ -42,7 +42,7 @@ from retina_server.index import LocalIndexService
 from retina_server.publisher import IngestPipeline, StreamPublisher
 from retina_server.registry import IngestFileMetadataRegistry
 from retina_server.visibility import RGVisibility, VisibilityError, VisibilityIndex
-from retina_server.write_buffer import COMMIT_TS, IngestFile, StreamBuffer
+from retina_server.write_buffer import IngestFile, StreamBuffer
 
 log = get_logger(component="node")
 
@@ -220,11 +220,12 @@ class RetinaNode:
         retired = None if self.in_baseline(file_id) else self.visibility.retired(file_id)
         if retired is None and not self.in_baseline(file_id):
             raise VisibilityError(f"file {file_id} is not served by {self.node_id}")
-        if retired is not None:  # replaced by Storage GC: read as of before the swap
+        if retired is not None:  # replaced by Storage GC (or staged): as of the swap
             wanted = rg_ids or list(range(len(retired)))
+        elif file_id in self.registry:  # a GC output with no row left has no row group
+            wanted = rg_ids or self.visibility.row_groups(file_id)
         else:
-            wanted = rg_ids or (self.visibility.row_groups(file_id) or
-                                list(range(len(self._buffer_files[file_id].blocks))))
+            wanted = rg_ids or list(range(len(self._buffer_files[file_id].blocks)))
         out = []
         for rg in wanted:
             if retired is not None:

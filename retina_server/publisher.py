@@ -43,12 +43,13 @@ from retina_common.catalog import (
     InvalidCatalogArgument,
     NotFoundError,
 )
+from retina_common.codec import COMMIT_TS
 from retina_common.log import get_logger
 from retina_common.storage import file_uri, read_bytes, write_durably
 from retina_server.index import LocalIndexService
 from retina_server.registry import IngestFileMeta, IngestFileMetadataRegistry
 from retina_server.visibility import VisibilityIndex
-from retina_server.write_buffer import COMMIT_TS, FileState, IngestFile, StreamBuffer
+from retina_server.write_buffer import FileState, IngestFile, StreamBuffer
 
 log = get_logger(component="publisher")
 

@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         machine, announcer, high_watermark, index.allocate("recovery_epoch") + 1, journal)
     node.on_fail_closed = recovery.fail
     gc = StorageGc(node, catalog, journal, safe_gc_ts,
-                   GcSettings(rc.gc_retired_retention_ms, rc.gc_prepare_ttl_ms))
+                   GcSettings(rc.gc_retired_retention_ms, rc.gc_prepare_ttl_ms),
+                   trans_live=lambda trans_id: trans_status(trans_id).live)
     replay_floor = ReplayFloor()
 
     def observe_checkpoint(body: CheckpointBody) -> None:

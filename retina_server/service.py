@@ -205,7 +205,7 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             self._reads.check(request.trans_id)
             p = self._gc.prepare(request.schema_name, request.table_name,
                                  request.virtual_node_id, list(request.old_file_ids),
-                                 request.safe_gc_ts)
+                                 request.safe_gc_ts, request.trans_id)
             return pb.PrepareGcRewriteResponse(
                 rewrite_id=p.rewrite_id, file_name=p.file_name, path_id=p.stream.path_id,
                 path_uri=p.stream.path_uri, cutoff_ts=p.cutoff, expires_at_ms=p.expires_at_ms,

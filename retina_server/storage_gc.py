@@ -65,7 +65,7 @@ from retina_common.catalog import (
     TableRecord,
 )
 from retina_common.catalog.errors import SwapPreconditionError
-from retina_common.codec import EncodingError, encode_primary_keys
+from retina_common.codec import COMMIT_TS, EncodingError, encode_primary_keys
 from retina_common.log import get_logger
 from retina_common.refusal import Refusal
 from retina_common.retry import until_deadline
@@ -75,7 +75,6 @@ from retina_server.index import RowIdRange
 from retina_server.node import RetinaNode, Stream, table_schema
 from retina_server.registry import IngestFileMeta
 from retina_server.visibility import RGVisibility
-from retina_server.write_buffer import COMMIT_TS
 
 log = get_logger(component="storage_gc")
 
@@ -118,6 +117,7 @@ class PendingRewrite:
     file_name: str
     expires_at_ms: int
     dropped: dict[tuple[int, int], BitMap]
+    trans_id: int = 0  # the job's read transaction: a rewrite whose job died lapses with it
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -219,8 +219,10 @@ def survivors(node: RetinaNode, table: TableRecord, path_uri: str,
 class StorageGc:
     def __init__(self, node: RetinaNode, catalog: Catalog, journal: GcJournal,
                  safe_gc_ts: Callable[[], int], settings: GcSettings = GcSettings(),
-                 clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> None:
+                 clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+                 trans_live: Callable[[int], bool] = lambda _trans_id: True) -> None:
         self._node = node
+        self._trans_live = trans_live
         self._catalog = catalog
         self._journal = journal
         self._safe_gc_ts = safe_gc_ts
@@ -242,7 +244,7 @@ class StorageGc:
 
     # --- prepare ---------------------------------------------------------------------------
     def prepare(self, schema_name: str, table_name: str, vnode: int, old_ids: list[int],
-                safe_gc_ts: int) -> PendingRewrite:
+                safe_gc_ts: int, trans_id: int = 0) -> PendingRewrite:
         node = self._node
         node.check_writable()
         if not old_ids:
@@ -260,6 +262,7 @@ class StorageGc:
         stream = node.stream(table, vnode)
         old = self._stream_run(table, vnode, old_ids)
         self._check_cutoff(old, safe_gc_ts)
+        self._drop_orphaned(set(old_ids))
         with self._lock:
             self._expire()
             busy = {m.file_id for p in self._pending.values() for m in p.old}
@@ -277,7 +280,8 @@ class StorageGc:
             name = file_names.make(node.node_id, datetime.now(UTC), seq, vnode)
             pending = PendingRewrite(uuid.uuid4().hex, table, stream, old, names, counts,
                                      safe_gc_ts, name,
-                                     self._clock_ms() + self._settings.prepare_ttl_ms, dropped)
+                                     self._clock_ms() + self._settings.prepare_ttl_ms, dropped,
+                                     trans_id)
             self._pending[pending.rewrite_id] = pending
             # FOLD_FENCE: pinned first, fence read after; a maintenance round that read
             # the pins before this one may already fold up to its fence.
@@ -337,8 +341,31 @@ class StorageGc:
                           f"cutoff {cutoff} is below the visibility base {floor} of these files; "
                           "take a newer safe GC timestamp")
 
+    def _drop_orphaned(self, files: set[int] | None = None) -> None:
+        """Forget prepared rewrites whose job is gone (its read transaction ended: the
+        driver was killed), so they neither keep their files busy nor pin the fold
+        floor until they expire. Only those over ``files`` when given (a conflict)."""
+        with self._lock:
+            candidates = [p for p in self._pending.values()
+                          if p.trans_id and not p.lock.locked() and
+                          (files is None or files & {m.file_id for m in p.old})]
+        for p in candidates:
+            try:
+                alive = self._trans_live(p.trans_id)
+            except Exception as exc:  # the TransServer is away: keep the pin (safe side)
+                log.warning("gc_trans_status_unavailable", error=str(exc))
+                return
+            if not alive:
+                with self._lock:
+                    if self._pending.get(p.rewrite_id) is p and not p.lock.locked():
+                        del self._pending[p.rewrite_id]
+                REWRITES.labels(outcome="orphaned").inc()
+                log.info("gc_rewrite_orphaned", rewrite_id=p.rewrite_id, trans_id=p.trans_id)
+        PENDING.set(len(self._pending))
+
     def gc_floor(self) -> int | None:
         """The lowest pinned cutoff: no visibility may be folded above it."""
+        self._drop_orphaned()
         with self._lock:
             self._expire()
             return min((p.cutoff for p in self._pending.values()), default=None)

@@ -182,7 +182,9 @@ class VisibilityIndex:
     def retired(self, file_id: int) -> list[RGVisibility] | None:
         """A replaced file's row groups, else a staged GC file's (read-only views)."""
         with self._lock:
-            return self._retired.get(file_id) or self._staged.get(file_id)
+            if file_id in self._retired:
+                return self._retired[file_id]
+            return self._staged.get(file_id)
 
     def stage_file(self, file_id: int, entries: list[RGVisibility]) -> None:
         with self._lock:

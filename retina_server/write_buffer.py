@@ -32,8 +32,6 @@ import pyarrow as pa
 
 from retina_server.visibility import RGVisibility
 
-COMMIT_TS = "_commit_ts"
-
 
 class FileState(StrEnum):
     OPEN = "OPEN"  # taking appends

@@ -47,11 +47,12 @@ def settled(catalog: Catalog) -> bool:
     return not catalog.get_files_by_type(None, [FileType.TEMPORARY_INGEST])
 
 
-def run_job(state: ClusterState, schema: str) -> tuple[int, dict[str, Any], float]:
+def run_job(state: ClusterState, schema: str,
+            threshold: float = 0.05) -> tuple[int, dict[str, Any], float]:
     """One run of the Spark job; returns its exit code, its JSON report and seconds."""
     argv = [sys.executable, "-m", "spark_jobs.storage_gc", "--config", state.config_path,
             "--schema", schema, "--all-tables", "--master", "local[2]", "--json",
-            "--deleted-threshold", "0.05"]
+            "--deleted-threshold", str(threshold)]
     started = time.monotonic()
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "RETINA_CONFIG": state.config_path})
@@ -71,6 +72,16 @@ def gc_status(node: str) -> rpb.GetGcStatusResponse:
     with grpc.insecure_channel(node) as channel:
         return retina_pb2_grpc.RetinaWorkerServiceStub(channel).GetGcStatus(
             rpb.GetGcStatusRequest(), timeout=10)
+
+
+def checkpoint_twice(state: ClusterState) -> None:
+    """Two checkpoints on every node: both slots then hold the new files, their journal
+    entries are promoted, and a later pass may rewrite those files again."""
+    for node in state.nodes:
+        with grpc.insecure_channel(node) as channel:
+            stub = retina_pb2_grpc.RetinaWorkerServiceStub(channel)
+            for _ in range(2):
+                stub.CreateCheckpoint(rpb.CreateCheckpointRequest(), timeout=60)
 
 
 def gc_act(state: ClusterState, check: Callable[[bool, str], None], schema: str,
@@ -96,12 +107,14 @@ def gc_act(state: ClusterState, check: Callable[[bool, str], None], schema: str,
         wait_for(converged, 60, "the gated snapshot to equal the source after GC")
         check(True, "gated snapshot = source after the rewrites")
 
+        checkpoint_twice(state)
         victim = state.nodes[0]
         os.kill(state.retina_pids[victim], 9)
         start_retina_server(state, victim, {"RETINA_FAILPOINTS": f"{KILL_POINT}=exit(137)"})
         wait_for(lambda: node_state(victim) == rpb.READY, 120, "the connector to recover it")
         more_writes(40)
-        code, report, _s = run_job(state, schema)
+        # Threshold 0: every file is a candidate, so the victim surely gets a commit.
+        code, report, _s = run_job(state, schema, threshold=0.0)
         wait_for(lambda: node_state(victim) is None, 60, f"{victim} to die at {KILL_POINT}")
         check(code != 0, f"SIGKILL {victim} at {KILL_POINT}, in the middle of a commit "
                          f"(the job reports it and exits {code})")
@@ -116,6 +129,7 @@ def gc_act(state: ClusterState, check: Callable[[bool, str], None], schema: str,
                             "old files REGULAR again)")
         wait_for(converged, 60, "the gated snapshot to equal the source after the crash")
         check(True, "gated snapshot = source after the crash and the rollback")
+        checkpoint_twice(state)
         code, report, _s = run_job(state, schema)
         totals = report.get("totals", {})
         check(code == 0, f"GC again: {totals.get('committed')} rewrite(s) committed")
