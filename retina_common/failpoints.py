@@ -379,3 +379,8 @@ GC_JOURNAL_ABORTED_BEFORE = Failpoint(
     "gc.journal.aborted.before", "rollback done, journal not yet ABORTED")
 GC_JOURNAL_ABORTED_AFTER = Failpoint(
     "gc.journal.aborted.after", "journal ABORTED durable")
+GC_REWRITE_WRITE_BEFORE = Failpoint(
+    "gc.rewrite.write.before", "Spark task: new file registered TEMPORARY_GC, its bytes not "
+    "written")
+GC_REWRITE_WRITE_AFTER = Failpoint(
+    "gc.rewrite.write.after", "Spark task: new file durable on storage, commit not yet asked")

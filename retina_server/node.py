@@ -40,7 +40,7 @@ from retina_common.refusal import Refusal
 from retina_common.topology import Topology
 from retina_server.index import LocalIndexService
 from retina_server.publisher import IngestPipeline, StreamPublisher
-from retina_server.registry import IngestFileMetadataRegistry
+from retina_server.registry import IngestFileMetadataRegistry, RegistryError
 from retina_server.visibility import RGVisibility, VisibilityError, VisibilityIndex
 from retina_server.write_buffer import IngestFile, StreamBuffer
 
@@ -204,6 +204,13 @@ class RetinaNode:
     def in_baseline(self, file_id: int) -> bool:
         """The baseline visible file set: registered files and live write-buffer files."""
         return file_id in self.registry or file_id in self._buffer_files
+
+    def stream_position(self, file_id: int) -> int:
+        """A published file's firstBlockId (its place in its stream); 0 otherwise."""
+        try:
+            return self.registry.get(file_id).first_block_id
+        except RegistryError:
+            return 0
 
     def rg_visibility(self, file_id: int, rg_id: int) -> RGVisibility:
         try:

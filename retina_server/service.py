@@ -135,7 +135,9 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             self._admit_read(request.timestamp, request.trans_id)
             groups = self._node.query_visibility(request.file_id, list(request.rg_ids),
                                                  request.timestamp)
-            return pb.QueryVisibilityResponse(file_id=request.file_id, row_groups=[
+            return pb.QueryVisibilityResponse(
+                file_id=request.file_id,
+                first_block_id=self._node.stream_position(request.file_id), row_groups=[
                 pb.RowGroupVisibility(rg_id=rg, row_count=count,
                                       deleted_bitmap=bitmap_to_bytes(bits, count))
                 for rg, count, bits in groups])

@@ -60,6 +60,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pyspark.accumulators import AccumulatorParam
 
+from retina_common import failpoints as fp
 from retina_common import file_names
 from retina_common.catalog import (
     AlreadyExistsError,
@@ -140,7 +141,9 @@ class FileStats:
     ref: FileRef
     node: str
     vnode: int
-    seq: int
+    # Its place in the stream: the node's firstBlockId (QueryVisibility). Not the name's
+    # sequence number: a GC output takes the place of the files it replaced.
+    position: int
     size_bytes: int
     rows: int  # every row of the file (QueryVisibility's row counts)
     deleted: int  # rows deleted at safeGcTs
@@ -169,7 +172,7 @@ class Thresholds:
 
 @dataclass(frozen=True)
 class Group:
-    """Files of one stream, consecutive in its seq order, rewritten into one new file."""
+    """Files of one stream, consecutive in its order, rewritten into one new file."""
 
     schema: str
     table: str
@@ -200,9 +203,9 @@ def _estimated_bytes(f: FileStats) -> float:
 def plan_stream(schema: str, table: str, files: Sequence[FileStats],
                 thresholds: Thresholds) -> list[Group]:
     """The groups of ONE stream. ``files`` are every listed, usable file of the stream;
-    a file that is neither small nor over the threshold, or that is missing from
-    ``files`` (skipped), separates runs, so every group is consecutive in seq order."""
-    ordered = sorted(files, key=lambda f: f.seq)
+    a file that is neither small nor over the threshold separates runs, so every group
+    is consecutive in the stream's order."""
+    ordered = sorted(files, key=lambda f: f.position)
     if len({(f.node, f.vnode) for f in ordered}) > 1:
         raise ValueError("plan_stream expects the files of one stream")
     groups: list[Group] = []
@@ -220,11 +223,12 @@ def plan_stream(schema: str, table: str, files: Sequence[FileStats],
             groups.append(Group(schema, table, run[0].node, run[0].vnode, tuple(run), "deleted"))
         run.clear()
 
-    previous_seq: int | None = None
+    previous: int | None = None
     for f in ordered:
-        if previous_seq is not None and f.seq == previous_seq:
-            raise ValueError(f"two files of stream ({f.node}, {f.vnode}) share seq {f.seq}")
-        previous_seq = f.seq
+        if previous is not None and f.position == previous:
+            raise ValueError(f"two files of stream ({f.node}, {f.vnode}) share position "
+                             f"{f.position}")
+        previous = f.position
         if f.size_bytes < thresholds.small_file_bytes:
             if run and sum(map(_estimated_bytes, run)) + _estimated_bytes(f) \
                     > thresholds.target_file_bytes:
@@ -240,10 +244,12 @@ def plan_stream(schema: str, table: str, files: Sequence[FileStats],
 
 def plan_table(schema: str, table: str, files: Sequence[FileStats], listed: Sequence[FileRef],
                thresholds: Thresholds) -> list[Group]:
-    """Every group of one table. ``listed`` is the whole ListQueryFiles answer: a listed
-    file without stats (skipped) breaks contiguity of its stream."""
+    """Every group of one table. ``listed`` is the whole ListQueryFiles answer. A stream
+    with a listed file that has no stats (skipped) is left alone this run: the skipped
+    file's place in the stream is unknown, so no run around it is sure to be
+    consecutive (the node would refuse it)."""
     usable = {f.ref.file_id for f in files}
-    barriers: dict[tuple[str, int], set[int]] = {}
+    blocked: set[tuple[str, int]] = set()
     for ref in listed:
         if ref.file_id in usable:
             continue
@@ -251,22 +257,14 @@ def plan_table(schema: str, table: str, files: Sequence[FileStats], listed: Sequ
             parsed = file_names.parse(ref.name)
         except ValueError:
             continue  # no stream: it cannot sit between files of one
-        barriers.setdefault((parsed.node_id, parsed.vnode), set()).add(parsed.seq)
+        blocked.add((parsed.node_id, parsed.vnode))
     streams: dict[tuple[str, int], list[FileStats]] = {}
     for f in files:
         streams.setdefault((f.node, f.vnode), []).append(f)
     groups: list[Group] = []
     for key in sorted(streams):
-        members = sorted(streams[key], key=lambda f: f.seq)
-        cuts = sorted(barriers.get(key, ()))
-        # Plan each stretch between skipped files on its own.
-        stretch: list[FileStats] = []
-        for f in members:
-            if stretch and any(stretch[-1].seq < c < f.seq for c in cuts):
-                groups.extend(plan_stream(schema, table, stretch, thresholds))
-                stretch = []
-            stretch.append(f)
-        groups.extend(plan_stream(schema, table, stretch, thresholds))
+        if key not in blocked:
+            groups.extend(plan_stream(schema, table, streams[key], thresholds))
     return groups
 
 
@@ -477,7 +475,9 @@ def _rewrite(spec: TaskSpec, task: RewriteTask) -> RewriteResult:
         record = register_temporary_gc(catalog, task.file_name, num_row_group, task.path_id)
     finally:
         catalog.close()
+    fp.GC_REWRITE_WRITE_BEFORE.hit()
     write_durably(task.path_uri, task.file_name, data)
+    fp.GC_REWRITE_WRITE_AFTER.hit()
     return RewriteResult(task.rewrite_id, record.file_id, kept.num_rows, dropped,
                          task.bytes_before, len(data))
 
@@ -707,7 +707,8 @@ class StorageGcJob:
             size = object_size(f.path_uri, f.name)
         except OSError as exc:
             return Skipped(table, f.file_id, f.name, f"size from storage: {exc}")
-        return FileStats(ref, parsed.node_id, parsed.vnode, parsed.seq, size, rows, deleted)
+        return FileStats(ref, parsed.node_id, parsed.vnode, visibility.first_block_id, size,
+                         rows, deleted)
 
     def plan(self, trans: tpb.BeginTransResponse, schema: str, table: str) -> list[Group]:
         listing = _rpc(lambda: self.trans.ListQueryFiles(tpb.ListQueryFilesRequest(

@@ -33,13 +33,24 @@ class Prepared:
 
 
 def streams(dp: DataPlane, table: str) -> dict[tuple[str, int], list[FileRecord]]:
-    """REGULAR files of a table per (node, vnode), in the name's sequence order."""
+    """REGULAR files of a table per (node, vnode), in each stream's order (the node's
+    firstBlockId, from QueryVisibility: a GC output takes its old files' place)."""
     path = dp.catalog.get_paths(dp.tables[table].table_id)[0]
-    out: dict[tuple[str, int], list[FileRecord]] = defaultdict(list)
-    for f in dp.catalog.get_regular_files(path.path_id):
-        name = file_names.parse(f.name)
-        out[(name.node_id, name.vnode)].append(f)
-    return {k: sorted(v, key=lambda f: file_names.parse(f.name).seq) for k, v in out.items()}
+    out: dict[tuple[str, int], list[tuple[int, FileRecord]]] = defaultdict(list)
+    trans_id = begin_read(dp)
+    try:
+        for f in dp.catalog.get_regular_files(path.path_id):
+            name = file_names.parse(f.name)
+            position = dp.retinas[name.node_id].stub.QueryVisibility(
+                rpb.QueryVisibilityRequest(file_id=f.file_id, rg_ids=[0] if f.num_row_group
+                                           else [], timestamp=dp.trans.stub().GetHighWatermark(
+                                               tpb.GetHighWatermarkRequest(), timeout=10
+                                           ).high_watermark, trans_id=trans_id),
+                timeout=10).first_block_id
+            out[(name.node_id, name.vnode)].append((position, f))
+    finally:
+        end(dp, trans_id)
+    return {k: [f for _p, f in sorted(v, key=lambda pf: pf[0])] for k, v in out.items()}
 
 
 def begin_read(dp: DataPlane) -> int:

@@ -57,7 +57,7 @@ def stats(seq: int, size: int = MiB, rows: int = 100, deleted: int = 0, vnode: i
 
 
 def seqs(groups: list[gc.Group]) -> list[tuple[str, list[int]]]:
-    return [(g.kind, [f.seq for f in g.files]) for g in groups]
+    return [(g.kind, [f.position for f in g.files]) for g in groups]
 
 
 LIMITS = gc.Thresholds(deleted_threshold=0.2, small_file_bytes=8 * MiB,
@@ -92,16 +92,17 @@ def test_a_large_clean_file_separates_runs_and_a_lone_small_file_stays() -> None
         ("small", [1, 2]), ("deleted", [6]), ("deleted", [7])]
 
 
-def test_plan_table_keeps_streams_apart_and_never_spans_a_skipped_file() -> None:
+def test_plan_table_keeps_streams_apart_and_leaves_a_stream_with_a_skipped_file_alone(
+        ) -> None:
     a = [stats(s, MiB, vnode=0) for s in (1, 2, 3, 4, 5)]
     b = [stats(s, MiB, vnode=1) for s in (1, 2)]
     other = [stats(s, MiB, vnode=0, node="127.0.0.1:18891") for s in (1, 2)]
     listed = [f.ref for f in a + b + other]
-    usable = [f for f in a + b + other if not (f.vnode == 0 and f.seq == 3 and f.node == NODE)]
+    usable = [f for f in a + b + other
+              if not (f.vnode == 0 and f.position == 3 and f.node == NODE)]
     groups = gc.plan_table("s", "t", usable, listed, LIMITS)
-    assert [(g.node, g.vnode, [f.seq for f in g.files]) for g in groups] == [
-        (NODE, 0, [1, 2]), (NODE, 0, [4, 5]), (NODE, 1, [1, 2]),
-        ("127.0.0.1:18891", 0, [1, 2])]
+    assert [(g.node, g.vnode, [f.position for f in g.files]) for g in groups] == [
+        (NODE, 1, [1, 2]), ("127.0.0.1:18891", 0, [1, 2])]
     for g in groups:  # one stream per group
         assert {(f.node, f.vnode) for f in g.files} == {(g.node, g.vnode)}
 
@@ -297,11 +298,15 @@ def job_argv(plane: DataPlane, *args: str, table: str | None = "orders") -> list
             "--schema", SCHEMA, *which, "--json", *args, *SPARK_ARGS]
 
 
-def run_gc(plane: DataPlane, *args: str, table: str | None = "orders"
+def run_gc(plane: DataPlane, *args: str, table: str | None = "orders", failpoints: str = ""
            ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(job_argv(plane, *args, table=table), cwd=ROOT, capture_output=True,
                           text=True, timeout=300,
-                          env={**os.environ, "PYSPARK_PYTHON": sys.executable})
+                          env={**os.environ, "PYSPARK_PYTHON": sys.executable,
+                               failpoints_env: failpoints})
+
+
+failpoints_env = "RETINA_FAILPOINTS"
 
 
 def report_of(stdout: str) -> dict[str, Any]:
@@ -424,6 +429,27 @@ def test_the_job_reclaims_deleted_rows_and_compacts_while_reads_stay_exact(
     assert again.returncode == 0, again.stdout + again.stderr
     assert report_of(again.stdout)["totals"]["groups"] == 0
     assert plane.read("orders") == model
+
+
+@pytest.mark.parametrize("point", ["gc.rewrite.write.before", "gc.rewrite.write.after"])
+def test_a_task_killed_around_its_write_leaves_the_table_exact_and_a_rerun_finishes(
+        point: str, make_plane: Callable[..., DataPlane]) -> None:
+    """A Spark task dies (its Python worker exits) after registering its TEMPORARY_GC file,
+    before or after writing the bytes, with other groups done or not: nothing of its group
+    is committed, the table reads exactly, and the next run finishes the work."""
+    plane = make_plane()
+    deleted = load(plane)
+    model = plane.model.rows["orders"]
+    crashed = run_gc(plane, failpoints=f"{point}=exit(137)@2")
+    assert crashed.returncode != 0, crashed.stdout[-2000:]
+    assert plane.read("orders") == model
+    # The dead group's prepared rewrite lapses with the job's read transaction, so the
+    # rerun is not refused for its files (no waiting for the prepare TTL).
+    again = run_gc(plane)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert plane.read("orders") == model
+    assert stored_rows(plane) == len(model), deleted
+    assert all(n == 1 for n in streams(plane).values())
 
 
 def test_deletes_racing_the_job_are_never_lost(
