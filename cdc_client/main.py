@@ -26,7 +26,6 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-import grpc
 import structlog
 
 from cdc_client.changelog import Changelog, CorruptChangelog, changelog_root
@@ -43,6 +42,7 @@ from retina_common.catalog import (
     NotFoundError,
     TableRecord,
 )
+from retina_common.client import channel
 from retina_common.config import CdcConfig, ConfigError, load_config
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.keys import LIFECYCLE_PREFIX
@@ -115,7 +115,7 @@ def table_map(catalog: Catalog, schema: str) -> TableMap:
 
 
 def node_stubs(topology: Topology) -> dict[str, retina_pb2_grpc.RetinaWorkerServiceStub]:
-    return {n: retina_pb2_grpc.RetinaWorkerServiceStub(grpc.insecure_channel(n))
+    return {n: retina_pb2_grpc.RetinaWorkerServiceStub(channel(n))
             for n in topology.nodes}
 
 
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cdc_start_failed", error=str(exc), error_type=type(exc).__name__)
         return 4
     changelog = Changelog(changelog_root(config))
-    trans = trans_pb2_grpc.TransServiceStub(grpc.insecure_channel(config.trans.listen))
+    trans = trans_pb2_grpc.TransServiceStub(channel(config.trans.listen))
     connector = Connector(source=source, changelog=changelog, positions=positions, trans=trans,
                           nodes=node_stubs(topology), tables=table_map(catalog, config.cdc.schema),
                           topology=topology, settings=settings)

@@ -23,7 +23,14 @@ from retina_common.topology import Topology
 Row = Mapping[str, Any]
 # A write buffer or a visibility answer can be large; gRPC's default 4 MiB
 # reply cap is too small for a client that reads them.
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 1 << 30)]
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 1 << 30),
+    # gRPC's reconnect backoff grows to minutes by default: a node restarted after a crash
+    # would be noticed late (the connector took 15 s to replay a recovering node). Retry
+    # the connection at least every second instead.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 def channel(address: str) -> grpc.Channel:

@@ -271,7 +271,13 @@ class StorageGc:
             if clash:
                 raise _refuse(grpc.StatusCode.ABORTED,
                               f"files {clash} are in another rewrite; try again later")
-            names = [self._file_name(m.file_id) for m in old]
+            regular = {f.file_id: f.name for f in
+                       self._catalog.get_files_by_type(stream.path_id, [FileType.REGULAR])}
+            missing = [m.file_id for m in old if m.file_id not in regular]
+            if missing:
+                raise _refuse(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"files {missing} are not REGULAR files in the catalog")
+            names = [regular[m.file_id] for m in old]
             counts = [tuple(node.visibility.get(m.file_id, rg).row_count
                             for rg in range(m.num_row_group)) for m in old]
             dropped = {(m.file_id, rg): node.visibility.get(m.file_id, rg).deleted_at(safe_gc_ts)
@@ -295,13 +301,6 @@ class StorageGc:
                  rewrite_id=pending.rewrite_id, old_files=old_ids, cutoff_ts=safe_gc_ts,
                  expected_rows=pending.expected_rows, file_name=name)
         return pending
-
-    def _file_name(self, file_id: int) -> str:
-        record = self._catalog.get_file(file_id)
-        if record is None or record.type != FileType.REGULAR:
-            raise _refuse(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"file {file_id} is not a REGULAR file in the catalog")
-        return record.name
 
     def _stream_run(self, table: TableRecord, vnode: int,
                     old_ids: list[int]) -> list[IngestFileMeta]:

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 from pyroaring import BitMap
 
 
@@ -203,13 +204,15 @@ class VisibilityIndex:
             return set(self._retired)
 
 def bitmap_to_bytes(bitmap: BitMap, row_count: int) -> bytes:
-    """Dense little-endian bitset of ``row_count`` bits (bit i = row i deleted)."""
-    out = bytearray((row_count + 7) // 8)
-    for row in bitmap:
-        if row < row_count:
-            out[row >> 3] |= 1 << (row & 7)
-    return bytes(out)
+    """Dense little-endian bitset of ``row_count`` bits (bit i = row i deleted), built
+    with numpy: a row group with many deletes costs no Python loop."""
+    bits = np.zeros(row_count, dtype=bool)
+    if len(bitmap):
+        rows = np.frombuffer(bitmap.to_array(), dtype=np.uint32)
+        bits[rows[rows < row_count]] = True
+    return np.packbits(bits, bitorder="little").tobytes()
 
 
 def bytes_to_rows(data: bytes, row_count: int) -> list[int]:
-    return [i for i in range(row_count) if data[i >> 3] >> (i & 7) & 1]
+    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")[:row_count]
+    return np.flatnonzero(bits).tolist()

@@ -58,6 +58,7 @@ from pyspark.accumulators import AccumulatorParam
 from cdc_client.changelog import Changelog, ChangelogGap, CorruptChangelog, changelog_root
 from cdc_client.replay import changelog_rows, node_starts, replay_requests
 from retina_common.catalog import Catalog, CatalogError, TableRecord
+from retina_common.client import channel
 from retina_common.config import Config, ConfigError
 from retina_common.log import token_hash
 from retina_common.pb import retina_pb2 as pb
@@ -153,8 +154,8 @@ def replay_vnode(spec: JobSpec, task: VnodeTask) -> VnodeResult:
                if task.to_ts is None or r.first_ts <= task.to_ts]
     context = spec.context.message() if spec.context else None
     sent_rows = sent = 0
-    with grpc.insecure_channel(task.node) as channel:
-        stub = retina_pb2_grpc.RetinaWorkerServiceStub(channel)
+    with channel(task.node) as ch:
+        stub = retina_pb2_grpc.RetinaWorkerServiceStub(ch)
         try:
             for request in replay_requests(changelog, spec.schema,
                                            _Tables(spec.schema, spec.tables),
@@ -278,7 +279,7 @@ def plan_recovery(args: argparse.Namespace, topology: Topology,
     if node not in topology.nodes:
         return fail(PROG, f"{node} is not in the topology ({', '.join(topology.nodes)})",
                     EXIT_USAGE)
-    stub = retina_pb2_grpc.RetinaWorkerServiceStub(grpc.insecure_channel(node))
+    stub = retina_pb2_grpc.RetinaWorkerServiceStub(channel(node))
     try:
         status = wait_replay_ready(stub, args.wait_s)
     except grpc.RpcError as exc:
@@ -324,9 +325,9 @@ def plan_backfill(args: argparse.Namespace, topology: Topology,
     if gap is not None:
         return gap
     for node in topology.nodes:
-        with grpc.insecure_channel(node) as channel:
+        with channel(node) as ch:
             try:
-                status = retina_pb2_grpc.RetinaWorkerServiceStub(channel).GetRetinaStatus(
+                status = retina_pb2_grpc.RetinaWorkerServiceStub(ch).GetRetinaStatus(
                     pb.GetRetinaStatusRequest(), timeout=10)
             except grpc.RpcError as exc:
                 return fail(PROG, f"{node}: GetRetinaStatus: {short_reason(exc)}",

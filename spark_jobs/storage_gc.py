@@ -327,7 +327,8 @@ def encode_parquet(rows: pa.Table, schema: pa.Schema, row_group_rows: int) -> by
     """One Parquet file of ``rows``. No rows at all (every row deleted) make a file with
     no row group: the node refuses an empty row group."""
     sink = pa.BufferOutputStream()
-    with pq.ParquetWriter(sink, schema, compression="zstd") as writer:
+    # The ingest publisher's codec (pyarrow's default, snappy): cheap to write and read.
+    with pq.ParquetWriter(sink, schema) as writer:
         if rows.num_rows:
             writer.write_table(rows.cast(schema), row_group_size=row_group_rows)
     return sink.getvalue().to_pybytes()
