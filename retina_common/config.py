@@ -95,6 +95,11 @@ class RetinaConfig:
     gc_interval_ms: int = 30_000
     gc_retired_retention_ms: int = 600_000
     gc_prepare_ttl_ms: int = 1_800_000
+    # The node runs the Spark rewrite job for its own streams this often while READY
+    # (0: never; an operator's scheduler runs `make gc` / spark-submit instead), with
+    # these extra arguments (e.g. "--master spark://host:7077 --deleted-threshold 0.3").
+    gc_job_interval_ms: int = 0
+    gc_job_args: str = ""
 
 
 @dataclass(frozen=True)

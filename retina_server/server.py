@@ -43,6 +43,7 @@ from retina_common.refusal import Refusal
 from retina_common.replay_ts import derive
 from retina_common.storage import root_uri
 from retina_common.topology import Topology, load_topology
+from retina_server.gc_job import GcJobLauncher
 from retina_server.gc_journal import GcJournal
 from retina_server.gc_scheduler import GcScheduler, ReplayFloor
 from retina_server.index import LocalIndexService
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
+        # The GC job the node may launch reads the same file.
+        config_path = os.path.abspath(args.config or os.environ.get("RETINA_CONFIG", ""))
         failpoints.load_from_env()
         node_id, topology = _settings(config)
     except (ConfigError, failpoints.FailpointError) as exc:
@@ -141,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                             rc.gc_interval_ms / 1000, stop,
                             is_ready=lambda: machine.phase == Phase.READY)
     gc.fold_fence = scheduler.fold_fence
+    job = GcJobLauncher(node_id, config_path, rc.gc_job_interval_ms / 1000, rc.gc_job_args,
+                        stop, is_ready=lambda: machine.phase == Phase.READY)
     def trans_status(trans_id: int) -> TransStatus:
         try:
             reply = trans.GetTransStatus(trans_pb2.GetTransStatusRequest(trans_id=trans_id),
@@ -150,8 +155,12 @@ def main(argv: list[str] | None = None) -> int:
                           f"TransServer unreachable: {exc.code().name}") from exc
         return TransStatus(reply.live, reply.read_only, reply.lease_expires_at_ms)
 
+    def start_gc() -> None:
+        scheduler.start()
+        job.start()
+
     hooks = ReadyHooks(node, recovery.create_checkpoint, rc.checkpoint_interval_ms / 1000, stop,
-                       start_gc=scheduler.start)
+                       start_gc=start_gc)
     barrier = MarkReadyBarrier(machine, recovery.entry, recovery.check_attempt, hooks,
                                recovery.announce_ready)
     retina_pb2_grpc.add_RetinaWorkerServiceServicer_to_server(

@@ -716,17 +716,27 @@ class StorageGcJob:
             trans_id=trans.trans_id, schema_name=schema, table_name=table),
             timeout=RPC_TIMEOUT_S))
         name = f"{schema}.{table}"
-        self.state.files_listed += len(listing.files)
+        files = [f for f in listing.files if self._ours(f.name)]
+        self.state.files_listed += len(files)
         with ThreadPoolExecutor(STATS_THREADS) as pool:
-            stats = list(pool.map(lambda f: self.file_stats(trans, name, f), listing.files))
+            stats = list(pool.map(lambda f: self.file_stats(trans, name, f), files))
         usable = [s for s in stats if isinstance(s, FileStats)]
         for s in stats:
             if isinstance(s, Skipped):
                 self.state.skipped.append(s)
                 self.log.warning("gc_file_skipped", table=name, file_id=s.file_id,
                                  file=s.name, reason=s.reason)
-        listed = [FileRef(f.file_id, f.name, f.path_uri) for f in listing.files]
+        listed = [FileRef(f.file_id, f.name, f.path_uri) for f in files]
         return plan_table(schema, table, usable, listed, self.thresholds)
+
+    def _ours(self, name: str) -> bool:
+        """--node: only the files that node created (streams never span nodes)."""
+        if not self.args.node:
+            return True
+        try:
+            return file_names.parse(name).node_id == self.args.node
+        except ValueError:
+            return False  # reported by a run without --node
 
     # --- steps 3-5 ---
     def prepare(self, trans: tpb.BeginTransResponse, index: int, group: Group,
@@ -1037,6 +1047,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-ms", type=int, default=DEFAULT_LEASE_MS,
                    help="lease of the job's read transaction, renewed every third of it "
                         f"(default {DEFAULT_LEASE_MS})")
+    p.add_argument("--node", help="only the streams of this Retina node (host:port); the "
+                                  "node's own GC scheduler runs the job this way")
     p.add_argument("--dry-run", action="store_true", help="print the plan only; change nothing")
     p.add_argument("--json", action="store_true", help="also print the report as JSON")
     add_spark_arguments(p)
@@ -1072,6 +1084,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         return fail(PROG, str(exc), EXIT_USAGE)
     problem = check_args(args, config)
+    if args.node and args.node not in topology.nodes:
+        problem = f"--node {args.node} is not in the topology {list(topology.nodes)}"
     if problem:
         return fail(PROG, problem, EXIT_USAGE)
     log = configure_logging(PROG, config.log_level)

@@ -629,3 +629,17 @@ def test_a_stream_whose_rows_are_all_deleted_is_rewritten_to_an_empty_file(
     assert emptied[0]["outcome"] == "COMMITTED"
     assert plane.read("orders") == plane.model.rows["orders"]
     assert stored_rows(plane) == len(plane.model.rows["orders"])
+
+
+def test_a_node_runs_the_job_for_its_own_streams_when_configured(
+        make_plane: Callable[..., DataPlane]) -> None:
+    """retina.gc_job_interval_ms: the READY node launches the Spark job itself (``--node``
+    itself) and the deleted rows disappear from storage with no operator action."""
+    plane = make_plane(gc_job_interval_ms=2000,
+                       gc_job_args="--schema shop --master local[1] --json")
+    load(plane)
+    model = plane.model.rows["orders"]
+    eventually(lambda: stored_rows(plane) == len(model), 180,
+               "the node's own GC job to reclaim the deleted rows")
+    assert plane.read("orders") == model
+    assert all(n == 1 for n in streams(plane).values())
