@@ -206,11 +206,12 @@ class RetinaNode:
         return file_id in self.registry or file_id in self._buffer_files
 
     def stream_position(self, file_id: int) -> int:
-        """A published file's firstBlockId (its place in its stream); 0 otherwise."""
+        """A published file's firstBlockId (its place in its stream); -1 for any other
+        file (replaced, staged or still in a write buffer): block ids start at 0."""
         try:
             return self.registry.get(file_id).first_block_id
         except RegistryError:
-            return 0
+            return -1
 
     def rg_visibility(self, file_id: int, rg_id: int) -> RGVisibility:
         try:
@@ -224,7 +225,9 @@ class RetinaNode:
     def query_visibility(self, file_id: int, rg_ids: list[int],
                          ts: int) -> list[tuple[int, int, BitMap]]:
         """(rgId, rowCount, deleted bitmap at ts) of a published or buffered file."""
-        retired = None if self.in_baseline(file_id) else self.visibility.retired(file_id)
+        # Replaced (frozen as of its swap) or staged (a GC file between its swap and its
+        # adoption): looked up first, so no moment of the registry switch answers empty.
+        retired = self.visibility.retired(file_id)
         if retired is None and not self.in_baseline(file_id):
             raise VisibilityError(f"file {file_id} is not served by {self.node_id}")
         if retired is not None:  # replaced by Storage GC (or staged): as of the swap

@@ -243,7 +243,7 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
                 old_file_ids=e.old_file_ids, cutoff_ts=e.cutoff_ts, rows_kept=e.rows_kept,
                 created_at_ms=e.created_at_ms, updated_at_ms=e.updated_at_ms, reason=e.reason)
                 for e in self._gc.journal.entries()]
-            floor = self._gc.gc_floor()
+            floor = self._gc.gc_floor(drop_orphaned=False)
             status = self._scheduler.status()
             return pb.GetGcStatusResponse(
                 entries=entries, pending_rewrites=self._gc.pending_count(),

@@ -271,6 +271,9 @@ class StorageGc:
             if clash:
                 raise _refuse(grpc.StatusCode.ABORTED,
                               f"files {clash} are in another rewrite; try again later")
+            if self._stream_run(table, vnode, old_ids) != old:  # a commit landed meanwhile
+                raise _refuse(grpc.StatusCode.ABORTED,
+                              "the stream changed while the rewrite was prepared; try again")
             regular = {f.file_id: f.name for f in
                        self._catalog.get_files_by_type(stream.path_id, [FileType.REGULAR])}
             missing = [m.file_id for m in old if m.file_id not in regular]
@@ -362,9 +365,11 @@ class StorageGc:
                 log.info("gc_rewrite_orphaned", rewrite_id=p.rewrite_id, trans_id=p.trans_id)
         PENDING.set(len(self._pending))
 
-    def gc_floor(self) -> int | None:
-        """The lowest pinned cutoff: no visibility may be folded above it."""
-        self._drop_orphaned()
+    def gc_floor(self, drop_orphaned: bool = True) -> int | None:
+        """The lowest pinned cutoff: no visibility may be folded above it. (A status
+        read passes ``drop_orphaned=False``: it must not wait on the TransServer.)"""
+        if drop_orphaned:
+            self._drop_orphaned()
         with self._lock:
             self._expire()
             return min((p.cutoff for p in self._pending.values()), default=None)
@@ -405,6 +410,10 @@ class StorageGc:
             done = self._finished(rewrite_id, new_file_id)
             if done is not None:
                 return done
+            with self._lock:
+                if self._pending.get(rewrite_id) is not pending:  # lapsed meanwhile
+                    raise _refuse(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"rewrite {rewrite_id} lapsed; prepare it again")
             self._node.check_writable()
             if pending.expires_at_ms <= self._clock_ms():  # its pin lapsed: folds passed it
                 raise _refuse(grpc.StatusCode.FAILED_PRECONDITION,
@@ -471,16 +480,18 @@ class StorageGc:
                                      strict=True)),
             pending.cutoff, now + self._settings.retired_retention_ms, now, now, "",
             pending.dropped)
+        stream = pending.stream
+        progress = _Progress()
         try:
             self._journal.write(entry, fp.GC_JOURNAL_SWITCHING_BEFORE,
                                 fp.GC_JOURNAL_SWITCHING_AFTER)
         except Exception as exc:
-            # Nothing of the rewrite is applied. A record that reached its rename anyway
-            # is rolled back (harmlessly) by the next start, or overwritten by a retry.
-            raise _refuse(grpc.StatusCode.UNAVAILABLE,
-                          f"GC journal write failed, nothing changed: {exc}") from exc
-        stream = pending.stream
-        progress = _Progress()
+            if self._journal.get(entry.rewrite_id) is None:  # no record: nothing to undo
+                raise _refuse(grpc.StatusCode.UNAVAILABLE,
+                              f"GC journal write failed, nothing changed: {exc}") from exc
+            # The record is durable: close it (ABORTED) so its files are free again.
+            self._roll_back_live(entry, plan, progress, exc)
+            raise GcRolledBack(f"rewrite {pending.rewrite_id} rolled back: {exc}") from exc
         try:
             self._catalog.update_file(new_file_id, min_row_id=start,
                                       max_row_id=start + max(kept, 1) - 1,

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
 DEFAULT_MASTER = "local[2]"
+JVM_START_ATTEMPTS = 3
 # Codes after which the same call may simply be sent again. A request whose
 # deadline passed may or may not have been applied; sending it again is safe
 # because every row is a DELETE + INSERT of one key at one timestamp.
@@ -153,7 +154,18 @@ def spark_session(app_name: str, master: str | None, conf: dict[str, str]) -> Sp
             os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     for key, value in {**BASE_CONF, **conf}.items():
         builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    for attempt in range(1, JVM_START_ATTEMPTS + 1):
+        try:
+            spark = builder.getOrCreate()
+            break
+        except Exception as exc:
+            # A JVM that dies before it reports its port (memory or CPU pressure on a busy
+            # machine) is a failed start, not a failed job: start it again, twice at most.
+            if "JAVA_GATEWAY_EXITED" not in str(exc) or attempt == JVM_START_ATTEMPTS:
+                raise
+            print(f"spark: the JVM exited while starting ({attempt}/{JVM_START_ATTEMPTS}); "
+                  "starting it again", file=sys.stderr)
+            time.sleep(attempt)  # backoff between start attempts, not synchronisation
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 

@@ -10,14 +10,16 @@ The job never makes a file REGULAR and never touches an index or visibility. Per
    then ListQueryFiles(trans_id, schema, table): the only way candidates are enumerated
    (never an admin enumeration of the catalog);
 2. plan, on the driver: every listed file belongs to one stream, ``(table, vnode)`` of
-   the node that created it (both from its name), and is ordered by the name's sequence
-   number. QueryVisibility at safeGcTs gives each file's row count and deleted rows; its
-   size comes from storage. A group is a run of files of ONE stream, CONSECUTIVE among the
-   listed files of that stream (the node refuses anything else): a file whose deleted
-   fraction is at least ``--deleted-threshold`` alone, or a run of at least two small files
+   the node that created it (both from its name). QueryVisibility at safeGcTs gives each
+   file's row count, deleted rows and place in the stream (the node's firstBlockId: a GC
+   output takes the place of the files it replaced, which its name does not show); its
+   size comes from storage. A group is a run of files of ONE stream, CONSECUTIVE in that
+   order (the node refuses anything else): a file whose deleted fraction is at least
+   ``--deleted-threshold`` alone, or a run of at least two small files
    (``< --small-file-bytes``) merged up to ``--target-file-bytes``. A file whose
    visibility the node cannot answer at safeGcTs (ABORTED: its visibility base is above
-   it) is skipped for this run and reported; it also ends any run across it;
+   it), or that was replaced since the listing, is skipped for this run and reported,
+   and its stream is left alone (its place is unknown);
 3. per group, the owning node's PrepareGcRewrite names the rewrite, the new file, where it
    goes, the cutoff (the visibility the task reads is at exactly that cutoff) and the rows
    the node expects to survive;
@@ -703,6 +705,9 @@ class StorageGcJob:
             return Skipped(table, f.file_id, f.name,
                            f"QueryVisibility at {self.state.safe_gc_ts}: "
                            f"{exc.code().name}: {exc.details()}")
+        if visibility.first_block_id < 0:  # replaced by another rewrite since the listing
+            return Skipped(table, f.file_id, f.name, "no longer a published file of "
+                           f"{parsed.node_id} (replaced since it was listed)")
         rows, deleted = deleted_count(visibility)
         try:
             size = object_size(f.path_uri, f.name)

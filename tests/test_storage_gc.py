@@ -294,6 +294,23 @@ def test_a_kill_during_an_in_place_rollback_is_finished_by_recovery(
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+def test_a_journal_error_after_its_record_is_durable_closes_the_record(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    """The INDEX_SWITCHING record is on disk when the write reports an error: the entry is
+    closed (ABORTED) at once, so its files are not held until a restart."""
+    plane = make_plane(failpoints="gc.journal.switching.after=raise*1")
+    load(plane, catalog)
+    node, vnode, files = biggest_stream(plane)
+    prepared = gc.prepare(plane, node, "orders", vnode, files)
+    new_file = gc.write_new_file(plane, prepared)
+    err = rpc_error(lambda: gc.commit(plane, prepared, new_file))
+    assert err.code() == grpc.StatusCode.ABORTED, err.details()
+    assert [e.state for e in gc.journal(plane, node).values()] == ["ABORTED"]
+    assert catalog.get_file(new_file) is None
+    assert gc.rewrite(plane, node, "orders", vnode, files).outcome == "COMMITTED"
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
 def test_a_failure_before_the_swap_rolls_back_in_place(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(failpoints="gc.swap.before=raise*1")

@@ -434,8 +434,9 @@ class Catalog:
         (cleanupAt cleared), the new file RETIRED(cleanupAt). Idempotent; returns what
         it found:
 
-        * ``"not_swapped"``: the new file is TEMPORARY_GC or gone, so the swap never
-          committed (it flips the new file and the old ones together); nothing changes;
+        * ``"not_swapped"``: the new file is TEMPORARY_GC (the swap flips it and the
+          old ones together, so it never committed), or gone while every old file is
+          REGULAR (an earlier attempt already discarded it); nothing changes;
         * ``"already"``: the new file is RETIRED and the old ones REGULAR (a retry of a
           lost answer); nothing changes;
         * ``"reverted"``: the new file was REGULAR and every old one RETIRED.
@@ -451,9 +452,16 @@ class Catalog:
                         "ORDER BY file_id FOR UPDATE", (sorted([new_file_id, *old]),))
             rows = {r.file_id: r for r in map(_file, cur.fetchall())}
             new = rows.get(new_file_id)
-            if new is None or new.type == FileType.TEMPORARY_GC:
-                return "not_swapped"
             old_types = {rows[f].type if f in rows else None for f in old}
+            if new is not None and new.type == FileType.TEMPORARY_GC:
+                return "not_swapped"
+            if new is None and old_types == {FileType.REGULAR}:
+                return "not_swapped"  # an earlier attempt already discarded the new file
+            if new is None:
+                raise SwapPreconditionError(
+                    SwapPrecondition.NEW_FILE_MISSING, new_file_id,
+                    f"revert: new file {new_file_id} is gone but the old files are "
+                    f"{sorted(t.name if t else 'missing' for t in old_types)}")
             if new.type == FileType.RETIRED and old_types == {FileType.REGULAR}:
                 return "already"
             if new.type != FileType.REGULAR or old_types != {FileType.RETIRED}:
