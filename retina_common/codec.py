@@ -34,6 +34,8 @@ import pyarrow.compute as pc
 # The hidden column of every data file: each row's commit timestamp (one home for the
 # name: the write path, cleansing, Storage GC, the reader and the Spark jobs use it).
 COMMIT_TS = "_commit_ts"
+# The codec of every data file (ingest publish and Storage GC rewrites write the same).
+PARQUET_COMPRESSION = "zstd"
 
 _DECIMAL = re.compile(r"^decimal\((\d+),(\d+)\)$")
 _FIXED = {"boolean": 1, "int32": 4, "date32": 4, "int64": 8, "timestamp_us": 8,

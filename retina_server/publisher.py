@@ -43,7 +43,7 @@ from retina_common.catalog import (
     InvalidCatalogArgument,
     NotFoundError,
 )
-from retina_common.codec import COMMIT_TS
+from retina_common.codec import COMMIT_TS, PARQUET_COMPRESSION
 from retina_common.log import get_logger
 from retina_common.storage import file_uri, read_bytes, write_durably
 from retina_server.index import LocalIndexService
@@ -76,7 +76,7 @@ def finish(file: IngestFile, schema: pa.Schema, node_id: str) -> None:
     }
     full_schema = schema.with_metadata({f"{META_PREFIX}{k}": str(v) for k, v in metadata.items()})
     sink = pa.BufferOutputStream()
-    with pq.ParquetWriter(sink, full_schema, compression="zstd") as writer:
+    with pq.ParquetWriter(sink, full_schema, compression=PARQUET_COMPRESSION) as writer:
         for block in file.blocks:
             rows = block.visible_rows()
             writer.write_table(pa.Table.from_batches(rows.to_batches(), full_schema),

@@ -75,7 +75,7 @@ from retina_common.catalog import (
     FileTypeMismatch,
 )
 from retina_common.client import channel
-from retina_common.codec import COMMIT_TS
+from retina_common.codec import COMMIT_TS, PARQUET_COMPRESSION
 from retina_common.config import Config, ConfigError
 from retina_common.log import configure_logging
 from retina_common.pb import retina_pb2 as rpb
@@ -115,6 +115,7 @@ DEFAULT_ROW_GROUP_ROWS = 65_536
 DEFAULT_LEASE_MS = 60_000
 DEFAULT_GROUPS_PER_WAVE = 32
 STATS_THREADS = 8
+VISIBILITY_THREADS = 8
 META_PREFIX = "retina."  # the publisher's prefix for our own footer keys
 
 # Outcomes of a group, as printed and in --json.
@@ -329,8 +330,8 @@ def encode_parquet(rows: pa.Table, schema: pa.Schema, row_group_rows: int) -> by
     """One Parquet file of ``rows``. No rows at all (every row deleted) make a file with
     no row group: the node refuses an empty row group."""
     sink = pa.BufferOutputStream()
-    # The ingest publisher's codec (pyarrow's default, snappy): cheap to write and read.
-    with pq.ParquetWriter(sink, schema) as writer:
+    # The ingest publisher's codec: a rewrite never stores the same rows in more bytes.
+    with pq.ParquetWriter(sink, schema, compression=PARQUET_COMPRESSION) as writer:
         if rows.num_rows:
             writer.write_table(rows.cast(schema), row_group_size=row_group_rows)
     return sink.getvalue().to_pybytes()
@@ -442,12 +443,19 @@ def _rewrite(spec: TaskSpec, task: RewriteTask) -> RewriteResult:
     dropped = 0
     with channel(task.node) as ch:
         stub = retina_pb2_grpc.RetinaWorkerServiceStub(ch)
-        for ref in task.files:  # the given order is the new file's row order
+
+        def visibility_of(ref: FileRef) -> rpb.QueryVisibilityResponse:
             request = rpb.QueryVisibilityRequest(file_id=ref.file_id, timestamp=task.cutoff_ts,
                                                  trans_id=spec.trans_id)
-            visibility = call_with_retry(
-                lambda r=request: stub.QueryVisibility(r, timeout=spec.rpc_timeout_s),
+            return call_with_retry(
+                lambda: stub.QueryVisibility(request, timeout=spec.rpc_timeout_s),
                 f"QueryVisibility of file {ref.file_id} at {task.cutoff_ts} on {task.node}")
+
+        # A group of many small files waits mostly on these round trips: overlap them.
+        with ThreadPoolExecutor(VISIBILITY_THREADS) as pool:
+            answers = list(pool.map(visibility_of, task.files))
+        for ref, visibility in zip(task.files, answers, strict=True):
+            # The given order is the new file's row order.
             parquet = open_parquet(ref.path_uri, ref.name)
             if schema is None:
                 schema = parquet.schema_arrow
