@@ -123,6 +123,11 @@ def cleanse(node: RetinaNode, catalog: Catalog, loaded: LoadedCheckpoint | None,
     rgs: dict[int, list[RGEntry]] = defaultdict(list)
     for rg in body.row_groups if body else []:
         rgs[rg.file_id].append(rg)
+    # A file's block span is its admitted segment's: one block per row group for an
+    # ingest file, but a GC output spans the blocks of the files it replaced whatever
+    # its row groups (a wrong span would overlap the next file in the replay chain).
+    spans = {seg.file_id: seg.block_count for seg in (body.segments if body else [])
+             if seg.kind == SegmentKind.ADMITTED}
     kept: list[KeptFile] = []
     discarded: set[int] = set()
     for entry in body.files if body else []:
@@ -133,7 +138,7 @@ def cleanse(node: RetinaNode, catalog: Catalog, loaded: LoadedCheckpoint | None,
             log.warning("cleansing_discard", node=node.node_id, file_id=entry.file_id,
                         reason=reason)
             continue
-        _admit(node, entry, rgs[entry.file_id])
+        _admit(node, entry, rgs[entry.file_id], spans.get(entry.file_id, entry.num_row_group))
         record = by_id[entry.file_id]
         kept.append(KeptFile(entry, paths[record.path_id].uri, record.name))
     segments = [replace(s, kind=SegmentKind.PENDING)
@@ -218,10 +223,10 @@ def _footer_problem(e: FileEntry, path_uri: str, name: str) -> str:
     return ""
 
 
-def _admit(node: RetinaNode, e: FileEntry, rgs: list[RGEntry]) -> None:
+def _admit(node: RetinaNode, e: FileEntry, rgs: list[RGEntry], block_count: int) -> None:
     node.registry.register(IngestFileMeta(
         e.file_id, e.table_id, e.vnode, e.first_block_id, e.min_commit_ts, e.max_commit_ts,
-        e.record_num, e.min_row_id, e.max_row_id, e.num_row_group, e.num_row_group))
+        e.record_num, e.min_row_id, e.max_row_id, e.num_row_group, block_count))
     for rg in sorted(rgs, key=lambda r: r.rg_id):
         node.visibility.adopt(e.file_id, rg.rg_id, RGVisibility(
             rg.row_count, rg.base_timestamp, rg.deleted))
@@ -277,11 +282,19 @@ def _hide_in_file(node: RetinaNode, kept: KeptFile, start: int) -> int:
 
 def check_index_points_at_durable_rows(
         node: RetinaNode, versions: list[tuple[int, bytes, int, int]]) -> None:
-    """INDEX_POINTS_AT_DURABLE_ROWS over ``versions`` (table, key, ts, rowId): every
-    version the rewind kept at or above the node's replay start, the lowest
-    timestamp any replay of this node can write at."""
-    bad: list[str] = []
+    """INDEX_POINTS_AT_DURABLE_ROWS over ``versions`` (table, key, ts, rowId): the versions
+    the rewind kept at or above the node's replay start, the lowest timestamp any
+    replay of this node can write at. Only each key's latest kept version is checked:
+    every kept version lies below its scope's start, every replayed write at or above
+    it, so a replay resolves a key to its latest version and never to an older one
+    (which may rightly point at a row Storage GC dropped as deleted)."""
+    latest: dict[tuple[int, bytes], tuple[int, int]] = {}
     for table_id, key, ts, row_id in versions:
+        seen = latest.get((table_id, key))
+        if seen is None or ts > seen[0]:
+            latest[(table_id, key)] = (ts, row_id)
+    bad: list[str] = []
+    for (table_id, key), (ts, row_id) in latest.items():
         if row_id == TOMBSTONE:
             continue
         location = node.index.location_of(row_id)

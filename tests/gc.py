@@ -106,11 +106,11 @@ def commit(dp: DataPlane, p: Prepared, new_file_id: int) -> rpb.CommitGcRewriteR
         rewrite_id=p.reply.rewrite_id, new_file_id=new_file_id), timeout=60)
 
 
-def rewrite(dp: DataPlane, node: str, table: str, vnode: int,
-            old: list[FileRecord]) -> rpb.CommitGcRewriteResponse:
+def rewrite(dp: DataPlane, node: str, table: str, vnode: int, old: list[FileRecord],
+            row_group_rows: int = 50) -> rpb.CommitGcRewriteResponse:
     p = prepare(dp, node, table, vnode, old)
     try:
-        return commit(dp, p, write_new_file(dp, p))
+        return commit(dp, p, write_new_file(dp, p, row_group_rows))
     finally:
         end(dp, p.trans_id)
 
