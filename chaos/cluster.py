@@ -54,8 +54,11 @@ CDC_NAME = "chaos-cdc"
 VIRTUAL_NODES = 4
 # Small buffers and short intervals so publishes, file boundaries, checkpoints and
 # changelog retention happen all the time, not once per campaign.
+# The GC maintenance round (fold + prune) every 5 s instead of 30 s: folds race the GC
+# passes' prepares (FOLD_FENCE) and prunes race the recoveries within an episode or two.
 RETINA_SETTINGS = {"block_rows": 32, "blocks_per_file": 2, "flush_interval_ms": 400,
-                   "checkpoint_interval_ms": 1500, "lifecycle_ttl_s": 5}
+                   "checkpoint_interval_ms": 1500, "lifecycle_ttl_s": 5,
+                   "gc_interval_ms": 5000}
 TRANS_SETTINGS = {"ts_block_size": 32, "write_lease_ms": 5000}
 CDC_SETTINGS = {"retention_interval_s": 2, "node_check_interval_ms": 250,
                 "write_lease_ms": 2000, "batch_max_rows": 400}

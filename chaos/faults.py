@@ -6,13 +6,16 @@ import json
 import random
 import signal
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import grpc
 
+from devtools.cluster import node_state
 from retina_common import failpoints
 from retina_common.catalog import Catalog
 from retina_common.codec import encode_primary_key, encode_value
@@ -24,24 +27,46 @@ from retina_common.pb import trans_pb2 as tpb
 from retina_common.topology import load_topology
 
 from .cluster import CDC, TRANS, ChaosCluster
+from .gc import ROW_GROUP_ROWS, GcDriver, PassResult, maintenance
 from .prober import ReadinessTracker
 from .workload import PROBE_TABLE, SCHEMA
 
 # Which process reaches which failpoints (by name prefix).
 # etcd.txn.*: every compare-and-swap; Retina's checkpoint pointer swap does one constantly.
-RETINA_PREFIXES = ("ingest.", "index.", "checkpoint.", "recovery.", "catalog.", "etcd.")
+RETINA_PREFIXES = ("ingest.", "index.", "checkpoint.", "recovery.", "catalog.", "etcd.", "gc.")
+# Points of the Spark job's rewrite task (spark_jobs/storage_gc.py, rewrite_group).
+REWRITER_PREFIXES = ("gc.rewrite.",)
 # Points no process of this topology reaches, with the reason (reported, never hidden).
-UNREACHABLE = {
-    "catalog.swap.commit.before": "atomicSwapFiles is only called by the Storage GC commit "
-                                  "(Spark rewrite + owning node), which the campaign does not run",
-    "catalog.swap.commit.after": "atomicSwapFiles is only called by the Storage GC commit "
-                                 "(Spark rewrite + owning node), which the campaign does not run",
-}
-# Points reached while a process starts (bootstrap, cleansing, MarkReady) or during the one
-# replay the fault provokes: crash at the first hit. Everything else lets a few hits pass
-# first (K drawn from the seed).
-START_POINTS = ("catalog.bootstrap.", "recovery.", "catalog.delete_files.", "cdc.replay.")
+# Empty since the campaign runs Storage GC (chaos/gc.py): atomicSwapFiles, the only
+# caller of catalog.swap.commit.*, is reached by every GC commit.
+UNREACHABLE: dict[str, str] = {}
+# Storage GC points, by what reaches them (chaos/gc.py runs the passes):
+# - the commit: reached only while a GC commit runs, so the campaign runs GC passes on the
+#   armed node while it waits (catalog.update_file.commit.* is also reached by every
+#   ingest publish: the wait writes and runs GC passes, whichever comes first);
+GC_COMMIT_POINTS = ("gc.journal.switching.", "gc.visibility.", "gc.main_index.",
+                    "gc.primary_switch.", "gc.swap.", "gc.journal.swapped.", "gc.registry.",
+                    "catalog.swap.commit.", "catalog.update_file.commit.")
+# - promotion: after a GC commit, once both checkpoint slots hold the new file (two
+#   checkpoints: a few seconds with the campaign's checkpoint interval);
+GC_PROMOTE_POINTS = ("gc.journal.checkpointed.",)
+# - the rollback: only when a rewrite is left open by a crash. The node is first crashed
+#   inside a GC commit (GC_ROLLBACK_PREPARE), where no checkpoint can hold the new file yet
+#   (the switch runs under the stream locks a checkpoint takes), so the next start must
+#   roll it back; the point is armed for that start and hit during start-up.
+GC_ROLLBACK_POINTS = ("gc.rollback.", "gc.journal.aborted.", "catalog.revert_swap.commit.")
+# Swapped (revert_swap reverts the catalog) twice as often as not swapped (revert_swap
+# answers not_swapped and the new file is deleted): both cases of every rollback step.
+GC_ROLLBACK_PREPARE = {"gc.journal.swapped.after": 2, "gc.primary_switch.after": 1}
+# Points reached while a process starts (bootstrap, cleansing, MarkReady, recovery's GC
+# rollback) or during the one replay the fault provokes: crash at the first hit.
+# Everything else lets a few hits pass first (K drawn from the seed).
+START_POINTS = ("catalog.bootstrap.", "recovery.", "catalog.delete_files.", "cdc.replay.",
+                *GC_ROLLBACK_POINTS)
 FAILPOINT_DEADLINE_S = 10.0
+# A GC-driven wait needs the node READY again after its restart (the pass's read
+# transaction goes through the gate) and up to three commits.
+GC_FAILPOINT_DEADLINE_S = 25.0
 # Points reached only when an earlier crash left something behind: first crash the node at
 # the preparing point, then arm the point itself on the next start. Cleansing deletes the
 # TEMPORARY_INGEST files of a crashed node, and a crash right after ingest.alloc leaves one.
@@ -51,7 +76,11 @@ EXIT_AT_FAILPOINT = 137
 
 
 def process_of(point: str) -> str:
-    """``retina``, ``cdc`` or ``trans``: the process a failpoint is armed in."""
+    """``retina``, ``cdc``, ``trans`` or ``rewriter`` (a GC rewrite task, which the
+    campaign runs as a child process when one of its points is armed): the process a
+    failpoint is armed in."""
+    if point.startswith(REWRITER_PREFIXES):
+        return "rewriter"
     if point.startswith("cdc."):
         return "cdc"
     if point.startswith("trans."):
@@ -61,15 +90,30 @@ def process_of(point: str) -> str:
     return "retina"
 
 
-def relevant_points() -> list[str]:
-    return [p for p in failpoints.catalogue() if p not in UNREACHABLE]
+def gc_driving(point: str) -> str:
+    """How a GC point is driven: ``pass`` (GC passes while waiting), ``rollback`` (a crash
+    inside a GC commit first, then the point armed for the next start) or ``""``."""
+    if point.startswith(GC_ROLLBACK_POINTS):
+        return "rollback"
+    if point.startswith(GC_COMMIT_POINTS + GC_PROMOTE_POINTS):
+        return "pass"
+    return ""
 
 
-def failpoint_for(seed: int, episode: int) -> str:
-    """The failpoint of a failpoint episode: a seeded rotation through the catalogue, so
-    each point is tried once per len(catalogue) failpoint episodes, and one episode is
-    replayable alone (the choice depends on seed and episode only)."""
-    points = relevant_points()
+def relevant_points(prefixes: tuple[str, ...] = ()) -> list[str]:
+    """The catalogue minus UNREACHABLE; with ``prefixes``, only the points they start."""
+    return [p for p in failpoints.catalogue() if p not in UNREACHABLE
+            and (not prefixes or p.startswith(prefixes))]
+
+
+def failpoint_for(seed: int, episode: int, prefixes: tuple[str, ...] = ()) -> str:
+    """The failpoint of a failpoint episode: a seeded rotation through the catalogue (or
+    the part ``prefixes`` selects), so each point is tried once per len(points) failpoint
+    episodes, and one episode is replayable alone (the choice depends on seed, episode
+    and the selection only)."""
+    points = relevant_points(prefixes)
+    if not points:
+        raise ValueError(f"no failpoint starts with {prefixes}")
     random.Random(seed).shuffle(points)
     return points[(episode // 2) % len(points)]
 
@@ -82,6 +126,7 @@ class FaultResult:
     failpoint_hit: bool | None = None
     anomalies: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    gc: Counter[str] = field(default_factory=Counter)  # GC pass outcomes (chaos/gc.py)
 
 
 @dataclass
@@ -90,6 +135,28 @@ class FaultContext:
     tracker: ReadinessTracker
     rng: random.Random
     write: Callable[[], None]  # one small workload step on the source
+    source: Callable[[], Any] | None = None  # the source connection (GC's racing changes)
+    gc_row_group_rows: tuple[int, ...] = ROW_GROUP_ROWS  # the GC passes' new-file row groups
+
+    def gc_pass(self, node: str, result: FaultResult, max_groups: int = 3,
+                race: float = 0.5, task_failpoints: str = "") -> PassResult:
+        """One GC pass on ``node``; its counts, notes and anomalies go into ``result``."""
+        assert self.cluster.state is not None
+        state = self.cluster.state
+        driver = GcDriver(state.trans_listen, state.postgres.dsn(), self.rng, self.source,
+                          task_failpoints, self.gc_row_group_rows)
+        done = driver.run_pass(node, lambda: self.cluster.alive(node), max_groups, race)
+        done.task_exits = driver.task_exits
+        result.gc.update(done.counts)
+        result.anomalies.extend(done.anomalies)
+        result.notes.extend(done.notes)
+        if done.stopped.startswith("BeginTrans"):
+            result.gc["gate_closed"] += 1  # routine while the node restarts: counted only
+        elif done.first_refusal or (done.stopped and "exited" not in done.stopped):
+            # A node exiting mid-pass is what a failpoint wait is for (counted as
+            # commit_unknown); refusals and other stops are worth a line.
+            result.notes.append(done.summary())
+        return done
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         self.cluster.kill(name, sig)
@@ -230,6 +297,9 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
 
     Waits for exit 137 (hit) or the deadline (not reached: restarted clean)."""
     role = process_of(point)
+    if role == "rewriter":
+        return arm_rewriter_failpoint(ctx, point, hit_k)
+    driving = gc_driving(point)
     spec = f"{point}=exit({EXIT_AT_FAILPOINT})@{hit_k}"
     result = FaultResult("failpoint", f"{spec}", failpoint=point)
     ctx.write()  # leave work in flight, so start-up paths (cleansing) have something to do
@@ -244,6 +314,17 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
         prepared = _drive_until_exit(ctx, name, FAILPOINT_DEADLINE_S)
         result.detail += f" (after {PREPARE[point]}: {prepared})"
         ctx.kill(name, signal.SIGKILL)
+    elif driving == "rollback":
+        # Leave an open rewrite that no checkpoint holds: a crash inside a GC commit.
+        prep = ctx.rng.choices(list(GC_ROLLBACK_PREPARE),
+                               weights=list(GC_ROLLBACK_PREPARE.values()))[0]
+        ctx.cluster.start(name, f"{prep}=exit({EXIT_AT_FAILPOINT})@1")
+        prepared = _drive_until_exit(ctx, name, GC_FAILPOINT_DEADLINE_S, result)
+        result.detail += f" (after {prep}: {prepared})"
+        if prepared != EXIT_AT_FAILPOINT:
+            result.notes.append(f"{point}: no GC commit crashed at {prep}: nothing to roll "
+                                "back")
+        ctx.kill(name, signal.SIGKILL)
     ctx.cluster.start(name, spec)
     if role == "cdc" and ".replay." in point:
         # Replay points are only reached while a node recovers: give the connector one.
@@ -251,12 +332,13 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
         ctx.kill(node, signal.SIGKILL)
         ctx.cluster.start_node(node)
         result.detail += f" (replaying {node})"
-    code = _drive_until_exit(ctx, name, FAILPOINT_DEADLINE_S)
+    deadline_s = GC_FAILPOINT_DEADLINE_S if driving == "pass" else FAILPOINT_DEADLINE_S
+    code = _drive_until_exit(ctx, name, deadline_s, result if driving == "pass" else None)
     result.failpoint_hit = code == EXIT_AT_FAILPOINT
     if name in ctx.cluster.nodes and code is not None:
         ctx.tracker.down(name)
     if code is None:
-        result.notes.append(f"{point} not reached within {FAILPOINT_DEADLINE_S:.0f}s")
+        result.notes.append(f"{point} not reached within {deadline_s:.0f}s")
         ctx.kill(name, signal.SIGKILL)
     elif code != EXIT_AT_FAILPOINT:
         result.notes.append(f"{name} exited {code} instead of at {point}")
@@ -266,14 +348,51 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
     return result
 
 
-def _drive_until_exit(ctx: FaultContext, name: str, timeout_s: float) -> int | None:
-    """Keep the workload going (small steps) until ``name`` exits or the deadline passes."""
+def arm_rewriter_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
+    """A point of the GC rewrite task: GC passes on a random node whose rewrite tasks run
+    as child processes with ``point=exit(137)@K``, until a task dies there (a dead Spark
+    task: its TEMPORARY_GC file is left registered, written or not, and its group is never
+    committed); then one ordinary pass, which must be able to rewrite the same files."""
+    # Each task process rewrites one group and reaches the point once: crash at the
+    # first hit (hit_k is the rotation's draw, unused here).
+    del hit_k
+    spec = f"{point}=exit({EXIT_AT_FAILPOINT})@1"
+    node = ctx.node()
+    result = FaultResult("failpoint", f"{spec} (tasks for {node})", failpoint=point)
+    deadline = time.monotonic() + GC_FAILPOINT_DEADLINE_S
+    result.failpoint_hit = False
+    while time.monotonic() < deadline and not result.failpoint_hit:
+        ctx.write()
+        if node_state(node) != rpb.READY:
+            continue  # the gate would refuse the pass's read transaction
+        done = ctx.gc_pass(node, result, max_groups=3, race=0.3, task_failpoints=spec)
+        result.failpoint_hit = EXIT_AT_FAILPOINT in done.task_exits
+        other = sorted({c for c in done.task_exits if c not in (0, EXIT_AT_FAILPOINT)})
+        if other:
+            result.notes.append(f"rewrite task exited {other} instead of at {point}")
+    if not result.failpoint_hit:
+        result.notes.append(f"{point} not reached within {GC_FAILPOINT_DEADLINE_S:.0f}s")
+        return result
+    rerun = ctx.gc_pass(node, result, max_groups=3, race=0.3)
+    result.detail += f" then a clean pass: {rerun.counts['committed']} committed"
+    return result
+
+
+def _drive_until_exit(ctx: FaultContext, name: str, timeout_s: float,
+                      gc: FaultResult | None = None) -> int | None:
+    """Keep the workload going (small steps) until ``name`` exits or the deadline passes;
+    with ``gc``, also GC passes on that node (counted into ``gc``), for points only a GC
+    commit, its promotion or a crash inside it reaches."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         code = ctx.cluster.wait_exit(name, 0.3)
         if code is not None:
             return code
         ctx.write()
+        # Only once the restarted node is READY: before, the gate refuses the pass (or a
+        # stale READY key admits it to a node that is not listening yet).
+        if gc is not None and ctx.cluster.alive(name) and node_state(name) == rpb.READY:
+            ctx.gc_pass(name, gc, max_groups=3, race=0.3)
     return ctx.cluster.exit_code(name)
 
 
@@ -288,6 +407,29 @@ def mark_ready_crash(ctx: FaultContext) -> FaultResult:
         point = "recovery.mark_ready.barrier.after"
     result = arm_failpoint(ctx, point, 1)
     result.kind = "mark_ready_crash"
+    return result
+
+
+# --- Storage GC ---------------------------------------------------------------------------------
+def gc_rewrite(ctx: FaultContext) -> FaultResult:
+    """A GC pass on a random node, source changes racing it, then sometimes at once a
+    SIGKILL (a crash right after a commit, before any checkpoint holds the new file:
+    recovery rolls it back), or RunGcMaintenance (fold + prune), sometimes then a kill."""
+    node = ctx.node()
+    ctx.write()
+    result = FaultResult("gc_rewrite", node)
+    done = ctx.gc_pass(node, result, max_groups=ctx.rng.randint(1, 4), race=0.6)
+    after = ctx.rng.choices(["none", "kill", "maintenance", "maintenance+kill"],
+                            weights=[3, 3, 1, 2])[0]
+    result.detail = f"{node} committed {done.counts['committed']}/{done.counts['groups']}"
+    if after.startswith("maintenance"):
+        result.detail += f", {maintenance(node)}"
+    if after.endswith("kill"):
+        ctx.kill(node, signal.SIGKILL)
+        if ctx.rng.random() < 0.5:
+            ctx.write()  # the stream goes on while the node is down
+        ctx.cluster.start_node(node)
+    result.detail += f", then {after}"
     return result
 
 
@@ -364,6 +506,7 @@ FAULTS: dict[str, tuple[float, Callable[[FaultContext], FaultResult]]] = {
     "restart_burst": (2, restart_burst),
     "mark_ready_crash": (2, mark_ready_crash),
     "malformed_key": (1, malformed_key),
+    "gc_rewrite": (4, gc_rewrite),
 }
 
 
@@ -372,9 +515,10 @@ def choose_fault(rng: random.Random, only: list[str] | None = None) -> str:
     return rng.choices(names, weights=[FAULTS[n][0] for n in names])[0]
 
 
-def inject(ctx: FaultContext, kind: str, seed: int, episode: int) -> FaultResult:
+def inject(ctx: FaultContext, kind: str, seed: int, episode: int,
+           prefixes: tuple[str, ...] = ()) -> FaultResult:
     if kind == "failpoint":
-        point = failpoint_for(seed, episode)
+        point = failpoint_for(seed, episode, prefixes)
         k = 1 if point.startswith(START_POINTS) else ctx.rng.randint(1, 3)
         return arm_failpoint(ctx, point, k)
     return FAULTS[kind][1](ctx)

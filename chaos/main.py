@@ -38,7 +38,9 @@ from .faults import (
     FaultResult,
     choose_fault,
     inject,
+    relevant_points,
 )
+from .gc import ROW_GROUP_ROWS, journal_states
 from .prober import Prober, ReadinessTracker
 from .report import Anomaly, Report
 
@@ -76,14 +78,30 @@ class Campaign:
         self.broken = ""  # set when the cluster cannot go on: stop the campaign
         self.cdc_stopped = False
         self._exits_seen: dict[tuple[int, str, int | None], int] = {}
+        # GC journal entries by rewrite id (unique across clusters): the state last seen,
+        # and how many checks in a row found one swapped but not yet promoted.
+        self._gc_seen: dict[str, str] = {}
+        self._gc_unpromoted: dict[str, int] = {}
 
     def episode_numbers(self) -> list[int]:
         if self.args.episode is not None:
             return [self.args.episode]
         return list(range(self.args.episodes))
 
+    def gc_row_group_rows(self) -> tuple[int, ...]:
+        return tuple(int(n) for n in self.args.gc_row_group_rows.split(","))
+
+    def failpoint_prefixes(self) -> tuple[str, ...]:
+        return tuple(filter(None, self.args.failpoints.split(",")))
+
     def replay_command(self, episode: int) -> str:
         extra = f" --nodes {self.args.nodes}" if self.args.nodes != 2 else ""
+        if self.args.failpoints:  # the rotation depends on the selection
+            extra += f" --failpoints {self.args.failpoints}"
+        if self.args.faults:
+            extra += f" --faults {self.args.faults}"
+        if self.gc_row_group_rows() != ROW_GROUP_ROWS:
+            extra += f" --gc-row-group-rows {self.args.gc_row_group_rows}"
         return f"retina-chaos --seed {self.args.seed} --episode {episode}{extra}"
 
     # --- the campaign -----------------------------------------------------------------------
@@ -95,8 +113,9 @@ class Campaign:
                     self.report.stopped_early = "time budget reached"
                     break
                 if index % self.args.cluster_episodes == 0:
-                    # A fresh cluster every so many episodes: nothing compacts the tiny
-                    # ingest files, and every comparison reads all of them.
+                    # A fresh cluster every so many episodes: only the GC faults compact
+                    # the tiny ingest files, now and then and one node's few streams at a
+                    # time, and every comparison reads all of them.
                     self._close_cluster()
                     self._open_cluster(index // self.args.cluster_episodes)
                 before = len(self.report.anomalies)
@@ -173,12 +192,13 @@ class Campaign:
         # needed does not shift the fault choices.
         work_rng = random.Random(derived ^ 0x5DEECE66D)
         ctx = FaultContext(self.cluster, self.tracker, fault_rng,
-                           lambda: self._write(work_rng, episode))
+                           lambda: self._write(work_rng, episode), self._source,
+                           self.gc_row_group_rows())
         for _ in range(fault_rng.randint(1, 2)):
             ctx.write()
         kind = self._fault_kind(fault_rng, episode)
         try:
-            result = inject(ctx, kind, self.args.seed, episode)
+            result = inject(ctx, kind, self.args.seed, episode, self.failpoint_prefixes())
         except (ClusterError, OSError, psycopg2.Error) as exc:
             result = FaultResult(kind, notes=[f"fault injection failed: {exc}"])
         self._record_fault(episode, result)
@@ -202,6 +222,7 @@ class Campaign:
             self._heal(episode)
         self._check_progress(episode, caught_up and comparison.clean)
         self._record_comparison(episode, comparison)
+        self._check_gc_journals(episode)
         self._record_breaches(episode)
         self.report.episodes += 1
         self.report.episode_seconds.append(time.monotonic() - t0)
@@ -331,11 +352,48 @@ class Campaign:
                 self.report.failpoint_hits[result.failpoint] += 1
             else:
                 self.report.failpoint_not_reached[result.failpoint] += 1
+        self.report.gc.update(result.gc)
+        self.report.transactions += result.gc["racing_transactions"]
         for note in result.notes:
             self.report.notes.append(f"episode {episode}: {note}")
         for text in result.anomalies:
             kind = text.split(":", 1)[0]
             self._anomaly(episode, kind, text, "")
+
+    def _check_gc_journals(self, episode: int) -> None:
+        """Every READY node's GC journal once the cluster is healed (and has converged, so
+        the READY checkpoints are written): no entry may be INDEX_SWITCHING (no commit runs
+        now: the campaign's passes are over, and recovery decides every open entry before
+        READY). Counts what recovery and promotion did since the last look."""
+        for node, state in self.cluster.node_states().items():
+            if state != rpb.READY:
+                continue
+            entries = journal_states(node)
+            if entries is None:
+                self.report.notes.append(f"episode {episode}: GetGcStatus of {node} "
+                                         "unanswered")
+                continue
+            for rid, entry in entries.items():
+                before = self._gc_seen.get(rid)
+                if entry.state == "INDEX_SWITCHING" and before != entry.state:  # once each
+                    self._anomaly(episode, "gc_journal_stuck",
+                                  f"{node}: rewrite {rid} (new file {entry.new_file_id}, old "
+                                  f"{list(entry.old_file_ids)}) is INDEX_SWITCHING on a READY "
+                                  "node after healing", node)
+                if entry.state == before:
+                    if entry.state == "SWAPPED_NOT_CHECKPOINTED":
+                        self._gc_unpromoted[rid] = self._gc_unpromoted.get(rid, 0) + 1
+                        if self._gc_unpromoted[rid] == 3:
+                            self.report.notes.append(
+                                f"episode {episode}: {node}: rewrite {rid} still "
+                                "SWAPPED_NOT_CHECKPOINTED after three episodes READY")
+                    continue
+                self._gc_seen[rid] = entry.state
+                if entry.state == "ABORTED":
+                    how = "recovery" if entry.reason.startswith("recovery:") else "in_place"
+                    self.report.gc[f"rolled_back_{how}"] += 1
+                elif entry.state == "CHECKPOINTED":
+                    self.report.gc["promoted"] += 1
 
     def _record_comparison(self, episode: int, comparison: Comparison) -> None:
         self.report.rows_compared += comparison.total("rows")
@@ -384,10 +442,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="start no new episode after this many seconds")
     parser.add_argument("--converge-timeout", type=float, default=60)
     parser.add_argument("--cluster-episodes", type=int, default=50,
-                        help="episodes per cluster before a fresh one (files are never "
-                             "compacted, and every comparison reads them all)")
+                        help="episodes per cluster before a fresh one (only the GC faults "
+                             "compact files, and every comparison reads them all)")
     parser.add_argument("--failpoints-only", action="store_true",
                         help="every episode arms the next failpoint of the rotation")
+    parser.add_argument("--gc-row-group-rows", default=",".join(map(str, ROW_GROUP_ROWS)),
+                        help="rows per row group of the GC passes' new files, one drawn "
+                             "per pass (default %(default)s; 8 gives a new file more row "
+                             "groups than its old files had blocks)")
+    parser.add_argument("--failpoints", default="",
+                        help="comma-separated name prefixes: failpoint episodes rotate "
+                             "through these points only (e.g. gc.,catalog.swap.)")
     parser.add_argument("--faults", default="",
                         help=f"comma-separated fault kinds to draw from: {', '.join(FAULTS)}")
     args = parser.parse_args(argv)
@@ -396,6 +461,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(filter(None, args.faults.split(","))) - set(FAULTS)
     if unknown:
         parser.error(f"--faults: unknown kinds {sorted(unknown)}")
+    try:
+        if not all(int(n) > 0 for n in args.gc_row_group_rows.split(",")):
+            raise ValueError
+    except ValueError:
+        parser.error("--gc-row-group-rows: comma-separated positive numbers")
+    if args.failpoints and not relevant_points(tuple(filter(None, args.failpoints.split(",")))):
+        parser.error(f"--failpoints: no failpoint starts with {args.failpoints}")
     return args
 
 

@@ -40,6 +40,11 @@ class Report:
     reads_failed: int = 0
     reads_outside_ready: int = 0
     transactions: int = 0
+    # Storage GC (chaos/gc.py): passes, groups, committed, refused_<CODE>, files_replaced,
+    # rows_kept, rows_dropped, chain_items, racing_changes, gate_closed, commit_unknown,
+    # task_died, streams_skipped, rolled_back_recovery, rolled_back_in_place, promoted
+    # (the last three from the journals after each episode).
+    gc: Counter[str] = field(default_factory=Counter)
     unexpected_exits: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     anomalies: list[Anomaly] = field(default_factory=list)
@@ -85,6 +90,7 @@ class Report:
             f"  never hit            {', '.join(self.never_hit()) or '-'}",
             "  left out             " + (", ".join(f"{k} ({v})" for k, v in
                                                    self.unreachable.items()) or "-"),
+            f"  storage GC           {self.gc_text()}",
             f"  rows compared        {self.rows_compared}",
             f"  lost / duplicated / phantom / mismatched rows  {self.lost} / {self.duplicated} "
             f"/ {self.phantom} / {self.mismatched}",
@@ -104,6 +110,20 @@ class Report:
             if a.log_tail:
                 lines += [f"      | {line}" for line in a.log_tail.splitlines()[-8:]]
         return "\n".join(lines)
+
+
+    def gc_text(self) -> str:
+        g = self.gc
+        refused = ", ".join(f"{k[len('refused_'):]} {v}" for k, v in sorted(g.items())
+                            if k.startswith("refused_")) or "none"
+        return (f"{g['passes']} passes, {g['groups']} groups: {g['committed']} committed "
+                f"({g['files_replaced']} files replaced, {g['rows_dropped']} rows dropped, "
+                f"{g['chain_items']} chain items carried), refused: {refused}; outcome "
+                f"unknown (node died mid-commit) {g['commit_unknown']}; rolled back by "
+                f"recovery {g['rolled_back_recovery']}, in place {g['rolled_back_in_place']}; "
+                f"promoted {g['promoted']}; racing source changes {g['racing_changes']}; "
+                f"rewrite tasks killed {g['task_died']}; streams left alone (a file without "
+                f"a place) {g['streams_skipped']}")
 
 
 def _mean(values: list[float]) -> float:

@@ -163,6 +163,24 @@ def one_change(cur: Any, table: TableSpec, rng: random.Random) -> str:
     return "delete_many"
 
 
+def change_key(cur: Any, table: TableSpec, key: Key, rng: random.Random) -> str:
+    """A change of one given key (a row a GC rewrite is moving): mostly a delete, else an
+    update of a value column or a replace. The row may be gone already: then a no-op or
+    a re-insert, both fine (the source stays the model)."""
+    choice = rng.random()
+    if choice < 0.6:
+        cur.execute(f"DELETE FROM public.{table.name} WHERE {_where(table)}", key)
+        return "delete"
+    if choice < 0.85:
+        col = rng.choice(table.value_columns)
+        value = table.values(rng)[table.value_columns.index(col)]
+        cur.execute(f"UPDATE public.{table.name} SET {col} = %s WHERE {_where(table)}",
+                    (value, *key))
+        return "update"
+    upsert(cur, table, [tuple(key) + table.values(rng)])
+    return "upsert"
+
+
 def transaction(conn: Any, rng: random.Random, episode: int) -> int:
     """One source transaction over one to three hot tables; returns statements run."""
     hot = [t for t in TABLES if t.hot(episode)]

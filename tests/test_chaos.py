@@ -7,7 +7,9 @@ read served while a node was not READY.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import random
 import subprocess
 import sys
 import time
@@ -15,15 +17,21 @@ from pathlib import Path
 
 import pytest
 
-from chaos import faults
+from chaos import faults, gc_task
+from chaos import gc as gc_driver
 from chaos.compare import diff_table, lsn
 from chaos.main import episode_seed, parse_args
 from chaos.prober import ReadinessTracker
 from chaos.workload import BY_NAME
 from retina_common import failpoints
 from retina_common.pb import retina_pb2 as rpb
+from retina_common.pb import trans_pb2 as tpb
 
-SAMPLE = ["--seed", "7", "--episodes", "12", "--time-budget", "120", "--converge-timeout", "45"]
+# Seed 7's first ten episodes draw, among others, a gc_rewrite fault (episode 2) and the
+# failpoints gc.journal.checkpointed.before (GC passes until a promotion), gc.rewrite.write.*
+# (a rewrite task killed) and gc.rollback.primary.after (a crash inside a GC commit, then
+# a crash in recovery's rollback): Storage GC is in the sample, about a minute long.
+SAMPLE = ["--seed", "7", "--episodes", "10", "--time-budget", "100", "--converge-timeout", "45"]
 
 
 # --- bookkeeping ------------------------------------------------------------------------------
@@ -33,9 +41,82 @@ def test_every_catalogue_point_is_armed_or_left_out_with_a_reason() -> None:
             assert faults.UNREACHABLE[point]
             continue
         role = faults.process_of(point)
-        assert role in ("retina", "cdc", "trans")
+        assert role in ("retina", "cdc", "trans", "rewriter")
         if role == "retina":
             assert point.startswith(faults.RETINA_PREFIXES), point
+        # A Storage GC point is reached only by a GC commit, its promotion, a rollback
+        # or a rewrite task: the campaign must drive it one of those ways.
+        if point.startswith("gc."):
+            assert faults.gc_driving(point) or role == "rewriter", point
+
+
+def test_unreachable_points_are_really_unreachable() -> None:
+    # Storage GC runs in the campaign: atomicSwapFiles (catalog.swap.commit.*) and the
+    # rollback's revert_swap are reached like every other point.
+    for point in ("catalog.swap.commit.before", "catalog.swap.commit.after",
+                  "catalog.revert_swap.commit.before", "catalog.revert_swap.commit.after"):
+        assert point not in faults.UNREACHABLE
+        assert faults.gc_driving(point)
+    # Rollback points are hit while the node starts: at the first hit, after a crash
+    # inside a GC commit that no checkpoint can hold yet.
+    for point in failpoints.catalogue():
+        if faults.gc_driving(point) == "rollback":
+            assert point.startswith(faults.START_POINTS), point
+    for prep in faults.GC_ROLLBACK_PREPARE:
+        assert prep in failpoints.catalogue() and faults.gc_driving(prep) == "pass"
+
+
+def test_failpoint_selection_by_prefix() -> None:
+    gc_points = faults.relevant_points(("gc.",))
+    assert gc_points and all(p.startswith("gc.") for p in gc_points)
+    cycle = {faults.failpoint_for(5, e, ("gc.",)) for e in range(1, 2 * len(gc_points), 2)}
+    assert cycle == set(gc_points)
+    with pytest.raises(SystemExit):
+        parse_args(["--failpoints", "no_such_prefix."])
+
+
+def _listed(node: str, vnode: int, seq: int, file_id: int) -> tpb.QueryFile:
+    host, port = node.split(":")
+    return tpb.QueryFile(file_id=file_id, name=f"{host}-{port}_20260101000000_{seq}_{vnode}"
+                                              ".parquet", path_uri="file:///x")
+
+
+def test_gc_groups_are_consecutive_runs_of_one_stream_in_the_nodes_order() -> None:
+    node, other = "127.0.0.1:1000", "127.0.0.1:2000"
+    listing = [_listed(node, 0, seq, 100 + seq) for seq in (9, 3, 5, 7, 1)]
+    listing += [_listed(node, 2, seq, 200 + seq) for seq in (4, 2, 6)]
+    listing += [_listed(other, 1, seq, 300 + seq) for seq in (1, 2, 3)]
+    streams = gc_driver.node_streams(listing, node)
+    assert sorted(streams) == [0, 2]
+    assert sorted(f.file_id for f in streams[0]) == [101, 103, 105, 107, 109]
+    # The node's order, not the name's: file 109 (seq 9, a GC output) took the place of
+    # the files it replaced, before 103.
+    positions = {101: 0, 109: 2, 103: 6, 105: 8, 107: 10}
+    ordered = gc_driver.in_stream_order(streams[0], positions)
+    assert ordered is not None
+    assert [f.file_id for f in ordered] == [101, 109, 103, 105, 107]
+    # A file without a place (replaced since the listing, or refused): leave the stream.
+    assert gc_driver.in_stream_order(streams[0], {**positions, 105: -1}) is None
+    for seed in range(100):
+        rng = random.Random(seed)
+        runs = gc_driver.cut_runs(ordered, rng)
+        assert [f for run in runs for f in run] == ordered  # consecutive cuts, in order
+        picked = gc_driver.pick_streams({"accounts": listing, "tags": listing[:2]}, node,
+                                        rng, max_groups=2)
+        assert 1 <= len(picked) <= 2
+        assert len({(t, v) for t, v, _ in picked}) == len(picked)  # one group per stream
+
+
+def test_a_gc_task_round_trips_through_its_process_boundary() -> None:
+    from spark_jobs.storage_gc import FileRef, RewriteResult, RewriteTask, TaskSpec
+
+    spec = TaskSpec("dbname=x", 5, 42, 40)
+    task = RewriteTask(0, "r1", "127.0.0.1:1000", "chaos.tags", 2,
+                       (FileRef(7, "a.parquet", "file:///p"),), 0, "n.parquet", 3, "file:///p",
+                       99, 12)
+    assert gc_task.decode(gc_task.encode(spec, task)) == (spec, task)
+    result = RewriteResult("r1", 8, 12, 3)
+    assert gc_task.result_of(json.dumps(dataclasses.asdict(result))) == result
 
 
 def test_failpoint_rotation_is_seeded_and_covers_the_catalogue() -> None:
@@ -98,6 +179,8 @@ def test_lsn_and_arguments() -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(330)
 def test_fixed_seed_sample_loses_nothing_and_never_serves_outside_ready(tmp_path: Path) -> None:
+    """Also fails on any other anomaly (exit code 1), e.g. a GC journal entry stuck in
+    INDEX_SWITCHING or a GC commit answer that disagrees with the journal."""
     report_path = tmp_path / "chaos.json"
     started = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "chaos", *SAMPLE, "--json", str(report_path)],
@@ -114,5 +197,10 @@ def test_fixed_seed_sample_loses_nothing_and_never_serves_outside_ready(tmp_path
     assert report["mismatched"] == 0, output
     assert report["reads_outside_ready"] == 0, output
     assert report["reads_served"] > 0, output
+    # Storage GC ran: a gc_rewrite fault, rewrites committed, a GC failpoint hit.
+    assert report["faults"].get("gc_rewrite", 0) >= 1, \
+        f"seed 7 no longer draws a gc_rewrite fault: choose another sample seed\n{output}"
+    assert report["gc"].get("committed", 0) >= 1, output
+    assert any(p.startswith("gc.") for p in report["failpoint_hits"]), output
     assert not report["stopped_early"] or "time budget" in report["stopped_early"], output
     assert result.returncode == 0, f"anomalies ({took:.0f}s):\n{output}"
