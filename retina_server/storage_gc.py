@@ -90,6 +90,10 @@ JOURNAL_OLDEST_OPEN = Gauge("retina_gc_journal_oldest_open_age_seconds",
 PENDING = Gauge("retina_gc_pending_rewrites", "Rewrites prepared, not committed or aborted")
 
 
+# Answers to repeated commits kept in memory; older ones are rebuilt from the journal.
+DONE_KEPT = 1000
+
+
 class GcRolledBack(Exception):
     """The commit failed before the swap and was undone: nothing changed."""
 
@@ -432,6 +436,8 @@ class StorageGc:
         self._forget(rewrite_id)
         with self._lock:
             self._done[rewrite_id] = result
+            while len(self._done) > DONE_KEPT:  # older answers come from the journal
+                del self._done[next(iter(self._done))]
         return result
 
     def _forget(self, rewrite_id: str) -> None:
