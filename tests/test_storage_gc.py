@@ -21,6 +21,7 @@ from . import gc
 from .dataplane import SCHEMA, DataPlane
 from .support import eventually, rpc_error
 from .test_recovery_protocol import order
+from .test_recovery_sequences import restart_and_recover
 
 
 def settle(plane: DataPlane, catalog: Catalog, table: str = "orders") -> None:
@@ -92,9 +93,7 @@ def test_a_rewrite_reclaims_deleted_rows_and_reads_stay_exact(
                              "deletes": [{"id": i} for i in range(2, 60, 4)]}})
     assert plane.read("orders") == plane.model.rows["orders"]
     for _ in range(2):  # two restarts in a row
-        plane.retinas[node].kill9()
-        plane.retinas[node].start()
-        plane.recover(node)
+        restart_and_recover(plane, node)
         assert plane.read("orders") == plane.model.rows["orders"]
 
 
@@ -157,9 +156,7 @@ def test_deletes_racing_the_rewrite_are_never_lost(
     assert plane.read("orders") == plane.model.rows["orders"]
     plane.commit({"orders": {"deletes": [{"id": i} for i in ids[20:30]]}})
     assert plane.read("orders") == plane.model.rows["orders"]
-    plane.retinas[node].kill9()
-    plane.retinas[node].start()
-    plane.recover(node)
+    restart_and_recover(plane, node)
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
@@ -484,9 +481,7 @@ def test_maintenance_folds_and_prunes_and_recovery_still_converges(
     for cycle in range(2):  # writes after the prune, a crash, a replay over pruned keys
         plane.commit({"orders": {"replaces": [order(i, note=f"r{cycle}") for i in range(0, 60, 2)],
                                  "deletes": [{"id": i} for i in range(1, 60, 6)]}})
-        plane.retinas[node].kill9()
-        plane.retinas[node].start()
-        plane.recover(node)
+        restart_and_recover(plane, node)
         assert plane.read("orders") == plane.model.rows["orders"]
         plane.checkpoint(node)
         advance(plane)
