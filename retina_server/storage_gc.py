@@ -661,9 +661,12 @@ class StorageGc:
             self._catalog.atomic_swap_files(entry.new_file_id, entry.old_file_ids, cleanup_at)
         except CatalogOutcomeUnknown:
             progress.swapped = None  # unknown until re-read
-            state = until_deadline(lambda: swap_state(self._catalog, entry),
-                                   transient=(CatalogUnavailable, CatalogOutcomeUnknown),
-                                   deadline_s=self._settings.swap_outcome_deadline_s)
+            state = until_deadline(
+                lambda: swap_state(self._catalog, entry),
+                transient=(CatalogUnavailable, CatalogOutcomeUnknown),
+                deadline_s=self._settings.swap_outcome_deadline_s,
+                on_retry=lambda exc: log.warning("gc_swap_outcome_retry", error=str(exc)))
+            log.info("gc_swap_outcome_read_back", rewrite_id=entry.rewrite_id, state=state)
             if state != "swapped":
                 progress.swapped = False
                 raise RuntimeError("atomicSwapFiles did not commit (re-read)") from None

@@ -334,6 +334,39 @@ def test_a_journal_error_after_its_record_is_durable_closes_the_record(
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+def test_a_swap_whose_answer_was_lost_is_read_back_and_goes_forward(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    """atomicSwapFiles committed but its answer was lost (outcome unknown): the node
+    re-reads the catalog, finds the swap done and completes the commit."""
+    plane = make_plane(failpoints="catalog.swap.commit.after=raise*1")
+    load(plane, catalog)
+    node, vnode, files = biggest_stream(plane)
+    reply = gc.rewrite(plane, node, "orders", vnode, files)
+    assert reply.outcome == "COMMITTED" and reply.journal_state == "SWAPPED_NOT_CHECKPOINTED"
+    regular = {f.file_id for fs in gc.streams(plane, "orders").values() for f in fs}
+    assert reply.new_file_id in regular and not regular & {f.file_id for f in files}
+    assert plane.read("orders") == plane.model.rows["orders"]
+    restart_and_recover(plane, node)
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+def test_a_swap_that_failed_before_its_commit_rolls_back_and_changes_nothing(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane(failpoints="catalog.swap.commit.before=raise*1")
+    load(plane, catalog)
+    node, vnode, files = biggest_stream(plane)
+    prepared = gc.prepare(plane, node, "orders", vnode, files)
+    new_file = gc.write_new_file(plane, prepared)
+    err = rpc_error(lambda: gc.commit(plane, prepared, new_file))
+    assert err.code() == grpc.StatusCode.ABORTED, err.details()
+    assert [e.state for e in gc.journal(plane, node).values()] == ["ABORTED"]
+    regular = {f.file_id for fs in gc.streams(plane, "orders").values() for f in fs}
+    assert {f.file_id for f in files} <= regular and catalog.get_file(new_file) is None
+    assert plane.read("orders") == plane.model.rows["orders"]
+    assert gc.rewrite(plane, node, "orders", vnode, files).outcome == "COMMITTED"
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
 def test_a_failure_before_the_swap_rolls_back_in_place(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(failpoints="gc.swap.before=raise*1")
