@@ -38,19 +38,26 @@ def streams(dp: DataPlane, table: str) -> dict[tuple[str, int], list[FileRecord]
     path = dp.catalog.get_paths(dp.tables[table].table_id)[0]
     out: dict[tuple[str, int], list[tuple[int, FileRecord]]] = defaultdict(list)
     trans_id = begin_read(dp)
+    ts = dp.trans.stub().GetHighWatermark(tpb.GetHighWatermarkRequest(),
+                                          timeout=10).high_watermark
     try:
         for f in dp.catalog.get_regular_files(path.path_id):
             name = file_names.parse(f.name)
             position = dp.retinas[name.node_id].stub.QueryVisibility(
-                rpb.QueryVisibilityRequest(file_id=f.file_id, rg_ids=[0] if f.num_row_group
-                                           else [], timestamp=dp.trans.stub().GetHighWatermark(
-                                               tpb.GetHighWatermarkRequest(), timeout=10
-                                           ).high_watermark, trans_id=trans_id),
+                rpb.QueryVisibilityRequest(file_id=f.file_id,
+                                           rg_ids=[0] if f.num_row_group else [],
+                                           timestamp=ts, trans_id=trans_id),
                 timeout=10).first_block_id
             out[(name.node_id, name.vnode)].append((position, f))
     finally:
         end(dp, trans_id)
     return {k: [f for _p, f in sorted(v, key=lambda pf: pf[0])] for k, v in out.items()}
+
+
+def regular_ids(dp: DataPlane, table: str) -> set[int]:
+    """Ids of the table's REGULAR files (the catalog alone: no order needed)."""
+    path = dp.catalog.get_paths(dp.tables[table].table_id)[0]
+    return {f.file_id for f in dp.catalog.get_regular_files(path.path_id)}
 
 
 def begin_read(dp: DataPlane) -> int:

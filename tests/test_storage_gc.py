@@ -216,7 +216,7 @@ def test_a_kill_during_the_commit_recovers_to_the_model(
         # No checkpoint holds the new file: every open entry is rolled back.
         assert [e.state for e in entries] == ["ABORTED"], entries
     assert plane.read("orders") == plane.model.rows["orders"]
-    regular = {f.file_id for fs in gc.streams(plane, "orders").values() for f in fs}
+    regular = gc.regular_ids(plane, "orders")
     assert {f.file_id for f in files} <= regular and new_file not in regular
     # The old rows are found again: delete and replace some; restart once more.
     plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, 7)],
@@ -250,7 +250,7 @@ def test_a_kill_during_promotion_keeps_the_new_file(
     retina.start()
     plane.recover(node)
     assert [e.state for e in gc.journal(plane, node).values()] == ["CHECKPOINTED"]
-    regular = {f.file_id for fs in gc.streams(plane, "orders").values() for f in fs}
+    regular = gc.regular_ids(plane, "orders")
     assert reply.new_file_id in regular and not regular & {f.file_id for f in files}
     assert plane.read("orders") == plane.model.rows["orders"]
     plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, 5)]}})
@@ -275,7 +275,7 @@ def test_a_swapped_rewrite_without_a_checkpoint_rolls_back_and_a_kill_in_the_rol
     retina.start()
     plane.recover(node)
     assert [e.state for e in gc.journal(plane, node).values()] == ["ABORTED"]
-    regular = {f.file_id for fs in gc.streams(plane, "orders").values() for f in fs}
+    regular = gc.regular_ids(plane, "orders")
     assert {f.file_id for f in files} <= regular and reply.new_file_id not in regular
     assert plane.read("orders") == plane.model.rows["orders"]
     plane.commit({"orders": {"replaces": [order(i, note="1") for i in range(0, 120, 2)]}})
@@ -308,7 +308,7 @@ def test_a_kill_during_an_in_place_rollback_is_finished_by_recovery(
     retina.start()
     plane.recover(node)
     assert [e.state for e in gc.journal(plane, node).values()] == ["ABORTED"]
-    regular = {f.file_id for fs in gc.streams(plane, "orders").values() for f in fs}
+    regular = gc.regular_ids(plane, "orders")
     assert {f.file_id for f in files} <= regular
     assert catalog.get_file(new_file) is None  # never swapped: discarded
     assert plane.read("orders") == plane.model.rows["orders"]
@@ -343,7 +343,7 @@ def test_a_swap_whose_answer_was_lost_is_read_back_and_goes_forward(
     node, vnode, files = biggest_stream(plane)
     reply = gc.rewrite(plane, node, "orders", vnode, files)
     assert reply.outcome == "COMMITTED" and reply.journal_state == "SWAPPED_NOT_CHECKPOINTED"
-    regular = {f.file_id for fs in gc.streams(plane, "orders").values() for f in fs}
+    regular = gc.regular_ids(plane, "orders")
     assert reply.new_file_id in regular and not regular & {f.file_id for f in files}
     assert plane.read("orders") == plane.model.rows["orders"]
     restart_and_recover(plane, node)
@@ -360,7 +360,7 @@ def test_a_swap_that_failed_before_its_commit_rolls_back_and_changes_nothing(
     err = rpc_error(lambda: gc.commit(plane, prepared, new_file))
     assert err.code() == grpc.StatusCode.ABORTED, err.details()
     assert [e.state for e in gc.journal(plane, node).values()] == ["ABORTED"]
-    regular = {f.file_id for fs in gc.streams(plane, "orders").values() for f in fs}
+    regular = gc.regular_ids(plane, "orders")
     assert {f.file_id for f in files} <= regular and catalog.get_file(new_file) is None
     assert plane.read("orders") == plane.model.rows["orders"]
     assert gc.rewrite(plane, node, "orders", vnode, files).outcome == "COMMITTED"
