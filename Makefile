@@ -42,6 +42,14 @@ bench: setup
 	@$(PY) bench/bench_cdc.py
 	@$(PY) bench/bench_spark_replay.py
 
+# Sweepers under steady CDC load with Storage GC on (bench/bench_sweepers.py): footprint over
+# time and a held read transaction; e.g. `make bench-sweepers SWEEPERS_ARGS="--minutes 10 --json"`.
+SWEEPERS_ARGS ?= --minutes 5 --sample-s 10
+
+.PHONY: bench-sweepers
+bench-sweepers: setup
+	@$(PY) bench/bench_sweepers.py $(SWEEPERS_ARGS)
+
 cluster-up: setup
 	@$(VENV)/bin/retina-cluster start --state-dir $(STATE)
 

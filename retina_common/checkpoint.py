@@ -32,18 +32,25 @@ from __future__ import annotations
 import json
 import re
 import struct
+import threading
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import crc32c
 from pyroaring import BitMap
 
 from retina_common import failpoints as fp
-from retina_common.etcd import EtcdOutcomeUnknown, EtcdStore
+from retina_common.etcd import EtcdError, EtcdOutcomeUnknown, EtcdStore
 from retina_common.keys import checkpoint_slot_key
 from retina_common.log import get_logger
 from retina_common.replay_ts import IngestSegment, SegmentKind
-from retina_common.storage import delete_quietly, local_dir, read_bytes, write_durably
+from retina_common.storage import (
+    delete_object,
+    file_uri,
+    list_objects,
+    read_bytes,
+    split_file_uri,
+    write_durably,
+)
 
 log = get_logger(component="checkpoint")
 
@@ -265,15 +272,19 @@ class CheckpointStore:
         self._etcd = etcd
         self._node = node_id
         self._topology_hash = topology_hash
-        self._dir = f"{storage_root.rstrip('/')}/_checkpoints/{node_id.replace(':', '-')}"
+        # file_uri keeps an object store's options (``?endpoint_override=...``) at the end.
+        self._dir = file_uri(storage_root, f"_checkpoints/{node_id.replace(':', '-')}")
         self._current = checkpoint_slot_key(node_id, "current")
         self._previous = checkpoint_slot_key(node_id, "previous")
+        # install() and cleanup() may run on different threads (checkpoint timer, sweeper).
+        self._cleanup_lock = threading.Lock()
+        self._slot_files: dict[str, frozenset[int]] = {}
 
     def install(self, body: CheckpointBody) -> Pointer:
         """Write the body, swap the slots, clean up what no slot references."""
         data = encode(body)
         name = f"ckpt-{body.header.checkpoint_id:020d}.bin"
-        pointer = Pointer(body.header.checkpoint_id, f"{self._dir}/{name}", len(data),
+        pointer = Pointer(body.header.checkpoint_id, file_uri(self._dir, name), len(data),
                           crc32c.crc32c(data), body.header.checkpoint_applied_ts,
                           body.header.writer_epoch)
         fp.CHECKPOINT_BODY_WRITE_BEFORE.hit()
@@ -312,20 +323,71 @@ class CheckpointStore:
                     return {"*"}
         return paths
 
-    def cleanup(self) -> list[str]:
-        """Delete bodies neither slot references (replaced ones, orphans of a crash)."""
-        referenced = self.referenced()
-        directory = local_dir(self._dir)
-        if "*" in referenced or directory is None or not directory.exists():
-            return []
-        fp.CHECKPOINT_CLEANUP_BEFORE.hit()
-        removed = []
-        for body in sorted(Path(directory).iterdir()):
-            uri = f"{self._dir}/{body.name}"
-            if _BODY_NAME.match(body.name) and uri not in referenced:
-                delete_quietly(self._dir, body.name)
+    def _current_id(self) -> int | None:
+        kv = self._etcd.get(self._current)
+        return None if kv is None else Pointer.parse(kv.value).checkpoint_id
+
+    def cleanup(self, dry_run: bool = False) -> list[str]:
+        """Delete the bodies neither slot references and older than ``current`` (replaced
+        ones, orphans of a crash). Listed through pyarrow.fs, so a local directory and
+        an S3-compatible bucket are swept alike. A body newer than ``current`` may be an
+        install under way (written, its pointer not yet swapped): it stays until a later
+        checkpoint passes it. Returns the names removed (or that would be)."""
+        with self._cleanup_lock:
+            referenced = self.referenced()
+            if "*" in referenced:
+                return []
+            try:
+                current = self._current_id()
+            except CorruptCheckpoint:
+                return []
+            if current is None:
+                return []
+            fp.CHECKPOINT_CLEANUP_BEFORE.hit()
+            removed = []
+            for body in list_objects(self._dir):
+                found = _BODY_NAME.match(body.name)
+                if found is None or file_uri(self._dir, body.name) in referenced or \
+                        int(found.group(1)) >= current:
+                    continue
+                if not dry_run:
+                    fp.CHECKPOINT_BODY_DELETE_BEFORE.hit()
+                    delete_object(self._dir, body.name)
+                    fp.CHECKPOINT_BODY_DELETE_AFTER.hit()
                 removed.append(body.name)
-        return removed
+            if removed and not dry_run:
+                log.info("checkpoint_bodies_removed", node=self._node, bodies=removed)
+            return removed
+
+    def slot_file_ids(self) -> frozenset[int] | None:
+        """Every file id either slot's body names (its files and its segments); None if a
+        slot cannot be read (the caller then holds every file). Bodies are immutable:
+        one read per body, cached by its path."""
+        ids: set[int] = set()
+        for key in (self._current, self._previous):
+            try:
+                kv = self._etcd.get(key)
+                if kv is None:
+                    continue
+                pointer = Pointer.parse(kv.value)
+                cached = self._slot_files.get(pointer.path)
+                if cached is None:
+                    slot = "current" if key == self._current else "previous"
+                    found = self.read_slot(slot)
+                    if found is None or found[0].path != pointer.path:
+                        return None  # moved while read: the next round reads again
+                    body = found[1]
+                    cached = frozenset({f.file_id for f in body.files} |
+                                       {s.file_id for s in body.segments})
+                    self._slot_files[pointer.path] = cached
+                    while len(self._slot_files) > 4:  # two slots, and the two before them
+                        del self._slot_files[next(iter(self._slot_files))]
+                ids |= cached
+            except (CheckpointError, OSError, EtcdError) as exc:
+                log.warning("checkpoint_slot_unreadable_for_sweep", node=self._node,
+                            error=str(exc))
+                return None
+        return frozenset(ids)
 
     def read_slot(self, slot: str) -> tuple[Pointer, CheckpointBody] | None:
         """The slot's pointer and verified body; None if the slot is empty.
@@ -334,7 +396,7 @@ class CheckpointStore:
         if kv is None:
             return None
         pointer = Pointer.parse(kv.value)
-        directory, _, name = pointer.path.rpartition("/")
+        directory, name = split_file_uri(pointer.path)
         data = read_bytes(directory, name)
         if len(data) != pointer.length or crc32c.crc32c(data) != pointer.crc32c:
             raise CorruptCheckpoint("body differs from its pointer (length or CRC32C)")

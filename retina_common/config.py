@@ -100,6 +100,16 @@ class RetinaConfig:
     # these extra arguments (e.g. "--master spark://host:7077 --deleted-threshold 0.3").
     gc_job_interval_ms: int = 0
     gc_job_args: str = ""
+    # Sweepers (docs/write-paths/sweepers.md): a round this often while READY (0:
+    # never; RunSweeper / `retina-gc sweep` on demand). TEMPORARY_* files older than
+    # the TTL (by their name's time; it must exceed gc_prepare_ttl_ms) are removed
+    # unless something still names them; objects nothing knows, after the orphan grace
+    # (only when asked: `retina-gc orphans`); final GC journal records (the rewrite
+    # lineage) after the lineage retention.
+    sweeper_interval_ms: int = 60_000
+    temporary_file_ttl_ms: int = 86_400_000
+    orphan_grace_ms: int = 86_400_000
+    gc_lineage_retention_ms: int = 604_800_000
 
 
 @dataclass(frozen=True)
@@ -223,10 +233,24 @@ def load_config(path: str | os.PathLike[str] | None = None,
         config = _apply(config, read_toml(path, "config file"), "")
         base_dir = Path(path).resolve().parent
     config = _apply(config, _env_overrides(env), "")
+    _check(config)
     topo = Path(config.topology_file)
     if not topo.is_absolute():
         config = dataclasses.replace(config, topology_file=str(base_dir / topo))
     return config
+
+
+def _check(config: Config) -> None:
+    rc = config.retina
+    if rc.temporary_file_ttl_ms <= rc.gc_prepare_ttl_ms:
+        raise ConfigError(
+            f"retina.temporary_file_ttl_ms ({rc.temporary_file_ttl_ms}) must exceed "
+            f"retina.gc_prepare_ttl_ms ({rc.gc_prepare_ttl_ms}): a GC job may still be "
+            "writing a TEMPORARY_GC file until its rewrite lapses")
+    for name in ("sweeper_interval_ms", "orphan_grace_ms", "gc_lineage_retention_ms",
+                 "gc_retired_retention_ms"):
+        if getattr(rc, name) < 0:
+            raise ConfigError(f"retina.{name} must not be negative")
 
 
 def read_toml(path: str | os.PathLike[str], what: str,

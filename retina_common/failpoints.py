@@ -384,3 +384,68 @@ GC_REWRITE_WRITE_BEFORE = Failpoint(
     "written")
 GC_REWRITE_WRITE_AFTER = Failpoint(
     "gc.rewrite.write.after", "Spark task: new file durable on storage, commit not yet asked")
+
+# --- Sweepers (docs/write-paths/sweepers.md) --------------------------------------------------
+SWEEPER_RETIRED_VISIBILITY_BEFORE = Failpoint(
+    "sweeper.retired.visibility.before", "retired file due and unheld; its frozen visibility "
+    "still in memory")
+SWEEPER_RETIRED_VISIBILITY_AFTER = Failpoint(
+    "sweeper.retired.visibility.after", "retired file's visibility dropped; MainIndex range "
+    "still there")
+SWEEPER_RETIRED_MAIN_INDEX_BEFORE = Failpoint(
+    "sweeper.retired.main_index.before", "retired file's MainIndex range not yet deleted")
+SWEEPER_RETIRED_MAIN_INDEX_AFTER = Failpoint(
+    "sweeper.retired.main_index.after", "retired file's MainIndex range deleted (durable); "
+    "object still on storage")
+SWEEPER_RETIRED_OBJECT_BEFORE = Failpoint(
+    "sweeper.retired.object.before", "retired file's object not yet deleted")
+SWEEPER_RETIRED_OBJECT_AFTER = Failpoint(
+    "sweeper.retired.object.after", "retired file's object deleted; catalog row still RETIRED")
+SWEEPER_RETIRED_CATALOG_BEFORE = Failpoint(
+    "sweeper.retired.catalog.before", "retired file's catalog row not yet deleted")
+SWEEPER_RETIRED_CATALOG_AFTER = Failpoint(
+    "sweeper.retired.catalog.after", "retired file's catalog row deleted: the file is gone")
+SWEEPER_TEMPORARY_OBJECT_BEFORE = Failpoint(
+    "sweeper.temporary.object.before", "temporary file past its TTL, unreferenced; object "
+    "not yet deleted")
+SWEEPER_TEMPORARY_OBJECT_AFTER = Failpoint(
+    "sweeper.temporary.object.after", "temporary file's object deleted; catalog row still there")
+SWEEPER_TEMPORARY_CATALOG_BEFORE = Failpoint(
+    "sweeper.temporary.catalog.before", "temporary file's catalog row not yet deleted")
+SWEEPER_TEMPORARY_CATALOG_AFTER = Failpoint(
+    "sweeper.temporary.catalog.after", "temporary file's catalog row deleted")
+SWEEPER_ORPHAN_DELETE_BEFORE = Failpoint(
+    "sweeper.orphan.delete.before", "an object nothing knows, past its grace; not yet deleted")
+SWEEPER_ORPHAN_DELETE_AFTER = Failpoint(
+    "sweeper.orphan.delete.after", "orphan object deleted")
+SWEEPER_JOURNAL_REMOVE_BEFORE = Failpoint(
+    "sweeper.journal.remove.before", "a final GC journal record past its retention, its "
+    "files gone; not yet removed")
+SWEEPER_JOURNAL_REMOVE_AFTER = Failpoint(
+    "sweeper.journal.remove.after", "final GC journal record removed")
+CHECKPOINT_BODY_DELETE_BEFORE = Failpoint(
+    "checkpoint.body_delete.before", "a body no slot references, older than current; not yet "
+    "deleted")
+CHECKPOINT_BODY_DELETE_AFTER = Failpoint(
+    "checkpoint.body_delete.after", "one unreferenced checkpoint body deleted")
+
+# --- Storage GC revert (docs/write-paths/sweepers.md, "Lineage and revert") -------------------
+GC_REVERT_JOURNAL_REVERTING_BEFORE = Failpoint(
+    "gc.revert.journal_reverting.before", "revert checked; journal REVERTING not yet written")
+GC_REVERT_JOURNAL_REVERTING_AFTER = Failpoint(
+    "gc.revert.journal_reverting.after", "journal REVERTING durable; nothing switched back")
+GC_REVERT_PRIMARY_BEFORE = Failpoint(
+    "gc.revert.primary.before", "revert: primary entries still on the new file's rows")
+GC_REVERT_PRIMARY_AFTER = Failpoint(
+    "gc.revert.primary.after", "revert: primary entries durable on the old rows; catalog "
+    "not reverted")
+GC_REVERT_CATALOG_BEFORE = Failpoint(
+    "gc.revert.catalog.before", "revert: catalog not yet swapped back")
+GC_REVERT_CATALOG_AFTER = Failpoint(
+    "gc.revert.catalog.after", "revert: old files REGULAR again, new file RETIRED (one "
+    "transaction); journal still REVERTING")
+GC_REVERT_JOURNAL_REVERTED_BEFORE = Failpoint(
+    "gc.revert.journal_reverted.before", "revert swapped back; journal REVERTED not written")
+GC_REVERT_JOURNAL_REVERTED_AFTER = Failpoint(
+    "gc.revert.journal_reverted.after", "journal REVERTED durable; registry still holds the "
+    "new file")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -34,6 +35,13 @@ def file_uri(path_uri: str, name: str) -> str:
     (``s3://bucket/dir?endpoint_override=...``) stay at the end."""
     base, sep, query = path_uri.partition("?")
     return base.rstrip("/") + "/" + name + sep + query
+
+
+def split_file_uri(uri: str) -> tuple[str, str]:
+    """The inverse of :func:`file_uri`: (directory URI with its options, name)."""
+    base, sep, query = uri.partition("?")
+    directory, _, name = base.rpartition("/")
+    return directory + sep + query, name
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -103,3 +111,50 @@ def delete_quietly(path_uri: str, name: str) -> None:
     fs, path = pafs.FileSystem.from_uri(file_uri(path_uri, name))
     with contextlib.suppress(OSError):
         fs.delete_file(path)
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    name: str
+    size: int
+    mtime_ms: int | None  # None where the store does not say
+
+
+def _filesystem(path_uri: str) -> tuple[pafs.FileSystem, str]:
+    if "://" not in path_uri:
+        return pafs.LocalFileSystem(), str(Path(path_uri).resolve())
+    return pafs.FileSystem.from_uri(path_uri)  # URI options configure the file system
+
+
+def list_objects(path_uri: str) -> list[StoredObject]:
+    """The objects directly under ``path_uri`` (not recursive), through pyarrow.fs, so
+    the same code lists a local directory and an S3-compatible bucket prefix. A
+    directory that does not exist lists as empty."""
+    fs, base = _filesystem(path_uri)
+    selector = pafs.FileSelector(base, recursive=False, allow_not_found=True)
+    out = []
+    for info in fs.get_file_info(selector):
+        if info.type != pafs.FileType.File:
+            continue
+        mtime = info.mtime_ns
+        out.append(StoredObject(info.base_name, int(info.size or 0),
+                                None if mtime is None else mtime // 1_000_000))
+    return sorted(out, key=lambda o: o.name)
+
+
+def delete_object(path_uri: str, name: str) -> bool:
+    """Remove one object; True if it was there, False if it was already gone (a
+    repeated sweep step). Any other failure raises OSError: the caller retries."""
+    directory = local_dir(path_uri)
+    if directory is not None:
+        try:
+            (directory / name).unlink()
+        except FileNotFoundError:
+            return False
+        _fsync_dir(directory)
+        return True
+    fs, path = pafs.FileSystem.from_uri(file_uri(path_uri, name))
+    if fs.get_file_info(path).type == pafs.FileType.NotFound:
+        return False
+    fs.delete_file(path)
+    return True

@@ -20,14 +20,18 @@ maps back to exactly one old row id.
 States (the transition table is :data:`TRANSITIONS`)::
 
     INDEX_SWITCHING ─▶ SWAPPED_NOT_CHECKPOINTED ─▶ CHECKPOINTED
-          │                      │
-          └──────────────────────┴─▶ ABORTED
+          │                      │        │              │
+          └──────────────────────┴─▶ ABORTED             │
+                                          └──▶ REVERTING ◀┘ ─▶ REVERTED
 
 INDEX_SWITCHING is written before anything of the rewrite touches the index,
 the visibility or the catalog; SWAPPED_NOT_CHECKPOINTED once atomicSwapFiles
 committed; CHECKPOINTED once a durable checkpoint holds the new file (from
 then on recovery keeps it without looking further); ABORTED after a
-rollback.
+rollback. REVERTING is written before an operator's revert of a completed
+rewrite touches anything (lineage.py), REVERTED once the catalog swapped
+back; recovery finishes a REVERTING entry and rebuilds the old files'
+baseline when the loaded checkpoint still holds the new file.
 """
 
 from __future__ import annotations
@@ -67,18 +71,26 @@ class JournalState(StrEnum):
     SWAPPED_NOT_CHECKPOINTED = "SWAPPED_NOT_CHECKPOINTED"
     CHECKPOINTED = "CHECKPOINTED"
     ABORTED = "ABORTED"
+    REVERTING = "REVERTING"
+    REVERTED = "REVERTED"
 
 
 TRANSITIONS: dict[JournalState, frozenset[JournalState]] = {
     JournalState.INDEX_SWITCHING: frozenset({JournalState.SWAPPED_NOT_CHECKPOINTED,
                                              JournalState.ABORTED}),
     JournalState.SWAPPED_NOT_CHECKPOINTED: frozenset({JournalState.CHECKPOINTED,
-                                                      JournalState.ABORTED}),
-    JournalState.CHECKPOINTED: frozenset(),
+                                                      JournalState.ABORTED,
+                                                      JournalState.REVERTING}),
+    JournalState.CHECKPOINTED: frozenset({JournalState.REVERTING}),
     JournalState.ABORTED: frozenset(),
+    JournalState.REVERTING: frozenset({JournalState.REVERTED}),
+    JournalState.REVERTED: frozenset(),
 }
-# What a crash can leave half done: recovery decides these (gc_recovery.py).
-OPEN_STATES = frozenset({JournalState.INDEX_SWITCHING, JournalState.SWAPPED_NOT_CHECKPOINTED})
+# What a crash can leave half done: recovery decides these (gc_recovery.py, lineage.py).
+OPEN_STATES = frozenset({JournalState.INDEX_SWITCHING, JournalState.SWAPPED_NOT_CHECKPOINTED,
+                         JournalState.REVERTING})
+# Nothing will change these any more (the sweeper removes them after the lineage retention).
+FINAL_STATES = frozenset({JournalState.ABORTED, JournalState.REVERTED})
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,9 @@ class JournalEntry:
     created_at_ms: int
     updated_at_ms: int
     reason: str = ""
+    # Lineage times: when the swap committed, when a revert swapped back (0: not yet).
+    completed_at_ms: int = 0
+    reverted_at_ms: int = 0
     # (old fileId, rgId) -> rows deleted at the cutoff (not in the new file).
     dropped: dict[tuple[int, int], BitMap] = field(default_factory=dict, compare=False,
                                                      repr=False)
@@ -128,7 +143,13 @@ class JournalEntry:
     def moved(self, state: JournalState, now_ms: int, reason: str = "") -> JournalEntry:
         if state not in TRANSITIONS[self.state]:
             raise IllegalJournalTransition(f"rewrite {self.rewrite_id}: {self.state} -> {state}")
-        return replace(self, state=state, updated_at_ms=now_ms, reason=reason or self.reason)
+        times = {}
+        if state == JournalState.SWAPPED_NOT_CHECKPOINTED:
+            times["completed_at_ms"] = now_ms
+        elif state == JournalState.REVERTED:
+            times["reverted_at_ms"] = now_ms
+        return replace(self, state=state, updated_at_ms=now_ms, reason=reason or self.reason,
+                       **times)
 
 
 def encode(entry: JournalEntry) -> bytes:

@@ -8,6 +8,7 @@ right after the checkpoint is loaded and before cleansing reads the catalog.
 | SWAPPED_NOT_CHECKPOINTED | yes | keep the new file (promoted once both slots hold it) |
 | SWAPPED_NOT_CHECKPOINTED | no | roll back to the old-file baseline |
 | CHECKPOINTED, ABORTED | — | nothing (final) |
+| REVERTING, REVERTED | — | lineage.recover_reverts (finish, rebuild the baseline) |
 
 A rollback first checks its anchors (the old files' catalog rows, MainIndex
 ranges and objects, and the row counts the journal recorded); if one is gone
@@ -42,7 +43,7 @@ from retina_common.catalog import (
 from retina_common.log import get_logger
 from retina_server.gc_journal import GcJournal, JournalEntry, JournalState
 from retina_server.node import RetinaNode
-from retina_server.storage_gc import Survivors, roll_back, survivors
+from retina_server.storage_gc import Survivors, entry_survivors, roll_back
 
 log = get_logger(component="gc_recovery")
 DECISIONS = Counter("retina_gc_recovery_decisions_total",
@@ -68,6 +69,8 @@ def decide(node: RetinaNode, catalog: Catalog, journal: GcJournal,
     decisions = []
     by_id = {f.file_id: f for f in files}
     for entry in journal.open_entries():
+        if entry.state == JournalState.REVERTING:
+            continue  # an operator's revert: lineage.recover_reverts finishes it
         holds_new = entry.new_file_id in checkpointed
         if entry.state == JournalState.SWAPPED_NOT_CHECKPOINTED and holds_new:
             # Keep the new file. Promotion waits until both slots hold it (the READY
@@ -101,12 +104,7 @@ def _anchors(node: RetinaNode, catalog: Catalog, entry: JournalEntry,
                 f"rewrite {entry.rewrite_id}: rollback anchor gone: old file {old.file_id} is "
                 f"{'missing' if record is None else record.type.name} in the catalog")
     try:
-        table = node.table(entry.schema_name, entry.table_name)
-        if table.table_id != entry.table_id:
-            raise LookupError(f"table {entry.table_name} is now table {table.table_id}")
-        return survivors(node, table, entry.path_uri,
-                         [(o.file_id, o.name, o.rg_row_counts) for o in entry.old_files],
-                         entry.dropped)
+        return entry_survivors(node, entry)
     except (CatalogUnavailable, CatalogOutcomeUnknown):
         raise  # the catalog is briefly away: start-up retries
     except Exception as exc:  # an anchor is unreadable: never guess

@@ -37,6 +37,7 @@ from retina_common.catalog import (
 from retina_common.codec import COMMIT_TS, arrow_type
 from retina_common.log import get_logger
 from retina_common.refusal import Refusal
+from retina_common.storage import file_uri
 from retina_common.topology import Topology
 from retina_server.index import LocalIndexService
 from retina_server.publisher import IngestPipeline, StreamPublisher
@@ -135,7 +136,7 @@ class RetinaNode:
     def _path_of(self, table: TableRecord) -> tuple[int, str]:
         paths = self.catalog.get_paths(table.table_id)
         if not paths:
-            uri = f"{self._storage_root}/{table.schema_name}/{table.name}"
+            uri = file_uri(self._storage_root, f"{table.schema_name}/{table.name}")
             with contextlib.suppress(AlreadyExistsError):  # another node created it
                 self.catalog.add_path(table.table_id, uri)
             paths = self.catalog.get_paths(table.table_id)

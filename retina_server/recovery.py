@@ -66,6 +66,7 @@ from retina_server.cleansing import RewindFailed, cleanse, my_files, rewind
 from retina_server.gc_journal import CorruptJournal, GcJournal
 from retina_server.gc_recovery import GcJournalMismatch, check_unjournaled, decide
 from retina_server.lifecycle import LifecycleAnnouncer, LifecycleStateMachine, Phase, Request
+from retina_server.lineage import RevertAnchorsGone, recover_reverts
 from retina_server.node import RetinaNode
 from retina_server.replay_admission import ReplayEntry
 
@@ -113,6 +114,8 @@ class RecoveryCoordinator:
         self._checkpoint_lock = threading.Lock()
         self.last_checkpoint: Pointer | None = None
         self.startup_retry_s = 120.0
+        # cleanupAt of a new file a recovered revert retires (retina.gc_retired_retention_ms).
+        self.retired_retention_ms = 600_000
 
     # --- lifecycle plumbing -----------------------------------------------------------
     def _move(self, phase: Phase, reason: str = "") -> None:
@@ -174,7 +177,7 @@ class RecoveryCoordinator:
                             "enumerate files")
         try:
             files = self._gc_decisions(loaded, files)
-        except (CorruptJournal, GcJournalMismatch) as exc:
+        except (CorruptJournal, GcJournalMismatch, RevertAnchorsGone) as exc:
             self.fail(f"GC journal mismatch: {exc}")
             return
         mine = my_files(self._node.node_id, files)
@@ -224,9 +227,13 @@ class RecoveryCoordinator:
             listener(checkpointed)
         decisions = self._retry(lambda: decide(self._node, self._catalog, self._gc_journal,
                                                checkpointed, files), "GC journal decisions")
-        if decisions:
+        reverts = self._retry(lambda: recover_reverts(
+            self._node, self._catalog, self._gc_journal, loaded.body if loaded else None,
+            self.retired_retention_ms), "GC reverts")
+        if decisions or reverts:
             log.info("gc_recovery_decided", node=self._node.node_id,
-                     decisions=[(d.rewrite_id, d.state_before, d.decision) for d in decisions])
+                     decisions=[(d.rewrite_id, d.state_before, d.decision) for d in decisions],
+                     reverts=reverts)
             files = self._retry(
                 lambda: self._catalog.get_files_by_type(None, list(FileType)), "enumerate files")
         self._retry(lambda: check_unjournaled(self._node, self._catalog, self._gc_journal, files),

@@ -48,12 +48,14 @@ from retina_server.gc_journal import GcJournal
 from retina_server.gc_scheduler import GcScheduler, ReplayFloor
 from retina_server.index import LocalIndexService
 from retina_server.lifecycle import LifecycleAnnouncer, LifecycleStateMachine, Phase
+from retina_server.lineage import Lineage
 from retina_server.mark_ready import MarkReadyBarrier, ReadyHooks
 from retina_server.node import BufferSettings, RetinaNode
 from retina_server.read_guard import ReadTransactionGuard, TransStatus
 from retina_server.recovery import RecoveryCoordinator
 from retina_server.service import RetinaService
 from retina_server.storage_gc import GcSettings, StorageGc
+from retina_server.sweeper import ReaderHolds, Sweeper, SweeperSettings
 
 SERVICE_NAME = retina_pb2.DESCRIPTOR.services_by_name["RetinaWorkerService"].full_name
 SHUTDOWN_DEADLINE_S = 25.0
@@ -123,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             raise Refusal(grpc.StatusCode.UNAVAILABLE,
                           f"TransServer unreachable: {exc.code().name}") from exc
 
+    checkpoint_store = CheckpointStore(etcd, node_id, storage, topology.topology_hash)
     recovery = RecoveryCoordinator(
-        node, catalog, CheckpointStore(etcd, node_id, storage, topology.topology_hash),
+        node, catalog, checkpoint_store,
         machine, announcer, high_watermark, index.allocate("recovery_epoch") + 1, journal)
     node.on_fail_closed = recovery.fail
     gc = StorageGc(node, catalog, journal, safe_gc_ts,
@@ -144,6 +147,18 @@ def main(argv: list[str] | None = None) -> int:
                             rc.gc_interval_ms / 1000, stop,
                             is_ready=lambda: machine.phase == Phase.READY)
     gc.fold_fence = scheduler.fold_fence
+    lineage = Lineage(node, catalog, journal, gc, rc.gc_retired_retention_ms)
+    recovery.retired_retention_ms = rc.gc_retired_retention_ms
+
+    def read_holds() -> ReaderHolds:
+        reply = trans.GetReadHolds(trans_pb2.GetReadHoldsRequest(), timeout=10)
+        return ReaderHolds(frozenset(reply.file_ids), reply.listings_in_flight)
+
+    sweeper = Sweeper(node, catalog, journal, checkpoint_store, read_holds,
+                      gc.pending_file_names, lineage.lock,
+                      SweeperSettings(rc.sweeper_interval_ms / 1000, rc.temporary_file_ttl_ms,
+                                      rc.orphan_grace_ms, rc.gc_lineage_retention_ms),
+                      stop, is_ready=lambda: machine.phase == Phase.READY)
     job = GcJobLauncher(node_id, config_path, rc.gc_job_interval_ms / 1000, rc.gc_job_args,
                         stop, is_ready=lambda: machine.phase == Phase.READY)
     def trans_status(trans_id: int) -> TransStatus:
@@ -158,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     def start_gc() -> None:
         scheduler.start()
         job.start()
+        sweeper.start()
 
     hooks = ReadyHooks(node, recovery.create_checkpoint, rc.checkpoint_interval_ms / 1000, stop,
                        start_gc=start_gc)
@@ -165,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                                recovery.announce_ready)
     retina_pb2_grpc.add_RetinaWorkerServiceServicer_to_server(
         RetinaService(node, recovery, barrier, machine, ReadTransactionGuard(trans_status),
-                      rc.max_rows_per_request, gc, scheduler), handle.server)
+                      rc.max_rows_per_request, gc, scheduler, sweeper, lineage), handle.server)
     metrics_port = serve_metrics(rc.metrics_listen)
 
     received: list[str] = []

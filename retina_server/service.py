@@ -28,11 +28,13 @@ from retina_common.refusal import Refusal, abort, status_of
 from retina_server import replay_admission
 from retina_server.gc_scheduler import GcScheduler
 from retina_server.lifecycle import LifecycleStateMachine, Request
+from retina_server.lineage import Lineage, LineageRecord
 from retina_server.mark_ready import MarkReadyBarrier
 from retina_server.node import RetinaNode
 from retina_server.read_guard import ReadTransactionGuard
 from retina_server.recovery import RecoveryCoordinator
 from retina_server.storage_gc import StorageGc
+from retina_server.sweeper import PASSES, Sweeper
 from retina_server.update_record import apply, prepare
 from retina_server.visibility import bitmap_to_bytes
 
@@ -50,9 +52,12 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
     def __init__(self, node: RetinaNode, recovery: RecoveryCoordinator,
                  barrier: MarkReadyBarrier, machine: LifecycleStateMachine,
                  reads: ReadTransactionGuard, max_rows_per_request: int,
-                 gc: StorageGc, scheduler: GcScheduler) -> None:
+                 gc: StorageGc, scheduler: GcScheduler, sweeper: Sweeper,
+                 lineage: Lineage) -> None:
         self._node = node
         self._gc = gc
+        self._sweeper = sweeper
+        self._lineage = lineage
         self._scheduler = scheduler
         self._recovery = recovery
         self._barrier = barrier
@@ -264,3 +269,54 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
                 folded_items=r.folded_items, pruned_versions=r.pruned_versions,
                 fold_ts=r.fold_ts, prune_horizon_ts=r.prune_horizon_ts)
         return self._guard(context, run)
+
+    # --- Sweepers, lineage and revert ------------------------------------------------------
+    def RunSweeper(self, request: pb.RunSweeperRequest,
+                   context: grpc.ServicerContext) -> pb.RunSweeperResponse:
+        def run() -> pb.RunSweeperResponse:
+            self._machine.admit(Request.GC)
+            unknown = sorted(set(request.passes) - set(PASSES))
+            if unknown:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"unknown sweeper passes {unknown}; known: {list(PASSES)}")
+            if request.orphan_grace_ms < 0:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                              "orphan_grace_ms must not be negative")
+            swept = self._sweeper.run(list(request.passes), request.dry_run,
+                                      request.orphan_grace_ms or None)
+            removed = [s for s in swept if s.action == "removed"]
+            return pb.RunSweeperResponse(
+                objects=[pb.SweptObject(pass_name=s.pass_name, file_id=s.file_id, name=s.name,
+                                        path_uri=s.path_uri, action=s.action, reason=s.reason,
+                                        bytes=s.bytes) for s in swept],
+                removed=len(removed), bytes_removed=sum(s.bytes for s in removed),
+                held=sum(s.action == "held" for s in swept))
+        return self._guard(context, run)
+
+    def ListGcLineage(self, request: pb.ListGcLineageRequest,
+                      context: grpc.ServicerContext) -> pb.ListGcLineageResponse:
+        def run() -> pb.ListGcLineageResponse:
+            return pb.ListGcLineageResponse(
+                records=[_lineage_record(r) for r in self._lineage.records()])
+        return self._guard(context, run)
+
+    def RevertGcRewrite(self, request: pb.RevertGcRewriteRequest,
+                        context: grpc.ServicerContext) -> pb.RevertGcRewriteResponse:
+        def run() -> pb.RevertGcRewriteResponse:
+            self._machine.admit(Request.GC)
+            if not request.rewrite_id:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "rewrite_id is required")
+            return pb.RevertGcRewriteResponse(
+                record=_lineage_record(self._lineage.revert(request.rewrite_id)))
+        return self._guard(context, run)
+
+
+def _lineage_record(r: LineageRecord) -> pb.GcLineageRecord:
+    e = r.entry
+    return pb.GcLineageRecord(
+        rewrite_id=e.rewrite_id, status=r.status.value, journal_state=e.state.value,
+        schema_name=e.schema_name, table_name=e.table_name, virtual_node_id=e.vnode,
+        new_file_id=e.new_file_id, old_file_ids=e.old_file_ids, cutoff_ts=e.cutoff_ts,
+        created_at_ms=e.created_at_ms, completed_at_ms=e.completed_at_ms,
+        reverted_at_ms=e.reverted_at_ms, revertible=r.revertible,
+        not_revertible_reason=r.not_revertible_reason, reason=e.reason)

@@ -70,7 +70,13 @@ from retina_common.log import get_logger
 from retina_common.refusal import Refusal
 from retina_common.retry import until_deadline
 from retina_common.storage import delete_quietly, object_size, open_parquet
-from retina_server.gc_journal import GcJournal, JournalEntry, JournalState, OldFile
+from retina_server.gc_journal import (
+    OPEN_STATES,
+    GcJournal,
+    JournalEntry,
+    JournalState,
+    OldFile,
+)
 from retina_server.index import RowIdRange
 from retina_server.node import RetinaNode, Stream, table_schema
 from retina_server.registry import IngestFileMeta
@@ -217,6 +223,25 @@ def survivors(node: RetinaNode, table: TableRecord, path_uri: str,
     return Survivors(flat.to_pylist(),
                      np.concatenate(stamps) if stamps else np.array([], np.int64),
                      np.concatenate(ids) if ids else np.array([], np.int64))
+
+
+def entry_survivors(node: RetinaNode, entry: JournalEntry) -> Survivors:
+    """The survivors of a journaled rewrite, read from its old files (for a rollback or
+    a revert). Raises LookupError / OSError / ValueError if an anchor is unreadable."""
+    table = node.table(entry.schema_name, entry.table_name)
+    if table.table_id != entry.table_id:
+        raise LookupError(f"table {entry.table_name} is now table {table.table_id}")
+    return survivors(node, table, entry.path_uri,
+                     [(o.file_id, o.name, o.rg_row_counts) for o in entry.old_files],
+                     entry.dropped)
+
+
+def switch_primary_back(node: RetinaNode, entry: JournalEntry, plan: Survivors) -> None:
+    """Every primary version still on a new row moves back to its old row (idempotent)."""
+    start = entry.new_row_id_start
+    node.index.switch_primary(entry.table_id, plan.keys,
+                              (start + np.arange(len(plan.keys))).tolist(),
+                              plan.old_row_ids.tolist())
 
 
 # --- the commit side ---------------------------------------------------------------------------
@@ -485,7 +510,7 @@ class StorageGc:
                   for m, n, c in zip(pending.old, pending.old_names, pending.rg_row_counts,
                                      strict=True)),
             pending.cutoff, now + self._settings.retired_retention_ms, now, now, "",
-            pending.dropped)
+            dropped=pending.dropped)
         stream = pending.stream
         progress = _Progress()
         try:
@@ -724,6 +749,17 @@ class StorageGc:
         return promoted
 
     # --- status ------------------------------------------------------------------------------
+    def busy_files(self) -> set[int]:
+        """Files a prepared (not yet committed) rewrite replaces."""
+        with self._lock:
+            return {m.file_id for p in self._pending.values() for m in p.old}
+
+    def pending_file_names(self) -> set[str]:
+        """Names prepared rewrites gave their new files (the temporary-file sweeper keeps
+        them: the job may still be writing one)."""
+        with self._lock:
+            return {p.file_name for p in self._pending.values()}
+
     def pending_count(self) -> int:
         with self._lock:
             return len(self._pending)
@@ -734,7 +770,7 @@ class StorageGc:
             JOURNAL_ENTRIES.labels(state=state.value).set(
                 sum(e.state == state for e in entries))
         open_ages = [self._clock_ms() - e.created_at_ms for e in entries
-                     if e.state != JournalState.CHECKPOINTED and e.state != JournalState.ABORTED]
+                     if e.state in OPEN_STATES]
         JOURNAL_OLDEST_OPEN.set(max(open_ages, default=0) / 1000)
         PENDING.set(len(self._pending))
 
@@ -771,10 +807,7 @@ def roll_back(node: RetinaNode, catalog: Catalog, journal: GcJournal, entry: Jou
     primary switch never started."""
     if plan is not None:
         fp.GC_ROLLBACK_PRIMARY_BEFORE.hit()
-        start = entry.new_row_id_start
-        node.index.switch_primary(entry.table_id, plan.keys,
-                                  (start + np.arange(len(plan.keys))).tolist(),
-                                  plan.old_row_ids.tolist())
+        switch_primary_back(node, entry, plan)
         fp.GC_ROLLBACK_PRIMARY_AFTER.hit()
     fp.GC_ROLLBACK_CATALOG_BEFORE.hit()
     # Retried while the catalog is briefly away: giving up here fails the node closed.

@@ -119,7 +119,10 @@ def gc_act(state: ClusterState, check: Callable[[bool, str], None], schema: str,
         check(code != 0, f"SIGKILL {victim} at {KILL_POINT}, in the middle of a commit "
                          f"(the job reports it and exits {code})")
         started = time.monotonic()
-        start_retina_server(state, victim)
+        # Replaced files may go as soon as nothing holds them; rounds only on demand (the
+        # sweeper act below).
+        start_retina_server(state, victim, {"RETINA__RETINA__GC_RETIRED_RETENTION_MS": "0",
+                                            "RETINA__RETINA__SWEEPER_INTERVAL_MS": "0"})
         wait_for(lambda: node_state(victim) == rpb.READY, 120, "the connector to recover it")
         ready_s = time.monotonic() - started
         entries = gc_status(victim).entries
@@ -130,15 +133,59 @@ def gc_act(state: ClusterState, check: Callable[[bool, str], None], schema: str,
         wait_for(converged, 60, "the gated snapshot to equal the source after the crash")
         check(True, "gated snapshot = source after the crash and the rollback")
         checkpoint_twice(state)
-        code, report, _s = run_job(state, schema)
+        code, report, _s = run_job(state, schema, threshold=0.0)
         totals = report.get("totals", {})
         check(code == 0, f"GC again: {totals.get('committed')} rewrite(s) committed")
         wait_for(converged, 60, "the gated snapshot to equal the source")
+        swept = lineage_and_sweep(state, check, victim, converged)
         final = stored(catalog, schema, tables)
         journal = {e.state for n in state.nodes for e in gc_status(n).entries}
         return {"before": before, "after": after, "final": final, "seconds": seconds,
                 "decision": rolled[-1].reason if rolled else "", "journal": sorted(journal),
+                "swept": swept,
                 "streams": len({file_names.parse(f.name).vnode
                                 for f in catalog.get_files_by_type(None, [FileType.REGULAR])})}
     finally:
         catalog.close()
+
+
+def retina_gc(state: ClusterState, *args: str) -> dict[str, Any]:
+    """``retina-gc --json`` as an operator runs it; its JSON answer."""
+    done = subprocess.run([sys.executable, "-m", "retina_common.gc_cli", "--config",
+                           state.config_path, *args, "--json"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"retina-gc {' '.join(args)} exited {done.returncode}: "
+                           f"{done.stderr.strip()[-500:]}")
+    return json.loads(done.stdout)
+
+
+def lineage_and_sweep(state: ClusterState, check: Callable[[bool, str], None], node: str,
+                      converged: Callable[[], bool]) -> dict[str, Any]:
+    """Revert one completed rewrite of ``node`` (its retention is 0: the sweeper may
+    remove what the rewrites replaced once no checkpoint slot holds it), then sweep."""
+    records = retina_gc(state, "--node", node, "lineage")[node].get("records", [])
+    revertible = [r for r in records if r.get("revertible")]
+    check(bool(revertible), f"retina-gc lineage: {len(records)} rewrites on {node}, "
+                            f"{len(revertible)} revertible")
+    target = revertible[-1]
+    reverted = retina_gc(state, "revert", target["rewrite_id"])
+    check(reverted.get("status") == "REVERTED",
+          f"retina-gc revert {target['rewrite_id'][:12]}: file {target['new_file_id']} -> "
+          f"files {target.get('old_file_ids')} again (one catalog swap back)")
+    wait_for(converged, 60, "the gated snapshot to equal the source after the revert")
+    check(True, "gated snapshot = source after the revert")
+    held = retina_gc(state, "--node", node, "sweep", "--pass", "retired", "--dry-run")[node]
+    reasons = sorted({o.get("reason", "") for o in held.get("objects", [])
+                      if o.get("action") == "held"})
+    checkpoint_twice(state)  # neither slot holds the replaced files any more
+    swept = retina_gc(state, "--node", node, "sweep")[node]
+    removed = [o for o in swept.get("objects", []) if o.get("action") == "removed"
+               and o.get("pass_name") == "retired"]
+    check(bool(removed), f"retina-gc sweep: held before the checkpoints ({', '.join(reasons)}), "
+                         f"then {len(removed)} retired files removed "
+                         f"({int(swept.get('bytes_removed', 0)):,} bytes)")
+    wait_for(converged, 60, "the gated snapshot to equal the source after the sweep")
+    check(True, "gated snapshot = source after the sweep")
+    return {"reverted": target["rewrite_id"], "removed": len(removed),
+            "bytes_removed": int(swept.get("bytes_removed", 0))}

@@ -134,3 +134,32 @@ def test_transactions_of_a_previous_incarnation_are_ended(etcd: EtcdStore) -> No
     with pytest.raises(TransactionEnded, match="restart"):
         after.commit([old.trans_id])
     assert after.high_watermark() >= old.timestamp
+
+
+def test_listed_files_are_held_until_their_transaction_ends(etcd: EtcdStore) -> None:
+    """LISTED_FILES_HELD: the sweepers' retention guard reads these holds."""
+    clock = [1_000]
+    t = table(etcd, clock)
+    (w,) = t.begin(TransKind.WRITE)
+    (r1, r2) = t.begin(TransKind.READ, count=2)
+    assert t.read_holds().file_ids == frozenset() and t.read_holds().live_reads == 2
+    with pytest.raises(WrongTransactionKind):
+        t.listing_started(w.trans_id)
+    t.listing_started(r1.trans_id)
+    assert t.read_holds().listings_in_flight == 1  # between the catalog read and the record
+    t.listing_done(r1.trans_id, [10, 11])
+    t.listing_started(r2.trans_id)
+    t.listing_done(r2.trans_id, [11, 12])
+    holds = t.read_holds()
+    assert (holds.file_ids, holds.listings_in_flight) == (frozenset({10, 11, 12}), 0)
+    assert holds.oldest_snapshot_ts == r1.timestamp
+    t.mark_offloaded(r1.trans_id)  # offloaded readers still hold their files
+    assert t.read_holds().file_ids == frozenset({10, 11, 12})
+    t.commit([r2.trans_id])
+    assert t.read_holds().file_ids == frozenset({10, 11})
+    clock[0] += 2_000  # r1's lease runs out
+    t.expire_leases()
+    assert t.read_holds().file_ids == frozenset() and t.read_holds().live_reads == 0
+    with pytest.raises(TransactionEnded):
+        t.listing_started(r1.trans_id)
+    assert t.read_holds().listings_in_flight == 0  # a refused listing never counts

@@ -158,9 +158,19 @@ class TransService(pb_grpc.TransServiceServicer):
         if not decision.admitted:
             LIST_FILES_TOTAL.labels(outcome="gate_closed").inc()
             _abort(context, grpc.StatusCode.UNAVAILABLE, decision.message)
+        # LISTED_FILES_HELD: in flight from before the catalog read until the files
+        # are recorded on the transaction, so no sweeper removes one in between.
+        self._call(context, lambda: self._table.listing_started(request.trans_id))
+        files: list[pb.QueryFile] = []
+        try:
+            return self._list_files(request, context, trans.timestamp, files)
+        finally:
+            self._table.listing_done(request.trans_id, [f.file_id for f in files])
+
+    def _list_files(self, request: pb.ListQueryFilesRequest, context: grpc.ServicerContext,
+                    snapshot_ts: int, files: list[pb.QueryFile]) -> pb.ListQueryFilesResponse:
         try:
             table = self._catalog.get_table(request.schema_name, request.table_name)
-            files = []
             for path in self._catalog.get_paths(table.table_id):
                 for f in self._catalog.get_regular_files(path.path_id):
                     files.append(pb.QueryFile(
@@ -177,4 +187,13 @@ class TransService(pb_grpc.TransServiceServicer):
             LIST_FILES_TOTAL.labels(outcome="catalog_error").inc()
             _abort(context, grpc.StatusCode.INTERNAL, str(exc))
         LIST_FILES_TOTAL.labels(outcome="ok").inc()
-        return pb.ListQueryFilesResponse(snapshot_ts=trans.timestamp, files=files)
+        return pb.ListQueryFilesResponse(snapshot_ts=snapshot_ts, files=files)
+
+    def GetReadHolds(self, request: pb.GetReadHoldsRequest,
+                     context: grpc.ServicerContext) -> pb.GetReadHoldsResponse:
+        holds = self._table.read_holds()
+        return pb.GetReadHoldsResponse(
+            file_ids=sorted(holds.file_ids), listings_in_flight=holds.listings_in_flight,
+            live_read_transactions=holds.live_reads,
+            oldest_read_snapshot_ts=-1 if holds.oldest_snapshot_ts is None
+            else holds.oldest_snapshot_ts)

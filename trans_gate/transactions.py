@@ -11,6 +11,10 @@ Invariants (named as in docs/trans-server.md):
 * SAFE_GC_BELOW_READERS: ``safeGcTs = min(HWM, live non-offloaded read
   snapshots) - 1``: strictly below every snapshot a live query or a new
   query can hold, so folding never removes a version anyone can still see.
+* LISTED_FILES_HELD: a file ListQueryFiles gave a live read transaction
+  (offloaded or not) is reported by :meth:`TransactionTable.read_holds` until
+  the transaction ends; while a listing is between its catalog read and its
+  record, every file counts as held (``listings_in_flight``).
 * ENDED_IS_FINAL: a transaction ends once (commit, rollback or lease
   expiry); ending it again is refused and changes nothing.
 
@@ -25,7 +29,7 @@ import heapq
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import grpc
@@ -76,6 +80,18 @@ class Transaction:
     timestamp: int
     lease_expires_at_ms: int
     offloaded: bool = False
+    # Files ListQueryFiles gave this (read-only) transaction: the sweepers keep them.
+    listed: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class ReadHolds:
+    """What live read transactions can still read (the sweepers' retention guard)."""
+
+    file_ids: frozenset[int]
+    listings_in_flight: int
+    live_reads: int
+    oldest_snapshot_ts: int | None
 
 
 class TransactionTable:
@@ -97,6 +113,7 @@ class TransactionTable:
         # Everything before this session is ended.
         self._last_write_ts = timestamps.session_start - 1
         self._hwm = self._last_write_ts
+        self._listings_in_flight = 0
 
     # --- begin ---------------------------------------------------------------
     def _lease(self, kind: TransKind, lease_ms: int) -> int:
@@ -194,6 +211,31 @@ class TransactionTable:
             if trans.kind != TransKind.READ:
                 raise WrongTransactionKind(f"transaction {trans_id} is a write transaction")
             return trans
+
+    def listing_started(self, trans_id: int) -> Transaction:
+        """A ListQueryFiles call begins (before its catalog read): until
+        :meth:`listing_done`, :meth:`read_holds` reports a listing in flight."""
+        with self._lock:
+            trans = self._require_live(trans_id)
+            if trans.kind != TransKind.READ:
+                raise WrongTransactionKind(f"transaction {trans_id} is a write transaction")
+            self._listings_in_flight += 1
+            return trans
+
+    def listing_done(self, trans_id: int, file_ids: Iterable[int]) -> None:
+        """Record what the listing gave (nothing if it failed), then end it."""
+        with self._lock:
+            trans = self._live.get(trans_id)
+            if trans is not None:
+                trans.listed.update(file_ids)
+            self._listings_in_flight -= 1
+
+    def read_holds(self) -> ReadHolds:
+        with self._lock:
+            reads = [t for t in self._live.values() if t.kind == TransKind.READ]
+            held = frozenset(f for t in reads for f in t.listed)
+            oldest = min((t.timestamp for t in reads), default=None)
+            return ReadHolds(held, self._listings_in_flight, len(reads), oldest)
 
     def status(self, trans_id: int) -> Transaction | None:
         """The live transaction ``trans_id``, or None if it is not live."""

@@ -1,0 +1,422 @@
+"""Sweepers and the retention guard (issue 11): retired files leave storage, the catalog,
+the MainIndex and memory once nothing can need them, and not a moment earlier; a kill at
+every sweeper step is finished by the next round; temporary files, checkpoint bodies and
+orphans are swept on their own rules; every outcome is checked against the model."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import grpc
+import pytest
+
+from retina_common import file_names
+from retina_common.catalog import Catalog, FileRecord, FileType
+from retina_common.pb import retina_pb2 as rpb
+from retina_common.pb import trans_pb2 as tpb
+from retina_common.reader import HIDDEN
+from retina_common.recovery_driver import RecoveryFailed
+from retina_common.storage import write_durably
+from retina_server.retention import HoldReason, Holds, hold_reason
+
+from . import gc
+from .dataplane import SCHEMA, DataPlane
+from .support import rpc_error
+from .test_recovery_protocol import order
+from .test_recovery_sequences import restart_and_recover
+from .test_storage_gc import all_streams_rewritten, load
+
+NOW = 1_000_000
+
+
+# --- the retention guard: one test per reason ------------------------------------------------
+def _retired(cleanup_at: int = NOW - 1, file_id: int = 7) -> FileRecord:
+    return FileRecord(file_id, "f.parquet", FileType.RETIRED, 1, 1, 0, 9, cleanup_at)
+
+
+def _holds(**kw: object) -> Holds:
+    base: dict[str, object] = {"now_ms": NOW, "reader_files": frozenset(),
+                               "listings_in_flight": 0, "checkpoint_files": frozenset(),
+                               "journal_anchors": frozenset()}
+    return Holds(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_guard_lets_a_due_unheld_retired_file_go() -> None:
+    assert hold_reason(_retired(), _holds()) is None
+
+
+def test_guard_holds_a_retired_file_before_its_cleanup_at() -> None:
+    assert hold_reason(_retired(cleanup_at=NOW + 1), _holds()) == \
+        HoldReason.CLEANUP_AT_NOT_PASSED
+
+
+def test_guard_holds_a_temporary_file_before_its_ttl() -> None:
+    temp = FileRecord(7, "f.parquet", FileType.TEMPORARY_INGEST, 0, 1, None, None, None)
+    assert hold_reason(temp, _holds(), due_at_ms=NOW + 1) == HoldReason.TTL_NOT_PASSED
+    assert hold_reason(temp, _holds(), due_at_ms=NOW) is None
+
+
+def test_guard_holds_everything_while_reader_holds_are_unknown() -> None:
+    assert hold_reason(_retired(), _holds(reader_files=None)) == HoldReason.READ_HOLDS_UNKNOWN
+
+
+def test_guard_holds_everything_while_a_listing_is_in_flight() -> None:
+    assert hold_reason(_retired(), _holds(listings_in_flight=1)) == \
+        HoldReason.LISTING_IN_FLIGHT
+
+
+def test_guard_holds_a_file_a_live_reader_listed() -> None:
+    assert hold_reason(_retired(), _holds(reader_files=frozenset({7}))) == \
+        HoldReason.LIVE_READER
+    assert hold_reason(_retired(), _holds(reader_files=frozenset({8}))) is None
+
+
+def test_guard_holds_a_file_a_checkpoint_slot_names_or_when_slots_are_unreadable() -> None:
+    assert hold_reason(_retired(), _holds(checkpoint_files=frozenset({7}))) == \
+        HoldReason.CHECKPOINT_SLOT
+    assert hold_reason(_retired(), _holds(checkpoint_files=None)) == HoldReason.CHECKPOINT_SLOT
+
+
+def test_guard_holds_a_rollback_anchor_of_an_open_journal_entry() -> None:
+    assert hold_reason(_retired(), _holds(journal_anchors=frozenset({7}))) == \
+        HoldReason.JOURNAL_ANCHOR
+
+
+# --- helpers ----------------------------------------------------------------------------------
+def sweep(plane: DataPlane, node: str, *passes: str, dry_run: bool = False,
+          grace_ms: int = 0) -> rpb.RunSweeperResponse:
+    return plane.retinas[node].stub.RunSweeper(rpb.RunSweeperRequest(
+        passes=list(passes), dry_run=dry_run, orphan_grace_ms=grace_ms), timeout=60)
+
+
+def retired_rows(catalog: Catalog, plane: DataPlane) -> list[FileRecord]:
+    path = catalog.get_paths(plane.tables["orders"].table_id)[0]
+    return catalog.get_files_by_type(path.path_id, [FileType.RETIRED])
+
+
+def ranged_files(plane: DataPlane, node: str) -> set[int]:
+    """File ids with MainIndex ranges in the node's durable index (read-only)."""
+    db = plane.workdir / "state" / node.replace(":", "-") / "index" / "main_index.sqlite"
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return {int(f) for (f,) in conn.execute("SELECT DISTINCT file_id FROM row_id_ranges")}
+    finally:
+        conn.close()
+
+
+def stored(path_uri: str, name: str) -> bool:
+    return (Path(path_uri.removeprefix("file://")) / name).exists()
+
+
+def rewritten(plane: DataPlane, catalog: Catalog) -> tuple[str, list[FileRecord]]:
+    """Load orders, rewrite every stream, and checkpoint twice (neither slot holds the
+    old files any more). Returns the node and the files the rewrites retired."""
+    load(plane, catalog)
+    node = plane.nodes[0]
+    all_streams_rewritten(plane)
+    retired = retired_rows(catalog, plane)
+    assert retired
+    plane.checkpoint(node)
+    plane.checkpoint(node)
+    return node, retired
+
+
+def assert_swept(plane: DataPlane, catalog: Catalog, node: str, files: list[FileRecord]) -> None:
+    path = catalog.get_paths(plane.tables["orders"].table_id)[0]
+    ids = {f.file_id for f in files}
+    assert not ids & {f.file_id for f in catalog.get_files_by_type(None, list(FileType))}
+    assert not any(stored(path.uri, f.name) for f in files)
+    assert not ids & ranged_files(plane, node)
+
+
+# --- the retired-file sweeper --------------------------------------------------------------------
+def test_retired_files_go_once_no_slot_holds_them_and_reads_stay_exact(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane(gc_retired_retention_ms=0, sweeper_interval_ms=0)
+    load(plane, catalog)
+    node = plane.nodes[0]
+    all_streams_rewritten(plane)
+    retired = retired_rows(catalog, plane)
+    ids = {f.file_id for f in retired}
+    # The current slot still holds the old files, then the previous one does.
+    for _ in range(2):
+        reply = sweep(plane, node, "retired")
+        assert reply.removed == 0
+        assert {o.file_id: o.reason for o in reply.objects if o.action == "held"} == \
+            dict.fromkeys(ids, "checkpoint_slot")
+        plane.checkpoint(node)
+    dry = sweep(plane, node, "retired", dry_run=True)
+    assert {o.file_id for o in dry.objects if o.action == "would_remove"} == ids
+    assert {f.file_id for f in retired_rows(catalog, plane)} == ids  # a dry run removes nothing
+    reply = sweep(plane, node, "retired")
+    assert reply.removed == len(ids) and reply.bytes_removed > 0
+    assert_swept(plane, catalog, node, retired)
+    assert plane.read("orders") == plane.model.rows["orders"]
+    # The moved rows are still found; two restarts in a row converge.
+    plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, 4)],
+                             "replaces": [order(i, note="s") for i in range(2, 120, 4)]}})
+    for _ in range(2):
+        restart_and_recover(plane, node)
+        assert plane.read("orders") == plane.model.rows["orders"]
+    assert sweep(plane, node, "retired").removed == 0  # nothing left to do
+
+
+def test_a_reader_that_listed_a_retired_file_keeps_it_until_it_ends(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane(gc_retired_retention_ms=0, sweeper_interval_ms=0)
+    load(plane, catalog)
+    node = plane.nodes[0]
+    assert plane.reader is not None
+    expected = plane.model.snapshot()["orders"]
+    writer = plane.writers["orders"]
+    with plane.reader.transaction() as old:
+        listing = plane.trans.stub().ListQueryFiles(tpb.ListQueryFilesRequest(
+            trans_id=old.trans_id, schema_name=SCHEMA, table_name="orders"), timeout=10)
+        listed = {f.file_id for f in listing.files}
+        # The reader is offloaded: it no longer holds safeGcTs, but still its files.
+        plane.trans.stub().MarkTransOffloaded(tpb.MarkTransOffloadedRequest(
+            trans_id=old.trans_id), timeout=10)
+        all_streams_rewritten(plane)
+        plane.checkpoint(node)
+        plane.checkpoint(node)
+        reply = sweep(plane, node, "retired")
+        held = {o.file_id: o.reason for o in reply.objects if o.action == "held"}
+        assert held and set(held.values()) == {"live_reader"} and set(held) <= listed
+        assert reply.removed == 0
+        rows = [{k: v for k, v in r.items() if k not in HIDDEN}
+                for f in listing.files for r in plane.reader.read_file(f, old).to_pylist()]
+        assert {writer.key(r): r for r in rows} == expected
+    reply = sweep(plane, node, "retired")
+    assert reply.removed == len(held)
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+SWEEP_POINTS = ["sweeper.retired.visibility.before", "sweeper.retired.visibility.after",
+                "sweeper.retired.main_index.before", "sweeper.retired.main_index.after",
+                "sweeper.retired.object.before", "sweeper.retired.object.after",
+                "sweeper.retired.catalog.before", "sweeper.retired.catalog.after"]
+
+
+@pytest.mark.parametrize("point", SWEEP_POINTS)
+def test_a_kill_at_every_sweeper_step_is_finished_by_the_next_round(
+        point: str, make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane(gc_retired_retention_ms=0, sweeper_interval_ms=0)
+    node, retired = rewritten(plane, catalog)
+    retina = plane.retinas[node]
+    retina.stop()
+    retina.start(f"{point}=exit(137)")
+    plane.recover(node)
+    err = rpc_error(lambda: sweep(plane, node, "retired"))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert retina.wait_exit() == 137
+    retina.start()
+    plane.recover(node)
+    assert plane.read("orders") == plane.model.rows["orders"]
+    sweep(plane, node, "retired")
+    assert_swept(plane, catalog, node, retired)
+    assert plane.read("orders") == plane.model.rows["orders"]
+    plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, 5)]}})
+    restart_and_recover(plane, node)
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+# --- temporary files, checkpoint bodies, orphans -----------------------------------------------
+def test_temporary_files_past_their_ttl_go_unless_something_names_them(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane(sweeper_interval_ms=0, gc_prepare_ttl_ms=1_000,
+                       temporary_file_ttl_ms=60_000)
+    node = plane.nodes[0]
+    plane.commit({"orders": {"replaces": [order(i) for i in range(40)]}})
+    path = catalog.get_paths(plane.tables["orders"].table_id)[0]
+    old = datetime.now(UTC) - timedelta(hours=2)
+    planted = {}
+    for seq, kind in ((9_000_001, FileType.TEMPORARY_INGEST), (9_000_002, FileType.TEMPORARY_GC)):
+        name = file_names.make(node, old, seq, 0)
+        planted[catalog.add_file(name, kind, 0, path.path_id).file_id] = name
+        write_durably(path.uri, name, b"leftover of a crash")
+    young = file_names.make(node, datetime.now(UTC), 9_000_003, 0)
+    young_id = catalog.add_file(young, FileType.TEMPORARY_GC, 0, path.path_id).file_id
+    odd = catalog.add_file("not-a-retina-name.parquet", FileType.TEMPORARY_INGEST, 0,
+                           path.path_id).file_id
+    reply = sweep(plane, node, "temporary")
+    assert {o.file_id for o in reply.objects if o.action == "removed"} == set(planted)
+    left = {f.file_id for f in catalog.get_files_by_type(None, list(FileType))}
+    assert not left & set(planted) and {young_id, odd} <= left  # young, or not parseable
+    assert not any(stored(path.uri, n) for n in planted.values())
+    assert plane.read("orders") == plane.model.rows["orders"]  # live ingest files untouched
+
+
+def test_checkpoint_bodies_no_slot_references_are_removed_newer_ones_stay(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane(sweeper_interval_ms=0)
+    node = plane.nodes[0]
+    plane.commit({"orders": {"replaces": [order(i) for i in range(20)]}})
+    for _ in range(3):
+        current = plane.checkpoint(node).checkpoint_id
+    directory = plane.workdir / "storage" / "_checkpoints" / node.replace(":", "-")
+    stale = f"ckpt-{1:020d}.bin"
+    ahead = f"ckpt-{current + 1000:020d}.bin"  # an install under way
+    for name in (stale, ahead):
+        (directory / name).write_bytes(b"x")
+    reply = sweep(plane, node, "checkpoints")
+    assert [o.name for o in reply.objects if o.action == "removed"] == [stale]
+    bodies = sorted(p.name for p in directory.iterdir())
+    assert ahead in bodies and len(bodies) == 3  # current, previous and the one ahead
+    restart_and_recover(plane, node)
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+def test_orphans_are_reported_by_a_dry_run_and_removed_after_their_grace(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane(sweeper_interval_ms=0)
+    node = plane.nodes[0]
+    plane.commit({"orders": {"replaces": [order(i) for i in range(30)]}})
+    path = catalog.get_paths(plane.tables["orders"].table_id)[0]
+    directory = Path(path.uri.removeprefix("file://"))
+    directory.mkdir(parents=True, exist_ok=True)
+    orphan = file_names.make(node, datetime.now(UTC) - timedelta(days=2), 8_000_001, 1)
+    tmp_orphan = "." + file_names.make(node, datetime.now(UTC) - timedelta(days=2),
+                                       8_000_002, 1) + ".tmp"
+    fresh = file_names.make(node, datetime.now(UTC), 8_000_003, 1)
+    two_days_ago = (datetime.now(UTC) - timedelta(days=2)).timestamp()
+    for name in (orphan, tmp_orphan, fresh, "README.txt"):
+        (directory / name).write_bytes(b"nobody knows me")
+        if name != fresh:  # written long ago (the grace counts from the later time)
+            os.utime(directory / name, (two_days_ago, two_days_ago))
+    before = {f.file_id for f in catalog.get_files_by_type(None, list(FileType))}
+    cli = subprocess.run(
+        [sys.executable, "-m", "retina_common.gc_cli", "--config", str(plane.config_path),
+         "--node", node, "orphans", "--dry-run", "--grace-ms", "3600000", "--json"],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert cli.returncode == 0, cli.stderr
+    report = json.loads(cli.stdout)[node]
+    actions = {o["name"]: (o["action"], o["reason"]) for o in report["objects"]}
+    assert actions[orphan][0] == actions[tmp_orphan][0] == "would_remove"
+    assert actions[fresh] == ("held", "grace_not_passed")
+    assert actions["README.txt"] == ("held", "foreign_name")
+    assert all((directory / n).exists() for n in (orphan, tmp_orphan, fresh))
+    reply = sweep(plane, node, "orphans", grace_ms=3_600_000)
+    assert {o.name for o in reply.objects if o.action == "removed"} == {orphan, tmp_orphan}
+    assert not (directory / orphan).exists() and (directory / fresh).exists()
+    assert {f.file_id for f in catalog.get_files_by_type(None, list(FileType))} == before
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+def test_final_journal_records_go_after_the_lineage_retention_once_settled(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane(gc_retired_retention_ms=0, sweeper_interval_ms=0,
+                       gc_lineage_retention_ms=0)
+    node, _retired = rewritten(plane, catalog)
+    entries = gc.journal(plane, node)
+    assert entries and {e.state for e in entries.values()} == {"CHECKPOINTED"}
+    reply = sweep(plane, node, "journal")  # the old files are still RETIRED
+    assert reply.removed == 0 and {o.reason for o in reply.objects} == {"files_unsettled"}
+    sweep(plane, node, "retired")
+    reply = sweep(plane, node, "journal")
+    assert reply.removed == len(entries) and gc.journal(plane, node) == {}
+    restart_and_recover(plane, node)
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+def test_sweeper_requests_outside_ready_or_malformed_change_nothing(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane(sweeper_interval_ms=0)
+    node = plane.nodes[0]
+    err = rpc_error(lambda: sweep(plane, node, "everything"))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    err = rpc_error(lambda: plane.retinas[node].stub.RevertGcRewrite(
+        rpb.RevertGcRewriteRequest(rewrite_id="nope"), timeout=10))
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    retina = plane.retinas[node]
+    retina.kill9()
+    retina.start()
+    plane.wait_replay_ready(node)
+    err = rpc_error(lambda: sweep(plane, node, "retired"))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    plane.recover(node)
+    assert catalog.get_files_by_type(None, [FileType.RETIRED]) == []
+
+
+# --- a kill at every other sweeper delete --------------------------------------------------------
+OTHER_POINTS = {
+    "sweeper.temporary.object.before": "temporary", "sweeper.temporary.object.after": "temporary",
+    "sweeper.temporary.catalog.before": "temporary",
+    "sweeper.temporary.catalog.after": "temporary",
+    "sweeper.orphan.delete.before": "orphans", "sweeper.orphan.delete.after": "orphans",
+    "sweeper.journal.remove.before": "journal", "sweeper.journal.remove.after": "journal",
+    "checkpoint.body_delete.before": "checkpoints", "checkpoint.body_delete.after": "checkpoints",
+}
+
+
+@pytest.mark.parametrize("point", list(OTHER_POINTS))
+def test_a_kill_at_every_other_sweeper_delete_is_finished_by_the_next_round(
+        point: str, make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane(gc_retired_retention_ms=0, sweeper_interval_ms=0,
+                       gc_lineage_retention_ms=0, gc_prepare_ttl_ms=1_000,
+                       temporary_file_ttl_ms=60_000)
+    node = plane.nodes[0]
+    kind = OTHER_POINTS[point]
+    load(plane, catalog)
+    path = catalog.get_paths(plane.tables["orders"].table_id)[0]
+    directory = Path(path.uri.removeprefix("file://"))
+    long_ago = datetime.now(UTC) - timedelta(days=2)
+    leftover = file_names.make(node, long_ago, 9_100_001, 0)
+
+    def gone() -> bool:
+        if kind == "temporary":
+            return not (directory / leftover).exists() and leftover not in \
+                {f.name for f in catalog.get_files_by_type(None, list(FileType))}
+        if kind == "orphans":
+            return not (directory / leftover).exists()
+        if kind == "journal":
+            return gc.journal(plane, node) == {}
+        return not (checkpoints / leftover).exists()
+
+    checkpoints = plane.workdir / "storage" / "_checkpoints" / node.replace(":", "-")
+
+    def plant() -> None:
+        if kind == "temporary":
+            catalog.add_file(leftover, FileType.TEMPORARY_INGEST, 0, path.path_id)
+            write_durably(path.uri, leftover, b"left by a crash")
+        elif kind == "orphans":
+            (directory / leftover).write_bytes(b"nobody knows me")
+            stamp = long_ago.timestamp()
+            os.utime(directory / leftover, (stamp, stamp))
+        elif kind == "journal":
+            all_streams_rewritten(plane)
+            plane.checkpoint(node)
+            plane.checkpoint(node)
+            sweep(plane, node, "retired")
+            assert gc.journal(plane, node)
+        else:
+            (checkpoints / leftover).write_bytes(b"stale")
+
+    if kind == "checkpoints":
+        leftover = f"ckpt-{1:020d}.bin"
+        plant()  # before: the READY checkpoint of the restart below may be what dies
+    retina = plane.retinas[node]
+    retina.stop()
+    retina.start(f"{point}=exit(137)")
+    with contextlib.suppress(grpc.RpcError, RecoveryFailed, AssertionError, TimeoutError):
+        plane.recover(node)
+        if kind != "checkpoints":
+            # After the restart: its cleansing would retire a planted TEMPORARY_INGEST.
+            plant()
+        sweep(plane, node, kind, grace_ms=3_600_000)
+    assert retina.wait_exit() == 137
+    retina.start()
+    plane.recover(node)
+    assert plane.read("orders") == plane.model.rows["orders"]
+    sweep(plane, node, kind, grace_ms=3_600_000)
+    assert gone()
+    plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, 5)]}})
+    restart_and_recover(plane, node)
+    assert plane.read("orders") == plane.model.rows["orders"]
