@@ -56,9 +56,17 @@ VIRTUAL_NODES = 4
 # changelog retention happen all the time, not once per campaign.
 # The GC maintenance round (fold + prune) every 5 s instead of 30 s: folds race the GC
 # passes' prepares (FOLD_FENCE) and prunes race the recoveries within an episode or two.
+# Sweepers on, with short settings, so that sweeping happens under load in every episode
+# (issue 11): a round every 2 s while READY; a retired file falls due 8 s after its GC swap
+# (two checkpoints, 3 s, release the slots before that), so a rewrite stays revertible for
+# a few seconds and is then swept; final GC journal records go 10 s after their last
+# change once their files are settled; temporary files after 2 min (it must exceed the GC
+# prepare TTL, 60 s here: a campaign's GC pass lasts seconds).
 RETINA_SETTINGS = {"block_rows": 32, "blocks_per_file": 2, "flush_interval_ms": 400,
                    "checkpoint_interval_ms": 1500, "lifecycle_ttl_s": 5,
-                   "gc_interval_ms": 5000}
+                   "gc_interval_ms": 5000, "sweeper_interval_ms": 2000,
+                   "gc_retired_retention_ms": 8000, "gc_lineage_retention_ms": 10_000,
+                   "gc_prepare_ttl_ms": 60_000, "temporary_file_ttl_ms": 120_000}
 TRANS_SETTINGS = {"ts_block_size": 32, "write_lease_ms": 5000}
 CDC_SETTINGS = {"retention_interval_s": 2, "node_check_interval_ms": 250,
                 "write_lease_ms": 2000, "batch_max_rows": 400}

@@ -17,7 +17,7 @@ import grpc
 
 from devtools.cluster import node_state
 from retina_common import failpoints
-from retina_common.catalog import Catalog
+from retina_common.catalog import Catalog, FileType
 from retina_common.codec import encode_primary_key, encode_value
 from retina_common.etcd import EtcdStore
 from retina_common.keys import checkpoint_slot_key
@@ -29,11 +29,23 @@ from retina_common.topology import load_topology
 from .cluster import CDC, TRANS, ChaosCluster
 from .gc import ROW_GROUP_ROWS, GcDriver, PassResult, maintenance
 from .prober import ReadinessTracker
+from .sweep import (
+    ORPHAN_GRACE_MS,
+    Planted,
+    code_of,
+    lineage,
+    local_dir,
+    plant_orphans,
+    plant_temporary,
+    revert,
+    run_sweeper,
+)
 from .workload import PROBE_TABLE, SCHEMA
 
 # Which process reaches which failpoints (by name prefix).
 # etcd.txn.*: every compare-and-swap; Retina's checkpoint pointer swap does one constantly.
-RETINA_PREFIXES = ("ingest.", "index.", "checkpoint.", "recovery.", "catalog.", "etcd.", "gc.")
+RETINA_PREFIXES = ("ingest.", "index.", "checkpoint.", "recovery.", "catalog.", "etcd.", "gc.",
+                   "sweeper.")
 # Points of the Spark job's rewrite task (spark_jobs/storage_gc.py, rewrite_group).
 REWRITER_PREFIXES = ("gc.rewrite.",)
 # Points no process of this topology reaches, with the reason (reported, never hidden).
@@ -55,6 +67,22 @@ GC_PROMOTE_POINTS = ("gc.journal.checkpointed.",)
 #   (the switch runs under the stream locks a checkpoint takes), so the next start must
 #   roll it back; the point is armed for that start and hit during start-up.
 GC_ROLLBACK_POINTS = ("gc.rollback.", "gc.journal.aborted.", "catalog.revert_swap.commit.")
+# - the revert (lineage.py): reached only by RevertGcRewrite of a COMPLETED rewrite whose
+#   old files are still RETIRED: the wait runs a GC pass when the node lists no revertible
+#   rewrite (ListGcLineage), else reverts a random revertible one.
+GC_REVERT_POINTS = ("gc.revert.",)
+# Sweeper points (sweeper.py, orphans.py, CheckpointStore.cleanup), by the pass that
+# reaches them once something is due. The node's own round runs every 2 s while READY
+# (cluster.RETINA_SETTINGS); the wait also forces rounds with RunSweeper and makes files
+# due: GC passes (retired files, then settled final journal records), planted temporary
+# leftovers (a TEMPORARY_GC / TEMPORARY_INGEST row named two hours ago) and planted orphan
+# objects (chaos/sweep.py). checkpoint.body_delete.* is also reached by every checkpoint.
+SWEEP_PASSES = {"sweeper.retired.": "retired", "sweeper.temporary.": "temporary",
+                "sweeper.orphan.": "orphans", "sweeper.journal.": "journal",
+                "checkpoint.body_delete.": "checkpoints"}
+# Retired files are due 8 s after their swap (and two checkpoints), final journal records
+# 10 s after their last change once their files are gone.
+SWEEP_DEADLINE_S = 40.0
 # Swapped (revert_swap reverts the catalog) twice as often as not swapped (revert_swap
 # answers not_swapped and the new file is deleted): both cases of every rollback step.
 GC_ROLLBACK_PREPARE = {"gc.journal.swapped.after": 2, "gc.primary_switch.after": 1}
@@ -92,12 +120,21 @@ def process_of(point: str) -> str:
 
 def gc_driving(point: str) -> str:
     """How a GC point is driven: ``pass`` (GC passes while waiting), ``rollback`` (a crash
-    inside a GC commit first, then the point armed for the next start) or ``""``."""
+    inside a GC commit first, then the point armed for the next start), ``revert``
+    (reverts of completed rewrites while waiting) or ``""``."""
+    if point.startswith(GC_REVERT_POINTS):
+        return "revert"
     if point.startswith(GC_ROLLBACK_POINTS):
         return "rollback"
     if point.startswith(GC_COMMIT_POINTS + GC_PROMOTE_POINTS):
         return "pass"
     return ""
+
+
+def sweep_driving(point: str) -> str:
+    """The sweeper pass that reaches ``point`` (``retired``, ``temporary``, ``orphans``,
+    ``journal``, ``checkpoints``), or ``""`` for a point no sweeper pass reaches."""
+    return next((p for prefix, p in SWEEP_PASSES.items() if point.startswith(prefix)), "")
 
 
 def relevant_points(prefixes: tuple[str, ...] = ()) -> list[str]:
@@ -127,6 +164,7 @@ class FaultResult:
     anomalies: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     gc: Counter[str] = field(default_factory=Counter)  # GC pass outcomes (chaos/gc.py)
+    sweep: Counter[str] = field(default_factory=Counter)  # sweepers, reverts, orphans
 
 
 @dataclass
@@ -300,10 +338,15 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
     if role == "rewriter":
         return arm_rewriter_failpoint(ctx, point, hit_k)
     driving = gc_driving(point)
+    sweep_pass = sweep_driving(point)
     spec = f"{point}=exit({EXIT_AT_FAILPOINT})@{hit_k}"
     result = FaultResult("failpoint", f"{spec}", failpoint=point)
     ctx.write()  # leave work in flight, so start-up paths (cleansing) have something to do
     name = TRANS if role == "trans" else CDC if role == "cdc" else ctx.node()
+    if sweep_pass in ("retired", "journal") and node_state(name) == rpb.READY:
+        # Rewrites now, so that retired files (then final journal records) fall due
+        # while the armed node runs.
+        ctx.gc_pass(name, result, max_groups=3, race=0.3)
     if point.startswith(START_POINTS):
         # A random moment after the write: the rows are often on their way into a
         # (TEMPORARY_INGEST) file when the kill lands, so cleansing has work at start.
@@ -319,7 +362,8 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
         prep = ctx.rng.choices(list(GC_ROLLBACK_PREPARE),
                                weights=list(GC_ROLLBACK_PREPARE.values()))[0]
         ctx.cluster.start(name, f"{prep}=exit({EXIT_AT_FAILPOINT})@1")
-        prepared = _drive_until_exit(ctx, name, GC_FAILPOINT_DEADLINE_S, result)
+        prepared = _drive_until_exit(ctx, name, GC_FAILPOINT_DEADLINE_S,
+                                     _gc_action(ctx, name, result))
         result.detail += f" (after {prep}: {prepared})"
         if prepared != EXIT_AT_FAILPOINT:
             result.notes.append(f"{point}: no GC commit crashed at {prep}: nothing to roll "
@@ -332,8 +376,16 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
         ctx.kill(node, signal.SIGKILL)
         ctx.cluster.start_node(node)
         result.detail += f" (replaying {node})"
-    deadline_s = GC_FAILPOINT_DEADLINE_S if driving == "pass" else FAILPOINT_DEADLINE_S
-    code = _drive_until_exit(ctx, name, deadline_s, result if driving == "pass" else None)
+    action: Callable[[], None] | None = None
+    deadline_s = FAILPOINT_DEADLINE_S
+    if driving == "pass":
+        action, deadline_s = _gc_action(ctx, name, result), GC_FAILPOINT_DEADLINE_S
+    elif driving == "revert":
+        action, deadline_s = _revert_action(ctx, name, result), GC_FAILPOINT_DEADLINE_S
+    elif sweep_pass:
+        action, deadline_s = _sweep_action(ctx, name, sweep_pass, hit_k, result), \
+            SWEEP_DEADLINE_S
+    code = _drive_until_exit(ctx, name, deadline_s, action)
     result.failpoint_hit = code == EXIT_AT_FAILPOINT
     if name in ctx.cluster.nodes and code is not None:
         ctx.tracker.down(name)
@@ -379,10 +431,10 @@ def arm_rewriter_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultRe
 
 
 def _drive_until_exit(ctx: FaultContext, name: str, timeout_s: float,
-                      gc: FaultResult | None = None) -> int | None:
+                      action: Callable[[], None] | None = None) -> int | None:
     """Keep the workload going (small steps) until ``name`` exits or the deadline passes;
-    with ``gc``, also GC passes on that node (counted into ``gc``), for points only a GC
-    commit, its promotion or a crash inside it reaches."""
+    with ``action``, also run it while the node is READY: GC passes (points only a GC
+    commit, its promotion or a crash inside it reaches), reverts, sweeper rounds."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         code = ctx.cluster.wait_exit(name, 0.3)
@@ -391,9 +443,71 @@ def _drive_until_exit(ctx: FaultContext, name: str, timeout_s: float,
         ctx.write()
         # Only once the restarted node is READY: before, the gate refuses the pass (or a
         # stale READY key admits it to a node that is not listening yet).
-        if gc is not None and ctx.cluster.alive(name) and node_state(name) == rpb.READY:
-            ctx.gc_pass(name, gc, max_groups=3, race=0.3)
+        if action is not None and ctx.cluster.alive(name) and node_state(name) == rpb.READY:
+            action()
     return ctx.cluster.exit_code(name)
+
+
+def _gc_action(ctx: FaultContext, node: str, result: FaultResult) -> Callable[[], None]:
+    def act() -> None:
+        ctx.gc_pass(node, result, max_groups=3, race=0.3)
+    return act
+
+
+def _revert_action(ctx: FaultContext, node: str, result: FaultResult) -> Callable[[], None]:
+    """A revert of a random revertible rewrite of ``node``; a GC pass when there is none."""
+
+    def act() -> None:
+        try:
+            records = [r for r in lineage(node) if r.revertible]
+        except grpc.RpcError:
+            return  # the node is going away
+        if not records:
+            ctx.gc_pass(node, result, max_groups=2, race=0.3)
+            return
+        record = ctx.rng.choice(records)
+        result.sweep["reverts"] += 1
+        try:
+            revert(node, record.rewrite_id)
+            result.sweep["reverted"] += 1
+        except grpc.RpcError as exc:  # UNAVAILABLE: the node died at the point
+            result.sweep[f"revert_refused_{code_of(exc)}"] += 1
+    return act
+
+
+def _sweep_action(ctx: FaultContext, node: str, pass_name: str, hit_k: int,
+                  result: FaultResult) -> Callable[[], None]:
+    """A forced sweeper round of ``pass_name`` on ``node`` after making something due:
+    planted leftovers (temporary, orphans: ``hit_k`` of them, once), GC passes now and
+    then (retired files, final journal records)."""
+    assert ctx.cluster.state is not None
+    dsn = ctx.cluster.state.postgres.dsn()
+    rounds = [0]
+
+    def act() -> None:
+        rounds[0] += 1
+        if pass_name in ("temporary", "orphans") and rounds[0] == 1:
+            catalog = Catalog(dsn, pool_max=1)
+            try:
+                if pass_name == "temporary":
+                    result.sweep["temporary_planted"] += len(
+                        plant_temporary(catalog, node, ctx.rng, count=max(2, hit_k)))
+                else:
+                    planted = plant_orphans(catalog, node, ctx.rng, count=max(2, hit_k),
+                                            with_held=False)
+                    result.sweep["orphans_planted"] += len(planted.orphans)
+            finally:
+                catalog.close()
+        if pass_name in ("retired", "journal") and rounds[0] % 4 == 1:
+            ctx.gc_pass(node, result, max_groups=2, race=0.3)
+        result.sweep["rounds_forced"] += 1
+        try:
+            reply = run_sweeper(node, [pass_name],
+                                grace_ms=ORPHAN_GRACE_MS if pass_name == "orphans" else 0)
+        except grpc.RpcError:
+            return  # UNAVAILABLE: the node died at the point (or was not READY yet)
+        result.sweep[f"{pass_name}_removed"] += reply.removed
+    return act
 
 
 def mark_ready_crash(ctx: FaultContext) -> FaultResult:
@@ -431,6 +545,160 @@ def gc_rewrite(ctx: FaultContext) -> FaultResult:
         ctx.cluster.start_node(node)
     result.detail += f", then {after}"
     return result
+
+
+# --- sweepers, revert, orphans (issue 11) -------------------------------------------------------
+def sweeper_kill(ctx: FaultContext) -> FaultResult:
+    """A node killed at a random sweeper point during a sweeper round: something is made
+    due (GC passes, planted leftovers), the node restarted with the point armed, rounds
+    forced with RunSweeper until it dies there; restarted clean, the next round must finish
+    what the dead one left (the comparison and the storage audit check it)."""
+    points = [p for p in relevant_points() if sweep_driving(p)]
+    point = ctx.rng.choice(points)
+    result = arm_failpoint(ctx, point, ctx.rng.randint(1, 3))
+    result.kind = "sweeper_kill"
+    return result
+
+
+def gc_revert(ctx: FaultContext) -> FaultResult:
+    """A revert of a random revertible rewrite (ListGcLineage; a GC pass first when there is
+    none), source changes racing it; one time in three killed at a random gc.revert.* point
+    instead (recovery finishes a revert whose REVERTING is durable). A clean revert's answer
+    must agree with the lineage and the catalog (old files REGULAR, new file RETIRED); then,
+    drawn 2 : 1, nothing or a SIGKILL at once (REVERTED before any checkpoint: recovery maps
+    the loaded baseline back to the old files)."""
+    if ctx.rng.random() < 1 / 3:
+        points = [p for p in relevant_points() if gc_driving(p) == "revert"]
+        result = arm_failpoint(ctx, ctx.rng.choice(points), 1)
+        result.kind = "gc_revert"
+        return result
+    node = ctx.node()
+    ctx.write()
+    result = FaultResult("gc_revert", node)
+    try:
+        records = [r for r in lineage(node) if r.revertible]
+        if not records:
+            ctx.gc_pass(node, result, max_groups=ctx.rng.randint(1, 3), race=0.3)
+            records = [r for r in lineage(node) if r.revertible]
+    except grpc.RpcError as exc:
+        result.notes.append(f"ListGcLineage of {node}: {code_of(exc)}")
+        return result
+    if not records:
+        result.detail += ": nothing revertible"
+        result.sweep["revert_nothing"] += 1
+        return result
+    record = ctx.rng.choice(records)
+    if ctx.rng.random() < 0.5:
+        ctx.write()  # changes that may land on the new file's rows, right before
+    result.sweep["reverts"] += 1
+    try:
+        reply = revert(node, record.rewrite_id)
+    except grpc.RpcError as exc:
+        code = code_of(exc)
+        result.sweep[f"revert_refused_{code}"] += 1
+        text = f"revert {record.rewrite_id} on {node}: {code} {(exc.details() or '')[:160]}"
+        if code in ("FAILED_PRECONDITION", "ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED"):
+            result.notes.append(text)  # e.g. the old files swept since the listing
+        else:
+            result.anomalies.append(f"gc_revert_unexpected_answer: {text}")
+        return result
+    result.sweep["reverted"] += 1
+    result.detail = f"{node} {record.rewrite_id[:12]} ({len(record.old_file_ids)} old files)"
+    problem = _revert_disagrees(ctx, node, record, reply.record)
+    if problem:
+        result.anomalies.append(f"gc_revert_disagrees: {node} rewrite {record.rewrite_id}: "
+                                f"{problem}")
+    if ctx.rng.random() < 1 / 3:
+        ctx.kill(node, signal.SIGKILL)
+        ctx.write()
+        ctx.cluster.start_node(node)
+        result.detail += ", then SIGKILL"
+    return result
+
+
+def _revert_disagrees(ctx: FaultContext, node: str, asked: rpb.GcLineageRecord,
+                      answered: rpb.GcLineageRecord) -> str:
+    if (answered.status, answered.journal_state) != ("REVERTED", "REVERTED"):
+        return f"answered {answered.status}/{answered.journal_state}"
+    assert ctx.cluster.state is not None
+    catalog = Catalog(ctx.cluster.state.postgres.dsn(), pool_max=1)
+    try:
+        types = {i: catalog.get_file(i) for i in (asked.new_file_id, *asked.old_file_ids)}
+    finally:
+        catalog.close()
+    named = {i: f.type.name if f is not None else "missing" for i, f in types.items()}
+    want = {i: "REGULAR" for i in asked.old_file_ids} | {asked.new_file_id: "RETIRED"}
+    if named != want:
+        return f"catalog {named}, expected {want}"
+    try:
+        now = {r.rewrite_id: r for r in lineage(node)}
+    except grpc.RpcError:
+        return ""
+    if asked.rewrite_id in now and now[asked.rewrite_id].status != "REVERTED":
+        return f"lineage says {now[asked.rewrite_id].status} after REVERTED"
+    return ""
+
+
+def orphan_sweep(ctx: FaultContext) -> FaultResult:
+    """Orphan objects planted under table paths (this node's name format, two days old),
+    with a fresh orphan and a foreign name that must be held; an orphan pass as a dry run
+    (reports, removes nothing), writes, then for real: every planted orphan removed, the
+    held ones kept, and nothing the catalog knows reported or removed."""
+    node = ctx.node()
+    ctx.write()
+    assert ctx.cluster.state is not None
+    dsn = ctx.cluster.state.postgres.dsn()
+    catalog = Catalog(dsn, pool_max=1)
+    result = FaultResult("orphan_sweep", node)
+    try:
+        planted = plant_orphans(catalog, node, ctx.rng)
+        result.sweep["orphans_planted"] += len(planted.orphans)
+        try:
+            dry = run_sweeper(node, ["orphans"], dry_run=True, grace_ms=ORPHAN_GRACE_MS)
+            ctx.write()
+            real = run_sweeper(node, ["orphans"], grace_ms=ORPHAN_GRACE_MS)
+        except grpc.RpcError as exc:
+            result.notes.append(f"orphan pass on {node}: {code_of(exc)}")
+            planted.remove_held()
+            return result
+        uris = {p.path_id: p.uri for p in catalog.list_paths()}
+        known = {(uris.get(f.path_id, ""), f.name)
+                 for f in catalog.get_files_by_type(None, list(FileType))}
+        problems = _orphan_problems(planted, dry, real, known)
+        result.sweep["orphan_passes"] += 2
+        result.sweep["orphans_removed"] += real.removed
+        result.detail = (f"{node} planted {len(planted.orphans)}, dry run "
+                         f"{sum(o.action == 'would_remove' for o in dry.objects)}, removed "
+                         f"{real.removed}")
+        result.anomalies.extend(f"orphan_sweep_wrong: {node}: {p}" for p in problems)
+        planted.remove_held()
+    finally:
+        catalog.close()
+    return result
+
+
+def _orphan_problems(planted: Planted, dry: rpb.RunSweeperResponse, real: rpb.RunSweeperResponse,
+                     known: set[tuple[str, str]]) -> list[str]:
+    problems = []
+    would = {(o.path_uri, o.name) for o in dry.objects if o.action == "would_remove"}
+    removed = {(o.path_uri, o.name) for o in real.objects if o.action == "removed"}
+    held = {(o.path_uri, o.name): o.reason for o in real.objects if o.action == "held"}
+    for uri, name in planted.orphans:
+        if (uri, name) not in would:
+            problems.append(f"dry run does not report planted orphan {name}")
+        if (uri, name) not in removed or (local_dir(uri) / name).exists():
+            problems.append(f"planted orphan {name} not removed")
+    for uri, name, why in planted.held:
+        if (uri, name) in would or (uri, name) in removed:
+            problems.append(f"{name} ({why}) reported or removed")
+        elif held.get((uri, name)) != why:
+            problems.append(f"{name} held for {held.get((uri, name))!r}, expected {why}")
+        if not (local_dir(uri) / name).exists():
+            problems.append(f"{name} ({why}) is gone")
+    for uri, name in (would | removed) & known:
+        problems.append(f"{name} under {uri} is known to the catalog but was "
+                        f"{'removed' if (uri, name) in removed else 'reported'} as an orphan")
+    return problems
 
 
 # --- malformed keys ---------------------------------------------------------------------------
@@ -507,6 +775,9 @@ FAULTS: dict[str, tuple[float, Callable[[FaultContext], FaultResult]]] = {
     "mark_ready_crash": (2, mark_ready_crash),
     "malformed_key": (1, malformed_key),
     "gc_rewrite": (4, gc_rewrite),
+    "sweeper_kill": (3, sweeper_kill),
+    "gc_revert": (3, gc_revert),
+    "orphan_sweep": (2, orphan_sweep),
 }
 
 
@@ -519,6 +790,6 @@ def inject(ctx: FaultContext, kind: str, seed: int, episode: int,
            prefixes: tuple[str, ...] = ()) -> FaultResult:
     if kind == "failpoint":
         point = failpoint_for(seed, episode, prefixes)
-        k = 1 if point.startswith(START_POINTS) else ctx.rng.randint(1, 3)
+        k = 1 if point.startswith(START_POINTS + GC_REVERT_POINTS) else ctx.rng.randint(1, 3)
         return arm_failpoint(ctx, point, k)
     return FAULTS[kind][1](ctx)

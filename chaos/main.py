@@ -43,6 +43,7 @@ from .faults import (
 from .gc import ROW_GROUP_ROWS, journal_states
 from .prober import Prober, ReadinessTracker
 from .report import Anomaly, Report
+from .sweep import StorageAudit
 
 CDC_STOP_CODES = {3: "stopped by a malformed source event or a refusal"}
 READY_TIMEOUT_S = 60.0
@@ -82,6 +83,7 @@ class Campaign:
         # and how many checks in a row found one swapped but not yet promoted.
         self._gc_seen: dict[str, str] = {}
         self._gc_unpromoted: dict[str, int] = {}
+        self.audit: StorageAudit | None = None  # per cluster
 
     def episode_numbers(self) -> list[int]:
         if self.args.episode is not None:
@@ -159,6 +161,7 @@ class Campaign:
         self.reader = FastSnapshotReader(self.cluster.state.trans_listen, topology, 10)
         self.prober = Prober(self.cluster.state.trans_listen, topology, self.args.seed)
         self.prober.start()
+        self.audit = StorageAudit(self.cluster.state.postgres.dsn())
         self.log(f"chaos: cluster {generation} READY in {time.monotonic() - t0:.1f}s "
                  f"({self.cluster.state_dir}); seed {self.args.seed}")
 
@@ -176,6 +179,9 @@ class Campaign:
             with contextlib.suppress(Exception):
                 self.conn.close()
             self.conn = None
+        if self.audit is not None:
+            self.report.sweep.update(self.audit.counts)
+            self.audit = None
         if self.cluster is not None:
             with contextlib.suppress(Exception):
                 self.cluster.stop()
@@ -223,6 +229,7 @@ class Campaign:
         self._check_progress(episode, caught_up and comparison.clean)
         self._record_comparison(episode, comparison)
         self._check_gc_journals(episode)
+        self._check_storage(episode)
         self._record_breaches(episode)
         self.report.episodes += 1
         self.report.episode_seconds.append(time.monotonic() - t0)
@@ -353,6 +360,7 @@ class Campaign:
             else:
                 self.report.failpoint_not_reached[result.failpoint] += 1
         self.report.gc.update(result.gc)
+        self.report.sweep.update(result.sweep)
         self.report.transactions += result.gc["racing_transactions"]
         for note in result.notes:
             self.report.notes.append(f"episode {episode}: {note}")
@@ -394,6 +402,19 @@ class Campaign:
                     self.report.gc[f"rolled_back_{how}"] += 1
                 elif entry.state == "CHECKPOINTED":
                     self.report.gc["promoted"] += 1
+
+    def _check_storage(self, episode: int) -> None:
+        """Once healed and converged: no REGULAR file without its object, and no RETIRED
+        file left long after its cleanupAt (the sweepers run every 2 s while READY)."""
+        assert self.audit is not None
+        ready = {n for n, s in self.cluster.node_states().items() if s == rpb.READY}
+        anomalies, notes = self.audit.check(ready)
+        for text in notes:
+            self.report.notes.append(f"episode {episode}: {text}")
+        for text in anomalies:
+            kind = text.split(":", 1)[0]
+            self._anomaly(episode, kind, text, CDC if kind != "retired_not_swept" else
+                          next(iter(sorted(ready)), ""))
 
     def _record_comparison(self, episode: int, comparison: Comparison) -> None:
         self.report.rows_compared += comparison.total("rows")

@@ -45,6 +45,11 @@ class Report:
     # task_died, streams_skipped, rolled_back_recovery, rolled_back_in_place, promoted
     # (the last three from the journals after each episode).
     gc: Counter[str] = field(default_factory=Counter)
+    # Sweepers, reverts and orphans (chaos/sweep.py): rounds_forced, <pass>_removed,
+    # reverts, reverted, revert_refused_<CODE>, revert_nothing, orphans_planted,
+    # orphans_removed, temporary_planted; from the storage audit after every episode:
+    # regular_objects_checked, retired_swept_seen (RETIRED files seen due, then gone).
+    sweep: Counter[str] = field(default_factory=Counter)
     unexpected_exits: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     anomalies: list[Anomaly] = field(default_factory=list)
@@ -91,6 +96,8 @@ class Report:
             "  left out             " + (", ".join(f"{k} ({v})" for k, v in
                                                    self.unreachable.items()) or "-"),
             f"  storage GC           {self.gc_text()}",
+            "  sweepers             " + (", ".join(f"{k}={v}" for k, v in
+                                                   sorted(self.sweep.items())) or "-"),
             f"  rows compared        {self.rows_compared}",
             f"  lost / duplicated / phantom / mismatched rows  {self.lost} / {self.duplicated} "
             f"/ {self.phantom} / {self.mismatched}",

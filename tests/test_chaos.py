@@ -27,11 +27,14 @@ from retina_common import failpoints
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 
-# Seed 7's first ten episodes draw, among others, a gc_rewrite fault (episode 2) and the
-# failpoints gc.journal.checkpointed.before (GC passes until a promotion), gc.rewrite.write.*
-# (a rewrite task killed) and gc.rollback.primary.after (a crash inside a GC commit, then
-# a crash in recovery's rollback): Storage GC is in the sample, about a minute long.
-SAMPLE = ["--seed", "7", "--episodes", "10", "--time-budget", "100", "--converge-timeout", "45"]
+# Seed 40's first ten episodes draw, among others, an orphan pass with planted orphans
+# (episode 2), a kill at sweeper.retired.main_index.after (GC passes until retired files
+# fall due, then forced sweeper rounds; episode 3), a gc_rewrite fault (episode 4) and the
+# failpoint gc.rewrite.write.after (a rewrite task killed; episode 5): Storage GC and the
+# sweepers are in the sample, about a minute and a half long. (Seed 7 stopped drawing a
+# gc_rewrite fault when the sweeper fault kinds joined the menu.)
+SAMPLE = ["--seed", "40", "--episodes", "10", "--time-budget", "100", "--converge-timeout",
+          "45"]
 
 
 # --- bookkeeping ------------------------------------------------------------------------------
@@ -48,6 +51,25 @@ def test_every_catalogue_point_is_armed_or_left_out_with_a_reason() -> None:
         # or a rewrite task: the campaign must drive it one of those ways.
         if point.startswith("gc."):
             assert faults.gc_driving(point) or role == "rewriter", point
+        # Sweeper points are reached only by a sweeper round with something due, revert
+        # points only by a revert: the campaign drives those too.
+        if point.startswith("sweeper."):
+            assert role == "retina" and faults.sweep_driving(point), point
+        if point.startswith("gc.revert."):
+            assert faults.gc_driving(point) == "revert", point
+
+
+def test_the_sweeper_fault_kinds_reach_every_sweeper_and_revert_point() -> None:
+    new = [p for p in failpoints.catalogue()
+           if p.startswith(("sweeper.", "gc.revert.", "checkpoint.body_delete."))]
+    assert len(new) == 26
+    assert all(p in faults.relevant_points() for p in new)
+    # sweeper_kill draws from the points a sweeper pass reaches, gc_revert's killed
+    # variant from the revert points.
+    assert {p for p in faults.relevant_points() if faults.sweep_driving(p)} | \
+        {p for p in faults.relevant_points() if faults.gc_driving(p) == "revert"} == set(new)
+    for kind in ("sweeper_kill", "gc_revert", "orphan_sweep"):
+        assert kind in faults.FAULTS
 
 
 def test_unreachable_points_are_really_unreachable() -> None:
@@ -199,7 +221,9 @@ def test_fixed_seed_sample_loses_nothing_and_never_serves_outside_ready(tmp_path
     assert report["reads_served"] > 0, output
     # Storage GC ran: a gc_rewrite fault, rewrites committed, a GC failpoint hit.
     assert report["faults"].get("gc_rewrite", 0) >= 1, \
-        f"seed 7 no longer draws a gc_rewrite fault: choose another sample seed\n{output}"
+        f"seed 40 no longer draws a gc_rewrite fault: choose another sample seed\n{output}"
+    assert report["faults"].get("orphan_sweep", 0) >= 1, output
+    assert report["sweep"].get("orphans_removed", 0) >= 1, output
     assert report["gc"].get("committed", 0) >= 1, output
     assert any(p.startswith("gc.") for p in report["failpoint_hits"]), output
     assert not report["stopped_early"] or "time budget" in report["stopped_early"], output
