@@ -10,6 +10,7 @@ with the RecoveryReplayContext) → MarkReady.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -21,7 +22,7 @@ import grpc
 
 from devtools.cluster import PostgresInstance, free_ports, write_config
 from retina_common.catalog import Catalog, ColumnSpec, TableRecord
-from retina_common.client import TableWriter, requests_by_node
+from retina_common.client import CHANNEL_OPTIONS, TableWriter, requests_by_node
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc
@@ -53,7 +54,13 @@ class RetinaProcess(ChildProcess):
     def start(self, failpoints: str = "", wait: bool = True) -> RetinaProcess:
         self.spawn(failpoints, {"RETINA__RETINA__LISTEN": self.node,
                                 "RETINA__RETINA__METRICS_LISTEN": "off"})
-        self.channel = grpc.insecure_channel(self.node)
+        if self.channel is not None:
+            self.channel.close()
+        # A channel of its own subchannels: gRPC shares subchannels between channels to
+        # the same address, and the one of the crashed predecessor may still be in its
+        # failure backoff, failing the new process's first calls fast.
+        self.channel = grpc.insecure_channel(
+            self.node, options=[*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
         if wait:
             def up() -> bool:
                 if not self.alive():
@@ -145,9 +152,24 @@ class DataPlane:
         return list(replay_requests(node, SCHEMA, self.writers, self.changelog, starts, context))
 
     def recover(self, node: str, mode: int = rpb.VNODE) -> rpb.GetRecoveryReplayTsResponse | None:
-        """Drive one node from RECOVERING to READY; returns the replay starts used."""
-        return drive_recovery(self.retinas[node].stub, mode=mode, replay=lambda starts, ctx:
-                              self.replay_requests(node, starts, mode, ctx))
+        """Drive one node from RECOVERING to READY; returns the replay starts used.
+
+        Like the connector, a node that answers UNAVAILABLE while its process runs
+        (a connection lost under load) is driven again from the start; a process
+        that is gone fails the test with its log."""
+        proc = self.retinas[node]
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                return drive_recovery(proc.stub, mode=mode, replay=lambda starts, ctx:
+                                      self.replay_requests(node, starts, mode, ctx))
+            except grpc.RpcError as exc:
+                if not proc.alive():
+                    raise AssertionError(f"retina {node} exited during recovery: "
+                                         f"{proc.log_tail()}") from exc
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def checkpoint(self, node: str) -> rpb.CreateCheckpointResponse:
         return self.retinas[node].stub.CreateCheckpoint(rpb.CreateCheckpointRequest(), timeout=30)
