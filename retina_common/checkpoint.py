@@ -311,17 +311,21 @@ class CheckpointStore:
         self.cleanup()
         return pointer
 
-    def referenced(self) -> set[str]:
-        paths = set()
+    def referenced(self) -> set[str] | None:
+        """The bodies the slots name, by path and by checkpoint id (a body is kept if
+        either matches: a storage root spelled differently since it was written must
+        not make ``previous`` look unreferenced); None when a pointer is unreadable
+        (it could name any body: keep them all)."""
+        names = set()
         for key in (self._current, self._previous):
             kv = self._etcd.get(key)
             if kv is not None:
                 try:
-                    paths.add(Pointer.parse(kv.value).path)
+                    pointer = Pointer.parse(kv.value)
                 except CorruptCheckpoint:
-                    # An unreadable pointer could still name any body: keep them all.
-                    return {"*"}
-        return paths
+                    return None
+                names |= {pointer.path, f"#{pointer.checkpoint_id}"}
+        return names
 
     def _current_id(self) -> int | None:
         kv = self._etcd.get(self._current)
@@ -335,7 +339,7 @@ class CheckpointStore:
         checkpoint passes it. Returns the names removed (or that would be)."""
         with self._cleanup_lock:
             referenced = self.referenced()
-            if "*" in referenced:
+            if referenced is None:
                 return []
             try:
                 current = self._current_id()
@@ -348,7 +352,7 @@ class CheckpointStore:
             for body in list_objects(self._dir):
                 found = _BODY_NAME.match(body.name)
                 if found is None or file_uri(self._dir, body.name) in referenced or \
-                        int(found.group(1)) >= current:
+                        f"#{int(found.group(1))}" in referenced or int(found.group(1)) >= current:
                     continue
                 if not dry_run:
                     fp.CHECKPOINT_BODY_DELETE_BEFORE.hit()

@@ -66,6 +66,12 @@ class IllegalJournalTransition(Exception):
     """A state change the transition table does not allow (a bug)."""
 
 
+class JournalConflict(Exception):
+    """The entry moved since the writer read it (JOURNAL_WRITES_FOLLOW_TRANSITIONS):
+    e.g. a checkpoint's promotion that read SWAPPED_NOT_CHECKPOINTED while an
+    operator's revert wrote REVERTING. Nothing was written."""
+
+
 class JournalState(StrEnum):
     INDEX_SWITCHING = "INDEX_SWITCHING"
     SWAPPED_NOT_CHECKPOINTED = "SWAPPED_NOT_CHECKPOINTED"
@@ -218,6 +224,8 @@ class GcJournal:
         self._dir = directory
         self._dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        # Held across a write's check and its rename: the compare-and-set of write().
+        self._write_lock = threading.Lock()
         self._entries: dict[str, JournalEntry] = {}
 
     def load(self) -> list[JournalEntry]:
@@ -252,23 +260,34 @@ class GcJournal:
         return [e for e in self.entries() if e.state in OPEN_STATES]
 
     def write(self, entry: JournalEntry, before: Failpoint, after: Failpoint) -> JournalEntry:
-        """Make ``entry`` durable (replacing its previous state), between two failpoints."""
+        """Make ``entry`` durable (replacing its previous state), between two failpoints.
+
+        JOURNAL_WRITES_FOLLOW_TRANSITIONS: a compare-and-set on the state. Two threads
+        that read the same entry (a checkpoint's promotion, an operator's revert) cannot
+        both move it: a write whose state the stored one cannot move to raises
+        JournalConflict and changes nothing (rewriting the same state is allowed)."""
         data = encode(entry)
         name = f"{entry.rewrite_id}{SUFFIX}"
         tmp = self._dir / f"{name}.tmp"
         before.hit()
-        with open(tmp, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, self._dir / name)
-        fd = os.open(self._dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        with self._lock:
-            self._entries[entry.rewrite_id] = entry
+        with self._write_lock:
+            stored = self.get(entry.rewrite_id)
+            if stored is not None and stored.state != entry.state and \
+                    entry.state not in TRANSITIONS[stored.state]:
+                raise JournalConflict(f"rewrite {entry.rewrite_id} is {stored.state.value} "
+                                      f"now, cannot become {entry.state.value}")
+            with open(tmp, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, self._dir / name)
+            fd = os.open(self._dir, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            with self._lock:
+                self._entries[entry.rewrite_id] = entry
         after.hit()
         return entry
 

@@ -73,6 +73,7 @@ from retina_common.storage import delete_quietly, object_size, open_parquet
 from retina_server.gc_journal import (
     OPEN_STATES,
     GcJournal,
+    JournalConflict,
     JournalEntry,
     JournalState,
     OldFile,
@@ -738,9 +739,15 @@ class StorageGc:
         for entry in self._journal.open_entries():
             if entry.state == JournalState.SWAPPED_NOT_CHECKPOINTED and \
                     entry.new_file_id in both:
-                self._journal.write(entry.moved(JournalState.CHECKPOINTED, self._clock_ms()),
-                                    fp.GC_JOURNAL_CHECKPOINTED_BEFORE,
-                                    fp.GC_JOURNAL_CHECKPOINTED_AFTER)
+                try:
+                    self._journal.write(entry.moved(JournalState.CHECKPOINTED,
+                                                    self._clock_ms()),
+                                        fp.GC_JOURNAL_CHECKPOINTED_BEFORE,
+                                        fp.GC_JOURNAL_CHECKPOINTED_AFTER)
+                except JournalConflict as exc:  # a revert took it since open_entries()
+                    log.info("gc_journal_promotion_skipped", rewrite_id=entry.rewrite_id,
+                             reason=str(exc))
+                    continue
                 promoted += 1
                 log.info("gc_journal_promoted", rewrite_id=entry.rewrite_id,
                          new_file_id=entry.new_file_id)

@@ -184,6 +184,11 @@ def test_a_reader_that_listed_a_retired_file_keeps_it_until_it_ends(
         # The reader is offloaded: it no longer holds safeGcTs, but still its files.
         plane.trans.stub().MarkTransOffloaded(tpb.MarkTransOffloadedRequest(
             trans_id=old.trans_id), timeout=10)
+        # It lists nothing more: GC no longer waits for its snapshot.
+        with pytest.raises(grpc.RpcError) as refused:
+            plane.trans.stub().ListQueryFiles(tpb.ListQueryFilesRequest(
+                trans_id=old.trans_id, schema_name=SCHEMA, table_name="orders"), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         all_streams_rewritten(plane)
         plane.checkpoint(node)
         plane.checkpoint(node)

@@ -11,6 +11,7 @@ from trans_gate.timestamps import CounterCorrupt, CounterFenced, DurableCounter
 from trans_gate.transactions import (
     BadTransArgument,
     TransactionEnded,
+    TransactionOffloaded,
     TransactionTable,
     TransKind,
     UnknownTransaction,
@@ -155,6 +156,11 @@ def test_listed_files_are_held_until_their_transaction_ends(etcd: EtcdStore) -> 
     assert holds.oldest_snapshot_ts == r1.timestamp
     t.mark_offloaded(r1.trans_id)  # offloaded readers still hold their files
     assert t.read_holds().file_ids == frozenset({10, 11, 12})
+    # ... but list nothing more: GC no longer waits for their snapshot, so a file
+    # listed now could lack rows it still reads.
+    with pytest.raises(TransactionOffloaded):
+        t.listing_started(r1.trans_id)
+    assert t.read_holds().listings_in_flight == 0
     t.commit([r2.trans_id])
     assert t.read_holds().file_ids == frozenset({10, 11})
     clock[0] += 2_000  # r1's lease runs out

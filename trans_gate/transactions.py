@@ -73,6 +73,13 @@ class BadTransArgument(TransError):
     grpc_status = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class TransactionOffloaded(TransError):
+    """An offloaded read no longer holds back safeGcTs, so a rewrite may since have
+    dropped rows its snapshot reads: it must list its files before it offloads."""
+
+    grpc_status = grpc.StatusCode.FAILED_PRECONDITION
+
+
 @dataclass
 class Transaction:
     trans_id: int
@@ -219,6 +226,10 @@ class TransactionTable:
             trans = self._require_live(trans_id)
             if trans.kind != TransKind.READ:
                 raise WrongTransactionKind(f"transaction {trans_id} is a write transaction")
+            if trans.offloaded:
+                raise TransactionOffloaded(
+                    f"transaction {trans_id} is offloaded: list its files before "
+                    "MarkTransOffloaded (its snapshot no longer holds back Storage GC)")
             self._listings_in_flight += 1
             return trans
 
