@@ -311,25 +311,24 @@ class CheckpointStore:
         self.cleanup()
         return pointer
 
-    def referenced(self) -> set[str] | None:
-        """The bodies the slots name, by path and by checkpoint id (a body is kept if
-        either matches: a storage root spelled differently since it was written must
-        not make ``previous`` look unreferenced); None when a pointer is unreadable
-        (it could name any body: keep them all)."""
-        names = set()
+    def _slot_ids(self) -> tuple[int, set[int]] | None:
+        """``current``'s checkpoint id and the ids both slots name, from one read of each
+        slot; None when ``current`` is empty or a pointer is unreadable (it could name
+        any body: remove none). Bodies are matched by the id in their name, not by
+        path: a storage root spelled differently since must not make ``previous`` look
+        unreferenced."""
+        ids: dict[str, int] = {}
         for key in (self._current, self._previous):
             kv = self._etcd.get(key)
-            if kv is not None:
-                try:
-                    pointer = Pointer.parse(kv.value)
-                except CorruptCheckpoint:
-                    return None
-                names |= {pointer.path, f"#{pointer.checkpoint_id}"}
-        return names
-
-    def _current_id(self) -> int | None:
-        kv = self._etcd.get(self._current)
-        return None if kv is None else Pointer.parse(kv.value).checkpoint_id
+            if kv is None:
+                continue
+            try:
+                ids[key] = Pointer.parse(kv.value).checkpoint_id
+            except CorruptCheckpoint:
+                return None
+        if self._current not in ids:
+            return None
+        return ids[self._current], set(ids.values())
 
     def cleanup(self, dry_run: bool = False) -> list[str]:
         """Delete the bodies neither slot references and older than ``current`` (replaced
@@ -338,21 +337,16 @@ class CheckpointStore:
         install under way (written, its pointer not yet swapped): it stays until a later
         checkpoint passes it. Returns the names removed (or that would be)."""
         with self._cleanup_lock:
-            referenced = self.referenced()
-            if referenced is None:
+            slots = self._slot_ids()
+            if slots is None:
                 return []
-            try:
-                current = self._current_id()
-            except CorruptCheckpoint:
-                return []
-            if current is None:
-                return []
+            current, named = slots
             fp.CHECKPOINT_CLEANUP_BEFORE.hit()
             removed = []
             for body in list_objects(self._dir):
                 found = _BODY_NAME.match(body.name)
-                if found is None or file_uri(self._dir, body.name) in referenced or \
-                        f"#{int(found.group(1))}" in referenced or int(found.group(1)) >= current:
+                if found is None or int(found.group(1)) in named or \
+                        int(found.group(1)) >= current:
                     continue
                 if not dry_run:
                     fp.CHECKPOINT_BODY_DELETE_BEFORE.hit()

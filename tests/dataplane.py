@@ -10,7 +10,6 @@ with the RecoveryReplayContext) → MarkReady.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -29,6 +28,7 @@ from retina_common.pb import retina_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import SnapshotReader
 from retina_common.recovery_driver import drive_recovery, replay_requests, wait_replay_ready
+from retina_common.retry import until_deadline
 from retina_common.topology import Topology
 
 from .support import ChildProcess, TransServerProcess, eventually
@@ -165,18 +165,19 @@ class DataPlane:
         (a connection lost under load) is driven again from the start; the error of
         a process that is gone is raised with its log attached."""
         proc = self.retinas[node]
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                return drive_recovery(proc.stub, mode=mode, replay=lambda starts, ctx:
-                                      self.replay_requests(node, starts, mode, ctx))
-            except grpc.RpcError as exc:
-                if not proc.alive():
-                    exc.add_note(f"retina {node} exited during recovery: {proc.log_tail()}")
-                    raise
-                if not transport_lost(exc) or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+
+        def give_up_unless_transport_lost(exc: BaseException) -> None:
+            assert isinstance(exc, grpc.RpcError)
+            if not proc.alive():
+                exc.add_note(f"retina {node} exited during recovery: {proc.log_tail()}")
+                raise exc
+            if not transport_lost(exc):
+                raise exc
+
+        return until_deadline(
+            lambda: drive_recovery(proc.stub, mode=mode, replay=lambda starts, ctx:
+                                   self.replay_requests(node, starts, mode, ctx)),
+            transient=(grpc.RpcError,), deadline_s=60, on_retry=give_up_unless_transport_lost)
 
     def checkpoint(self, node: str) -> rpb.CreateCheckpointResponse:
         return self.retinas[node].stub.CreateCheckpoint(rpb.CreateCheckpointRequest(), timeout=30)
