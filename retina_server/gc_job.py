@@ -13,6 +13,7 @@ failed run is retried at the next interval, never sooner.
 
 from __future__ import annotations
 
+import importlib.util
 import shlex
 import subprocess
 import sys
@@ -21,11 +22,21 @@ from collections.abc import Callable
 
 from prometheus_client import Counter
 
+from retina_common.config import ConfigError
 from retina_common.log import get_logger
 
 log = get_logger(component="gc_job")
 RUNS = Counter("retina_gc_job_runs_total", "Storage GC job runs launched by this node",
                ["exit_code"])
+
+
+def require_spark() -> None:
+    """A node set to launch the job needs pyspark in its own environment (the ``spark``
+    extra); found missing at start, not an interval later as a failed run."""
+    if importlib.util.find_spec("pyspark") is None:
+        raise ConfigError("retina.gc_job_interval_ms > 0 launches the Spark GC job, but pyspark "
+                          "is not installed: pip install 'retina[spark]', or set the interval "
+                          "to 0 and schedule spark_jobs.storage_gc elsewhere")
 
 
 class GcJobLauncher:

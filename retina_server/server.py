@@ -43,7 +43,7 @@ from retina_common.refusal import Refusal
 from retina_common.replay_ts import derive
 from retina_common.storage import root_uri
 from retina_common.topology import Topology, load_topology
-from retina_server.gc_job import GcJobLauncher
+from retina_server.gc_job import GcJobLauncher, require_spark
 from retina_server.gc_journal import GcJournal
 from retina_server.gc_scheduler import GcScheduler, ReplayFloor
 from retina_server.index import LocalIndexService
@@ -67,6 +67,8 @@ def _settings(config: Config) -> tuple[str, Topology]:
     split_host_port(node_id)
     if node_id not in topology.nodes:
         raise ConfigError(f"node {node_id} is not in the topology {list(topology.nodes)}")
+    if config.retina.gc_job_interval_ms > 0:
+        require_spark()
     return node_id, topology
 
 

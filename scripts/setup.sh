@@ -56,7 +56,7 @@ stamp="$venv/.retina-installed"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
     log "installing the package and its dependencies"
     "$venv/bin/pip" install -q --disable-pip-version-check --upgrade pip >/dev/null
-    "$venv/bin/pip" install -q --disable-pip-version-check -e ".[dev]"
+    "$venv/bin/pip" install -q --disable-pip-version-check -e ".[dev,spark]"
     echo "$want" > "$stamp"
 else
     log "virtual environment up to date"

@@ -53,7 +53,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from pyspark.accumulators import AccumulatorParam
 
 from cdc_client.changelog import Changelog, ChangelogGap, CorruptChangelog, changelog_root
 from cdc_client.replay import changelog_rows, node_starts, replay_requests
@@ -171,24 +170,14 @@ def replay_vnode(spec: JobSpec, task: VnodeTask) -> VnodeResult:
     return VnodeResult(task.vnode, sent_rows, sent)
 
 
-class _ResultsParam(AccumulatorParam):
-    """vnode → (rows, requests). Merging replaces by key: a re-run task reports
-    the same figures, so an update applied twice cannot inflate the totals."""
-
-    def zero(self, value: dict) -> dict:
-        return {}
-
-    def addInPlace(self, value1: dict, value2: dict) -> dict:
-        # A new dict, so the driver can read a snapshot while updates arrive.
-        return {**value1, **value2}
-
-
 def run_tasks(spark: SparkSession, spec: JobSpec, tasks: Sequence[VnodeTask],
               on_done: Callable[[VnodeResult], None]) -> list[VnodeResult]:
     """Run one Spark task per virtual node; ``on_done`` is called on the driver as
     each one finishes. Raises whatever the Spark job raised."""
+    from spark_jobs.accumulators import KeyedResults  # needs pyspark: the driver only
+
     sc = spark.sparkContext
-    progress = sc.accumulator({}, _ResultsParam())
+    progress = sc.accumulator({}, KeyedResults())
 
     def run_partition(items: Any) -> None:
         for task in items:

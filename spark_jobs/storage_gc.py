@@ -60,7 +60,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from pyspark.accumulators import AccumulatorParam
 
 from retina_common import failpoints as fp
 from retina_common import file_names
@@ -493,24 +492,15 @@ def _rewrite(spec: TaskSpec, task: RewriteTask) -> RewriteResult:
                          task.bytes_before, len(data))
 
 
-class _ResultsParam(AccumulatorParam):
-    """rewrite_id → RewriteResult. Merging replaces by key: a re-run task reports the
-    same group again, it never adds a second one."""
-
-    def zero(self, value: dict) -> dict:
-        return {}
-
-    def addInPlace(self, value1: dict, value2: dict) -> dict:
-        return {**value1, **value2}  # a new dict: the driver may read it meanwhile
-
-
 def run_rewrites(spark: SparkSession, spec: TaskSpec, tasks: Sequence[RewriteTask],
                  on_done: Callable[[RewriteTask, RewriteResult], None]) -> None:
     """One Spark task per group; ``on_done`` runs on the driver as each one finishes (the
     commit goes out while the other tasks still run). A group whose task never reported
     (the Spark job itself failed) gets a result with the Spark failure as its error."""
+    from spark_jobs.accumulators import KeyedResults  # needs pyspark: the driver only
+
     sc = spark.sparkContext
-    progress = sc.accumulator({}, _ResultsParam())
+    progress = sc.accumulator({}, KeyedResults())
     by_id = {t.rewrite_id: t for t in tasks}
 
     def run_partition(items: Iterable[RewriteTask]) -> Iterator[RewriteResult]:
