@@ -61,3 +61,28 @@ cluster-status: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache retina_common/pb/*_pb2*.py retina_common/pb/*_pb2*.pyi
+
+# The containerised cluster (docs/operations.md, "Containerised cluster"), built
+# without an image registry: compose-base debootstraps Debian bookworm into the
+# retina-base:bookworm image; the local override builds every service from it.
+# COMPOSE: docker-compose (v1, Debian's package) if installed, else `docker compose`.
+COMPOSE ?= $(shell command -v docker-compose >/dev/null 2>&1 && echo docker-compose || echo docker compose)
+COMPOSE_FILES := -p retina -f deploy/docker-compose.yml -f deploy/docker-compose.local.yml
+
+.PHONY: compose-prereqs compose-base compose-up compose-down compose-test
+compose-prereqs:
+	@deploy/images/prereqs.sh
+
+compose-base: compose-prereqs
+	@deploy/images/build-base.sh
+
+compose-up: compose-base
+	$(COMPOSE) $(COMPOSE_FILES) up -d --build
+
+compose-down:
+	$(COMPOSE) $(COMPOSE_FILES) down
+
+# Up, a CDC workload, a Retina container killed and recovered, the gated snapshot
+# compared with the source, down -v; e.g. COMPOSE_TEST_ARGS="--keep".
+compose-test: compose-base
+	@COMPOSE="$(COMPOSE)" python3 scripts/compose_test.py $(COMPOSE_TEST_ARGS)

@@ -15,7 +15,9 @@ carry the encoded primary key and column values exactly as UpdateRecord
 sends them, so replay never re-encodes and never consults the source.
 
 A segment row is one net effect of one transaction on one key: ``op`` 0 is a
-DELETE, 1 a CDC replace (DELETE + INSERT of the same key). Replay reads a
+DELETE, 1 a CDC replace (DELETE + INSERT of the same key); or ``op`` 2, a
+TRUNCATE of the table in the segment's virtual node (empty key, applied
+before the other rows of its timestamp). Replay reads a
 virtual node from a timestamp, inclusive, in (ts, seq) order.
 
 The record format: ``RCLB1 <length> <crc32c>\\n`` then a JSON body of that
@@ -57,7 +59,8 @@ from retina_common.failpoints import (
 if TYPE_CHECKING:
     from retina_common.config import Config
 
-DELETE, REPLACE = 0, 1
+# TRUNCATE: every row of the table in the row's virtual node (key b"", no values).
+DELETE, REPLACE, TRUNCATE = 0, 1, 2
 _MAGIC = "RCLB1"
 _WATERMARK_MAGIC = "RCLW1"
 WATERMARK_NAME = "retained_from.rcw"

@@ -299,6 +299,11 @@ class Connector:
         CDC_POSITION_STORE_AFTER.hit()
         self.intake.ack(committed.position)
         m.COMMITTED_TS.set(committed.ts)
+        m.LAST_COMMIT_TIME.set(time.time())
+        for phase, seconds in (("collect", batch.collect_ms / 1000), ("begin", t1 - t0),
+                               ("changelog", t2 - t1), ("send", t3 - t2),
+                               ("commit_ack", time.monotonic() - t3)):
+            m.BATCH_PHASE_SECONDS.labels(phase=phase).observe(seconds)
         m.LAG_TIMESTAMPS.set(max(0, committed.ts - hwm))
         log.info("cdc_batch_committed", transactions=len(ids), first_ts=record.first_ts,
                  last_ts=record.last_ts, position=committed.position,

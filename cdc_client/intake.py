@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import structlog
 
 from cdc_client.changelog import ChangeRow
+from cdc_client.schema_change import UnsupportedSchemaChange
 from cdc_client.source import Source, SourceError, SourceTransaction
 from cdc_client.translate import MalformedChange, TableMap, translate
 from retina_common.topology import Topology
@@ -94,7 +95,7 @@ class Intake:
                     continue
                 try:
                     item = Item(trans, translate(trans, self._tables, self._topology))
-                except MalformedChange as exc:
+                except (MalformedChange, UnsupportedSchemaChange) as exc:
                     self._put(Item(trans, [], exc))
                     return
                 self._put(item)

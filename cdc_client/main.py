@@ -10,10 +10,14 @@ and serves ``/metrics``.
 Exit codes: 0 stopped by a signal; 1 an unexpected failure (restart it: it
 resumes from the committed position); 2 configuration; 3 stopped by a refusal
 or a malformed source event (the log says which; nothing of the offending
-transaction was applied); 4 a dependency unreachable at start; 5 a
-recovering node needs changelog batches retention has dropped (a replay gap:
+transaction was applied; a restart stops at the same event again, so exit 3
+needs an operator, not a supervisor's restart); 4 a dependency unreachable
+at start; 5 a recovering node needs changelog batches retention has dropped (a replay gap:
 nothing was replayed, MarkReady was not sent, the node stays RECOVERING;
-restarting does not help, see docs/operations.md).
+restarting does not help, see docs/operations.md); 6 stopped by a source
+schema change Retina cannot follow (a dropped, renamed or retyped column, a
+new NOT NULL column or one with a default, a changed primary key: nothing of
+that transaction was applied; docs/cdc.md, "Schema changes", is the procedure).
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ from cdc_client.changelog import Changelog, CorruptChangelog, changelog_root
 from cdc_client.connector import Connector, ConnectorStopped, ReplayGap, Settings
 from cdc_client.positions import ConnectorFenced, PositionStore
 from cdc_client.retention import run_retention
+from cdc_client.schema_change import UnsupportedSchemaChange
 from cdc_client.source import Source, SourceError
 from cdc_client.translate import MalformedChange, TableMap
-from retina_common import failpoints
+from retina_common import failpoints, tls
 from retina_common.catalog import (
     Catalog,
     CatalogOutcomeUnknown,
@@ -55,6 +60,7 @@ from retina_common.topology import Topology, load_topology
 
 STOPPED_BY_REFUSAL = 3
 STOPPED_BY_REPLAY_GAP = 5  # a node needs dropped changelog: an operator rebuilds it
+STOPPED_BY_SCHEMA_CHANGE = 6  # docs/cdc.md "Schema changes": an operator follows the procedure
 CRASHED = 1  # anything else: restart it; it resumes from the committed position
 log = structlog.get_logger("cdc")
 
@@ -80,6 +86,11 @@ def check_source(cdc: CdcConfig) -> None:
         raise ConfigError("cdc.source_dsn is required for the postgres source")
     if cdc.source == "debezium-file" and not cdc.debezium_dir:
         raise ConfigError("cdc.debezium_dir is required for the debezium-file source")
+    if cdc.snapshot_mode not in ("initial", "never"):
+        raise ConfigError(f"cdc.snapshot_mode: expected initial or never, "
+                          f"got {cdc.snapshot_mode!r}")
+    if cdc.snapshot_chunk_rows < 1:
+        raise ConfigError("cdc.snapshot_chunk_rows must be at least 1")
 
 
 def open_source(cdc: CdcConfig, start_after: str | None) -> Source:
@@ -87,7 +98,9 @@ def open_source(cdc: CdcConfig, start_after: str | None) -> Source:
     if cdc.source == "postgres":
         from cdc_client.sources.postgres import PostgresSource
         return PostgresSource(cdc.source_dsn, slot=cdc.slot, publication=cdc.publication,
-                              tables=list(cdc.source_tables) or None, start_after=start_after)
+                              tables=list(cdc.source_tables) or None, start_after=start_after,
+                              snapshot_mode=cdc.snapshot_mode,
+                              snapshot_chunk_rows=cdc.snapshot_chunk_rows)
     from cdc_client.sources.debezium import DebeziumFileSource
     return DebeziumFileSource(Path(cdc.debezium_dir), start_after=start_after)
 
@@ -111,7 +124,17 @@ def table_map(catalog: Catalog, schema: str) -> TableMap:
                                                  error=str(exc)))
         except NotFoundError:
             return None
-    return TableMap(schema, lookup)
+
+    def add_column(schema_name: str, name: str, column: str, type_name: str) -> TableRecord:
+        # Idempotent, so an outcome lost with the connection is simply tried again.
+        return until_deadline(
+            lambda: catalog.add_column(schema_name, name, column, type_name),
+            transient=(CatalogUnavailable, CatalogOutcomeUnknown),
+            deadline_s=CATALOG_LOOKUP_RETRY_S,
+            on_retry=lambda exc: log.warning("cdc_catalog_add_column_retry",
+                                             table=f"{schema_name}.{name}", column=column,
+                                             error=str(exc)))
+    return TableMap(schema, lookup, add_column)
 
 
 def node_stubs(topology: Topology) -> dict[str, retina_pb2_grpc.RetinaWorkerServiceStub]:
@@ -167,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
+        tls.configure(config.tls)  # every channel below (client.channel) uses it
         failpoints.load_from_env()
         topology = load_topology(config.topology_file)
         settings = settings_of(config.cdc, config.retina.max_rows_per_request)
@@ -177,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("cdc", config.log_level, connector=config.cdc.name)
     stop = threading.Event()
     try:
-        etcd = EtcdStore(config.etcd.endpoints, config.etcd.timeout_s)
+        etcd = EtcdStore.from_config(config.etcd)
         positions = PositionStore(etcd, config.cdc.name)
         committed = positions.load()
         catalog = Catalog(config.catalog.dsn, pool_max=2,
@@ -186,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"retina-cdc: {exc}", file=sys.stderr)
         return 2
+    except SourceError as exc:  # the source is reachable but not usable as it is (a slot)
+        log.error("cdc_stopped_malformed", error=str(exc), error_type=type(exc).__name__)
+        print(f"retina-cdc: stopped (exit {STOPPED_BY_REFUSAL}, needs an operator): {exc}",
+              file=sys.stderr, flush=True)
+        return STOPPED_BY_REFUSAL
     except Exception as exc:  # etcd, catalog, storage, the source connection (psycopg2)
         log.error("cdc_start_failed", error=str(exc), error_type=type(exc).__name__)
         return 4
@@ -224,8 +253,17 @@ def _run(connector: Connector, stop: threading.Event, exit_code: list[int]) -> N
     except ReplayGap as exc:  # before ConnectorStopped, which it is
         log.error("cdc_stopped_replay_gap", node=exc.node, error=str(exc))
         exit_code[0] = STOPPED_BY_REPLAY_GAP
+    except UnsupportedSchemaChange as exc:
+        log.error("cdc_stopped_schema_change", error=str(exc))
+        print(f"retina-cdc: stopped (exit {STOPPED_BY_SCHEMA_CHANGE}, needs an operator; "
+              f"docs/cdc.md, 'Schema changes'): {exc}", file=sys.stderr, flush=True)
+        exit_code[0] = STOPPED_BY_SCHEMA_CHANGE
     except (MalformedChange, SourceError, ConnectorFenced, CorruptChangelog) as exc:
         log.error("cdc_stopped_malformed", error=str(exc), error_type=type(exc).__name__)
+        # Also on stderr, plainly: a restart stops at the same event again, so a
+        # supervisor must not restart on 3; an operator reads this line.
+        print(f"retina-cdc: stopped (exit {STOPPED_BY_REFUSAL}, needs an operator): {exc}",
+              file=sys.stderr, flush=True)
         exit_code[0] = STOPPED_BY_REFUSAL
     except ConnectorStopped as exc:
         if not stop.is_set():

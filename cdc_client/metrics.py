@@ -8,10 +8,20 @@ TRANSACTIONS = Counter("cdc_transactions_total", "Source transactions committed 
 ROWS = Counter("cdc_rows_total", "Row effects (net, per transaction) committed to Retina")
 BATCH_SECONDS = Histogram("cdc_batch_seconds", "Poll-to-acknowledge time of one batch",
                           buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+BATCH_PHASE_SECONDS = Histogram("cdc_batch_phase_seconds",
+                                "Time one batch spent in each phase (collect, begin, changelog, "
+                                "send, commit_ack: the cdc_batch_committed log line's ms)",
+                                ["phase"],
+                                buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                                         1, 2.5, 5, 10))
 PENDING = Gauge("cdc_pending_transactions", "Source transactions read, not yet committed")
 LAG_SECONDS = Gauge("cdc_lag_seconds",
                     "Source commit to Retina commit of the last batch, in seconds")
 COMMITTED_TS = Gauge("cdc_committed_ts", "Timestamp of the last committed source transaction")
+# Wall-clock time, unlike cdc_lag_seconds (set per batch, so it cannot grow while nothing
+# commits): freshness on the dashboard and the "connector stalled" alert read this one.
+LAST_COMMIT_TIME = Gauge("cdc_last_commit_timestamp_seconds",
+                         "Unix time the last batch was committed to Retina (0: none yet)")
 LAG_TIMESTAMPS = Gauge("cdc_lag_timestamps",
                        "How far the HWM trails the last committed timestamp (queries do not "
                        "see it yet: another writer's transaction is still open)")
@@ -26,3 +36,7 @@ RETAINED_FROM_TS = Gauge("cdc_changelog_retained_from_ts",
 REPLAY_GAP = Gauge("cdc_replay_gap",
                    "1 once a recovering node needed changelog batches retention had dropped "
                    "(the connector stopped, exit code 5)", ["node"])
+SNAPSHOT_ROWS = Counter("cdc_snapshot_rows_total",
+                        "Rows the PostgreSQL initial snapshot has read (handed to the batch loop)")
+SNAPSHOT_IN_PROGRESS = Gauge("cdc_snapshot_in_progress",
+                             "1 while the PostgreSQL initial snapshot is being read")

@@ -2,7 +2,8 @@
 
 Rows become one ``TableUpdateData`` per (timestamp, table, virtual node): a
 DELETE as ``delete_data``; a replace as ``delete_data`` plus ``insert_data``
-of the same key (Retina applies the DELETE first). Requests are cut at
+of the same key (Retina applies the DELETE first); a TRUNCATE as
+``truncate = true`` (applied before both). Requests are cut at
 ``max_rows`` items, so none exceeds the server's ``max_rows_per_request``;
 the connector uses the smaller of ``cdc.request_max_rows`` and
 ``retina.max_rows_per_request``.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 
-from cdc_client.changelog import REPLACE, BatchRecord, Changelog, ChangeRow
+from cdc_client.changelog import REPLACE, TRUNCATE, BatchRecord, Changelog, ChangeRow
 from retina_common.catalog import TableRecord
 from retina_common.pb import retina_pb2 as pb
 from retina_common.topology import Topology
@@ -24,6 +25,9 @@ def _index_key(table: TableRecord, key: bytes, ts: int) -> pb.IndexKey:
 
 
 def add_row(tud: pb.TableUpdateData, table: TableRecord, row: ChangeRow) -> None:
+    if row.op == TRUNCATE:  # the first row of its (ts, table, vnode): applied first
+        tud.truncate = True
+        return
     tud.delete_data.add().index_keys.append(_index_key(table, row.key, row.ts))
     if row.op == REPLACE:
         item = tud.insert_data.add()
@@ -74,8 +78,9 @@ def replay_requests(changelog: Changelog, schema: str, tables: Mapping[str, Tabl
 
 
 def changelog_rows(request: pb.UpdateRecordRequest) -> int:
-    """Changelog rows in a request: each is exactly one ``delete_data`` entry."""
-    return sum(len(t.delete_data) for t in request.table_update_data)
+    """Changelog rows in a request: each is exactly one ``delete_data`` entry,
+    or a ``truncate`` flag."""
+    return sum(len(t.delete_data) + int(t.truncate) for t in request.table_update_data)
 
 
 def by_node(rows: Iterable[ChangeRow], topology: Topology) -> dict[str, list[ChangeRow]]:

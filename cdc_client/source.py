@@ -15,10 +15,15 @@ re-delivers them after a crash.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-Op = Literal["insert", "update", "delete"]
+if TYPE_CHECKING:
+    from cdc_client.schema_change import SourceSchema
+
+# "truncate": every row of ``table`` is deleted (before and after are None);
+# changes after it in the same transaction still apply.
+Op = Literal["insert", "update", "delete", "truncate"]
 
 
 class SourceError(Exception):
@@ -34,13 +39,16 @@ class RowChange:
     source sends it (without it, the key did not change), else None;
     ``after`` is the full new row for insert and update, else None. Values are
     Python values :func:`retina_common.codec.encode_value` accepts (int,
-    float, Decimal, bool, str, bytes, date, datetime) or None.
+    float, Decimal, bool, str, bytes, date, datetime, time) or None.
+    ``origin`` names where the change is in the source (a Debezium
+    ``file:line``), for errors; it is not part of the change's value.
     """
 
     table: str
     op: Op
     before: Mapping[str, Any] | None
     after: Mapping[str, Any] | None
+    origin: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,10 @@ class SourceTransaction:
     source_txid: str       # the source's own transaction id, for logs
     commit_time_ms: int    # source commit time, ms since the epoch (freshness)
     changes: tuple[RowChange, ...]
+    # Table schemas the source learnt since the previous transaction it returned (pgoutput
+    # Relation messages); compared with the Retina tables before ``changes`` are translated
+    # (cdc_client/schema_change.py).
+    schemas: tuple[SourceSchema, ...] = ()
 
 
 class Source(Protocol):

@@ -9,16 +9,21 @@ request's DELETEs before its INSERTs at one timestamp.
 The whole transaction is checked against the Retina catalog before anything
 is allocated, logged or sent: an unknown table, a missing or NULL key column,
 a column the table does not have, a missing column, or a value its type
-cannot encode raises :class:`MalformedChange`, and nothing is applied.
+cannot hold exactly (``encode_value`` raises ``EncodingError``: a Python type
+that contradicts the column type, an out-of-range integer, a decimal that
+does not fit the column's precision and scale) raises
+:class:`MalformedChange`, and nothing is applied.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cdc_client.changelog import DELETE, REPLACE, ChangeRow
+from cdc_client.changelog import DELETE, REPLACE, TRUNCATE, ChangeRow
+from cdc_client.schema_change import SourceSchema, UnsupportedSchemaChange, evolve, plan
 from cdc_client.source import RowChange, SourceTransaction
 from retina_common.catalog import TableRecord
 from retina_common.codec import EncodingError, encode_primary_key, encode_value
@@ -35,6 +40,28 @@ class TableMap:
 
     schema: str
     lookup: Callable[[str, str], TableRecord | None]  # (schema, table) -> record or None
+    # Schema evolution (schema, table, column, type) -> the table as committed; None: a
+    # source schema change that needs a column is refused (cdc_client/schema_change.py).
+    add_column: Callable[[str, str, str, str], TableRecord] | None = None
+
+    def forget(self) -> None:
+        """Drop cached table records (a table gained a column)."""
+        clear = getattr(self.lookup, "cache_clear", None)
+        if clear is not None:
+            clear()
+
+    def follow(self, schema: SourceSchema, where: str) -> None:
+        """Compare a source table schema with the Retina table: add the source's new
+        nullable columns, or raise UnsupportedSchemaChange."""
+        table = self.table(schema.table, where)
+        wanted = plan(schema, table)
+        if not wanted:
+            return
+        if self.add_column is None:
+            raise UnsupportedSchemaChange(f"{where}: {schema.table} has new columns "
+                                          f"{[n for n, _t in wanted]}; adding them is off")
+        evolve(schema, table, self.add_column)
+        self.forget()
 
     def table(self, source_table: str, where: str) -> TableRecord:
         name = source_table.rsplit(".", 1)[-1]
@@ -54,25 +81,32 @@ def _key(table: TableRecord, row: Mapping[str, Any], where: str) -> bytes:
     try:
         return encode_primary_key([types[c] for c in table.primary_key],
                                   [row[c] for c in table.primary_key])
-    except (EncodingError, ValueError, TypeError, OverflowError) as exc:
+    except EncodingError as exc:  # the codec's only error for a value that does not fit
         raise MalformedChange(f"{where}: primary key of {table.name}: {exc}") from None
 
 
 def _values(table: TableRecord, row: Mapping[str, Any], where: str) -> tuple[bytes, ...]:
     names = [c.name for c in table.columns]
     extra = sorted(set(row) - set(names))
-    absent = [n for n in names if n not in row]
+    # A column added by schema evolution is NULL in a row the source decoded with its
+    # older relation (a transaction re-delivered after a restart that followed the change).
+    absent = [c.name for c in table.columns if c.name not in row and c.since_version == 1]
     if extra or absent:
         raise MalformedChange(f"{where}: schema mismatch for {table.name}: "
                               f"unknown column(s) {extra}, missing column(s) {absent}")
     out = []
     for col in table.columns:
         try:
-            out.append(encode_value(col.type, row[col.name]))
-        except (EncodingError, ValueError, TypeError, OverflowError, ArithmeticError) as exc:
+            out.append(encode_value(col.type, row.get(col.name)))
+        except EncodingError as exc:  # the codec's only error for a value that does not fit
             raise MalformedChange(f"{where}: column {table.name}.{col.name} ({col.type}): "
-                                  f"cannot encode {row[col.name]!r}: {exc}") from None
+                                  f"cannot encode {_shown(row.get(col.name))}: {exc}") from None
     return tuple(out)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _effects(change: RowChange, table: TableRecord, where: str
@@ -96,14 +130,32 @@ def _effects(change: RowChange, table: TableRecord, where: str
 def translate(trans: SourceTransaction, tables: TableMap, topology: Topology
               ) -> list[ChangeRow]:
     """The transaction's net effects, in first-touch order, with ts 0: the
-    timestamp is allocated only once the whole batch has been validated."""
+    timestamp is allocated only once the whole batch has been validated.
+
+    A TRUNCATE supersedes the table's earlier effects in the transaction and
+    becomes one TRUNCATE row per virtual node (every node holding a part of
+    the table deletes its rows), placed before all other rows: Retina applies
+    it before the DELETEs and INSERTs of the same timestamp, so rows written
+    after it in the transaction survive."""
+    for schema in trans.schemas:  # the catalog follows the source before any row is read
+        tables.follow(schema, f"source transaction {trans.source_txid} at {trans.position}")
     net: dict[tuple[str, bytes], tuple[int, tuple[bytes, ...] | None]] = {}
+    truncated: dict[str, None] = {}
     for i, change in enumerate(trans.changes):
         where = f"source transaction {trans.source_txid} at {trans.position}, change {i}"
-        if change.op not in ("insert", "update", "delete"):
+        if change.origin:
+            where += f" (event at {change.origin})"
+        if change.op not in ("insert", "update", "delete", "truncate"):
             raise MalformedChange(f"{where}: unknown operation {change.op!r}")
         table = tables.table(change.table, where)
+        if change.op == "truncate":
+            truncated[table.name] = None
+            net = {k: v for k, v in net.items() if k[0] != table.name}
+            continue
         for key, op, values in _effects(change, table, where):
             net[(table.name, key)] = (op, values)
-    return [ChangeRow(0, seq, topology.vnode_of_key(key), table, op, key, values)
-            for seq, ((table, key), (op, values)) in enumerate(net.items())]
+    rows = [ChangeRow(0, 0, vnode, table, TRUNCATE, b"", None)
+            for table in truncated for vnode in range(topology.virtual_nodes)]
+    rows += [ChangeRow(0, 0, topology.vnode_of_key(key), table, op, key, values)
+             for (table, key), (op, values) in net.items()]
+    return [dataclasses.replace(row, seq=seq) for seq, row in enumerate(rows)]

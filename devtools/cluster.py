@@ -30,7 +30,9 @@ from pathlib import Path
 import psycopg2
 import requests
 
+from retina_common.config import TlsConfig
 from retina_common.log import logged_events
+from retina_common.tls import open_channel
 from retina_common.topology import Topology
 
 
@@ -234,8 +236,10 @@ class PostgresInstance:
 
 
 def start_postgres(data_dir: Path, log_path: Path, *, durable: bool = True,
-                   timeout_s: float = 60) -> PostgresInstance:
-    """initdb (first time only) and start a private server on a free port."""
+                   timeout_s: float = 60, settings: Mapping[str, str] | None = None
+                   ) -> PostgresInstance:
+    """initdb (first time only) and start a private server on a free port;
+    ``settings``: more server settings (``-c name=value``), e.g. ssl."""
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     if os.geteuid() == 0:
         pw = pwd.getpwnam("postgres")
@@ -257,6 +261,7 @@ def start_postgres(data_dir: Path, log_path: Path, *, durable: bool = True,
                "-c wal_level=logical", "-c max_wal_senders=20", "-c max_replication_slots=20"]
     if not durable:  # test fixtures: a real server, but without waiting on the disk
         options += ["-c fsync=off", "-c synchronous_commit=off", "-c full_page_writes=off"]
+    options += [f"-c {name}={value}" for name, value in (settings or {}).items()]
     for _attempt in range(3):
         inst = PostgresInstance(str(data_dir), free_port())
         result = subprocess.run(
@@ -309,11 +314,11 @@ def trans_server_argv(config_path: Path) -> list[str]:
     return [sys.executable, "-m", "trans_gate", "--config", str(config_path)]
 
 
-def grpc_serving(address: str, service: str = "") -> bool:
-    import grpc
+def grpc_serving(address: str, service: str = "", tls: TlsConfig | None = None) -> bool:
+    """The health service's answer; ``tls``: default the process's settings."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
         return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -457,7 +462,7 @@ def start_retina_server(state: ClusterState, node: str, env: Mapping[str, str] |
     def listening() -> bool:
         if not pid_alive(pid):
             raise ClusterError(f"retina-server {node} exited; see {log_path}")
-        with grpc.insecure_channel(node) as channel:
+        with open_channel(node) as channel:
             future = grpc.channel_ready_future(channel)
             try:
                 future.result(timeout=1)
@@ -488,7 +493,7 @@ def node_state(node: str) -> int | None:
 
     from retina_common.pb import retina_pb2, retina_pb2_grpc
 
-    with grpc.insecure_channel(node) as channel:
+    with open_channel(node) as channel:
         try:
             return retina_pb2_grpc.RetinaWorkerServiceStub(channel).GetRetinaStatus(
                 retina_pb2.GetRetinaStatusRequest(), timeout=2).state

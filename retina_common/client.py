@@ -17,7 +17,9 @@ import grpc
 
 from retina_common.catalog import TableRecord
 from retina_common.codec import encode_primary_key, encode_value
+from retina_common.config import TlsConfig
 from retina_common.pb import retina_pb2 as pb
+from retina_common.tls import open_channel
 from retina_common.topology import Topology
 
 Row = Mapping[str, Any]
@@ -33,9 +35,10 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def channel(address: str) -> grpc.Channel:
-    """A client channel for reads of Retina or TransServer answers of any size."""
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, tls: TlsConfig | None = None) -> grpc.Channel:
+    """A client channel for reads of Retina or TransServer answers of any size;
+    TLS as ``tls`` (default: the process's settings, retina_common.tls) says."""
+    return open_channel(address, tls, CHANNEL_OPTIONS)
 
 
 class TableWriter:

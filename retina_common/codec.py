@@ -20,10 +20,12 @@ columns; Retina uses it to check that an INSERT's key bytes match its row.
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 import struct
 from collections.abc import Sequence
-from datetime import date, datetime
+from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -46,6 +48,8 @@ _STRUCT = {"int32": struct.Struct("<i"), "date32": struct.Struct("<i"),
 
 
 _MARKER = pa.scalar(b"\x01", pa.binary())  # leads every non-NULL string or binary value
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_EPOCH_DATE = date(1970, 1, 1)
 
 
 class EncodingError(ValueError):
@@ -110,27 +114,156 @@ def decode_column(type_name: str, values: Sequence[bytes]) -> pa.Array:
 
 
 def encode_value(type_name: str, value: Any) -> bytes:
-    """The client side of the encoding (used by drivers, tools and tests)."""
+    """The client side of the encoding (used by drivers, tools, tests and the CDC connector).
+
+    Raises :class:`EncodingError`, and nothing else, for a value the column type
+    cannot hold exactly: a Python type that contradicts the column type (a
+    string for a timestamp, a date for an int64, ...), an integer outside the
+    type's range, a decimal with more fractional digits than the scale or more
+    digits than the precision. Accepted besides the natural type: an int for
+    float and decimal columns, a str for decimal ones (parsed exactly), a
+    ``datetime`` for timestamp_us (naive is taken as UTC), a ``date`` for date32
+    and a ``time`` of day for int64 (µs since midnight: Retina has no time type).
+    """
     if value is None:
         return b""
     match = _DECIMAL.match(type_name)
     if match:
-        scale = int(match.group(2))
-        unscaled = int((Decimal(value) * (10 ** scale)).to_integral_value())
-        return unscaled.to_bytes(16, "little", signed=True)
-    if type_name == "boolean":
+        return _encode_decimal(int(match.group(1)), int(match.group(2)), value)
+    encode = _ENCODERS.get(type_name)
+    if encode is None:
+        raise EncodingError(f"unknown column type {type_name}")
+    return encode(type_name, value)
+
+
+def _refuse(type_name: str, value: Any) -> EncodingError:
+    return EncodingError(f"a {type(value).__name__} is not a {type_name} value")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+
+
+def _pack_int(type_name: str, number: int) -> bytes:
+    bits = _FIXED[type_name] * 8
+    if not -(1 << (bits - 1)) <= number < 1 << (bits - 1):
+        raise EncodingError(f"{number} is out of the {type_name} range")
+    return _STRUCT[type_name].pack(number)
+
+
+def _encode_int(type_name: str, value: Any) -> bytes:
+    if type_name == "int64" and isinstance(value, time):
+        value = _micros_of_day(value)
+    elif not _is_int(value):
+        raise _refuse(type_name, value)
+    return _pack_int(type_name, int(value))
+
+
+def _micros_of_day(value: time) -> int:
+    if value.tzinfo is not None:
+        raise EncodingError("a time of day with a time zone is not an int64 value")
+    return ((value.hour * 60 + value.minute) * 60 + value.second) * 1_000_000 + value.microsecond
+
+
+def _encode_date(type_name: str, value: Any) -> bytes:
+    if isinstance(value, date) and not isinstance(value, datetime):
+        value = (value - _EPOCH_DATE).days
+    elif not _is_int(value):
+        raise _refuse(type_name, value)
+    return _pack_int(type_name, int(value))
+
+
+def _encode_timestamp(type_name: str, value: Any) -> bytes:
+    if isinstance(value, datetime):
+        # Exact integer arithmetic: a float of seconds loses microseconds far from 1970.
+        aware = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+        value = (aware - _EPOCH) // timedelta(microseconds=1)
+    elif not _is_int(value):
+        raise _refuse(type_name, value)
+    return _pack_int(type_name, int(value))
+
+
+def _encode_float(type_name: str, value: Any) -> bytes:
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real | Decimal):
+        raise _refuse(type_name, value)
+    try:
+        number = float(value)
+        if math.isinf(number) and isinstance(value, Decimal) and value.is_finite():
+            raise OverflowError("beyond the float range")  # float() made it infinite
+        return _STRUCT[type_name].pack(number)
+    except (OverflowError, struct.error) as exc:
+        raise EncodingError(f"{value} does not fit a {type_name}: {exc}") from None
+
+
+def _encode_boolean(type_name: str, value: Any) -> bytes:
+    if isinstance(value, bool | np.bool_) or (_is_int(value) and value in (0, 1)):
         return b"\x01" if value else b"\x00"
-    if type_name == "date32" and isinstance(value, date):
-        value = (value - date(1970, 1, 1)).days
-    if type_name == "timestamp_us" and isinstance(value, datetime):
-        value = int(value.timestamp() * 1_000_000)
-    if type_name in _STRUCT:
-        return _STRUCT[type_name].pack(value)
-    if type_name == "string":
-        return b"\x01" + str(value).encode()
-    if type_name == "binary":
-        return b"\x01" + bytes(value)
-    raise EncodingError(f"unknown column type {type_name}")
+    raise _refuse(type_name, value)
+
+
+def _encode_string(type_name: str, value: Any) -> bytes:
+    if not isinstance(value, str):
+        raise _refuse(type_name, value)
+    try:
+        return b"\x01" + value.encode()
+    except UnicodeEncodeError as exc:  # a lone surrogate
+        raise EncodingError(f"not encodable as UTF-8: {exc}") from None
+
+
+def _encode_binary(type_name: str, value: Any) -> bytes:
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise _refuse(type_name, value)
+    return b"\x01" + bytes(value)
+
+
+def _encode_decimal(precision: int, scale: int, value: Any) -> bytes:
+    type_name = f"decimal({precision},{scale})"
+    if isinstance(value, float):
+        value = repr(value)  # the float's shortest decimal form, not its binary expansion
+    if isinstance(value, str):
+        try:
+            value = Decimal(value.strip())
+        except ArithmeticError:
+            raise EncodingError(f"{value!r} is not a decimal number") from None
+    elif _is_int(value):
+        value = Decimal(int(value))
+    elif not isinstance(value, Decimal):
+        raise _refuse(type_name, value)
+    if not value.is_finite():
+        raise EncodingError(f"{value} is not a finite decimal")
+    unscaled = _unscaled(value, precision, scale)
+    if abs(unscaled) >= 10 ** precision:
+        raise EncodingError(f"{value} has more than {precision} digits")
+    try:
+        return unscaled.to_bytes(16, "little", signed=True)
+    except OverflowError:
+        raise EncodingError(f"{value} does not fit 16 bytes") from None
+
+
+def _unscaled(value: Decimal, precision: int, scale: int) -> int:
+    """``value * 10**scale`` exactly, in integers (Decimal arithmetic rounds to its
+    context's 28 digits); refuses a value with digits below the scale."""
+    sign, digits, exponent = value.as_tuple()
+    assert isinstance(exponent, int)  # finite
+    coefficient = int("".join(map(str, digits)) or "0")
+    shift = exponent + scale
+    if coefficient == 0:
+        return 0
+    if shift > precision:  # already more digits than the precision: do not build 10**shift
+        raise EncodingError(f"{value} has more than {precision} digits")
+    if shift >= 0:
+        unscaled = coefficient * 10 ** shift
+    else:
+        unscaled, rest = divmod(coefficient, 10 ** -shift)
+        if rest:
+            raise EncodingError(f"{value} has more than {scale} fractional digits")
+    return -unscaled if sign else unscaled
+
+
+_ENCODERS = {"int32": _encode_int, "int64": _encode_int, "date32": _encode_date,
+             "timestamp_us": _encode_timestamp, "float32": _encode_float,
+             "float64": _encode_float, "boolean": _encode_boolean,
+             "string": _encode_string, "binary": _encode_binary}
 
 
 def encode_primary_key(types: Sequence[str], values: Sequence[Any]) -> bytes:

@@ -32,6 +32,12 @@ class ConfigError(Exception):
 class EtcdConfig:
     endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
     timeout_s: float = 5.0
+    # TLS to etcd (docs/operations.md "TLS"): a CA bundle switches the client to
+    # https and verifies etcd's certificate; cert/key are this client's own
+    # certificate for an etcd started with --client-cert-auth.
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,13 @@ class CatalogConfig:
     dsn: str = "host=127.0.0.1 port=5432 dbname=retina user=retina"
     pool_max: int = 8
     connect_timeout_s: int = 5
+    # libpq TLS parameters merged into the DSN at load (they win over the same
+    # keys written in the DSN); empty: whatever the DSN says (libpq's default
+    # sslmode is "prefer", which does not verify the server).
+    sslmode: str = ""
+    sslrootcert: str = ""
+    sslcert: str = ""
+    sslkey: str = ""
 
 
 @dataclass(frozen=True)
@@ -123,6 +136,11 @@ class CdcConfig:
     publication: str = "retina_cdc"
     # Source tables as schema.table; empty: every table of the publication.
     source_tables: tuple[str, ...] = ()
+    # postgres: "initial" loads the existing rows first (a new connector, one
+    # without a committed position, creates the slot and reads the snapshot it
+    # exports); "never" streams changes only. Snapshot chunks of this many rows.
+    snapshot_mode: str = "initial"
+    snapshot_chunk_rows: int = 5000
     debezium_dir: str = ""
     # The Retina schema the source tables map to (same table names).
     schema: str = "public"
@@ -145,6 +163,27 @@ class CdcConfig:
 
 
 @dataclass(frozen=True)
+class TlsConfig:
+    """TLS for every gRPC server and client of the cluster (off by default)."""
+
+    enabled: bool = False
+    # PEM files. cert/key: the certificate a server (TransServer, Retina node)
+    # presents; ca_file: the CA bundle every client verifies servers with, and
+    # servers verify client certificates with.
+    cert_file: str = ""
+    key_file: str = ""
+    ca_file: str = ""
+    # Servers demand a client certificate signed by ca_file (mutual TLS); every
+    # client then presents client_cert_file/client_key_file.
+    client_cert_required: bool = False
+    client_cert_file: str = ""
+    client_key_file: str = ""
+    # The name clients check the server certificate against instead of the
+    # host in the address (a certificate without the addresses as SANs).
+    server_name_override: str = ""
+
+
+@dataclass(frozen=True)
 class Config:
     topology_file: str = "topology.toml"
     log_level: str = "info"
@@ -155,6 +194,7 @@ class Config:
     gate: GateConfig = field(default_factory=GateConfig)
     retina: RetinaConfig = field(default_factory=RetinaConfig)
     cdc: CdcConfig = field(default_factory=CdcConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
 
 def _convert(name: str, kind: Any, raw: Any) -> Any:
@@ -234,6 +274,8 @@ def load_config(path: str | os.PathLike[str] | None = None,
         base_dir = Path(path).resolve().parent
     config = _apply(config, _env_overrides(env), "")
     _check(config)
+    _check_tls(config)
+    config = _with_catalog_ssl(config)
     topo = Path(config.topology_file)
     if not topo.is_absolute():
         config = dataclasses.replace(config, topology_file=str(base_dir / topo))
@@ -251,6 +293,66 @@ def _check(config: Config) -> None:
                  "gc_retired_retention_ms"):
         if getattr(rc, name) < 0:
             raise ConfigError(f"retina.{name} must not be negative")
+
+
+_SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+
+
+def _check_files(section: str, tls: Any, names: tuple[str, ...]) -> None:
+    for name in names:
+        path = getattr(tls, name)
+        if path and not os.access(path, os.R_OK):
+            raise ConfigError(f"{section}.{name}: cannot read {path!r}")
+
+
+def _check_pair(section: str, tls: Any, cert: str, key: str) -> None:
+    if bool(getattr(tls, cert)) != bool(getattr(tls, key)):
+        raise ConfigError(f"{section}.{cert} and {section}.{key} go together: set both or neither")
+
+
+def _check_tls(config: Config) -> None:
+    """TLS settings that cannot work are start-up errors, not handshake failures later."""
+    tls = config.tls
+    _check_pair("tls", tls, "cert_file", "key_file")
+    _check_pair("tls", tls, "client_cert_file", "client_key_file")
+    if tls.enabled:
+        if not tls.ca_file:
+            raise ConfigError("tls.enabled = true needs tls.ca_file (the CA bundle clients "
+                              "verify servers with)")
+        if tls.client_cert_required and not tls.client_cert_file:
+            raise ConfigError("tls.client_cert_required = true needs tls.client_cert_file and "
+                              "tls.client_key_file (every process is also a client)")
+        _check_files("tls", tls, ("cert_file", "key_file", "ca_file", "client_cert_file",
+                                  "client_key_file"))
+    elif tls.client_cert_required:
+        raise ConfigError("tls.client_cert_required = true needs tls.enabled = true")
+    _check_pair("etcd", config.etcd, "cert_file", "key_file")
+    if config.etcd.cert_file and not config.etcd.ca_file:
+        raise ConfigError("etcd.cert_file needs etcd.ca_file (the client certificate is sent "
+                          "over https only)")
+    _check_files("etcd", config.etcd, ("ca_file", "cert_file", "key_file"))
+    cat = config.catalog
+    if cat.sslmode and cat.sslmode not in _SSLMODES:
+        raise ConfigError(f"catalog.sslmode: expected one of {', '.join(_SSLMODES)}, "
+                          f"got {cat.sslmode!r}")
+    _check_pair("catalog", cat, "sslcert", "sslkey")
+    _check_files("catalog", cat, ("sslrootcert", "sslcert", "sslkey"))
+
+
+def _with_catalog_ssl(config: Config) -> Config:
+    """``catalog.dsn`` with the explicit libpq TLS keys merged in (they win)."""
+    cat = config.catalog
+    extra = {k: getattr(cat, k) for k in ("sslmode", "sslrootcert", "sslcert", "sslkey")
+             if getattr(cat, k)}
+    if not extra:
+        return config
+    from psycopg2.extensions import make_dsn  # only processes that set them need libpq
+
+    try:
+        dsn = make_dsn(cat.dsn, **extra)
+    except Exception as exc:  # make_dsn parses the DSN: a malformed one is a config error
+        raise ConfigError(f"catalog.dsn: {exc}") from None
+    return dataclasses.replace(config, catalog=dataclasses.replace(cat, dsn=dsn))
 
 
 def read_toml(path: str | os.PathLike[str], what: str,

@@ -29,7 +29,7 @@ import requests
 from etcd3gw import exceptions as etcd_exc
 
 from retina_common import failpoints as fp
-from retina_common.config import split_host_port
+from retina_common.config import EtcdConfig, split_host_port
 from retina_common.log import get_logger
 
 log = get_logger(component="etcd")
@@ -81,12 +81,20 @@ def _prefix_end(prefix: str) -> str:
 
 
 _CONNECT_FAILURES = ("connection refused", "failed to establish a new connection",
-                     "name or service not known", "no route to host")
+                     "name or service not known", "no route to host",
+                     # a TLS handshake that failed: the request was never sent
+                     "certificate verify failed", "wrong version number", "tlsv1 alert",
+                     "sslv3 alert")
+
+
+def _text(exc: Exception) -> str:
+    """An etcd3gw error's message: it keeps it in ``detail_text``, str() is empty."""
+    return str(getattr(exc, "detail_text", None) or exc)
 
 
 def _never_sent(exc: Exception) -> bool:
     """True when the connection failed before the request could be sent."""
-    text = str(exc).lower()
+    text = _text(exc).lower()
     return any(marker in text for marker in _CONNECT_FAILURES)
 
 
@@ -107,16 +115,36 @@ class EtcdStore:
     Requests go to the current endpoint; an undeliverable request moves to
     the next endpoint and is retried once per endpoint (reads and
     compare-guarded writes are safe to retry; plain puts are idempotent).
+
+    ``ca_file`` switches to https, verifying etcd's certificate against it;
+    ``cert_file``/``key_file`` are the client certificate etcd may demand.
     """
 
-    def __init__(self, endpoints: Sequence[str], timeout_s: float = 5.0) -> None:
+    def __init__(self, endpoints: Sequence[str], timeout_s: float = 5.0, *,
+                 ca_file: str = "", cert_file: str = "", key_file: str = "") -> None:
         if not endpoints:
             raise ValueError("no etcd endpoint configured")
+        if bool(cert_file) != bool(key_file) or (cert_file and not ca_file):
+            raise ValueError("an etcd client certificate needs its key and a CA file")
         self._endpoints = [split_host_port(e) for e in endpoints]
         self._timeout_s = timeout_s
+        self._protocol = "https" if ca_file else "http"
+        # Per request, not on the session: requests lets $REQUESTS_CA_BUNDLE override a
+        # session's CA bundle, but not one given with the request.
+        self._tls: dict[str, Any] = {}
+        if ca_file:
+            self._tls["verify"] = ca_file
+        if cert_file:
+            self._tls["cert"] = (cert_file, key_file)
         self._lock = threading.Lock()
         self._index = 0
         self._clients: dict[int, etcd3gw.Etcd3Client] = {}
+
+    @classmethod
+    def from_config(cls, config: EtcdConfig) -> EtcdStore:
+        """The store a process's ``[etcd]`` section describes."""
+        return cls(config.endpoints, config.timeout_s, ca_file=config.ca_file,
+                   cert_file=config.cert_file, key_file=config.key_file)
 
     @property
     def endpoint(self) -> str:
@@ -129,7 +157,7 @@ class EtcdStore:
             if client is None:
                 host, port = self._endpoints[index]
                 client = etcd3gw.Etcd3Client(host=host, port=port, timeout=self._timeout_s,
-                                             api_path="/v3/")
+                                             api_path="/v3/", protocol=self._protocol)
                 self._clients[index] = client
             return client
 
@@ -139,25 +167,27 @@ class EtcdStore:
             index = (self._index + attempt) % len(self._endpoints)
             client = self._client(index)
             try:
-                result = client.post(client.get_url(path), data=json.dumps(payload))
+                result = client.post(client.get_url(path), data=json.dumps(payload),
+                                     **self._tls)
             except etcd_exc.ConnectionFailedError as exc:
                 # A write whose connection broke after it was sent may have
                 # landed; the caller learns which by re-reading.
                 if write and not _never_sent(exc):
-                    raise EtcdOutcomeUnknown(f"etcd {path}: {exc}") from exc
+                    raise EtcdOutcomeUnknown(f"etcd {path}: {_text(exc)}") from exc
                 last = exc
                 continue
             except etcd_exc.ConnectionTimeoutError as exc:
                 if write:
-                    raise EtcdOutcomeUnknown(f"etcd {path} timed out: {exc}") from exc
+                    raise EtcdOutcomeUnknown(f"etcd {path} timed out: {_text(exc)}") from exc
                 last = exc
                 continue
             except etcd_exc.Etcd3Exception as exc:
-                raise EtcdError(f"etcd {path}: {exc}") from exc
+                raise EtcdError(f"etcd {path}: {_text(exc)}") from exc
             if index != self._index:
                 self._index = index
             return dict(result)
-        raise EtcdUnavailable(f"etcd unreachable at {self._describe()}: {last}")
+        raise EtcdUnavailable(f"etcd unreachable at {self._describe()}: "
+                              f"{_text(last) if last else ''}")
 
     def _describe(self) -> str:
         return ",".join(f"{h}:{p}" for h, p in self._endpoints)
@@ -262,7 +292,7 @@ class EtcdStore:
         :meth:`PrefixWatch.cancel`.
         """
         client = self._client(self._index)
-        return PrefixWatch(client, prefix, start_revision, on_events, on_broken)
+        return PrefixWatch(client, prefix, start_revision, on_events, on_broken, self._tls)
 
 
 class PrefixWatch:
@@ -270,8 +300,10 @@ class PrefixWatch:
 
     def __init__(self, client: etcd3gw.Etcd3Client, prefix: str, start_revision: int,
                  on_events: Callable[[list[WatchEvent]], None],
-                 on_broken: Callable[[str], None]) -> None:
+                 on_broken: Callable[[str], None],
+                 tls: dict[str, Any] | None = None) -> None:
         self._cancelled = threading.Event()
+        self._tls = tls or {}  # the store's CA bundle and client certificate
         self._response: requests.Response | None = None
         self._on_events = on_events
         self._on_broken = on_broken
@@ -291,7 +323,7 @@ class PrefixWatch:
             # No read timeout: a quiet prefix is normal. A hung stream is
             # caught by the consumers' own staleness rules.
             response = self._session.post(self._url, json=self._request, stream=True,
-                                          timeout=(5, None))
+                                          timeout=(5, None), **self._tls)
             self._response = response
             if response.status_code != 200:
                 reason = f"watch refused: HTTP {response.status_code}"

@@ -223,6 +223,11 @@ CATALOG_SWAP_COMMIT_BEFORE = Failpoint(
     "atomicSwapFiles: new file REGULAR and old files RETIRED inside the transaction, not committed")
 CATALOG_SWAP_COMMIT_AFTER = Failpoint(
     "catalog.swap.commit.after", "atomicSwapFiles committed, caller not yet told")
+CATALOG_ADD_COLUMN_COMMIT_BEFORE = Failpoint(
+    "catalog.add_column.commit.before",
+    "schema evolution: column row inserted and schema version bumped, not committed")
+CATALOG_ADD_COLUMN_COMMIT_AFTER = Failpoint(
+    "catalog.add_column.commit.after", "added column committed, caller not yet told")
 
 # --- Retina ingest publish (docs/write-paths/ingest-publish.md) -----------------
 INGEST_ALLOC_CATALOG_BEFORE = Failpoint(

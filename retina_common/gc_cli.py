@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"retina-gc: {unknown} not in the topology {list(topology.nodes)}", file=sys.stderr)
         return 2
-    stubs = {n: retina_pb2_grpc.RetinaWorkerServiceStub(channel(n)) for n in nodes}
+    stubs = {n: retina_pb2_grpc.RetinaWorkerServiceStub(channel(n, config.tls)) for n in nodes}
     if args.command == "revert":
         return _revert(stubs, args)
     calls: dict[str, Callable[[retina_pb2_grpc.RetinaWorkerServiceStub], Any]] = {

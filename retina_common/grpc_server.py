@@ -9,7 +9,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from retina_common.config import split_host_port
+from retina_common import tls as tls_mod
+from retina_common.config import TlsConfig, split_host_port
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -18,13 +19,16 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 class ServerHandle:
     """A started-to-be gRPC server with its health servicer and bound port."""
 
-    def __init__(self, listen: str, max_workers: int, service_names: Iterable[str]) -> None:
+    def __init__(self, listen: str, max_workers: int, service_names: Iterable[str],
+                 tls: TlsConfig | None = None) -> None:
         host, port = split_host_port(listen)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers),
             options=[("grpc.max_receive_message_length", 64 * 1024 * 1024),
                      ("grpc.so_reuseport", 0)])
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        # TLS as ``tls`` (default: the process's settings) says; health and
+        # reflection share the port, so they need TLS too.
+        self.port = tls_mod.add_port(self.server, f"{host}:{port}", tls)
         if self.port == 0:
             raise OSError(f"cannot listen on {listen}")
         self.address = f"{host}:{self.port}"

@@ -34,10 +34,11 @@ import pyarrow.parquet as pq
 from retina_common import file_names
 from retina_common.client import channel
 from retina_common.codec import COMMIT_TS
-from retina_common.config import ConfigError, load_config
+from retina_common.config import ConfigError, TlsConfig, load_config
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
+from retina_common.schema_evolution import conform
 from retina_common.storage import read_bytes
 from retina_common.topology import Topology, load_topology
 
@@ -54,11 +55,12 @@ class Snapshot:
 
 
 class SnapshotReader:
-    def __init__(self, trans_address: str, topology: Topology, timeout_s: float = 30) -> None:
+    def __init__(self, trans_address: str, topology: Topology, timeout_s: float = 30, *,
+                 tls: TlsConfig | None = None) -> None:
         self._timeout = timeout_s
-        self._trans_channel = channel(trans_address)
+        self._trans_channel = channel(trans_address, tls)
         self._trans = trans_pb2_grpc.TransServiceStub(self._trans_channel)
-        self._channels = {n: channel(n) for n in topology.nodes}
+        self._channels = {n: channel(n, tls) for n in topology.nodes}
         self._retina = {n: retina_pb2_grpc.RetinaWorkerServiceStub(c)
                         for n, c in self._channels.items()}
 
@@ -102,8 +104,14 @@ class SnapshotReader:
             rows = rows.filter(keep)
             buffer_rows += rows.num_rows
             parts.append(rows.drop_columns([FILE_ID]))
+        # Schema evolution: parts written before a column was added lack it. Columns are
+        # only appended, so the widest part (an empty one counts) has every column, and
+        # the others read the missing ones as NULL.
+        widest = max((p.schema for p in parts), key=len, default=None)
         parts = [p for p in parts if p.num_rows] or parts[:1]
         result = pa.concat_tables(parts, promote_options="default") if parts else pa.table({})
+        if widest is not None:
+            result = conform(result, widest.remove_metadata())
         if not keep_hidden:
             result = result.drop_columns([c for c in HIDDEN if c in result.column_names])
         return Snapshot(result, ts, len(listing.files), buffer_rows)
@@ -166,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"retina-query: {exc}", file=sys.stderr)
         return 2
-    reader = SnapshotReader(config.trans.listen, topology)
+    reader = SnapshotReader(config.trans.listen, topology, tls=config.tls)
     try:
         snap = reader.read(schema, table, keep_hidden=args.hidden)
     except grpc.RpcError as exc:

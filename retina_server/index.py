@@ -496,6 +496,56 @@ class LocalIndexService:
         return self._write(table_id, ((k, r, ts) for k, r in zip(keys, row_ids, strict=True)),
                            "putPrimaryEntriesOnly", keep_previous)
 
+    def truncate_targets(self, table_id: int, ts: int,
+                         vnode_of: Callable[[bytes], int]) -> dict[int, list[bytes]]:
+        """The keys of ``table_id`` a TRUNCATE at ``ts`` has to delete, by virtual node,
+        in key order: those whose latest version at or before ``ts`` is a row id (live,
+        or an orphan that resolution sorts out). A key whose latest such version is a
+        tombstone is dead already (deleted before ``ts``, or by this TRUNCATE applied
+        before: a retry or a replay over it), and a key first written after ``ts``
+        cannot be touched by it, so a re-applied TRUNCATE finds nothing to write.
+
+        One sequential scan of the table's versions (inside the open batch, its own
+        writes included) serves every virtual node of a request."""
+        table = _TABLE.pack(table_id)
+        bound = _TS.pack(ts)
+        tombstone = _ROW.pack(TOMBSTONE)
+        targets: dict[int, list[bytes]] = {}
+
+        def settle(prefix: bytes | None, latest: bytes | None) -> None:
+            if prefix is not None and latest is not None and latest != tombstone:
+                key = _split_prefix(prefix)[1]
+                targets.setdefault(vnode_of(key), []).append(key)
+
+        try:
+            with self._read_txn() as txn:
+                cursor = txn.cursor(db=self._primary)
+                prefix: bytes | None = None
+                latest: bytes | None = None
+                if cursor.set_range(table):
+                    for version, value in cursor:
+                        if not version.startswith(table):
+                            break
+                        if version[:-8] != prefix:
+                            settle(prefix, latest)
+                            prefix, latest = version[:-8], None
+                        if version[-8:] <= bound:  # big-endian: byte order is ts order
+                            latest = value
+                settle(prefix, latest)
+        except lmdb.Error as exc:
+            raise IndexBackendError(f"primary index scan failed: {exc}") from exc
+        return targets
+
+    @contextmanager
+    def _read_txn(self) -> Iterator[lmdb.Transaction]:
+        """The open batch (its own writes included) if there is one, else a read txn."""
+        batch = getattr(self._batch, "txn", None)
+        if batch is not None:
+            yield batch
+            return
+        with self._env.begin(db=self._primary) as txn:
+            yield txn
+
     def tombstone_primary_resolved(self, table_id: int, keys: Sequence[bytes], ts: int) -> None:
         """tombstonePrimaryResolved: the keys' rows were deleted at ``ts``."""
         self._write(table_id, ((k, TOMBSTONE, ts) for k in keys), "tombstonePrimaryResolved",

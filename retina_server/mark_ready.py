@@ -31,6 +31,7 @@ import threading
 from collections.abc import Callable
 
 import grpc
+from prometheus_client import Gauge
 
 from retina_common import failpoints as fp
 from retina_common.etcd import EtcdError
@@ -41,6 +42,9 @@ from retina_server.node import RetinaNode
 from retina_server.replay_admission import ReplayEntry
 
 log = get_logger(component="mark_ready")
+# Exported so that the checkpoint-age alert scales with the configured interval.
+CHECKPOINT_INTERVAL = Gauge("retina_checkpoint_interval_seconds",
+                            "Configured interval between periodic checkpoints")
 
 
 class ReadyHooks:
@@ -53,6 +57,7 @@ class ReadyHooks:
         self._start_gc = start_gc
         self._checkpoint = checkpoint
         self._interval = checkpoint_interval_s
+        CHECKPOINT_INTERVAL.set(checkpoint_interval_s)
         self._stop = stop
         self._done = False
         self._lock = threading.Lock()

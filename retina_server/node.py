@@ -34,9 +34,10 @@ from retina_common.catalog import (
     FileType,
     TableRecord,
 )
-from retina_common.codec import COMMIT_TS, arrow_type
+from retina_common.codec import COMMIT_TS
 from retina_common.log import get_logger
 from retina_common.refusal import Refusal
+from retina_common.schema_evolution import conform, table_schema
 from retina_common.storage import file_uri
 from retina_common.topology import Topology
 from retina_server.index import LocalIndexService
@@ -75,11 +76,6 @@ class Stream:
     schema: pa.Schema
     buffer: StreamBuffer
     publisher: StreamPublisher
-
-
-def table_schema(table: TableRecord) -> pa.Schema:
-    fields = [pa.field(c.name, arrow_type(c.type)) for c in table.columns]
-    return pa.schema([*fields, pa.field(COMMIT_TS, pa.int64(), nullable=False)])
 
 
 class RetinaNode:
@@ -126,12 +122,39 @@ class RetinaNode:
 
     # --- tables and streams ---
     def table(self, schema_name: str, table_name: str) -> TableRecord:
-        key = (schema_name, table_name)
-        table = self._tables.get(key)
+        table = self._tables.get((schema_name, table_name))
         if table is None:
-            table = self.catalog.get_table(schema_name, table_name)  # NotFoundError propagates
-            self._tables[key] = table
+            table = self.refresh_table(schema_name, table_name)
         return table
+
+    def refresh_table(self, schema_name: str, table_name: str) -> TableRecord:
+        """Re-read a table from the catalog (its schema evolved: a column was added).
+
+        The cache only moves forward: a read that raced a newer one (a lookup that
+        started before a column was added and finished after it was cached) never
+        replaces the newer schema version, or buffered rows would be read without it."""
+        fresh = self.catalog.get_table(schema_name, table_name)  # NotFoundError propagates
+        key = (schema_name, table_name)
+        with self._lock:
+            cached = self._tables.get(key)
+            if cached is None or cached.schema_version <= fresh.schema_version:
+                self._tables[key] = fresh
+            return self._tables[key]
+
+    def _evolve(self, stream: Stream, table: TableRecord) -> None:
+        """Give a stream the table's newer columns. The open file is sealed first, so
+        every file holds rows of one schema version and files opened from now on carry
+        the new columns; files written before lack them and read them as NULL."""
+        with stream.buffer.lock:
+            if stream.table.schema_version >= table.schema_version:
+                return  # another request evolved it meanwhile
+            stream.buffer.seal_open_file()
+            self.submit_sealed(stream)
+            log.info("stream_schema_evolved", node=self.node_id, table=table.name,
+                     vnode=stream.vnode, schema_version=table.schema_version,
+                     columns=[c.name for c in table.columns])
+            stream.schema = table_schema(table)
+            stream.table = table
 
     def _path_of(self, table: TableRecord) -> tuple[int, str]:
         paths = self.catalog.get_paths(table.table_id)
@@ -143,6 +166,22 @@ class RetinaNode:
         return paths[0].path_id, paths[0].uri
 
     def stream(self, table: TableRecord, vnode: int) -> Stream:
+        """The stream of (table, vnode), created on first use, at ``table``'s schema
+        version or newer (never older: the caller builds rows of its version)."""
+        key = (table.table_id, vnode)
+        with self._lock:
+            stream = self._streams.get(key)
+        if stream is None:
+            # Possibly created meanwhile by a request of an older version: evolved below.
+            stream = self._create_stream(table, vnode)
+        if stream.table.schema_version < table.schema_version:
+            # Not under self._lock: _evolve takes the buffer lock, and the buffer lock is
+            # taken before self._lock elsewhere (_allocate_file).
+            self._evolve(stream, table)
+        return stream
+
+    def _create_stream(self, table: TableRecord, vnode: int) -> Stream:
+        """The stream of (table, vnode): the existing one (of any version) or a new one."""
         key = (table.table_id, vnode)
         with self._lock:
             stream = self._streams.get(key)
@@ -168,7 +207,8 @@ class RetinaNode:
 
     def invalidate_caches(self) -> None:
         """READY hook: forget cached table metadata (it may have changed while recovering)."""
-        self._tables.clear()
+        with self._lock:
+            self._tables.clear()
 
     def streams_of_table(self, table_id: int) -> list[Stream]:
         with self._lock:
@@ -255,6 +295,8 @@ class RetinaNode:
 
     # --- sealing and publishing ---
     def submit_sealed(self, stream: Stream) -> None:
+        # Under the stream lock, stream.schema is the schema of every sealed file's rows
+        # (a schema change seals and submits first); finish() conforms rows regardless.
         for file in stream.buffer.take_sealed():
             self.pipeline.submit(file, stream.schema, stream.publisher)
 
@@ -320,9 +362,10 @@ class RetinaNode:
                 snapshot = [(f.file_id, b.visibility, list(b.batches), b.visible_size)
                             for f in stream.buffer.files for b in f.blocks if b.visible_size]
             for file_id, visibility, batches, visible in snapshot:
-                rows = pa.Table.from_batches(batches, stream.schema).slice(0, visible)
+                rows = pa.Table.from_batches(batches).slice(0, visible)
                 keep = visible_mask(rows, visibility.deleted_at(ts), ts)
-                rows = rows.filter(keep)
+                # Rows of an older (or newer) schema version than the reader's table.
+                rows = conform(rows.filter(keep), schema.remove(len(schema) - 1))
                 if rows.num_rows:
                     rows = rows.append_column(FILE_ID, pa.array([file_id] * rows.num_rows,
                                                                 pa.int64()))

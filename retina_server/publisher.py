@@ -45,6 +45,7 @@ from retina_common.catalog import (
 )
 from retina_common.codec import COMMIT_TS, PARQUET_COMPRESSION
 from retina_common.log import get_logger
+from retina_common.schema_evolution import conform
 from retina_common.storage import file_uri, read_bytes, write_durably
 from retina_server.index import LocalIndexService
 from retina_server.registry import IngestFileMeta, IngestFileMetadataRegistry
@@ -78,7 +79,9 @@ def finish(file: IngestFile, schema: pa.Schema, node_id: str) -> None:
     sink = pa.BufferOutputStream()
     with pq.ParquetWriter(sink, full_schema, compression=PARQUET_COMPRESSION) as writer:
         for block in file.blocks:
-            rows = block.visible_rows()
+            # conform: a file sealed before a schema change may be written with the new
+            # columns (NULL in its rows); see RetinaNode._evolve.
+            rows = conform(block.visible_rows(), schema)
             writer.write_table(pa.Table.from_batches(rows.to_batches(), full_schema),
                                row_group_size=max(block.size, 1))
     data = sink.getvalue().to_pybytes()

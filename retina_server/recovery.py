@@ -32,6 +32,7 @@ import contextlib
 import hmac
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -75,6 +76,10 @@ T = TypeVar("T")
 
 CHECKPOINT_AGE = Gauge("retina_checkpoint_applied_ts", "checkpointAppliedTs of the last checkpoint")
 CHECKPOINT_BYTES = Gauge("retina_checkpoint_bytes", "Size of the last checkpoint body")
+# Wall-clock time of the last installed checkpoint: applied_ts is a logical timestamp, so
+# "checkpoint too old" (deploy/prometheus/alerts.yml) needs this one. 0: none since start.
+CHECKPOINT_INSTALLED = Gauge("retina_checkpoint_last_success_timestamp_seconds",
+                             "Unix time the last checkpoint was installed (0: none yet)")
 REPLAY_START = Gauge("retina_replay_from_ts", "Derived replay start", ["scope"])
 READ_FLOOR = Gauge("retina_read_floor_ts",
                    "Lowest snapshot this process can answer (restored visibility base)")
@@ -113,6 +118,8 @@ class RecoveryCoordinator:
         self.entry = ReplayEntry()
         self._checkpoint_lock = threading.Lock()
         self.last_checkpoint: Pointer | None = None
+        # Its header's write time: operators read the checkpoint's age (GetRetinaStatus).
+        self.last_checkpoint_write_time_ms = 0
         self.startup_retry_s = 120.0
         # cleanupAt of a new file a recovered revert retires (retina.gc_retired_retention_ms).
         self.retired_retention_ms = 600_000
@@ -189,6 +196,9 @@ class RecoveryCoordinator:
         fp.RECOVERY_CLEANSING_BEFORE.hit()
         self._move(Phase.CLEANSING)
         applied = loaded.body.header.checkpoint_applied_ts if loaded else 0
+        if loaded is not None:
+            self.last_checkpoint = loaded.pointer
+            self.last_checkpoint_write_time_ms = loaded.body.header.write_time_ms
         self.attempt = Attempt(self.attempt.token,
                                loaded.body.header.checkpoint_id if loaded else 0, applied)
         result = cleanse(self._node, self._catalog, loaded, files, mine, self._retry,
@@ -285,6 +295,7 @@ class RecoveryCoordinator:
                 raise Refusal(grpc.StatusCode.INTERNAL, self._node.failure)
             pointer = self._store.install(body)
             self.last_checkpoint = pointer
+            self.last_checkpoint_write_time_ms = body.header.write_time_ms
             for listener in self.checkpoint_listeners:
                 try:
                     listener(body)
@@ -293,6 +304,7 @@ class RecoveryCoordinator:
                               error_type=type(exc).__name__)
             CHECKPOINT_AGE.set(pointer.checkpoint_applied_ts)
             CHECKPOINT_BYTES.set(pointer.length)
+            CHECKPOINT_INSTALLED.set(time.time())
             return pointer
 
     def status(self) -> dict[str, object]:

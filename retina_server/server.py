@@ -29,7 +29,7 @@ from types import FrameType
 
 import grpc
 
-from retina_common import failpoints
+from retina_common import failpoints, tls
 from retina_common.catalog import Catalog, CatalogError
 from retina_common.checkpoint import CheckpointBody, CheckpointStore
 from retina_common.config import Config, ConfigError, load_config, split_host_port
@@ -65,6 +65,7 @@ def _settings(config: Config) -> tuple[str, Topology]:
     topology = load_topology(config.topology_file)
     node_id = config.retina.node_id or config.retina.listen
     split_host_port(node_id)
+    tls.check_server(config.tls)
     if node_id not in topology.nodes:
         raise ConfigError(f"node {node_id} is not in the topology {list(topology.nodes)}")
     if config.retina.gc_job_interval_ms > 0:
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
+        tls.configure(config.tls)
         # The GC job the node may launch reads the same file.
         config_path = os.path.abspath(args.config or os.environ.get("RETINA_CONFIG", ""))
         failpoints.load_from_env()
@@ -90,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     log = configure_logging("retina", config.log_level, node=node_id)
     catalog = Catalog(config.catalog.dsn, pool_max=config.catalog.pool_max,
                       connect_timeout_s=config.catalog.connect_timeout_s)
-    etcd = EtcdStore(config.etcd.endpoints, config.etcd.timeout_s)
-    trans = trans_pb2_grpc.TransServiceStub(grpc.insecure_channel(config.trans.listen))
+    etcd = EtcdStore.from_config(config.etcd)
+    trans = trans_pb2_grpc.TransServiceStub(tls.open_channel(config.trans.listen, config.tls))
     try:
         catalog.bootstrap()
         state_dir = Path(rc.state_dir) / f"{host}-{port}"
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         node = RetinaNode(node_id, topology, catalog, index, storage,
                           BufferSettings(rc.block_rows, rc.blocks_per_file, rc.flush_interval_ms,
                                          rc.close_workers), lambda: int(time.time() * 1000))
-        handle = ServerHandle(rc.listen, max_workers=16, service_names=[SERVICE_NAME])
+        handle = ServerHandle(rc.listen, max_workers=16, service_names=[SERVICE_NAME],
+                              tls=config.tls)
     except (CatalogError, OSError) as exc:
         log.error("retina_server_start_failed", error=str(exc), error_type=type(exc).__name__)
         return 4

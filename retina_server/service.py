@@ -166,7 +166,16 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             recovery_attempt_token=str(s["token"]), checkpoint_id=int(s["checkpoint_id"]),
             recovery_epoch=int(s["recovery_epoch"]), replay_ts_ready=bool(s["replay_ts_ready"]),
             node_id=self._node.node_id, phase=str(s["phase"]),
-            failure_reason=str(s["failure_reason"]))
+            failure_reason=str(s["failure_reason"]), **self._checkpoint_status())
+
+    def _checkpoint_status(self) -> dict[str, int]:
+        last = self._recovery.last_checkpoint
+        starts = self._recovery.attempt.starts
+        return {
+            "last_checkpoint_id": last.checkpoint_id if last else 0,
+            "last_checkpoint_applied_ts": last.checkpoint_applied_ts if last else 0,
+            "last_checkpoint_write_time_ms": self._recovery.last_checkpoint_write_time_ms,
+            "node_replay_from_ts": starts.node_replay_from_ts if starts else -1}
 
     def GetRecoveryReplayTs(self, request: pb.GetRecoveryReplayTsRequest,
                             context: grpc.ServicerContext) -> pb.GetRecoveryReplayTsResponse:

@@ -39,6 +39,7 @@ fails, fails the node closed, and recovery decides from the journal
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import uuid
@@ -95,6 +96,11 @@ JOURNAL_ENTRIES = Gauge("retina_gc_journal_entries", "GC journal entries by stat
 JOURNAL_OLDEST_OPEN = Gauge("retina_gc_journal_oldest_open_age_seconds",
                             "Age of the oldest journal entry not CHECKPOINTED or ABORTED")
 PENDING = Gauge("retina_gc_pending_rewrites", "Rewrites prepared, not committed or aborted")
+# Computed at scrape time (the gauges above change only when the journal does, so an entry
+# that is stuck would look frozen): the "GC journal stuck" alert reads this one.
+JOURNAL_STATE_AGE = Gauge("retina_gc_journal_state_age_seconds",
+                          "Time the longest-waiting entry has spent in each open state (0: none)",
+                          ["state"])
 
 
 # Answers to repeated commits kept in memory; older ones are rebuilt from the journal.
@@ -267,6 +273,9 @@ class StorageGc:
         self._recent: deque[frozenset[int]] = deque(maxlen=2)
         self._lock = threading.Lock()
         self.update_gauges()
+        for state in OPEN_STATES:
+            JOURNAL_STATE_AGE.labels(state=state.value).set_function(
+                functools.partial(self._state_age_s, state))
 
     @property
     def journal(self) -> GcJournal:
@@ -285,7 +294,9 @@ class StorageGc:
             raise _refuse(grpc.StatusCode.FAILED_PRECONDITION,
                           f"virtual node {vnode} is not served by {node.node_id}")
         try:
-            table = node.table(schema_name, table_name)
+            # Re-read, not cached: the rewrite writes the table's current columns (schema
+            # evolution), and _verify holds the new file to exactly these.
+            table = node.refresh_table(schema_name, table_name)
         except CatalogError as exc:
             raise _refuse(grpc.StatusCode.INVALID_ARGUMENT,
                           f"unknown table {schema_name}.{table_name}: {exc}") from None
@@ -770,6 +781,11 @@ class StorageGc:
     def pending_count(self) -> int:
         with self._lock:
             return len(self._pending)
+
+    def _state_age_s(self, state: JournalState) -> float:
+        now = self._clock_ms()
+        ages = [now - e.updated_at_ms for e in self._journal.entries() if e.state == state]
+        return max(ages, default=0) / 1000
 
     def update_gauges(self) -> None:
         entries = self._journal.entries()

@@ -12,6 +12,13 @@ insert is always sent as DELETE + INSERT, so a retried one converges instead).
 
 Apply, per TableUpdateData in request order (section 5, "Unified write order"):
 
+* TRUNCATE (``truncate`` set; a source TRUNCATE, sent to every virtual
+  node): a DELETE, as below, of every key of the table in the virtual node
+  whose latest primary-index version at or before T is a row, before the
+  TableUpdateData's own DELETEs and INSERTs. The table's versions are
+  scanned once per request, not once per virtual node, and a re-applied
+  TRUNCATE (a retry, a replay) skips the keys it tombstoned: a scan, no
+  writes.
 * DELETE: resolvePrimary → visibility delete at T → tombstonePrimaryResolved.
   A key that is missing, tombstoned or an orphan changes nothing; a row is
   counted once however often the request deletes it.
@@ -41,6 +48,7 @@ the re-insert of a replace supersedes the first).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -58,6 +66,7 @@ from retina_common.codec import (
 )
 from retina_common.pb import retina_pb2 as pb
 from retina_common.refusal import Refusal
+from retina_common.schema_evolution import pad_values
 from retina_server.index import IndexBackendError, Resolution, RowIdRange
 from retina_server.node import NodeFailedClosed, RetinaNode, Stream
 from retina_server.write_buffer import AppendHandle, SettleMode
@@ -71,6 +80,7 @@ class PreparedUpdate:
     delete_keys: list[bytes]
     insert_keys: list[bytes]
     insert_columns: list[pa.Array]
+    truncate: bool = False  # every live key of (table, vnode) deleted first
 
 
 def _invalid(message: str) -> Refusal:
@@ -151,19 +161,35 @@ def _prepare_one(node: RetinaNode, schema_name: str, tud: pb.TableUpdateData) ->
         raise _invalid(f"{tud.table_name}: duplicate keys in one insert batch")
     columns: list[pa.Array] = []
     if insert_keys:
+        table = _table_for_widths(node, schema_name, table, tud)
         width = len(table.columns)
-        for i, row in enumerate(tud.insert_data):
-            if len(row.col_values) != width:
-                raise _invalid(f"{tud.table_name}: insert {i} has {len(row.col_values)} values "
-                               f"for {width} columns")
+        # A row encoded for an older schema version lacks the columns added since: NULL.
+        rows = [pad_values(row.col_values, width) for row in tud.insert_data]
         for c, column in enumerate(table.columns):
             try:
-                columns.append(decode_column(column.type,
-                                             [row.col_values[c] for row in tud.insert_data]))
+                columns.append(decode_column(column.type, [row[c] for row in rows]))
             except EncodingError as exc:
                 raise _invalid(f"{tud.table_name}.{column.name}: {exc}") from None
         _check_keys_match_rows(table, tud.table_name, insert_keys, columns)
-    return PreparedUpdate(table, vnode, tud.timestamp, delete_keys, insert_keys, columns)
+    return PreparedUpdate(table, vnode, tud.timestamp, delete_keys, insert_keys, columns,
+                          tud.truncate)
+
+
+def _table_for_widths(node: RetinaNode, schema_name: str, table: TableRecord,
+                      tud: pb.TableUpdateData) -> TableRecord:
+    """The table record every insert row's width fits: a row wider than the cached record
+    was encoded after a column was added (schema evolution), so the record is re-read
+    from the catalog once. Any width that is no schema version's is refused."""
+    widths = [len(row.col_values) for row in tud.insert_data]
+    if max(widths) > len(table.columns):
+        table = node.refresh_table(schema_name, tud.table_name)
+    for i, n in enumerate(widths):
+        if not table.accepts_width(n):
+            expected = (f"{len(table.columns)}" if table.original_width == len(table.columns)
+                        else f"{table.original_width} to {len(table.columns)}")
+            raise _invalid(f"{tud.table_name}: insert {i} has {n} values for {expected} "
+                           "columns")
+    return table
 
 
 def _check_keys_match_rows(table: TableRecord, name: str, keys: list[bytes],
@@ -208,10 +234,15 @@ def _check_no_live_inserts(node: RetinaNode, updates: list[PreparedUpdate]) -> N
     live: dict[tuple[int, bytes], bool] = {}
     for u in updates:
         tid = u.table.table_id
+        if u.truncate:
+            route = node.topology.vnode_of_key
+            live = {k: v and not (k[0] == tid and route(k[1]) == u.vnode)
+                    for k, v in live.items()}
         for key in u.delete_keys:
             live[(tid, key)] = False
         deleted = set(u.delete_keys)
-        unknown = [k for k in u.insert_keys if k not in deleted and (tid, k) not in live]
+        unknown = [] if u.truncate else [k for k in u.insert_keys
+                                         if k not in deleted and (tid, k) not in live]
         for k, r in zip(unknown, node.index.resolve_primary(tid, unknown, node.in_baseline,
                                                              u.ts), strict=True):
             if r.status == Resolution.BACKEND_ERROR:
@@ -238,10 +269,12 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate]) -> pb.UpdateRecordRes
         try:
             with node.index.write_batch():
                 _check_no_live_inserts(node, updates)
+                truncates = _TruncateTargets(node)
                 for u in updates:
                     stream = streams[(u.table.table_id, u.vnode)]
-                    deleted = _apply_deletes(node, u)
+                    deleted = _apply_truncate(node, u, truncates) + _apply_deletes(node, u)
                     inserted = _stage_inserts(node, stream, u, staged)
+                    truncates.inserted(u)
                     response.results.add(table_name=u.table.name, virtual_node_id=u.vnode,
                                          deleted_rows=deleted, inserted_rows=inserted)
                     response.deleted_rows += deleted
@@ -258,6 +291,46 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate]) -> pb.UpdateRecordRes
     for stream in order:
         node.submit_sealed(stream)
     return response
+
+
+class _TruncateTargets:
+    """The keys each TRUNCATE of one request deletes. A source TRUNCATE arrives as one
+    TableUpdateData per virtual node: the table's versions are scanned once per (table,
+    timestamp) and grouped by virtual node, not once per virtual node. The scan is taken
+    again only for a virtual node that got inserts since (a later TRUNCATE of the same
+    table in the request must see them); deletes only ever add tombstones, which leave a
+    scanned target a harmless no-op."""
+
+    def __init__(self, node: RetinaNode) -> None:
+        self._node = node
+        self._scans: dict[int, tuple[int, dict[int, list[bytes]]]] = {}  # table -> (ts, keys)
+        self._inserted: set[tuple[int, int]] = set()  # (table, vnode) written since its scan
+
+    def keys(self, u: PreparedUpdate) -> list[bytes]:
+        tid = u.table.table_id
+        scan = self._scans.get(tid)
+        if scan is None or scan[0] != u.ts or (tid, u.vnode) in self._inserted:
+            scan = (u.ts, self._node.index.truncate_targets(
+                tid, u.ts, self._node.topology.vnode_of_key))
+            self._scans[tid] = scan
+            self._inserted = {w for w in self._inserted if w[0] != tid}
+        return scan[1].get(u.vnode, [])
+
+    def inserted(self, u: PreparedUpdate) -> None:
+        if u.insert_keys:
+            self._inserted.add((u.table.table_id, u.vnode))
+
+
+def _apply_truncate(node: RetinaNode, u: PreparedUpdate, targets: _TruncateTargets) -> int:
+    """TRUNCATE of (table, vnode) at ``u.ts``: a DELETE of every key whose latest version
+    at or before ``u.ts`` is a row (``LocalIndexService.truncate_targets``). Re-applied (a
+    retry, a replay) it skips the keys it tombstoned and deletes only a stale copy at
+    exactly ``u.ts``, which the INSERTs of the same update put back; versions after
+    ``u.ts`` are never touched."""
+    if not u.truncate:
+        return 0
+    keys = targets.keys(u)
+    return _apply_deletes(node, dataclasses.replace(u, delete_keys=keys)) if keys else 0
 
 
 def _apply_deletes(node: RetinaNode, u: PreparedUpdate) -> int:
@@ -293,7 +366,11 @@ def _stage_inserts(node: RetinaNode, stream: Stream, u: PreparedUpdate,
     if not n:
         return 0
     ts_column = pa.array(np.full(n, u.ts, dtype=np.int64))
-    batch = pa.RecordBatch.from_arrays([*u.insert_columns, ts_column], schema=stream.schema)
+    # The stream may have evolved past u.table (a column added while this request was
+    # prepared): the columns added since are NULL in its rows.
+    added = [pa.nulls(n, f.type) for f in list(stream.schema)[len(u.insert_columns):-1]]
+    batch = pa.RecordBatch.from_arrays([*u.insert_columns, *added, ts_column],
+                                       schema=stream.schema)
     first_row_id = node.index.allocate_row_ids(n)
     handles: list[AppendHandle] = []
     staged.append((stream, u, handles))

@@ -55,6 +55,7 @@ from retina_common.lifecycle_record import LifecycleState
 from retina_common.log import configure_logging
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.pb import trans_pb2_grpc
+from retina_common.tls import open_channel
 
 
 class DemoFailure(Exception):
@@ -83,7 +84,7 @@ def run(state: ClusterState) -> dict[str, Any]:
     report: dict[str, Any] = {}
     catalog = Catalog(state.postgres.dsn())
     etcd = EtcdStore([state.etcd.endpoint])
-    channel = grpc.insecure_channel(state.trans_listen)
+    channel = open_channel(state.trans_listen)
     stub = trans_pb2_grpc.TransServiceStub(channel)
 
     step("catalog: publish an ingest file, swap in a GC rewrite")
@@ -176,7 +177,7 @@ def run(state: ClusterState) -> dict[str, Any]:
     start_trans_server(state)
     restart_s = time.monotonic() - started
     channel.close()
-    channel = grpc.insecure_channel(state.trans_listen)
+    channel = open_channel(state.trans_listen)
     stub = trans_pb2_grpc.TransServiceStub(channel)
     probe = stub.BeginTrans(tpb.BeginTransRequest(), timeout=5)
     stub.CommitTrans(tpb.CommitTransRequest(trans_id=probe.trans_id), timeout=5)

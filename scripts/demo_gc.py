@@ -16,14 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from devtools.cluster import ClusterState, node_state, start_retina_server, wait_for
 from retina_common import file_names
 from retina_common.catalog import Catalog, FileType
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc
 from retina_common.storage import object_size, open_parquet
+from retina_common.tls import open_channel
 
 KILL_POINT = "gc.primary_switch.after"
 
@@ -69,7 +68,7 @@ def run_job(state: ClusterState, schema: str,
 
 
 def gc_status(node: str) -> rpb.GetGcStatusResponse:
-    with grpc.insecure_channel(node) as channel:
+    with open_channel(node) as channel:
         return retina_pb2_grpc.RetinaWorkerServiceStub(channel).GetGcStatus(
             rpb.GetGcStatusRequest(), timeout=10)
 
@@ -78,7 +77,7 @@ def checkpoint_twice(state: ClusterState) -> None:
     """Two checkpoints on every node: both slots then hold the new files, their journal
     entries are promoted, and a later pass may rewrite those files again."""
     for node in state.nodes:
-        with grpc.insecure_channel(node) as channel:
+        with open_channel(node) as channel:
             stub = retina_pb2_grpc.RetinaWorkerServiceStub(channel)
             for _ in range(2):
                 stub.CreateCheckpoint(rpb.CreateCheckpointRequest(), timeout=60)

@@ -25,14 +25,21 @@ command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
 command -v etcdctl >/dev/null 2>&1 || missing+=(etcd-client)
 pg_initdb || missing+=(postgresql)
 command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
+# Only its promtool is used: the tests check and unit-test deploy/prometheus/.
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 if [ "${#missing[@]}" -gt 0 ]; then
     log "installing system packages: ${missing[*]}"
     as_root apt-get update -qq
     # Debian's packages must not start their own etcd/PostgreSQL services:
     # this project starts private instances on free ports.
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    # Nor a Prometheus server of its own (it would hold port 9090, which the
+    # compose cluster's Prometheus publishes).
+    if [[ " ${missing[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
+        as_root systemctl disable --now prometheus >/dev/null 2>&1 || true
+    fi
 else
-    log "system packages present (etcd, postgresql, java)"
+    log "system packages present (etcd, postgresql, java, promtool)"
 fi
 
 python="${RETINA_PYTHON:-}"

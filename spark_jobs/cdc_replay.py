@@ -56,6 +56,7 @@ import grpc
 
 from cdc_client.changelog import Changelog, ChangelogGap, CorruptChangelog, changelog_root
 from cdc_client.replay import changelog_rows, node_starts, replay_requests
+from retina_common import progress
 from retina_common.catalog import Catalog, CatalogError, TableRecord
 from retina_common.client import channel
 from retina_common.config import Config, ConfigError
@@ -346,7 +347,10 @@ def execute(args: argparse.Namespace, config: Config, plan: Plan) -> int:
     spark = spark_session(f"retina-cdc-replay-{plan.mode}", args.master, parse_conf(args.conf))
     try:
         job_started = time.monotonic()
-        results = run_tasks(spark, spec, plan.tasks, print_progress)
+        with progress.bar(len(plan.tasks), desc=f"replay {plan.mode}", unit="vnode",
+                          disabled=args.no_progress) as bar:
+            results = run_tasks(spark, spec, plan.tasks,
+                                progress.reporting(bar, print_progress))
         replay_s = time.monotonic() - job_started
     except Exception as exc:  # a task's CorruptChangelog arrives as Spark's exception text
         code = EXIT_REPLAY_GAP if REPLAY_GAP_MARK in str(exc) else exit_code_of(exc)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
+from retina_common import tls
 from retina_common.config import Config, ConfigError, load_config
 from retina_common.topology import Topology, load_topology
 
@@ -114,6 +115,8 @@ def call_with_retry(call: Callable[[], T], what: str, attempts: int = 6,
 def load(config_path: str | None) -> tuple[Config, Topology]:
     """The config (``--config`` or ``$RETINA_CONFIG``) and its topology; ConfigError if bad."""
     config = load_config(config_path)
+    # Channels of the driver, and (through spark_session) of its tasks, use it.
+    tls.configure(config.tls)
     return config, load_topology(config.topology_file)
 
 
@@ -123,6 +126,9 @@ def add_spark_arguments(parser: argparse.ArgumentParser) -> None:
                              "under spark-submit its own --master applies)")
     parser.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                         help="a Spark setting, as for spark-submit (repeatable)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar on stderr (none is drawn unless stderr is a "
+                             "terminal; stdout and the exit code are the same either way)")
 
 
 def parse_conf(pairs: Sequence[str]) -> dict[str, str]:
@@ -152,7 +158,7 @@ def spark_session(app_name: str, master: str | None, conf: dict[str, str]) -> Sp
             # Local workers must run this interpreter (the venv with our packages),
             # not whatever "python3" is on PATH.
             os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    for key, value in {**BASE_CONF, **conf}.items():
+    for key, value in {**BASE_CONF, **tls.spark_executor_env(), **conf}.items():
         builder = builder.config(key, value)
     for attempt in range(1, JVM_START_ATTEMPTS + 1):
         try:

@@ -31,19 +31,21 @@ import os
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from retina_common import tls as tls_mod
 from retina_common.client import CHANNEL_OPTIONS
-from retina_common.config import Config, ConfigError, load_config
+from retina_common.config import Config, ConfigError, TlsConfig, load_config
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import FILE_ID, HIDDEN, SnapshotReader
+from retina_common.schema_evolution import conform
 from retina_common.topology import Topology, load_topology
 from spark_jobs.common import (
     EXIT_OK,
@@ -93,18 +95,20 @@ class FileReadSpec:
     timestamp: int
     trans_id: int  # the live read transaction the owners check
     schema: pa.Schema  # the table's columns, no hidden ones
+    tls: TlsConfig = field(default_factory=TlsConfig)  # the driver's: tasks run elsewhere
 
 
 def rows_of(table: pa.Table, schema: pa.Schema) -> Iterator[tuple[Any, ...]]:
-    """``table``'s rows as tuples in ``schema``'s column order and types."""
-    table = table.select(schema.names).cast(schema)
+    """``table``'s rows as tuples in ``schema``'s column order and types (a file written
+    before a column was added reads it as NULL)."""
+    table = conform(table, schema)
     yield from zip(*(column.to_pylist() for column in table.columns), strict=True)
 
 
 def read_files(spec: FileReadSpec, refs: Iterable[FileRef]) -> Iterator[tuple[Any, ...]]:
     """The visible rows of ``refs`` at the snapshot; runs inside a Spark task."""
     reader = SnapshotReader(spec.trans_address, Topology(spec.nodes, spec.virtual_nodes),
-                            timeout_s=RPC_TIMEOUT_S)
+                            timeout_s=RPC_TIMEOUT_S, tls=spec.tls)
     trans = tpb.BeginTransResponse(trans_id=spec.trans_id, timestamp=spec.timestamp)
     try:
         for ref in refs:
@@ -119,10 +123,10 @@ def read_files(spec: FileReadSpec, refs: Iterable[FileRef]) -> Iterator[tuple[An
 
 
 def _write_buffers(nodes: Iterable[str], trans: tpb.BeginTransResponse, schema: str,
-                   table: str) -> list[pa.Table]:
+                   table: str, tls: TlsConfig) -> list[pa.Table]:
     out = []
     for node in nodes:
-        with grpc.insecure_channel(node, options=CHANNEL_OPTIONS) as channel:
+        with tls_mod.open_channel(node, tls, CHANNEL_OPTIONS) as channel:
             reply = retina_pb2_grpc.RetinaWorkerServiceStub(channel).GetWriteBuffer(
                 rpb.GetWriteBufferRequest(schema_name=schema, table_name=table,
                                           timestamp=trans.timestamp, trans_id=trans.trans_id),
@@ -132,8 +136,8 @@ def _write_buffers(nodes: Iterable[str], trans: tpb.BeginTransResponse, schema: 
 
 
 def _list_files(trans_address: str, trans: tpb.BeginTransResponse, schema: str,
-                table: str) -> list[tpb.QueryFile]:
-    with grpc.insecure_channel(trans_address, options=CHANNEL_OPTIONS) as channel:
+                table: str, tls: TlsConfig) -> list[tpb.QueryFile]:
+    with tls_mod.open_channel(trans_address, tls, CHANNEL_OPTIONS) as channel:
         listing = trans_pb2_grpc.TransServiceStub(channel).ListQueryFiles(
             tpb.ListQueryFilesRequest(trans_id=trans.trans_id, schema_name=schema,
                                       table_name=table), timeout=RPC_TIMEOUT_S)
@@ -141,19 +145,25 @@ def _list_files(trans_address: str, trans: tpb.BeginTransResponse, schema: str,
 
 
 def snapshot_in(spark: SparkSession, trans: tpb.BeginTransResponse, trans_address: str,
-                topology: Topology, schema: str, table: str) -> SparkSnapshot:
+                topology: Topology, schema: str, table: str,
+                tls: TlsConfig | None = None) -> SparkSnapshot:
     """Read ``schema.table`` at ``trans``'s snapshot (a live, gated read-only
-    transaction the caller holds until this returns)."""
+    transaction the caller holds until this returns). ``tls``: default the
+    process's settings (retina_common.tls)."""
     from pyspark.sql.pandas.types import from_arrow_schema
 
-    buffers = _write_buffers(topology.nodes, trans, schema, table)  # before the file list
-    files = _list_files(trans_address, trans, schema, table)
-    columns = pa.schema([f for f in buffers[0].schema if f.name not in HIDDEN])
+    tls = tls_mod.current() if tls is None else tls
+    buffers = _write_buffers(topology.nodes, trans, schema, table, tls)  # before the file list
+    files = _list_files(trans_address, trans, schema, table, tls)
+    # The widest: a node that has not seen a row since a column was added still answers
+    # with the older columns (schema evolution only appends).
+    widest = max((b.schema for b in buffers), key=len)
+    columns = pa.schema([f for f in widest if f.name not in HIDDEN])
     regular = pa.array(sorted({f.file_id for f in files}), pa.int64())
     buffered = [b.filter(pc.invert(pc.is_in(b.column(FILE_ID), regular))) for b in buffers]
     buffer_rows = [row for b in buffered for row in rows_of(b, columns)]
     spec = FileReadSpec(trans_address, topology.nodes, topology.virtual_nodes,
-                        trans.timestamp, trans.trans_id, columns)
+                        trans.timestamp, trans.trans_id, columns, tls)
     refs = [FileRef(f.file_id, f.name, f.path_uri) for f in files]
     sc = spark.sparkContext
     file_rows = sc.parallelize(refs, max(1, len(refs))).mapPartitions(
@@ -171,10 +181,11 @@ def snapshot_dataframe(spark: SparkSession, config: Config | str | os.PathLike[s
     if not isinstance(config, Config):
         config = load_config(config)
     topology = load_topology(config.topology_file)
-    reader = SnapshotReader(config.trans.listen, topology)
+    reader = SnapshotReader(config.trans.listen, topology, tls=config.tls)
     try:
         with reader.transaction() as trans:
-            return snapshot_in(spark, trans, config.trans.listen, topology, schema, table)
+            return snapshot_in(spark, trans, config.trans.listen, topology, schema, table,
+                               config.tls)
     finally:
         reader.close()
 

@@ -62,7 +62,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from retina_common import failpoints as fp
-from retina_common import file_names
+from retina_common import file_names, progress
 from retina_common.catalog import (
     AlreadyExistsError,
     Catalog,
@@ -80,6 +80,7 @@ from retina_common.log import configure_logging
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
+from retina_common.schema_evolution import conform, table_schema
 from retina_common.storage import object_size, open_parquet, write_durably
 from retina_common.topology import Topology
 from spark_jobs.common import (
@@ -436,9 +437,21 @@ def rewrite_group(spec: TaskSpec, task: RewriteTask) -> RewriteResult:
         return RewriteResult(task.rewrite_id, error=f"{type(exc).__name__}: {exc}")
 
 
+def current_columns(spec: TaskSpec, table: str) -> pa.Schema:
+    """The table's data-file schema at its current schema version: a rewrite writes the
+    current columns, and files written before a column was added read it as NULL."""
+    schema_name, _dot, table_name = table.partition(".")
+    catalog = Catalog(spec.catalog_dsn, pool_max=1,
+                      connect_timeout_s=spec.catalog_connect_timeout_s)
+    try:
+        return table_schema(catalog.get_table(schema_name, table_name))
+    finally:
+        catalog.close()
+
+
 def _rewrite(spec: TaskSpec, task: RewriteTask) -> RewriteResult:
     parts: list[pa.Table] = []
-    schema: pa.Schema | None = None
+    schema = current_columns(spec, task.table)
     dropped = 0
     with channel(task.node) as ch:
         stub = retina_pb2_grpc.RetinaWorkerServiceStub(ch)
@@ -456,14 +469,13 @@ def _rewrite(spec: TaskSpec, task: RewriteTask) -> RewriteResult:
         for ref, visibility in zip(task.files, answers, strict=True):
             # The given order is the new file's row order.
             parquet = open_parquet(ref.path_uri, ref.name)
-            if schema is None:
-                schema = parquet.schema_arrow
-            elif not parquet.schema_arrow.remove_metadata().equals(schema.remove_metadata()):
-                raise RewriteError(f"{ref.name} has another schema than {task.files[0].name}")
+            unknown = sorted(set(parquet.schema_arrow.names) - set(schema.names))
+            if unknown:
+                raise RewriteError(f"{ref.name} has columns {unknown} that table {task.table} "
+                                   "does not have")
             rows, gone = surviving_rows(parquet, visibility, ref.name)
-            parts.append(rows)
+            parts.append(conform(rows, schema))
             dropped += gone
-    assert schema is not None  # a group has at least one file
     kept = pa.concat_tables(parts)
     if kept.num_rows != task.expected_rows:
         raise RewriteError(f"{kept.num_rows} rows survive the cutoff {task.cutoff_ts}, the "
@@ -668,6 +680,8 @@ class StorageGcJob:
         self.thresholds = Thresholds(args.deleted_threshold, args.small_file_bytes,
                                      args.target_file_bytes)
         self.state = JobState()
+        # The driver's bar over the groups while rewrites run (stderr, terminals only).
+        self._bar: Any = None
         self._trans_channel = channel(config.trans.listen)
         self.trans = trans_pb2_grpc.TransServiceStub(self._trans_channel)
         self._node_channels = {n: channel(n) for n in topology.nodes}
@@ -787,7 +801,10 @@ class StorageGcJob:
                       new_file=report.new_file, rows_kept=report.rows_kept,
                       rows_dropped=report.rows_dropped, bytes_before=report.bytes_before,
                       bytes_after=report.bytes_after)
-        print_group(report)
+        with progress.printing():
+            print_group(report)
+        if self._bar is not None:
+            self._bar.update(1)
 
     def abort(self, task: RewriteTask) -> None:
         """Best effort: a rewrite the node is not told about expires there anyway."""
@@ -889,7 +906,8 @@ class StorageGcJob:
                           snapshot_ts=trans.timestamp, safe_gc_ts=state.safe_gc_ts,
                           tables=state.tables, dry_run=args.dry_run)
             groups: list[Group] = []
-            for name in state.tables:
+            for name in progress.track(state.tables, desc="plan", unit="table",
+                                       disabled=args.no_progress):
                 groups.extend(self.plan(trans, args.schema, name.split(".", 1)[1]))
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:  # a table that does not exist
@@ -914,6 +932,8 @@ class StorageGcJob:
         spark = spark_session(f"retina-storage-gc-{args.schema}", args.master,
                               parse_conf(args.conf))
         state.spark_start_s = time.monotonic() - spark_started
+        self._bar = progress.bar(len(groups), desc="rewrite", unit="group",
+                                 disabled=args.no_progress)
         try:
             spec = TaskSpec(self.config.catalog.dsn, self.config.catalog.connect_timeout_s,
                             trans.trans_id, args.row_group_rows)
@@ -934,6 +954,8 @@ class StorageGcJob:
                 state.task_seconds += time.monotonic() - task_started
         finally:
             spark.stop()
+            self._bar.close()
+            self._bar = None
         for report in reports:  # groups the job never got to
             if report.outcome == PLANNED:
                 self._settle(report, FAILED, None, f"not attempted: {state.stopped}",

@@ -57,10 +57,12 @@ class RetinaProcess(ChildProcess):
         super().__init__(config_path, workdir / f"retina-{node.replace(':', '-')}.log")
         self.node = node
         self.channel: grpc.Channel | None = None
+        # "host:port" to serve /metrics on (tests that scrape set it before start).
+        self.metrics_listen = "off"
 
     def start(self, failpoints: str = "", wait: bool = True) -> RetinaProcess:
         self.spawn(failpoints, {"RETINA__RETINA__LISTEN": self.node,
-                                "RETINA__RETINA__METRICS_LISTEN": "off"})
+                                "RETINA__RETINA__METRICS_LISTEN": self.metrics_listen})
         if self.channel is not None:
             self.channel.close()
         # A channel of its own subchannels: gRPC shares subchannels between channels to

@@ -102,3 +102,31 @@ def test_delete_targets_the_predecessor_and_a_stale_copy_at_its_own_timestamp(
     index.tombstone_primary_resolved(1, [b"k"], ts=20)
     assert [t.row_id for t in index.resolve_for_delete(1, [b"k"], everything, 20)[0]] == [r + 1]
     assert index.resolve_for_delete(1, [b"k"], everything, 25)[0] == []
+
+
+def test_truncate_targets_skip_dead_keys_and_later_versions(tmp_path: Path) -> None:
+    """What a TRUNCATE at 20 deletes: keys whose latest version at or before 20 is a
+    row. Tombstoned keys (so a re-applied TRUNCATE: its own tombstones) and keys
+    first written after 20 are left out; versions after 20 never matter."""
+    index = LocalIndexService(tmp_path)
+    r = index.allocate_row_ids(8)
+    index.put_main_index_entries([RowIdRange(r, 8, 1, 0, 0)])
+    index.put_primary_entries_only(1, [b"live", b"dead", b"later", b"stale"],
+                                   [r, r + 1, r + 2, r + 3], ts=10)
+    index.tombstone_primary_resolved(1, [b"dead"], ts=15)
+    index.put_primary_entries_only(1, [b"later"], [r + 4], ts=25)
+    index.put_primary_entries_only(1, [b"fresh"], [r + 5], ts=30)
+    index.put_primary_entries_only(1, [b"stale"], [r + 6], ts=20)  # a copy at 20 itself
+    index.put_primary_entries_only(2, [b"other"], [r + 7], ts=10)  # another table
+
+    def vnode(key: bytes) -> int:
+        return len(key) % 2
+
+    assert index.truncate_targets(1, 20, vnode) == {0: [b"live"], 1: [b"later", b"stale"]}
+    assert index.truncate_targets(1, 5, vnode) == {}
+    assert index.truncate_targets(3, 20, vnode) == {}
+    # The TRUNCATE at 20 applied: its tombstones, then the same key inserted at 25.
+    index.tombstone_primary_resolved(1, [b"live", b"later", b"stale"], ts=20)
+    assert index.truncate_targets(1, 20, vnode) == {}  # applied again: nothing to write
+    assert index.resolve_primary(1, [b"later"], everything, 99)[0].row_id == r + 4
+    assert index.truncate_targets(1, 99, vnode) == {1: [b"fresh", b"later"]}

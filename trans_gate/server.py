@@ -17,7 +17,7 @@ from typing import Any
 
 from prometheus_client import Gauge
 
-from retina_common import failpoints
+from retina_common import failpoints, tls
 from retina_common.catalog import Catalog, CatalogError
 from retina_common.config import Config, ConfigError, load_config
 from retina_common.etcd import EtcdError, EtcdStore
@@ -50,7 +50,8 @@ class TransServer:
         self._log = log
         self._stop = threading.Event()
         self.exit_code = 0
-        store = EtcdStore(config.etcd.endpoints, config.etcd.timeout_s)
+        tls.check_server(config.tls)
+        store = EtcdStore.from_config(config.etcd)
         tc = config.trans
         self.timestamps = DurableCounter(store, TRANS_TIMESTAMP_KEY, tc.ts_block_size,
                                          failpoints.TRANS_TS_BLOCK_PERSIST_BEFORE,
@@ -65,7 +66,8 @@ class TransServer:
                                         on_state=lambda up: WATCH_UP.set(1 if up else 0))
         self.catalog = Catalog(config.catalog.dsn, pool_max=config.catalog.pool_max,
                                connect_timeout_s=config.catalog.connect_timeout_s)
-        self.handle = ServerHandle(tc.listen, max_workers=16, service_names=[SERVICE_NAME])
+        self.handle = ServerHandle(tc.listen, max_workers=16, service_names=[SERVICE_NAME],
+                                   tls=config.tls)
         self.table: TransactionTable | None = None
 
     def start(self) -> None:
@@ -137,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
+        tls.configure(config.tls)
         failpoints.load_from_env()
     except (ConfigError, failpoints.FailpointError) as exc:
         print(f"retina-trans: {exc}", file=sys.stderr)

@@ -197,3 +197,13 @@ class TransService(pb_grpc.TransServiceServicer):
             live_read_transactions=holds.live_reads,
             oldest_read_snapshot_ts=-1 if holds.oldest_snapshot_ts is None
             else holds.oldest_snapshot_ts)
+
+    def GetQueryGateStatus(self, request: pb.GetQueryGateStatusRequest,
+                           context: grpc.ServicerContext) -> pb.GetQueryGateStatusResponse:
+        # The decision itself, not a re-derivation: an operator sees what BeginTrans sees.
+        decision = self._gate.check()
+        snapshot = self._gate.snapshot
+        return pb.GetQueryGateStatusResponse(
+            admitted=decision.admitted, message=decision.message,
+            nodes={n: str(a) for n, a in decision.nodes.items()},
+            watch_healthy=snapshot.watch_healthy, revision=snapshot.revision)

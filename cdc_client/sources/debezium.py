@@ -6,6 +6,10 @@ envelope: either transaction metadata (``status`` BEGIN / END) or a change
 event (``op`` c, r, u, d). The events between a BEGIN and its END form one
 transaction; an event without transaction data is a transaction of its own.
 
+Column values are decoded by the event's own ``schema`` block when it has one
+(``debezium_values.py``: base64 decimals, epoch-day dates, ISO-8601 zoned
+timestamps, ...); a value that does not decode is a malformed event.
+
 A transaction's position is ``file:line`` of the line that completed it, so
 positions order by (file name, line number). The files are the durable
 record, which is why :meth:`DebeziumFileSource.ack` has nothing to do.
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from cdc_client.source import Op, RowChange, SourceError, SourceTransaction
+from cdc_client.sources.debezium_values import ValueDecodeError, decode_row, row_decoder
 
 SUFFIXES = (".json", ".jsonl")
 CHUNK_BYTES = 1 << 20
@@ -188,12 +193,12 @@ class DebeziumFileSource:
     def _consume(self, line: _Line) -> SourceTransaction | None:
         if not line.text.strip():
             return None
-        message = _parse(line)
+        message, schema = _parse(line)
         if message is None:
             return None  # a tombstone: only meaningful for Kafka log compaction
         if "status" in message:
             return self._metadata(message, line)
-        return self._event(message, line)
+        return self._event(message, schema, line)
 
     def _metadata(self, message: Mapping[str, Any], line: _Line) -> SourceTransaction | None:
         status, txid = message["status"], str(message.get("id"))
@@ -219,8 +224,9 @@ class DebeziumFileSource:
                                  commit_time_ms=_ms(message.get("ts_ms")),
                                  changes=tx.ordered_changes())
 
-    def _event(self, message: Mapping[str, Any], line: _Line) -> SourceTransaction | None:
-        change = _row_change(message, line)
+    def _event(self, message: Mapping[str, Any], schema: Any,
+               line: _Line) -> SourceTransaction | None:
+        change = _row_change(message, schema, line)
         info = message.get("transaction")
         if info is None:
             if self._open is not None:
@@ -243,20 +249,22 @@ class DebeziumFileSource:
 
 
 # --- messages ---
-def _parse(line: _Line) -> Mapping[str, Any] | None:
+def _parse(line: _Line) -> tuple[Mapping[str, Any] | None, Any]:
+    """The message (the envelope's payload) and the envelope's schema, if any."""
     try:
         message = json.loads(line.text)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise SourceError(f"{line.where}: malformed JSON: {exc}") from exc
+    schema = None
     if (isinstance(message, Mapping) and "payload" in message
             and "op" not in message and "status" not in message):
-        message = message["payload"]
+        message, schema = message["payload"], message.get("schema")
     if message is None or isinstance(message, Mapping):
-        return message
+        return message, schema
     raise SourceError(f"{line.where}: expected a JSON object, got {type(message).__name__}")
 
 
-def _row_change(message: Mapping[str, Any], line: _Line) -> RowChange:
+def _row_change(message: Mapping[str, Any], schema: Any, line: _Line) -> RowChange:
     if "op" not in message:
         raise SourceError(f"{line.where}: change event without 'op'")
     op = OPS.get(message["op"])
@@ -264,13 +272,14 @@ def _row_change(message: Mapping[str, Any], line: _Line) -> RowChange:
         raise SourceError(f"{line.where}: unknown op {message['op']!r}")
     # Debezium leaves ``before`` out of an update under PostgreSQL's default
     # replica identity; a key change then arrives as a delete and a create.
-    before = _row(message, "before", line, required=op == "delete")
-    after = _row(message, "after", line, required=op in ("insert", "update"))
-    return RowChange(_table(message, line), op,
-                     None if op == "insert" else before, None if op == "delete" else after)
+    table = _table(message, line)
+    before = _row(message, schema, "before", line, required=op == "delete")
+    after = _row(message, schema, "after", line, required=op in ("insert", "update"))
+    return RowChange(table, op, None if op == "insert" else before,
+                     None if op == "delete" else after, origin=line.where)
 
 
-def _row(message: Mapping[str, Any], key: str, line: _Line,
+def _row(message: Mapping[str, Any], schema: Any, key: str, line: _Line,
          *, required: bool) -> dict[str, Any] | None:
     row = message.get(key)
     if row is None:
@@ -279,7 +288,13 @@ def _row(message: Mapping[str, Any], key: str, line: _Line,
         return None
     if not isinstance(row, Mapping):
         raise SourceError(f"{line.where}: {key!r} is not an object")
-    return dict(row)
+    # Values come in the wire form of the event's own schema (base64 decimals,
+    # epoch-day dates, ...): decoded here, where the schema is known.
+    try:
+        return decode_row(row, row_decoder(schema, key))
+    except ValueDecodeError as exc:
+        raise SourceError(f"{line.where}: malformed event ({_describe(message)}): "
+                          f"{key}: {exc}") from None
 
 
 def _table(message: Mapping[str, Any], line: _Line) -> str:
@@ -290,6 +305,19 @@ def _table(message: Mapping[str, Any], line: _Line) -> str:
     if not schema:
         raise SourceError(f"{line.where}: change event without source.schema or source.db")
     return f"{schema}.{source['table']}"
+
+
+def _describe(message: Mapping[str, Any]) -> str:
+    source = message.get("source")
+    source = source if isinstance(source, Mapping) else {}
+    namespace = source.get("schema") or source.get("db")
+    parts = [f"op {message.get('op')!r}", f"table {namespace}.{source.get('table')}"]
+    info = message.get("transaction")
+    if isinstance(info, Mapping):
+        parts.append(f"transaction {info.get('id')}")
+    elif source.get("txId") is not None:
+        parts.append(f"txId {source['txId']}")
+    return ", ".join(parts)
 
 
 def _source_txid(source: Mapping[str, Any]) -> str:

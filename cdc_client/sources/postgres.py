@@ -28,9 +28,13 @@ import psycopg2
 import psycopg2.errors
 import psycopg2.extensions
 import psycopg2.extras
+import structlog
 from psycopg2 import sql
 
+from cdc_client.schema_change import SourceSchema, pg_source_schema
 from cdc_client.source import RowChange, SourceError, SourceTransaction
+
+log = structlog.get_logger("cdc")
 
 # 2000-01-01T00:00:00Z, PostgreSQL's timestamp epoch, in ms since the Unix epoch.
 PG_EPOCH_MS = 946_684_800_000
@@ -67,6 +71,7 @@ class Column:
     name: str
     type_oid: int
     is_key: bool
+    type_modifier: int = -1  # e.g. a numeric's precision and scale (schema changes)
 
 
 @dataclass(frozen=True)
@@ -223,8 +228,9 @@ def _read_relation(reader: _Reader) -> Relation:
         flags = reader.int8()
         col_name = reader.string()
         type_oid = reader.uint32()
-        reader.int32()  # type modifier: the text form already carries scale etc.
-        columns.append(Column(col_name, type_oid, bool(flags & 1)))
+        # The type modifier: values parse from their text form without it; schema
+        # change checks compare it (a numeric's precision and scale).
+        columns.append(Column(col_name, type_oid, bool(flags & 1), reader.int32()))
     return Relation(oid, namespace, name, replica_identity, tuple(columns))
 
 
@@ -346,23 +352,42 @@ def _parse_value(relation: Relation, column: Column, raw: bytes) -> Any:
                           f"{raw[:80]!r} (type OID {column.type_oid}): {exc}") from exc
 
 
+class _Unchanged:
+    """An unchanged TOAST value: the server did not send it (kind 'u')."""
+
+    def __repr__(self) -> str:
+        return "UNCHANGED"
+
+
+UNCHANGED: Any = _Unchanged()
+
+
 def decode_row(relation: Relation, data: TupleData) -> dict[str, Any]:
+    """Column name -> value; an unchanged TOAST value is :data:`UNCHANGED`."""
     if len(data) != len(relation.columns):
         raise SourceError(f"{relation.table}: tuple has {len(data)} columns, "
                           f"relation has {len(relation.columns)}")
     row: dict[str, Any] = {}
     for column, (kind, raw) in zip(relation.columns, data, strict=True):
         if kind == "u":
-            raise SourceError(
-                f"{relation.table}.{column.name}: unchanged TOAST value not sent by the "
-                f"server; run ALTER TABLE {relation.table} REPLICA IDENTITY FULL")
-        row[column.name] = None if raw is None else _parse_value(relation, column, raw)
+            row[column.name] = UNCHANGED
+        else:
+            row[column.name] = None if raw is None else _parse_value(relation, column, raw)
     return row
 
 
 def _without_nulls(row: Mapping[str, Any]) -> dict[str, Any]:
     # A 'K' tuple carries the key columns and nulls in place of the rest.
-    return {name: value for name, value in row.items() if value is not None}
+    return {name: value for name, value in row.items()
+            if value is not None and value is not UNCHANGED}
+
+
+def _unchanged(row: Mapping[str, Any]) -> list[str]:
+    return [name for name, value in row.items() if value is UNCHANGED]
+
+
+def _key_of(relation: Relation, row: Mapping[str, Any]) -> tuple[Any, ...]:
+    return tuple(row.get(c.name) for c in relation.columns if c.is_key)
 
 
 # --- setup and teardown ---
@@ -397,15 +422,25 @@ def ensure_slot(dsn: str, slot: str) -> None:
     with closing(psycopg2.connect(dsn, connect_timeout=10)) as conn:
         conn.autocommit = True
         with conn.cursor() as cur:
-            cur.execute("SELECT plugin, slot_type, database = current_database() "
-                        "FROM pg_replication_slots WHERE slot_name = %s", (slot,))
-            row = cur.fetchone()
-            if row is None:
+            if not _slot_exists(cur, slot):
                 # Waits for transactions running anywhere in the cluster to end.
                 cur.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
-            elif tuple(row) != ("pgoutput", "logical", True):
-                raise SourceError(f"replication slot {slot!r} exists but is not a pgoutput "
-                                  f"logical slot of this database: {row!r}")
+
+
+def slot_exists(dsn: str, slot: str) -> bool:
+    """Whether ``slot`` exists; a slot that is not ours (plugin, type, database) is refused."""
+    with closing(psycopg2.connect(dsn, connect_timeout=10)) as conn, conn.cursor() as cur:
+        return _slot_exists(cur, slot)
+
+
+def _slot_exists(cur: Any, slot: str) -> bool:
+    cur.execute("SELECT plugin, slot_type, database = current_database() "
+                "FROM pg_replication_slots WHERE slot_name = %s", (slot,))
+    row = cur.fetchone()
+    if row is not None and tuple(row) != ("pgoutput", "logical", True):
+        raise SourceError(f"replication slot {slot!r} exists but is not a pgoutput "
+                          f"logical slot of this database: {row!r}")
+    return row is not None
 
 
 def drop_slot(dsn: str, slot: str, timeout_s: float = 10.0) -> None:
@@ -441,37 +476,109 @@ def replication_dsn(dsn: str) -> str:
 class _OpenTransaction:
     xid: int
     changes: list[RowChange] = field(default_factory=list)
+    # (table, key) -> the latest full row this transaction wrote: where an
+    # unchanged TOAST value of a later update in it comes from.
+    rows: dict[tuple[str, tuple[Any, ...]], Mapping[str, Any]] = field(default_factory=dict)
+    # Updates whose unchanged TOAST values are read from the source at commit:
+    # (index in changes, relation).
+    unresolved: list[tuple[int, Relation]] = field(default_factory=list)
+
+    def forget(self, table: str) -> None:
+        self.rows = {k: v for k, v in self.rows.items() if k[0] != table}
 
 
 class PostgresSource:
-    """Committed transactions from a pgoutput logical replication slot."""
+    """Committed transactions from a pgoutput logical replication slot, after
+    the initial snapshot of the published tables (``snapshot_mode="initial"``,
+    :mod:`cdc_client.sources.pg_snapshot`).
+
+    ``start_after`` is the connector's committed position: None for a new
+    connector, a snapshot position mid-snapshot, else an LSN. A new connector
+    with ``snapshot_mode="initial"`` takes a snapshot: it creates the slot
+    itself, to read the tables exactly at the slot's consistent point; a slot
+    that already exists then (a first start that died before committing any
+    snapshot chunk, or one made by hand) is dropped first. With a committed
+    LSN, or ``snapshot_mode="never"``, the existing slot (created if missing)
+    resumes streaming.
+    """
 
     name = "postgres"
 
     def __init__(self, dsn: str, *, slot: str, publication: str,
-                 tables: Sequence[str] | None = None, start_after: str | None = None) -> None:
-        self._floor = parse_lsn(start_after) if start_after else 0
+                 tables: Sequence[str] | None = None, start_after: str | None = None,
+                 snapshot_mode: str = "initial", snapshot_chunk_rows: int = 5000) -> None:
+        if snapshot_mode not in pg_snapshot.SNAPSHOT_MODES:
+            raise ValueError(f"snapshot_mode: expected one of {pg_snapshot.SNAPSHOT_MODES}, "
+                             f"got {snapshot_mode!r}")
+        self._dsn = dsn
+        self._slot = slot
+        self._publication = publication
         ensure_publication(dsn, publication, tables)
-        ensure_slot(dsn, slot)
-        self._conn = psycopg2.connect(replication_dsn(dsn), connect_timeout=10,
-                                      connection_factory=psycopg2.extras.LogicalReplicationConnection)
-        try:
-            self._cur = self._conn.cursor()
-            self._cur.start_replication(
-                slot_name=slot, decode=False, start_lsn=start_after or 0,
-                options={"proto_version": "1", "publication_names": _quote_ident(publication)})
-        except BaseException:
-            self._conn.close()
-            raise
+        self._snapshot = self._open_snapshot(start_after, snapshot_mode, snapshot_chunk_rows)
+        if self._snapshot is not None:
+            start_after = None  # the stream starts at the slot's consistent point
+        self._start_after = start_after
+        self._floor = parse_lsn(start_after) if start_after else 0
+        self._conn: Any = None  # the replication connection, once streaming
+        self._cur: Any = None
+        self._lookup: Any = None  # a plain connection for unchanged TOAST values
         self._relations: dict[int, Relation] = {}
+        self._schemas: list[SourceSchema] = []  # Relations not yet handed out
         self._open: _OpenTransaction | None = None
         self._returned_lsn = self._floor  # end LSN of the last transaction handed out
         self._acked_lsn = self._floor
         self._empty_lsn = 0  # end LSN of a skipped empty transaction not yet confirmed
         self._last_feedback = time.monotonic()
+        if self._snapshot is None:
+            self._start_streaming()
+
+    def _open_snapshot(self, start_after: str | None, mode: str,
+                       chunk_rows: int) -> pg_snapshot.SnapshotReader | None:
+        dsn, slot = self._dsn, self._slot
+        if start_after and pg_snapshot.is_snapshot_position(start_after):
+            if not slot_exists(dsn, slot):
+                raise SourceError(
+                    f"replication slot {slot!r} is gone while the initial snapshot is "
+                    "incomplete: changes since its consistent point are lost; reset the "
+                    "connector and start over (docs/cdc.md, initial snapshot)")
+            return pg_snapshot.SnapshotReader.resume(
+                dsn, self._publication, pg_snapshot.SnapshotPosition.parse(start_after),
+                chunk_rows)
+        if start_after or mode == "never":
+            ensure_slot(dsn, slot)
+            return None
+        if slot_exists(dsn, slot):
+            log.warning("cdc_snapshot_slot_recreated", slot=slot,
+                        reason="no committed position: the snapshot needs a new slot")
+            drop_slot(dsn, slot)
+        return pg_snapshot.SnapshotReader.create(dsn, slot, self._publication, chunk_rows)
+
+    def _start_streaming(self) -> None:
+        conn = psycopg2.connect(replication_dsn(self._dsn), connect_timeout=10,
+                                connection_factory=psycopg2.extras.LogicalReplicationConnection)
+        try:
+            cur = conn.cursor()
+            cur.start_replication(
+                slot_name=self._slot, decode=False, start_lsn=self._start_after or 0,
+                options={"proto_version": "1",
+                         "publication_names": _quote_ident(self._publication)})
+        except BaseException:
+            conn.close()
+            raise
+        self._conn, self._cur = conn, cur
+        self._last_feedback = time.monotonic()
 
     # -- Source protocol --
     def poll(self, timeout_s: float) -> SourceTransaction | None:
+        if self._snapshot is not None:
+            chunk = self._snapshot.next_chunk()
+            if chunk is not None:
+                return chunk
+            log.info("cdc_snapshot_done", rows=self._snapshot.rows,
+                     consistent_point=format_lsn(self._snapshot.consistent_point))
+            self._snapshot.close()
+            self._snapshot = None
+            self._start_streaming()
         deadline = time.monotonic() + max(timeout_s, 0.0)
         while True:
             self._keep_alive()
@@ -487,6 +594,8 @@ class PostgresSource:
                 select.select([self._conn], [], [], min(remaining, FEEDBACK_INTERVAL_S))
 
     def ack(self, position: str) -> None:
+        if pg_snapshot.is_snapshot_position(position):
+            return  # a snapshot chunk: the slot stays at its consistent point
         lsn = parse_lsn(position)
         self._acked_lsn = max(self._acked_lsn, lsn)
         if self._empty_lsn and lsn >= self._returned_lsn:
@@ -495,10 +604,14 @@ class PostgresSource:
         self._confirm(lsn)
 
     def position_key(self, position: str) -> tuple[Any, ...]:
-        return (parse_lsn(position),)
+        return pg_snapshot.position_key(position)
 
     def close(self) -> None:
-        self._conn.close()
+        for conn in (self._conn, self._lookup):
+            if conn is not None:
+                conn.close()
+        if self._snapshot is not None:
+            self._snapshot.close()
 
     # -- feedback --
     def _confirm(self, lsn: int) -> None:
@@ -525,12 +638,17 @@ class PostgresSource:
                 return self._commit(message)
             case Relation():
                 self._relations[message.oid] = message
+                # Handed out with the next returned transaction (schema_change.py).
+                self._schemas.append(pg_source_schema(message, self._dsn))
             case TypeInfo() | Origin():
                 pass  # unknown types decode as text; origins do not matter here
             case Truncate():
-                tables = ", ".join(self._relation(oid).table for oid in message.relation_oids)
-                raise SourceError(f"TRUNCATE is not supported (tables: {tables}); "
-                                  "remove TRUNCATE from the publication or avoid it")
+                # One message for every table of the statement (CASCADE included).
+                open_tx = self._transaction()
+                for oid in message.relation_oids:
+                    table = self._relation(oid).table
+                    open_tx.changes.append(RowChange(table, "truncate", None, None))
+                    open_tx.forget(table)
             case Insert() | Update() | Delete():
                 self._transaction().changes.append(self._row_change(message))
         return None
@@ -548,19 +666,55 @@ class PostgresSource:
 
     def _row_change(self, message: Insert | Update | Delete) -> RowChange:
         relation = self._relation(message.relation_oid)
+        open_tx = self._transaction()
         if isinstance(message, Insert):
-            return RowChange(relation.table, "insert", None, decode_row(relation, message.new))
+            after = decode_row(relation, message.new)
+            open_tx.rows[(relation.table, _key_of(relation, after))] = after
+            return RowChange(relation.table, "insert", None, after)
         if isinstance(message, Delete):
             before = _without_nulls(decode_row(relation, message.old))
+            open_tx.rows.pop((relation.table, _key_of(relation, before)), None)
             return RowChange(relation.table, "delete", before, None)
         after = decode_row(relation, message.new)
+        old: dict[str, Any] = {}
         if message.old is None:  # key unchanged: the server sends no old tuple
             before = {c.name: after[c.name] for c in relation.columns if c.is_key}
         else:
             before = decode_row(relation, message.old)
-            if message.old_kind == "K":
+            if message.old_kind == "K":  # key columns only: nulls stand for the rest
                 before = _without_nulls(before)
+            else:
+                old = before
+        if _unchanged(after):
+            after = self._fill_unchanged(relation, open_tx, before, old, after)
+        open_tx.rows.pop((relation.table, _key_of(relation, before)), None)
+        open_tx.rows[(relation.table, _key_of(relation, after))] = after
         return RowChange(relation.table, "update", before, after)
+
+    def _fill_unchanged(self, relation: Relation, open_tx: _OpenTransaction,
+                        before: Mapping[str, Any], old: Mapping[str, Any],
+                        after: dict[str, Any]) -> dict[str, Any]:
+        """An UPDATE that left a TOASTed value alone does not send it (REPLICA
+        IDENTITY DEFAULT). Taken, exactly, from the old row (REPLICA IDENTITY
+        FULL) or from this transaction's own earlier write of the row; else
+        read from the source at commit (:meth:`_read_unchanged`)."""
+        prior = open_tx.rows.get((relation.table, _key_of(relation, before)), {})
+        filled = dict(after)
+        for name in _unchanged(after):
+            for source in (old, prior):
+                value = source.get(name, UNCHANGED)
+                if value is not UNCHANGED:
+                    filled[name] = value
+                    break
+        if _unchanged(filled):
+            if any(c.is_key and filled[c.name] is UNCHANGED for c in relation.columns) or \
+                    not any(c.is_key for c in relation.columns):
+                raise SourceError(
+                    f"{relation.table}: UPDATE without the value of TOASTed column(s) "
+                    f"{_unchanged(filled)} and no replica identity key to read it by; "
+                    f"run ALTER TABLE {relation.table} REPLICA IDENTITY FULL")
+            open_tx.unresolved.append((len(open_tx.changes), relation))
+        return filled
 
     def _commit(self, message: Commit) -> SourceTransaction | None:
         open_tx = self._transaction()
@@ -570,13 +724,84 @@ class PostgresSource:
         if not open_tx.changes:
             self._skip_empty(message.end_lsn)
             return None
+        if open_tx.unresolved:
+            self._read_unchanged(open_tx)
         self._returned_lsn = message.end_lsn
         self._empty_lsn = 0  # the ack of this transaction covers skipped ones before it
         return SourceTransaction(
             position=format_lsn(message.end_lsn),
             source_txid=str(open_tx.xid),
             commit_time_ms=PG_EPOCH_MS + message.commit_time_us // 1000,
-            changes=tuple(open_tx.changes))
+            changes=tuple(open_tx.changes), schemas=self._take_schemas())
+
+    def _take_schemas(self) -> tuple[SourceSchema, ...]:
+        schemas, self._schemas = tuple(self._schemas), []
+        return schemas
+
+    def _read_unchanged(self, open_tx: _OpenTransaction) -> None:
+        """Fill the remaining unchanged TOAST values with the row as the source
+        holds it now, read by its replica identity key.
+
+        Exact for the final state: the value is read after this transaction
+        committed. If nothing changed the row since, it is the value the row
+        had at this update. If something did, a later transaction carries that
+        change and is applied after this one. A row gone from the source was
+        deleted by a later transaction (or got another key): this update
+        becomes a delete of its keys, which that transaction does anyway."""
+        by_table: dict[str, tuple[Relation, list[int]]] = {}
+        for index, relation in open_tx.unresolved:
+            by_table.setdefault(relation.table, (relation, []))[1].append(index)
+        replaced: dict[int, list[RowChange]] = {}
+        for relation, indexes in by_table.values():
+            current = self._current_rows(relation, [open_tx.changes[i] for i in indexes])
+            for i in indexes:
+                change = open_tx.changes[i]
+                assert change.after is not None and change.before is not None
+                row = current.get(_key_of(relation, change.after))
+                if row is not None:
+                    after = {n: row[n] if v is UNCHANGED else v for n, v in change.after.items()}
+                    replaced[i] = [RowChange(change.table, "update", change.before, after)]
+                    continue
+                log.info("cdc_toast_row_gone", table=relation.table, xid=open_tx.xid)
+                keys = {c.name for c in relation.columns if c.is_key}
+                new_key = {n: v for n, v in change.after.items() if n in keys}
+                replaced[i] = [RowChange(change.table, "delete", new_key, None)]
+                if _key_of(relation, change.before) != _key_of(relation, change.after):
+                    replaced[i].insert(0, RowChange(change.table, "delete", change.before, None))
+        open_tx.changes = [r for i, c in enumerate(open_tx.changes) for r in replaced.get(i, [c])]
+        open_tx.unresolved = []
+
+    def _current_rows(self, relation: Relation, changes: Sequence[RowChange]
+                      ) -> dict[tuple[Any, ...], dict[str, Any]]:
+        """The source's current rows of ``changes`` (by their new key), key and
+        unchanged columns only, parsed like streamed values."""
+        if self._lookup is None:
+            self._lookup = psycopg2.connect(replication_dsn(self._dsn), connect_timeout=10)
+            self._lookup.autocommit = True
+        key_cols = [c for c in relation.columns if c.is_key]
+        wanted = sorted({n for c in changes if c.after for n in _unchanged(c.after)})
+        columns = key_cols + [c for c in relation.columns
+                              if c.name in wanted and not c.is_key]
+        part = Relation(relation.oid, relation.namespace, relation.name,
+                        relation.replica_identity, tuple(columns))
+        key = sql.SQL(", ").join(sql.Identifier(c.name) for c in key_cols)
+        one = sql.SQL("({})").format(sql.SQL(", ").join(sql.Placeholder() * len(key_cols)))
+        pg_snapshot.read_as_text(self._lookup, [c.type_oid for c in columns])
+        found: dict[tuple[Any, ...], dict[str, Any]] = {}
+        wanted_keys = list(dict.fromkeys(_key_of(relation, c.after or {}) for c in changes))
+        with self._lookup.cursor() as cur:
+            for start in range(0, len(wanted_keys), 500):
+                chunk = wanted_keys[start:start + 500]
+                cur.execute(sql.SQL("SELECT {} FROM {} WHERE ({}) IN ({})").format(
+                    sql.SQL(", ").join(sql.Identifier(c.name) for c in columns),
+                    sql.Identifier(relation.namespace, relation.name), key,
+                    sql.SQL(", ").join([one] * len(chunk))),
+                    [v for k in chunk for v in k])
+                for raw in cur.fetchall():
+                    row = decode_row(part, tuple(
+                        ("n", None) if v is None else ("t", v.encode("utf-8")) for v in raw))
+                    found[_key_of(part, row)] = row
+        return found
 
     def _skip_empty(self, end_lsn: int) -> None:
         # Servers before 15 send Begin/Commit for transactions that touch no
@@ -591,3 +816,7 @@ class PostgresSource:
 def _quote_ident(name: str) -> str:
     # pgoutput splits publication_names as an identifier list: quote to keep case.
     return '"' + name.replace('"', '""') + '"'
+
+
+# Last: pg_snapshot builds on this module's decoding.
+from cdc_client.sources import pg_snapshot  # noqa: E402

@@ -57,6 +57,8 @@ from retina_common.catalog.model import (
     check_name,
 )
 from retina_common.failpoints import (
+    CATALOG_ADD_COLUMN_COMMIT_AFTER,
+    CATALOG_ADD_COLUMN_COMMIT_BEFORE,
     CATALOG_ADD_FILE_COMMIT_AFTER,
     CATALOG_ADD_FILE_COMMIT_BEFORE,
     CATALOG_DELETE_FILES_COMMIT_AFTER,
@@ -82,6 +84,23 @@ _UNSET: Any = object()
 def _file(row: Sequence[Any]) -> FileRecord:
     return FileRecord(file_id=row[0], name=row[1], type=FileType(row[2]), num_row_group=row[3],
                       path_id=row[4], min_row_id=row[5], max_row_id=row[6], cleanup_at=row[7])
+
+
+def _table_in(cur: Any, schema_name: str, name: str, *, lock: bool = False) -> TableRecord:
+    """One table with its columns, read with ``cur``; ``lock`` holds its row until commit
+    (concurrent schema changes of one table serialise)."""
+    cur.execute("SELECT t.table_id, t.schema_id, t.primary_index_id, t.schema_version "
+                "FROM tables t JOIN schemas s ON s.schema_id = t.schema_id "
+                "WHERE s.name = %s AND t.name = %s" + (" FOR UPDATE OF t" if lock else ""),
+                (schema_name, name))
+    row = cur.fetchone()
+    if row is None:
+        raise NotFoundError(f"table {schema_name}.{name} does not exist")
+    cur.execute("SELECT column_id, name, type, ordinal, pk_position, since_version FROM columns "
+                "WHERE table_id = %s ORDER BY ordinal", (row[0],))
+    columns = tuple(ColumnRecord(*c) for c in cur.fetchall())
+    return TableRecord(table_id=row[0], schema_id=row[1], schema_name=schema_name, name=name,
+                       primary_index_id=row[2], columns=columns, schema_version=row[3])
 
 
 def _now_ms() -> int:
@@ -236,19 +255,48 @@ class Catalog:
 
     def get_table(self, schema_name: str, name: str) -> TableRecord:
         def body(cur: Any) -> TableRecord:
-            cur.execute("SELECT t.table_id, t.schema_id, t.primary_index_id FROM tables t "
-                        "JOIN schemas s ON s.schema_id = t.schema_id "
-                        "WHERE s.name = %s AND t.name = %s", (schema_name, name))
-            row = cur.fetchone()
-            if row is None:
-                raise NotFoundError(f"table {schema_name}.{name} does not exist")
-            cur.execute("SELECT column_id, name, type, ordinal, pk_position FROM columns "
-                        "WHERE table_id = %s ORDER BY ordinal", (row[0],))
-            columns = tuple(ColumnRecord(*c) for c in cur.fetchall())
-            return TableRecord(table_id=row[0], schema_id=row[1], schema_name=schema_name,
-                               name=name, primary_index_id=row[2], columns=columns)
+            return _table_in(cur, schema_name, name)
 
         return self._read(body)
+
+    def add_column(self, schema_name: str, table_name: str, column: str, type_name: str, *,
+                   nullable: bool = True) -> TableRecord:
+        """Schema evolution: append a nullable column and bump the table's schema version.
+
+        Idempotent: a column of that name and type already there changes nothing (a
+        connector retrying after a lost COMMIT, or restarted after the change). Refused
+        with nothing changed: a NOT NULL column (rows written before it have no value),
+        a bad name or type, and a column of that name with another type. Rows encoded
+        for an older schema version stay valid; the added column reads NULL in them.
+        """
+        check_name("column", column)
+        col_type = check_column_type(type_name)
+        if not nullable:
+            raise InvalidCatalogArgument(
+                f"{schema_name}.{table_name}.{column}: only a nullable column can be added "
+                "(rows written before it have no value for it)")
+
+        def body(cur: Any) -> TableRecord:
+            table = _table_in(cur, schema_name, table_name, lock=True)
+            existing = next((c for c in table.columns if c.name == column), None)
+            if existing is not None:
+                if existing.type != col_type:
+                    raise AlreadyExistsError(
+                        f"{schema_name}.{table_name} already has a column {column} of type "
+                        f"{existing.type}, not {col_type}")
+                return table
+            version = table.schema_version + 1
+            ordinal = max(c.ordinal for c in table.columns) + 1
+            cur.execute("INSERT INTO columns (table_id, name, type, ordinal, pk_position, "
+                        "since_version) VALUES (%s, %s, %s, %s, NULL, %s)",
+                        (table.table_id, column, col_type, ordinal, version))
+            cur.execute("UPDATE tables SET schema_version = %s WHERE table_id = %s",
+                        (version, table.table_id))
+            return _table_in(cur, schema_name, table_name)
+
+        # No log line here: the CLI prints JSON on stdout; callers log (cdc_schema_column_added).
+        return self._transaction(body, before_commit=CATALOG_ADD_COLUMN_COMMIT_BEFORE,
+                                 after_commit=CATALOG_ADD_COLUMN_COMMIT_AFTER)
 
     def list_tables(self, schema_name: str) -> list[str]:
         def body(cur: Any) -> list[str]:

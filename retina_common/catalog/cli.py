@@ -3,6 +3,8 @@
     retina-catalog bootstrap
     retina-catalog create-schema NAME
     retina-catalog create-table SCHEMA TABLE --column id:int64 --column v:string --primary-key id
+    retina-catalog show-table SCHEMA TABLE
+    retina-catalog add-column SCHEMA TABLE NAME TYPE   (nullable; idempotent)
     retina-catalog add-path SCHEMA TABLE URI
     retina-catalog add-file PATH_ID NAME TYPE [--row-groups N] [--rows MIN MAX] [--cleanup-at MS]
     retina-catalog update-file FILE_ID [--type T] [--rows MIN MAX] [--cleanup-at MS|none]
@@ -68,6 +70,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("table")
     p.add_argument("--column", action="append", required=True, help="name:type")
     p.add_argument("--primary-key", required=True, help="comma-separated column names")
+    p = sub.add_parser("show-table")
+    p.add_argument("schema")
+    p.add_argument("table")
+    p = sub.add_parser("add-column", help="append a nullable column (schema evolution)")
+    p.add_argument("schema")
+    p.add_argument("table")
+    p.add_argument("name")
+    p.add_argument("type", help="a column type, e.g. int64, string, decimal(12,2)")
     p = sub.add_parser("add-path")
     p.add_argument("schema")
     p.add_argument("table")
@@ -114,6 +124,10 @@ def _run(catalog: Catalog, args: argparse.Namespace) -> Any:
                 raise argparse.ArgumentTypeError(f"--column {spec!r} is not name:type")
             columns.append(ColumnSpec(name, type_name))
         return catalog.create_table(args.schema, args.table, columns, args.primary_key.split(","))
+    if cmd == "show-table":
+        return catalog.get_table(args.schema, args.table)
+    if cmd == "add-column":
+        return catalog.add_column(args.schema, args.table, args.name, args.type)
     if cmd == "add-path":
         table = catalog.get_table(args.schema, args.table)
         return catalog.add_path(table.table_id, args.uri)

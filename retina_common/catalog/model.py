@@ -85,6 +85,7 @@ class ColumnRecord:
     type: str
     ordinal: int
     pk_position: int | None
+    since_version: int = 1  # the table schema version that added it (1: created with it)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,17 @@ class TableRecord:
     name: str
     primary_index_id: int
     columns: tuple[ColumnRecord, ...]
+    schema_version: int = 1  # bumped by every added column (Catalog.add_column)
+
+    @property
+    def original_width(self) -> int:
+        """How many columns the table was created with."""
+        return sum(1 for c in self.columns if c.since_version == 1)
+
+    def accepts_width(self, width: int) -> bool:
+        """A row encoded for some schema version of the table: columns are only ever
+        appended one per version, so every width from the original one up to today's."""
+        return self.original_width <= width <= len(self.columns)
 
     @property
     def primary_key(self) -> tuple[str, ...]:

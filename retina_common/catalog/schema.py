@@ -17,7 +17,7 @@ from retina_common.failpoints import (
     CATALOG_BOOTSTRAP_COMMIT_BEFORE,
 )
 
-CURRENT_VERSION = 1
+CURRENT_VERSION = 2
 _ADVISORY_LOCK = 0x5245_5449_4E41  # "RETINA"
 
 _V1 = """
@@ -81,7 +81,20 @@ CREATE INDEX files_by_path_type ON files (path_id, type);
 CREATE INDEX files_by_type ON files (type);
 """
 
-MIGRATIONS: dict[int, str] = {1: _V1}
+# Schema evolution (docs/catalog.md, "Schema evolution"): a table's schema version, bumped
+# by every added column, and the version each column arrived in. Rows encoded for an older
+# version (fewer columns) stay valid: the columns added since read as NULL.
+_V2 = """
+ALTER TABLE tables ADD COLUMN schema_version INT NOT NULL DEFAULT 1
+    CONSTRAINT tables_schema_version CHECK (schema_version >= 1);
+ALTER TABLE columns ADD COLUMN since_version INT NOT NULL DEFAULT 1
+    CONSTRAINT columns_since_version CHECK (since_version >= 1);
+-- An added column is never part of the primary key.
+ALTER TABLE columns ADD CONSTRAINT columns_added_not_key
+    CHECK (since_version = 1 OR pk_position IS NULL);
+"""
+
+MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2}
 
 
 def bootstrap(conn: Any) -> int:

@@ -1,0 +1,290 @@
+"""PostgreSQL source: the initial snapshot, TRUNCATE and unchanged TOAST values.
+
+First the source alone (PostgresSource against a real PostgreSQL), then end
+to end: a real ``retina-cdc`` process between a source database and two
+Retina nodes, where the gated snapshot must equal the source tables after a
+snapshot with concurrent writes, a connector killed mid-snapshot, TRUNCATEs,
+and updates that leave a TOASTed value alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cdc_client.changelog import REPLACE, TRUNCATE
+from cdc_client.replay import requests
+from cdc_client.source import RowChange, SourceError, SourceTransaction
+from cdc_client.sources.pg_snapshot import is_snapshot_position
+from cdc_client.sources.postgres import drop_slot
+from cdc_client.translate import TableMap, translate
+from devtools.cluster import PostgresInstance
+from retina_common.catalog import Catalog
+from retina_common.catalog.model import ColumnRecord, TableRecord
+from retina_common.codec import encode_value
+from retina_common.etcd import EtcdStore
+from retina_common.topology import Topology
+
+from .cdc import CdcPlane
+from .cdc import SourceDb as WorkloadDb
+from .dataplane import DataPlane
+from .support import eventually
+from .test_source_postgres import FULL_ROW, SourceDb, assert_quiet, collect
+from .test_source_postgres import db as db  # the fixture
+
+pytestmark = pytest.mark.integration
+
+Model = dict[str, dict[tuple[Any, ...], dict[str, Any]]]
+KEYS = {"public.notes": ("id",), "public.accounts": ("id",)}
+
+
+def apply(model: Model, txs: list[SourceTransaction]) -> Model:
+    """What a consumer ends with after applying ``txs`` in order."""
+    for tx in txs:
+        for c in tx.changes:
+            rows = model.setdefault(c.table, {})
+            key = KEYS[c.table]
+            if c.op == "truncate":
+                rows.clear()
+            if c.before is not None:
+                rows.pop(tuple(c.before[k] for k in key), None)
+            if c.after is not None:
+                rows[tuple(c.after[k] for k in key)] = dict(c.after)
+    return model
+
+
+def notes(db: SourceDb) -> dict[tuple[Any, ...], dict[str, Any]]:
+    return {(i,): {"id": i, "body": b, "flag": f}
+            for i, b, f in db.query("SELECT id, body, flag FROM notes")}
+
+
+def drain(source: Any, quiet_s: float = 1.5) -> list[SourceTransaction]:
+    got = []
+    while (tx := source.poll(quiet_s)) is not None:
+        got.append(tx)
+    return got
+
+
+def preload(db: SourceDb) -> None:
+    db.execute("INSERT INTO notes SELECT g, 'n' || g, g FROM generate_series(1, 25) g",
+               "INSERT INTO accounts (id) VALUES (1), (2)")
+
+
+def test_snapshot_then_stream_nothing_lost_or_doubled(db: SourceDb) -> None:
+    preload(db)
+    source = db.open(snapshot_mode="initial", chunk_rows=10)
+    # After the slot exists: streamed, not in the snapshot.
+    db.execute("UPDATE notes SET flag = -1 WHERE id = 3", "INSERT INTO notes VALUES (100, 'x', 0)",
+               "DELETE FROM notes WHERE id = 25")
+    txs = collect(source, 5)  # accounts: one chunk; notes: 10 + 10 + 5; the update
+    chunks = [t for t in txs if is_snapshot_position(t.position)]
+    # A new snapshot empties the tables first (leftovers of an attempt that died).
+    assert [(c.op, c.table) for c in chunks[0].changes[:2]] == [
+        ("truncate", "public.accounts"), ("truncate", "public.notes")]
+    assert [len(t.changes) for t in chunks] == [2 + 2, 10, 10, 5]
+    assert all(c.op == "insert" for t in chunks for c in t.changes[2 if t is chunks[0] else 0:])
+    assert not is_snapshot_position(txs[-1].position)
+    keys = [source.position_key(t.position) for t in txs]
+    assert keys == sorted(set(keys))
+    model = apply({}, txs)
+    assert model["public.notes"] == notes(db)
+    assert set(model["public.accounts"]) == {(1,), (2,)}
+    for t in chunks:  # acknowledging a chunk leaves the slot at its consistent point
+        source.ack(t.position)
+    assert_quiet(source, 0.5)
+
+
+def test_snapshot_values_equal_streamed_values(db: SourceDb) -> None:
+    db.execute(FULL_ROW)
+    source = db.open(snapshot_mode="initial")
+    db.execute(FULL_ROW.replace("VALUES (1,", "VALUES (2,"))
+    snapshot, streamed = collect(source, 2)
+    assert is_snapshot_position(snapshot.position)
+    [sent] = streamed.changes
+    assert snapshot.changes[-1].after == {**sent.after, "id": 1}
+
+
+def test_snapshot_resumes_after_its_committed_chunk_in_a_fresh_snapshot(db: SourceDb) -> None:
+    preload(db)
+    first = db.open(snapshot_mode="initial", chunk_rows=10)
+    done = collect(first, 2)  # accounts, and notes 1..10
+    first.close()
+    # While the connector is down: changes in the loaded and the unread range.
+    db.execute("UPDATE notes SET body = 'changed' WHERE id IN (2, 20)",
+               "DELETE FROM notes WHERE id = 15", "INSERT INTO notes VALUES (200, 'new', 1)")
+    resumed = db.open(start_after=done[-1].position, chunk_rows=10)
+    rest = drain(resumed)
+    assert is_snapshot_position(rest[0].position)
+    assert rest[0].changes[0].after["id"] == 11  # right after the committed chunk
+    assert apply(apply({}, done), rest)["public.notes"] == notes(db)
+    keys = [resumed.position_key(t.position) for t in done + rest]
+    assert keys == sorted(set(keys))
+
+
+def test_a_slot_dropped_mid_snapshot_stops_the_source(db: SourceDb) -> None:
+    preload(db)
+    source = db.open(snapshot_mode="initial", chunk_rows=10)
+    [chunk] = collect(source, 1)
+    source.close()
+    drop_slot(db.dsn, db.slot)
+    with pytest.raises(SourceError, match="is gone while the initial snapshot is incomplete"):
+        db.open(start_after=chunk.position)
+
+
+def test_a_new_snapshot_of_empty_tables_still_empties_them(db: SourceDb) -> None:
+    [tx] = drain(db.open(snapshot_mode="initial"))
+    assert [(c.op, c.table) for c in tx.changes] == [
+        ("truncate", "public.accounts"), ("truncate", "public.notes")]
+    assert is_snapshot_position(tx.position)
+
+
+def test_a_new_connector_recreates_a_leftover_slot(db: SourceDb) -> None:
+    preload(db)
+    db.open(snapshot_mode="initial").close()  # died before committing a chunk
+    db.execute("DELETE FROM notes WHERE id <= 5")  # not streamed by the new slot
+    again = drain(db.open(snapshot_mode="initial"))
+    assert apply({}, again)["public.notes"] == notes(db)
+    # "never": the existing slot streams, no snapshot.
+    for source in db.sources:
+        source.close()
+    assert_quiet(db.open(snapshot_mode="never"), 1.0)
+
+
+def test_translate_truncate_supersedes_earlier_rows_and_keeps_later_ones() -> None:
+    table = TableRecord(1, 1, "shop", "notes", 7, (
+        ColumnRecord(1, "id", "int32", 0, 0), ColumnRecord(2, "body", "string", 1, None)))
+    tables = TableMap("shop", lambda _schema, name: table if name == "notes" else None)
+    topology = Topology(("a:1", "b:1"), 4)
+    changes = (RowChange("public.notes", "insert", None, {"id": 1, "body": "gone"}),
+               RowChange("public.notes", "truncate", None, None),
+               RowChange("public.notes", "insert", None, {"id": 2, "body": "kept"}),
+               RowChange("public.notes", "truncate", None, None),
+               RowChange("public.notes", "insert", None, {"id": 3, "body": "kept too"}))
+    rows = translate(SourceTransaction("0/1", "9", 0, changes), tables, topology)
+    assert [(r.op, r.vnode, r.key) for r in rows[:4]] == [(TRUNCATE, v, b"") for v in range(4)]
+    assert [(r.op, r.values) for r in rows[4:]] == [
+        (REPLACE, (encode_value("int32", 3), encode_value("string", "kept too")))]
+    assert [r.seq for r in rows] == list(range(5))
+    # As requests: the flag on the first TableUpdateData of each (ts, table, vnode).
+    [request] = requests("shop", {"notes": table}, [replace(r, ts=5) for r in rows])
+    assert sorted(t.virtual_node_id for t in request.table_update_data if t.truncate) == \
+        [0, 1, 2, 3]
+    assert sum(len(t.insert_data) for t in request.table_update_data if t.truncate) == 1
+
+
+# --- end to end ------------------------------------------------------------
+@pytest.fixture
+def make_cdc(tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str,
+             pg_server: PostgresInstance) -> Iterator[Callable[..., CdcPlane]]:
+    made: list[CdcPlane] = []
+
+    def make(**settings: object) -> CdcPlane:
+        plane = DataPlane(tmp_path / "plane", etcd, catalog, catalog_dsn, nodes=2,
+                          retina={"block_rows": 16, "blocks_per_file": 2,
+                                  "flush_interval_ms": 200})
+        plane.start(recover=False)  # the connector drives both nodes to READY
+        made.append(CdcPlane(plane, WorkloadDb(pg_server), tmp_path, **settings))
+        return made[-1]
+
+    yield make
+    for cdc in made:
+        cdc.cdc.terminate()
+        cdc.plane.stop()
+        assert cdc.source is not None
+        cdc.source.drop()
+
+
+def load_orders(source: WorkloadDb, count: int, note: str = "NULL") -> None:
+    with source.connect() as conn, conn, conn.cursor() as cur:
+        cur.execute(f"INSERT INTO orders SELECT g, 'c' || g %% 50, g / 100.0, {note} "
+                    f"FROM generate_series(%s, %s) g", (source.next_id, source.next_id + count - 1))
+    source.next_id += count
+
+
+def sql(source: WorkloadDb, *statements: str) -> None:
+    with source.connect() as conn, conn, conn.cursor() as cur:
+        for statement in statements:
+            cur.execute(statement)
+
+
+def test_snapshot_with_concurrent_writes_equals_the_source(
+        make_cdc: Callable[..., CdcPlane]) -> None:
+    cdc = make_cdc(snapshot_chunk_rows=150)
+    assert cdc.source is not None
+    load_orders(cdc.source, 2000)
+    cdc.source.run(30)
+    cdc.cdc.start()
+    with cdc.source.background(120):  # before, during and after the snapshot
+        eventually(lambda: cdc.cdc.logged("cdc_snapshot_done"), 90, "the snapshot to end")
+    cdc.converged(timeout_s=90)
+    [done] = cdc.cdc.logged("cdc_snapshot_done")
+    assert done["rows"] >= 2000
+
+
+@pytest.mark.parametrize("point", ["cdc.changelog.record.after=exit(137)@1",
+                                   "cdc.position.store.after=exit(137)@4"])
+def test_connector_killed_mid_snapshot_then_restarted(make_cdc: Callable[..., CdcPlane],
+                                                      point: str) -> None:
+    """@1: before any chunk is committed (the restart recreates the slot and
+    starts over); @4: after four committed chunks (the restart resumes)."""
+    cdc = make_cdc(snapshot_chunk_rows=100, batch_max_transactions=1)
+    assert cdc.source is not None
+    load_orders(cdc.source, 1500)
+    cdc.source.run(20)
+    cdc.cdc.start(point)
+    assert cdc.cdc.wait_exit(90) == 137, cdc.cdc.log_tail()
+    cdc.source.run(40)  # while it is down: inserts, updates, deletes, key changes
+    cdc.cdc.start()
+    cdc.source.run(20)
+    cdc.converged(timeout_s=90)
+    resumed = bool(cdc.cdc.logged("cdc_snapshot_resume"))
+    recreated = bool(cdc.cdc.logged("cdc_snapshot_slot_recreated"))
+    assert (resumed, recreated) == ((True, False) if point.endswith("@4") else (False, True))
+
+
+def test_truncate_then_inserts_in_the_same_and_later_transactions(
+        make_cdc: Callable[..., CdcPlane]) -> None:
+    cdc = make_cdc()
+    assert cdc.source is not None
+    cdc.cdc.start()
+    eventually(cdc.all_ready, 60, "both nodes READY")
+    cdc.source.run(40)
+    cdc.converged()
+    sql(cdc.source, "INSERT INTO orders VALUES (100000, 'gone', 1, NULL)",
+        "TRUNCATE orders, events",
+        "INSERT INTO orders VALUES (100001, 'kept', 2, 'same tx')",
+        "INSERT INTO events VALUES (1, 1, '\\x01', true)")
+    sql(cdc.source, "INSERT INTO orders VALUES (100002, 'later', 3, NULL)")
+    cdc.source.run(20)
+    sql(cdc.source, "TRUNCATE events")
+    cdc.source.run(20)
+    cdc.converged()
+    # A recovering node replays the TRUNCATEs from the changelog.
+    victim = cdc.plane.nodes[0]
+    cdc.plane.retinas[victim].kill9()
+    cdc.plane.retinas[victim].start()
+    cdc.source.run(10)
+    cdc.converged(timeout_s=90)
+
+
+def test_unchanged_toast_values_keep_their_value(make_cdc: Callable[..., CdcPlane]) -> None:
+    cdc = make_cdc()
+    assert cdc.source is not None
+    big = ("(SELECT string_agg(md5(g::text || i::text || random()::text), '') "
+           "FROM generate_series(1, 3200) AS s(i))")  # ~100 kB, per row (g: the row's id)
+    sql(cdc.source, "ALTER TABLE orders ALTER COLUMN note SET STORAGE EXTERNAL")
+    load_orders(cdc.source, 3, big)  # read by the snapshot
+    cdc.cdc.start()
+    eventually(cdc.all_ready, 60, "both nodes READY")
+    load_orders(cdc.source, 3, big)  # streamed
+    cdc.converged()
+    sql(cdc.source, "UPDATE orders SET amount = amount + 1",  # every note left alone
+        "UPDATE orders SET customer = 'moved', id = id + 1000 WHERE id = 2")
+    sql(cdc.source, "UPDATE orders SET customer = 'x' WHERE id = 5",
+        "UPDATE orders SET amount = 0 WHERE id = 5")
+    cdc.converged()
+    assert all(len(r["note"]) == 3200 * 32 for r in cdc.source.rows("orders"))
