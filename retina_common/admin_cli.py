@@ -40,11 +40,12 @@ from google.protobuf.message import Message
 
 from retina_common import file_names, progress
 from retina_common.catalog import Catalog, CatalogError, FileType
+from retina_common.catalog.cli import parse_file_type
 from retina_common.checkpoint import CorruptCheckpoint, Pointer
 from retina_common.client import channel
 from retina_common.config import Config, ConfigError, load_config
 from retina_common.etcd import EtcdError, EtcdStore
-from retina_common.gc_cli import _show_lineage, _show_sweep
+from retina_common.gc_cli import show_lineage, show_sweep
 from retina_common.keys import LIFECYCLE_PREFIX, checkpoint_slot_key, node_of_lifecycle_key
 from retina_common.lifecycle_record import LifecycleRecord, MalformedLifecycleValue
 from retina_common.log import token_hash
@@ -407,14 +408,6 @@ def cmd_checkpoint(cluster: Cluster, args: argparse.Namespace) -> int:
 
 
 # --- files ------------------------------------------------------------------------------
-def _file_type(text: str) -> FileType:
-    try:
-        return FileType[text.upper()]
-    except KeyError:
-        raise argparse.ArgumentTypeError(
-            f"unknown file type {text!r}; one of {[t.name for t in FileType]}") from None
-
-
 def _file_row(f: Any, uri: str) -> dict[str, Any]:
     try:
         parsed = file_names.parse(f.name)
@@ -502,7 +495,7 @@ def _print_gc_round(node: str, v: dict[str, Any]) -> None:
     print(f"{node}: folded {m['folded_items']} items at {m['fold_ts']}, pruned "
           f"{m['pruned_versions']} versions below {m['prune_horizon_ts']}")
     if "_sweep_reply" in v:
-        _show_sweep(node, v["_sweep_reply"])
+        show_sweep(node, v["_sweep_reply"])
 
 
 def cmd_gc_run(cluster: Cluster, args: argparse.Namespace) -> int:
@@ -515,7 +508,7 @@ def cmd_lineage(cluster: Cluster, args: argparse.Namespace) -> int:
                                                  timeout=cluster.timeout_s)
         return {**_dict(reply), "_reply": reply}
 
-    return _per_node(cluster, args, run, lambda n, v: _show_lineage(n, list(v["_reply"].records)))
+    return _per_node(cluster, args, run, lambda n, v: show_lineage(n, list(v["_reply"].records)))
 
 
 # --- shared per-node loop ---------------------------------------------------------------
@@ -579,7 +572,7 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("checkpoint", parents=[common], help="take a checkpoint now (READY nodes)")
     s = sub.add_parser("files", parents=[common], help="a table's catalog files by type")
     s.add_argument("table", metavar="SCHEMA.TABLE")
-    s.add_argument("--type", type=_file_type, action="append",
+    s.add_argument("--type", type=parse_file_type, action="append",
                    help=f"only this type ({', '.join(t.name for t in FileType)}); repeatable")
     gc = sub.add_parser("gc", help="GC state and rounds").add_subparsers(dest="gc_command",
                                                                        required=True)

@@ -72,7 +72,7 @@ def _sweep(stub: retina_pb2_grpc.RetinaWorkerServiceStub, args: argparse.Namespa
         orphan_grace_ms=getattr(args, "grace_ms", 0)), timeout=args.timeout)
 
 
-def _show_sweep(node: str, reply: pb.RunSweeperResponse) -> None:
+def show_sweep(node: str, reply: pb.RunSweeperResponse) -> None:
     print(f"{node}: removed {reply.removed} ({reply.bytes_removed} bytes), held {reply.held}")
     if reply.objects:
         _print_table([[o.pass_name, str(o.file_id), o.name, o.action, o.reason, str(o.bytes)]
@@ -80,7 +80,7 @@ def _show_sweep(node: str, reply: pb.RunSweeperResponse) -> None:
                      ["pass", "file", "name", "action", "reason", "bytes"])
 
 
-def _show_lineage(node: str, records: list[pb.GcLineageRecord]) -> None:
+def show_lineage(node: str, records: list[pb.GcLineageRecord]) -> None:
     print(f"{node}: {len(records)} rewrites")
     if records:
         _print_table([[r.rewrite_id[:12], r.status, r.journal_state,
@@ -130,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             continue
         if args.command == "lineage":
-            _show_lineage(node, list(reply.records))
+            show_lineage(node, list(reply.records))
         else:
-            _show_sweep(node, reply)
+            show_sweep(node, reply)
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
     return 1 if failed else 0
@@ -160,7 +160,7 @@ def _revert(stubs: dict[str, retina_pb2_grpc.RetinaWorkerServiceStub],
             print(json.dumps(MessageToDict(reply.record, preserving_proto_field_name=True),
                              indent=2, sort_keys=True))
         else:
-            _show_lineage(node, [reply.record])
+            show_lineage(node, [reply.record])
         return 0
     print(f"retina-gc: no node knows rewrite {args.rewrite_id}", file=sys.stderr)
     return 1

@@ -49,7 +49,8 @@ def _json(value: Any) -> Any:
     return value
 
 
-def _file_type(text: str) -> FileType:
+def parse_file_type(text: str) -> FileType:
+    """argparse type of a file-type argument (any case); shared with retina-admin."""
     try:
         return FileType[text.upper()]
     except KeyError:
@@ -85,21 +86,21 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("add-file")
     p.add_argument("path_id", type=int)
     p.add_argument("name")
-    p.add_argument("type", type=_file_type)
+    p.add_argument("type", type=parse_file_type)
     p.add_argument("--row-groups", type=int, default=1)
     p.add_argument("--rows", type=int, nargs=2, metavar=("MIN", "MAX"))
     p.add_argument("--cleanup-at", type=int)
     p = sub.add_parser("update-file")
     p.add_argument("file_id", type=int)
-    p.add_argument("--type", type=_file_type)
+    p.add_argument("--type", type=parse_file_type)
     p.add_argument("--rows", type=int, nargs=2, metavar=("MIN", "MAX"))
     p.add_argument("--cleanup-at", help="ms since epoch, or 'none'")
-    p.add_argument("--expect", type=_file_type, help="refuse unless the file has this type")
+    p.add_argument("--expect", type=parse_file_type, help="refuse unless the file has this type")
     p = sub.add_parser("delete-files")
     p.add_argument("file_ids", type=int, nargs="+")
     p = sub.add_parser("list-files")
     p.add_argument("--path-id", type=int)
-    p.add_argument("--type", type=_file_type, action="append")
+    p.add_argument("--type", type=parse_file_type, action="append")
     p = sub.add_parser("swap")
     p.add_argument("new_file_id", type=int)
     p.add_argument("old_file_ids", type=int, nargs="+")
