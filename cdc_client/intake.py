@@ -99,7 +99,8 @@ class Intake:
                     self._put(Item(trans, [], exc))
                     return
                 self._put(item)
-        except SourceError as exc:
+        except (SourceError, UnsupportedSchemaChange) as exc:
+            # UnsupportedSchemaChange here: a table or column a source read names is gone.
             self._put(Item(None, [], exc))
         except Exception as exc:  # a dropped source connection, a bug: stop, do not hang
             log.error("cdc_intake_failed", error=str(exc), error_type=type(exc).__name__)

@@ -16,14 +16,15 @@ from typing import Any
 
 import pytest
 
-from cdc_client.changelog import REPLACE, TRUNCATE
+from cdc_client.changelog import REPLACE, TRUNCATE, Changelog
 from cdc_client.replay import requests
+from cdc_client.schema_change import UnsupportedSchemaChange
 from cdc_client.source import RowChange, SourceError, SourceTransaction
-from cdc_client.sources.pg_snapshot import is_snapshot_position
-from cdc_client.sources.postgres import drop_slot
+from cdc_client.sources.pg_snapshot import SnapshotPosition, is_snapshot_position
+from cdc_client.sources.postgres import PostgresSource, drop_slot, format_lsn
 from cdc_client.translate import TableMap, translate
 from devtools.cluster import PostgresInstance
-from retina_common.catalog import Catalog
+from retina_common.catalog import Catalog, ColumnSpec
 from retina_common.catalog.model import ColumnRecord, TableRecord
 from retina_common.codec import encode_value
 from retina_common.etcd import EtcdStore
@@ -33,7 +34,7 @@ from .cdc import CdcPlane
 from .cdc import SourceDb as WorkloadDb
 from .dataplane import DataPlane
 from .support import eventually
-from .test_source_postgres import FULL_ROW, SourceDb, assert_quiet, collect
+from .test_source_postgres import FULL_ROW, SourceDb, collect
 from .test_source_postgres import db as db  # the fixture
 
 pytestmark = pytest.mark.integration
@@ -62,11 +63,24 @@ def notes(db: SourceDb) -> dict[tuple[Any, ...], dict[str, Any]]:
             for i, b, f in db.query("SELECT id, body, flag FROM notes")}
 
 
-def drain(source: Any, quiet_s: float = 1.5) -> list[SourceTransaction]:
-    got = []
-    while (tx := source.poll(quiet_s)) is not None:
-        got.append(tx)
+def drain(source: PostgresSource, db: SourceDb, timeout_s: float = 30
+          ) -> list[SourceTransaction]:
+    """Everything up to a marker committed now (an insert of accounts row -N): the
+    snapshot's chunks, then the streamed transactions. The stream starts only once the
+    snapshot is done, so the marker is the last thing ``source`` returns."""
+    marker = -1 - len(db.query("SELECT id FROM accounts WHERE id < 0"))
+    db.execute(f"INSERT INTO accounts (id) VALUES ({marker})")
+    got: list[SourceTransaction] = []
+    while not got or [(c.table, c.after and c.after["id"]) for c in got[-1].changes] != [
+            ("public.accounts", marker)]:
+        got += collect(source, 1, timeout_s)
     return got
+
+
+def confirmed_flush(db: SourceDb) -> str:
+    [(lsn,)] = db.query("SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
+                        "WHERE slot_name = %s", (db.slot,))
+    return lsn
 
 
 def preload(db: SourceDb) -> None:
@@ -93,9 +107,15 @@ def test_snapshot_then_stream_nothing_lost_or_doubled(db: SourceDb) -> None:
     model = apply({}, txs)
     assert model["public.notes"] == notes(db)
     assert set(model["public.accounts"]) == {(1,), (2,)}
-    for t in chunks:  # acknowledging a chunk leaves the slot at its consistent point
+    # Acknowledging a chunk leaves the slot at its consistent point (the stream
+    # starts there); acknowledging a streamed transaction moves it.
+    consistent_point = format_lsn(SnapshotPosition.parse(chunks[0].position).consistent_point)
+    for t in chunks:
         source.ack(t.position)
-    assert_quiet(source, 0.5)
+    assert confirmed_flush(db) == consistent_point
+    source.ack(txs[-1].position)
+    eventually(lambda: confirmed_flush(db) == txs[-1].position, 10,
+               "the slot to move to the acknowledged transaction")
 
 
 def test_snapshot_values_equal_streamed_values(db: SourceDb) -> None:
@@ -117,7 +137,7 @@ def test_snapshot_resumes_after_its_committed_chunk_in_a_fresh_snapshot(db: Sour
     db.execute("UPDATE notes SET body = 'changed' WHERE id IN (2, 20)",
                "DELETE FROM notes WHERE id = 15", "INSERT INTO notes VALUES (200, 'new', 1)")
     resumed = db.open(start_after=done[-1].position, chunk_rows=10)
-    rest = drain(resumed)
+    rest = drain(resumed, db)
     assert is_snapshot_position(rest[0].position)
     assert rest[0].changes[0].after["id"] == 11  # right after the committed chunk
     assert apply(apply({}, done), rest)["public.notes"] == notes(db)
@@ -136,7 +156,7 @@ def test_a_slot_dropped_mid_snapshot_stops_the_source(db: SourceDb) -> None:
 
 
 def test_a_new_snapshot_of_empty_tables_still_empties_them(db: SourceDb) -> None:
-    [tx] = drain(db.open(snapshot_mode="initial"))
+    [tx, _marker] = drain(db.open(snapshot_mode="initial"), db)
     assert [(c.op, c.table) for c in tx.changes] == [
         ("truncate", "public.accounts"), ("truncate", "public.notes")]
     assert is_snapshot_position(tx.position)
@@ -146,12 +166,15 @@ def test_a_new_connector_recreates_a_leftover_slot(db: SourceDb) -> None:
     preload(db)
     db.open(snapshot_mode="initial").close()  # died before committing a chunk
     db.execute("DELETE FROM notes WHERE id <= 5")  # not streamed by the new slot
-    again = drain(db.open(snapshot_mode="initial"))
+    again = drain(db.open(snapshot_mode="initial"), db)
     assert apply({}, again)["public.notes"] == notes(db)
-    # "never": the existing slot streams, no snapshot.
+    # "never": the existing slot streams, no snapshot: the next marker is all there is.
+    db.sources[-1].ack(again[-1].position)
+    eventually(lambda: confirmed_flush(db) == again[-1].position, 10, "the acknowledgement")
     for source in db.sources:
         source.close()
-    assert_quiet(db.open(snapshot_mode="never"), 1.0)
+    [marker] = drain(db.open(snapshot_mode="never"), db)
+    assert not is_snapshot_position(marker.position)
 
 
 def test_translate_truncate_supersedes_earlier_rows_and_keeps_later_ones() -> None:
@@ -176,16 +199,95 @@ def test_translate_truncate_supersedes_earlier_rows_and_keeps_later_ones() -> No
     assert sum(len(t.insert_data) for t in request.table_update_data if t.truncate) == 1
 
 
+# --- schema changes during a snapshot ---------------------------------------
+ACCOUNTS = [("id", "int64"), ("name", "string"), ("balance", "decimal(12,2)"),
+            ("active", "boolean"), ("born", "date32"), ("updated", "timestamp_us"),
+            ("blob", "binary"), ("score", "float64"), ("seen", "timestamp_us"),
+            ("tag", "string"), ("n", "int32"), ("small", "int32"), ("ratio", "float32"),
+            ("code", "string"), ("ref", "string")]
+NOTES = [("id", "int32"), ("body", "string"), ("flag", "int32")]
+
+
+def retina_tables(catalog: Catalog) -> TableMap:
+    """The Retina tables of the source's published tables, as created before the snapshot,
+    with schema evolution on (as the connector runs)."""
+    catalog.create_schema("shop")
+    for name, columns in (("accounts", ACCOUNTS), ("notes", NOTES)):
+        catalog.create_table("shop", name, [ColumnSpec(n, t) for n, t in columns], ["id"])
+    return TableMap("shop", catalog.get_table, add_column=catalog.add_column)
+
+
+def test_a_resumed_snapshot_adds_columns_added_since(db: SourceDb, catalog: Catalog) -> None:
+    """The resumed snapshot reads the tables as they are now: each chunk carries its
+    table's columns, and the Retina table follows before the chunk's rows are read."""
+    tables, topology = retina_tables(catalog), Topology(("a:1",), 2)
+    preload(db)
+    first = db.open(snapshot_mode="initial", chunk_rows=10)
+    done = collect(first, 2)  # accounts, and notes 1..10
+    first.close()
+    for tx in done:
+        translate(tx, tables, topology)
+    [accounts] = done[0].schemas  # as a Relation message has them: numeric(p,s) included
+    assert {c.name: c.source_type for c in accounts.columns}["balance"] == "numeric(12,2)"
+    db.execute("ALTER TABLE notes ADD COLUMN label text", "UPDATE notes SET label = 'l' || id")
+    rest = drain(db.open(start_after=done[-1].position, chunk_rows=10), db)
+    assert rest[0].changes[0].after == {"id": 11, "body": "n11", "flag": 11, "label": "l11"}
+    for tx in rest:  # without the chunk's columns: "unknown column(s) ['label']"
+        translate(tx, tables, topology)
+    assert [(c.name, c.type) for c in catalog.get_table("shop", "notes").columns] == [
+        *NOTES, ("label", "string")]
+
+
+def test_a_column_dropped_during_the_snapshot_stops_it(db: SourceDb) -> None:
+    """Dropped after the exported snapshot read the table's columns: reading the
+    table stops the source with an unsupported schema change (exit 6), not a crash."""
+    preload(db)
+    source = db.open(snapshot_mode="initial", chunk_rows=10)
+    [accounts] = collect(source, 1)
+    assert accounts.changes[-1].table == "public.accounts"
+    db.execute("ALTER TABLE notes DROP COLUMN flag")
+    with pytest.raises(UnsupportedSchemaChange,
+                       match=r"public\.notes: column\(s\) \['flag'\] dropped or renamed"):
+        collect(source, 1)
+
+
+def test_a_column_dropped_before_a_resumed_snapshot_stops_it(db: SourceDb,
+                                                             catalog: Catalog) -> None:
+    tables, topology = retina_tables(catalog), Topology(("a:1",), 2)
+    preload(db)
+    first = db.open(snapshot_mode="initial", chunk_rows=10)
+    done = collect(first, 2)
+    first.close()
+    db.execute("ALTER TABLE notes DROP COLUMN flag")
+    [chunk] = collect(db.open(start_after=done[-1].position, chunk_rows=10), 1)
+    with pytest.raises(UnsupportedSchemaChange, match="column flag was dropped or renamed"):
+        translate(chunk, tables, topology)
+
+
+def test_an_unchanged_toast_value_of_a_dropped_column_stops_the_source(db: SourceDb) -> None:
+    db.execute("ALTER TABLE notes ALTER COLUMN body SET STORAGE EXTERNAL")
+    [(text,)] = db.query("SELECT string_agg(md5(random()::text), '') "
+                         "FROM generate_series(1, 3200)")
+    db.execute(("INSERT INTO notes VALUES (1, %s, 0)", (text,)))
+    source = db.open()
+    # The update leaves body alone; the column is gone when the source reads it.
+    db.execute("UPDATE notes SET flag = 1 WHERE id = 1")
+    db.execute("ALTER TABLE notes DROP COLUMN body")
+    with pytest.raises(UnsupportedSchemaChange,
+                       match=r"public\.notes: column\(s\) \['body'\] dropped or renamed"):
+        collect(source, 1)
+
+
 # --- end to end ------------------------------------------------------------
 @pytest.fixture
 def make_cdc(tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str,
              pg_server: PostgresInstance) -> Iterator[Callable[..., CdcPlane]]:
     made: list[CdcPlane] = []
 
-    def make(**settings: object) -> CdcPlane:
+    def make(retina: dict[str, object] | None = None, **settings: object) -> CdcPlane:
         plane = DataPlane(tmp_path / "plane", etcd, catalog, catalog_dsn, nodes=2,
                           retina={"block_rows": 16, "blocks_per_file": 2,
-                                  "flush_interval_ms": 200})
+                                  "flush_interval_ms": 200, **(retina or {})})
         plane.start(recover=False)  # the connector drives both nodes to READY
         made.append(CdcPlane(plane, WorkloadDb(pg_server), tmp_path, **settings))
         return made[-1]
@@ -230,13 +332,17 @@ def test_snapshot_with_concurrent_writes_equals_the_source(
 def test_connector_killed_mid_snapshot_then_restarted(make_cdc: Callable[..., CdcPlane],
                                                       point: str) -> None:
     """@1: before any chunk is committed (the restart recreates the slot and
-    starts over); @4: after four committed chunks (the restart resumes)."""
+    starts over); @4: after four committed chunks (the restart resumes). A column is
+    added while it is down: the restarted snapshot reads it, and the Retina table
+    follows (a new snapshot, and a resumed one, read the tables as they are now)."""
     cdc = make_cdc(snapshot_chunk_rows=100, batch_max_transactions=1)
     assert cdc.source is not None
     load_orders(cdc.source, 1500)
     cdc.source.run(20)
     cdc.cdc.start(point)
     assert cdc.cdc.wait_exit(90) == 137, cdc.cdc.log_tail()
+    sql(cdc.source, "ALTER TABLE orders ADD COLUMN tag text",
+        "UPDATE orders SET tag = 't' || id WHERE id % 3 = 0")
     cdc.source.run(40)  # while it is down: inserts, updates, deletes, key changes
     cdc.cdc.start()
     cdc.source.run(20)
@@ -244,11 +350,14 @@ def test_connector_killed_mid_snapshot_then_restarted(make_cdc: Callable[..., Cd
     resumed = bool(cdc.cdc.logged("cdc_snapshot_resume"))
     recreated = bool(cdc.cdc.logged("cdc_snapshot_slot_recreated"))
     assert (resumed, recreated) == ((True, False) if point.endswith("@4") else (False, True))
+    assert any(r["tag"] for r in cdc.actual()["orders"].values())
 
 
 def test_truncate_then_inserts_in_the_same_and_later_transactions(
         make_cdc: Callable[..., CdcPlane]) -> None:
-    cdc = make_cdc()
+    # No checkpoint while the test runs: the restarted node replays from before the
+    # TRUNCATEs.
+    cdc = make_cdc(retina={"checkpoint_interval_ms": 3_600_000})
     assert cdc.source is not None
     cdc.cdc.start()
     eventually(cdc.all_ready, 60, "both nodes READY")
@@ -269,6 +378,12 @@ def test_truncate_then_inserts_in_the_same_and_later_transactions(
     cdc.plane.retinas[victim].start()
     cdc.source.run(10)
     cdc.converged(timeout_s=90)
+    changelog = Changelog(cdc.cdc.settings["changelog_root"])
+    truncated = [row.ts for record in changelog.records() for ref in record.segments
+                 for row in changelog.read_segment(ref)
+                 if row.op == TRUNCATE and row.table == "events"]
+    replay_from = cdc.plane.status(victim).node_replay_from_ts
+    assert 0 <= replay_from <= min(truncated), (replay_from, sorted(set(truncated)))
 
 
 def test_unchanged_toast_values_keep_their_value(make_cdc: Callable[..., CdcPlane]) -> None:
@@ -287,4 +402,5 @@ def test_unchanged_toast_values_keep_their_value(make_cdc: Callable[..., CdcPlan
     sql(cdc.source, "UPDATE orders SET customer = 'x' WHERE id = 5",
         "UPDATE orders SET amount = 0 WHERE id = 5")
     cdc.converged()
-    assert all(len(r["note"]) == 3200 * 32 for r in cdc.source.rows("orders"))
+    held = [r["note"] for r in cdc.actual()["orders"].values()]  # Retina's gated snapshot
+    assert len(held) == 6 and all(len(n) == 3200 * 32 for n in held)

@@ -24,6 +24,12 @@ ends at its last streamed state, and one never touched since the consistent
 point reads the same in both snapshots. Rows already loaded before the crash
 are brought up to date the same way.
 
+Each chunk carries its table's columns as this snapshot read them (a
+:class:`SourceSchema`, like a streamed Relation), so the Retina table follows
+a column added since the consistent point (which a resumed snapshot reads)
+before the chunk's rows are translated. A table or column dropped after its
+columns were read stops the source (``UnsupportedSchemaChange``, exit 6).
+
 Values are read as text (each type's output function) in the replication
 session's output settings and parsed by the same code as the streamed pgoutput values, so a
 snapshot row and a streamed row of the same content are identical.
@@ -46,14 +52,17 @@ import structlog
 from psycopg2 import sql
 
 from cdc_client import metrics as m
+from cdc_client.schema_change import SourceSchema, pg_source_schema
 from cdc_client.source import RowChange, SourceError, SourceTransaction
 from cdc_client.sources.postgres import (
+    VANISHED,
     Column,
     Relation,
     decode_row,
     format_lsn,
     parse_lsn,
     replication_dsn,
+    vanished,
 )
 
 log = structlog.get_logger("cdc")
@@ -119,10 +128,11 @@ def published_tables(cur: Any, publication: str) -> list[SnapshotTable]:
                 "WHERE p.pubname = %s ORDER BY n.nspname, c.relname", (publication,))
     tables = []
     for oid, namespace, name in cur.fetchall():
-        # The columns pgoutput sends: generated columns are left out.
-        cur.execute("SELECT attname, atttypid FROM pg_attribute WHERE attrelid = %s "
-                    "AND attnum > 0 AND NOT attisdropped AND attgenerated = '' "
-                    "ORDER BY attnum", (oid,))
+        # The columns pgoutput sends: generated columns are left out. The type modifier
+        # (a numeric's precision and scale) is what a Relation message carries too.
+        cur.execute("SELECT attname, atttypid, atttypmod FROM pg_attribute "
+                    "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped "
+                    "AND attgenerated = '' ORDER BY attnum", (oid,))
         columns = cur.fetchall()
         cur.execute("SELECT a.attname FROM pg_index i, unnest(i.indkey::int2[]) "
                     "WITH ORDINALITY AS k(attnum, ord), pg_attribute a "
@@ -133,7 +143,8 @@ def published_tables(cur: Any, publication: str) -> list[SnapshotTable]:
             raise SourceError(f"{namespace}.{name}: no primary key; the initial snapshot "
                               "reads a table in primary-key order (and Retina needs one)")
         relation = Relation(oid, namespace, name, "d", tuple(
-            Column(col, int(type_oid), col in key) for col, type_oid in columns))
+            Column(col, int(type_oid), col in key, int(typmod))
+            for col, type_oid, typmod in columns))
         tables.append(SnapshotTable(relation, key))
     return tables
 
@@ -186,7 +197,7 @@ def _reader(dsn: str) -> psycopg2.extensions.connection:
 class SnapshotReader:
     """The snapshot's chunks, in order; :meth:`next_chunk` returns None once done."""
 
-    def __init__(self, conn: psycopg2.extensions.connection, publication: str,
+    def __init__(self, conn: psycopg2.extensions.connection, dsn: str, publication: str,
                  consistent_point: int, chunk_rows: int,
                  resume: SnapshotPosition | None = None) -> None:
         if chunk_rows < 1:
@@ -197,7 +208,14 @@ class SnapshotReader:
         self._cur = conn.cursor()
         self.consistent_point = consistent_point
         self._chunk_rows = chunk_rows
+        self._dsn = dsn
         self._tables = published_tables(self._cur, publication)
+        # Each chunk carries its table's columns as this snapshot reads them, like a
+        # streamed transaction its Relation: the Retina table follows them (a column
+        # added since the consistent point, seen by a resumed snapshot) before any row
+        # of the chunk is translated.
+        self._schemas: dict[str, SourceSchema] = {
+            t.relation.table: pg_source_schema(t.relation, dsn) for t in self._tables}
         read_as_text(conn, [c.type_oid for t in self._tables for c in t.relation.columns])
         self._index = 0
         self._after: tuple[str, ...] = ()
@@ -231,7 +249,7 @@ class SnapshotReader:
             try:
                 with conn.cursor() as cur:  # must be the transaction's first statement
                     cur.execute("SET TRANSACTION SNAPSHOT %s", (snapshot_name,))
-                reader = cls(conn, publication, parse_lsn(lsn), chunk_rows)
+                reader = cls(conn, dsn, publication, parse_lsn(lsn), chunk_rows)
             except BaseException:
                 conn.close()
                 raise
@@ -248,7 +266,8 @@ class SnapshotReader:
         """Carry on after ``position`` in a fresh snapshot (the exported one is gone)."""
         conn = _reader(dsn)
         try:
-            reader = cls(conn, publication, position.consistent_point, chunk_rows, position)
+            reader = cls(conn, dsn, publication, position.consistent_point, chunk_rows,
+                         position)
         except BaseException:
             conn.close()
             raise
@@ -274,15 +293,16 @@ class SnapshotReader:
         return self._transaction(SnapshotPosition(self.consistent_point, self._seq, "", ()),
                                  truncates)
 
-    def _transaction(self, position: SnapshotPosition,
-                     changes: tuple[RowChange, ...]) -> SourceTransaction:
+    def _transaction(self, position: SnapshotPosition, changes: tuple[RowChange, ...],
+                     schemas: tuple[SourceSchema, ...] = ()) -> SourceTransaction:
         return SourceTransaction(position=position.encode(), source_txid=f"snapshot-{position.seq}",
-                                 commit_time_ms=int(time.time() * 1000), changes=changes)
+                                 commit_time_ms=int(time.time() * 1000), changes=changes,
+                                 schemas=schemas)
 
     def _next_rows(self) -> SourceTransaction | None:
         while self._index < len(self._tables):
             table = self._tables[self._index]
-            rows, after = read_chunk(self._cur, table, self._after, self._chunk_rows)
+            rows, after = self._read(table)
             if rows:
                 self._after = after
                 self._seq += 1
@@ -291,10 +311,20 @@ class SnapshotReader:
                 name = table.relation.table
                 position = SnapshotPosition(self.consistent_point, self._seq, name, after)
                 return self._transaction(
-                    position, tuple(RowChange(name, "insert", None, r) for r in rows))
+                    position, tuple(RowChange(name, "insert", None, r) for r in rows),
+                    (self._schemas[name],))
             self._index += 1
             self._after = ()
         return None
+
+    def _read(self, table: SnapshotTable) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
+        try:
+            return read_chunk(self._cur, table, self._after, self._chunk_rows)
+        except VANISHED as exc:
+            # Dropped (or renamed) after this snapshot read the table's columns: the
+            # exported snapshot's catalog still shows it, the table no longer has it.
+            raise vanished(self._dsn, table.relation, table.relation.columns, exc,
+                           "the initial snapshot read it") from exc
 
     def close(self) -> None:
         m.SNAPSHOT_IN_PROGRESS.set(0)

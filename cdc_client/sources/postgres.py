@@ -31,7 +31,12 @@ import psycopg2.extras
 import structlog
 from psycopg2 import sql
 
-from cdc_client.schema_change import SourceSchema, pg_source_schema
+from cdc_client.schema_change import (
+    SourceSchema,
+    UnsupportedSchemaChange,
+    pg_column_facts,
+    pg_source_schema,
+)
 from cdc_client.source import RowChange, SourceError, SourceTransaction
 
 log = structlog.get_logger("cdc")
@@ -374,6 +379,29 @@ def decode_row(relation: Relation, data: TupleData) -> dict[str, Any]:
         else:
             row[column.name] = None if raw is None else _parse_value(relation, column, raw)
     return row
+
+
+# A read by name of a table or column the source no longer has (dropped or renamed since).
+VANISHED = (psycopg2.errors.UndefinedColumn, psycopg2.errors.UndefinedTable)
+
+
+def vanished(dsn: str, relation: Relation, columns: Sequence[Column], exc: psycopg2.Error,
+             reading: str) -> UnsupportedSchemaChange:
+    """The stop (exit 6) for a :data:`VANISHED` error of a read of ``columns`` of
+    ``relation``, naming the table and the columns it no longer has. Not a crash: a
+    restart would read the same names again and fail the same way."""
+    message = exc.diag.message_primary or str(exc).strip()
+    facts = pg_column_facts(dsn, relation.oid)  # by OID: a renamed table still answers
+    if not facts:
+        return UnsupportedSchemaChange(
+            f"source table {relation.table} was dropped while {reading} ({message})")
+    if isinstance(exc, psycopg2.errors.UndefinedTable):
+        return UnsupportedSchemaChange(
+            f"source table {relation.table} was renamed while {reading} ({message})")
+    gone = [c.name for c in columns if c.name not in facts]
+    return UnsupportedSchemaChange(
+        f"source table {relation.table}: column(s) {gone or '?'} dropped or renamed while "
+        f"{reading} ({message})")
 
 
 def _without_nulls(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -792,11 +820,15 @@ class PostgresSource:
         with self._lookup.cursor() as cur:
             for start in range(0, len(wanted_keys), 500):
                 chunk = wanted_keys[start:start + 500]
-                cur.execute(sql.SQL("SELECT {} FROM {} WHERE ({}) IN ({})").format(
-                    sql.SQL(", ").join(sql.Identifier(c.name) for c in columns),
-                    sql.Identifier(relation.namespace, relation.name), key,
-                    sql.SQL(", ").join([one] * len(chunk))),
-                    [v for k in chunk for v in k])
+                try:
+                    cur.execute(sql.SQL("SELECT {} FROM {} WHERE ({}) IN ({})").format(
+                        sql.SQL(", ").join(sql.Identifier(c.name) for c in columns),
+                        sql.Identifier(relation.namespace, relation.name), key,
+                        sql.SQL(", ").join([one] * len(chunk))),
+                        [v for k in chunk for v in k])
+                except VANISHED as exc:
+                    raise vanished(self._dsn, relation, columns, exc,
+                                   "reading unchanged TOAST values") from exc
                 for raw in cur.fetchall():
                     row = decode_row(part, tuple(
                         ("n", None) if v is None else ("t", v.encode("utf-8")) for v in raw))
