@@ -360,7 +360,8 @@ def cmd_mark_ready(cluster: Cluster, args: argparse.Namespace) -> int:
     except grpc.RpcError as exc:
         return _refused(args, node, f"status unavailable: {exc.code().name}: {exc.details()}")
     state = pb.LifecycleState.Name(s.state)
-    if s.phase != "AWAITING_REPLAY":
+    # BARRIER: a MarkReady that was interrupted; the node accepts it again to finish it.
+    if s.phase not in ("AWAITING_REPLAY", "BARRIER"):
         return _refused(args, node, f"refused: the node is {state} (phase {s.phase}), not "
                         "AWAITING_REPLAY; nothing changed")
     if not _token_matches(args.token, s.recovery_attempt_token):

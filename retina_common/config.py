@@ -142,6 +142,9 @@ class CdcConfig:
     snapshot_mode: str = "initial"
     snapshot_chunk_rows: int = 5000
     debezium_dir: str = ""
+    # Debezium's unavailable.value.placeholder (an unchanged TOASTed value it did not
+    # receive); never stored (docs/cdc.md). Empty: no placeholder is recognised.
+    debezium_unavailable_placeholder: str = "__debezium_unavailable_value"
     # The Retina schema the source tables map to (same table names).
     schema: str = "public"
     # Empty: <storage.root>/_changelog
@@ -326,6 +329,13 @@ def _check_tls(config: Config) -> None:
                                   "client_key_file"))
     elif tls.client_cert_required:
         raise ConfigError("tls.client_cert_required = true needs tls.enabled = true")
+    else:
+        # Certificates without `enabled` would run plaintext while looking secured.
+        named = [n for n in ("cert_file", "key_file", "ca_file", "client_cert_file",
+                             "client_key_file") if getattr(tls, n)]
+        if named:
+            raise ConfigError(f"tls.{named[0]} is set but tls.enabled = false: gRPC would run "
+                              "in plaintext; set tls.enabled = true or remove the file settings")
     _check_pair("etcd", config.etcd, "cert_file", "key_file")
     if config.etcd.cert_file and not config.etcd.ca_file:
         raise ConfigError("etcd.cert_file needs etcd.ca_file (the client certificate is sent "
@@ -335,6 +345,11 @@ def _check_tls(config: Config) -> None:
     if cat.sslmode and cat.sslmode not in _SSLMODES:
         raise ConfigError(f"catalog.sslmode: expected one of {', '.join(_SSLMODES)}, "
                           f"got {cat.sslmode!r}")
+    if (cat.sslrootcert or cat.sslcert) and not cat.sslmode:
+        # libpq's default (prefer) encrypts but verifies nothing: a CA given without a mode
+        # would look verified and not be.
+        raise ConfigError("catalog.sslrootcert / catalog.sslcert need catalog.sslmode "
+                          "(verify-full to check the server's certificate and name)")
     _check_pair("catalog", cat, "sslcert", "sslkey")
     _check_files("catalog", cat, ("sslrootcert", "sslcert", "sslkey"))
 

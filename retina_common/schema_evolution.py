@@ -17,10 +17,12 @@ from retina_common.catalog import TableRecord
 from retina_common.codec import COMMIT_TS, arrow_type
 
 
-def table_schema(table: TableRecord) -> pa.Schema:
-    """The Arrow schema of a table's data files at its current schema version: its
-    columns in catalog order, then the hidden commit-timestamp column."""
-    fields = [pa.field(c.name, arrow_type(c.type)) for c in table.columns]
+def table_schema(table: TableRecord, version: int = 0) -> pa.Schema:
+    """The Arrow schema of a table's data files at its current schema version (or at
+    ``version``: the columns it had then): its columns in catalog order, then the
+    hidden commit-timestamp column."""
+    fields = [pa.field(c.name, arrow_type(c.type)) for c in table.columns
+              if not version or c.since_version <= version]
     return pa.schema([*fields, pa.field(COMMIT_TS, pa.int64(), nullable=False)])
 
 

@@ -225,7 +225,7 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             return pb.PrepareGcRewriteResponse(
                 rewrite_id=p.rewrite_id, file_name=p.file_name, path_id=p.stream.path_id,
                 path_uri=p.stream.path_uri, cutoff_ts=p.cutoff, expires_at_ms=p.expires_at_ms,
-                expected_rows=p.expected_rows)
+                expected_rows=p.expected_rows, schema_version=p.table.schema_version)
         return self._guard(context, run)
 
     def CommitGcRewrite(self, request: pb.CommitGcRewriteRequest,

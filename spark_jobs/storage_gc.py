@@ -365,6 +365,8 @@ class RewriteTask:
     path_uri: str
     cutoff_ts: int
     expected_rows: int
+    # The prepare's schema version: the new file's columns (0: the table's current ones).
+    schema_version: int = 0
 
 
 @dataclass(frozen=True)
@@ -437,21 +439,27 @@ def rewrite_group(spec: TaskSpec, task: RewriteTask) -> RewriteResult:
         return RewriteResult(task.rewrite_id, error=f"{type(exc).__name__}: {exc}")
 
 
-def current_columns(spec: TaskSpec, table: str) -> pa.Schema:
-    """The table's data-file schema at its current schema version: a rewrite writes the
-    current columns, and files written before a column was added read it as NULL."""
+def current_columns(spec: TaskSpec, table: str, version: int = 0) -> pa.Schema:
+    """The table's data-file schema at the prepare's schema version ``version`` (0: the
+    current one): a rewrite writes those columns, the node's commit holds the file to
+    exactly them (a column added after the prepare is left out, it reads as NULL like in
+    any older file), and files written before a column was added read it as NULL."""
     schema_name, _dot, table_name = table.partition(".")
     catalog = Catalog(spec.catalog_dsn, pool_max=1,
                       connect_timeout_s=spec.catalog_connect_timeout_s)
     try:
-        return table_schema(catalog.get_table(schema_name, table_name))
+        record = catalog.get_table(schema_name, table_name)
     finally:
         catalog.close()
+    if version > record.schema_version:
+        raise RewriteError(f"table {table} is at schema version {record.schema_version} in "
+                           f"the catalog, below the prepare's {version}")
+    return table_schema(record, version)
 
 
 def _rewrite(spec: TaskSpec, task: RewriteTask) -> RewriteResult:
     parts: list[pa.Table] = []
-    schema = current_columns(spec, task.table)
+    schema = current_columns(spec, task.table, task.schema_version)
     dropped = 0
     with channel(task.node) as ch:
         stub = retina_pb2_grpc.RetinaWorkerServiceStub(ch)
@@ -783,7 +791,8 @@ class StorageGcJob:
         return RewriteTask(index, prepared.rewrite_id, group.node, report.table, group.vnode,
                            tuple(f.ref for f in group.files), group.bytes_before,
                            prepared.file_name, prepared.path_id, prepared.path_uri,
-                           prepared.cutoff_ts, prepared.expected_rows)
+                           prepared.cutoff_ts, prepared.expected_rows,
+                           prepared.schema_version)
 
     def _settle(self, report: GroupReport, outcome: str, code: grpc.StatusCode | None,
                 reason: str, exit_code: int | None = None) -> None:

@@ -52,7 +52,8 @@ _MATCHERS = re.compile(r"\{[^}]*\}")
 _RANGES = re.compile(r"\[[^\]]*\]")
 _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
 _IDENT = re.compile(r"(?<![\w.$])[a-zA-Z_:][a-zA-Z0-9_:]*")
-_KEYWORDS = frozenset({"and", "or", "unless", "bool", "offset", "inf", "nan"})
+_KEYWORDS = frozenset({"and", "or", "unless", "bool", "offset", "inf", "nan", "group_left",
+                       "group_right"})
 _SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{([^}]*)\}")
 _EQUAL_MATCHER = re.compile(r'(\w+)\s*=(?![~=])\s*"([^"]*)"')
 

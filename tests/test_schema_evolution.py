@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+import pyarrow as pa
 import pytest
 
 from cdc_client.main import STOPPED_BY_SCHEMA_CHANGE
@@ -26,6 +28,7 @@ from cdc_client.schema_change import (
     SourceColumn,
     SourceSchema,
     UnsupportedSchemaChange,
+    pg_column_facts,
     plan,
 )
 from devtools.cluster import PostgresInstance
@@ -38,9 +41,15 @@ from retina_common.catalog import (
     TableRecord,
 )
 from retina_common.client import TableWriter
+from retina_common.codec import COMMIT_TS
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
+from retina_common.pb import trans_pb2 as tpb
 from retina_common.storage import open_parquet
+from retina_common.topology import Topology
+from retina_server.index import LocalIndexService
+from retina_server.node import BufferSettings, RetinaNode
+from retina_server.write_buffer import SettleMode
 from spark_jobs import storage_gc as spark_gc
 
 from . import gc
@@ -171,6 +180,124 @@ def test_replica_identity_full_does_not_read_as_a_key_change() -> None:
     assert plan(full, RETINA) == []
 
 
+def test_a_column_whose_old_rows_read_a_dropped_default_is_refused(
+        pg_server: PostgresInstance) -> None:
+    """ADD COLUMN ... DEFAULT 5 then DROP DEFAULT before the connector gets there: the
+    source's older rows still read 5 (attmissingval); Retina's would read NULL."""
+    source = SourceDb(pg_server)
+    try:
+        _sql(source, "INSERT INTO orders (id, customer) VALUES (1, 'before')")
+        _sql(source, "ALTER TABLE orders ADD COLUMN five int DEFAULT 5",
+             "ALTER TABLE orders ALTER COLUMN five DROP DEFAULT",
+             "ALTER TABLE orders ADD COLUMN plain int",
+             "ALTER TABLE orders ADD COLUMN later int",  # old rows NULL, default set after
+             "ALTER TABLE orders ALTER COLUMN later SET DEFAULT 7")
+        assert [r["five"] for r in source.rows("orders")] == [5]
+        with source.connect() as conn, conn.cursor() as cur:
+            cur.execute("SELECT 'public.orders'::regclass::oid")
+            oid = cur.fetchone()[0]
+        facts = pg_column_facts(source.dsn, oid)
+        assert facts["five"] == ColumnFacts(nullable=True, has_default=False, has_missing=True)
+
+        def schema(column: str) -> SourceSchema:
+            return SourceSchema("public.orders", (SourceColumn(*ID), SourceColumn(*NOTE),
+                                                  SourceColumn(column, "integer",
+                                                               ("int32", "int64"), False)),
+                                True, lambda: facts)
+
+        with pytest.raises(UnsupportedSchemaChange, match="five was added with a default"):
+            plan(schema("five"), RETINA)
+        # Conservative: a default set after the ADD leaves old rows NULL, but is refused.
+        with pytest.raises(UnsupportedSchemaChange, match="later has a default"):
+            plan(schema("later"), RETINA)
+        assert plan(schema("plain"), RETINA) == [("plain", "int32")]
+    finally:
+        source.drop()
+
+
+# --- the node's table cache and streams --------------------------------------------------------
+class HeldCatalog:
+    """A real catalog whose next get_table, once armed, reads and then waits for
+    release: a lookup that read the table before a change and returns after it."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self._catalog = catalog
+        self.armed = False
+        self.reached = threading.Event()
+        self.release = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._catalog, name)
+
+    def get_table(self, schema_name: str, table_name: str) -> TableRecord:
+        table = self._catalog.get_table(schema_name, table_name)
+        if self.armed:
+            self.armed = False
+            self.reached.set()
+            assert self.release.wait(30)
+        return table
+
+
+class FirstLookupMisses(dict):
+    """The node's stream map, whose first get() answers None: the stream was created
+    by a concurrent request between a lookup and the next."""
+
+    def __init__(self, streams: dict) -> None:
+        super().__init__(streams)
+        self.missed = False
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if not self.missed:
+            self.missed = True
+            return default
+        return super().get(key, default)
+
+
+def test_the_node_never_goes_back_to_an_older_schema_version(
+        tmp_path: Path, catalog: Catalog) -> None:
+    catalog.create_schema("evo")
+    v1 = catalog.create_table("evo", "t", [ColumnSpec("id", "int64")], ["id"])
+    held = HeldCatalog(catalog)
+    node = RetinaNode("127.0.0.1:1", Topology(("127.0.0.1:1",), 4),
+                      held,  # type: ignore[arg-type]
+                      LocalIndexService(tmp_path / "index"), f"file://{tmp_path}/data",
+                      BufferSettings(block_rows=8, blocks_per_file=2), lambda: 0)
+    try:
+        # A lookup reads v1; the column is added and a wider row caches v2; then the slow
+        # lookup returns: it must not put v1 back.
+        held.armed = True
+        slow = threading.Thread(target=node.table, args=("evo", "t"))
+        slow.start()
+        assert held.reached.wait(30)
+        v2 = catalog.add_column("evo", "t", "note", "string")
+        assert node.refresh_table("evo", "t") == v2
+        held.release.set()
+        slow.join(30)
+        assert node.table("evo", "t") == v2
+
+        # Rows buffered at v2 read with their new column (the reader's record is v2).
+        stream = node.stream(v2, 0)
+        batch = pa.RecordBatch.from_arrays(
+            [pa.array([1], pa.int64()), pa.array(["n"]), pa.array([1], pa.int64())],
+            schema=stream.schema)
+        with stream.buffer.lock:
+            stream.buffer.settle(stream.buffer.append_pending(
+                batch, 1, node.index.allocate_row_ids(1)), SettleMode.VISIBLE)
+        assert node.write_buffer_rows(node.table("evo", "t"), 1).column(
+            "note").to_pylist() == ["n"]
+
+        # A v2 request looks for the stream and finds none; a v1 request creates it right
+        # then (modelled by a first lookup that misses a stream created just before):
+        # the v2 request must still get the stream at v2, as it builds rows of v2.
+        node.stream(v1, 1)
+        node._streams = FirstLookupMisses(node._streams)
+        assert node.stream(v2, 1).schema.names == ["id", "note", COMMIT_TS]
+        assert node.stream(v1, 1).table == v2  # and an older request never takes it back
+    finally:
+        node.pipeline.shutdown()
+        node.index.close()
+
+
 # --- the data plane: rows of several schema versions -------------------------------------------
 def _order(i: int, tag: str | None = None, *, evolved: bool = False) -> dict[str, Any]:
     row: dict[str, Any] = {"id": i, "customer": f"c{i}", "amount": None, "note": None}
@@ -180,8 +307,8 @@ def _order(i: int, tag: str | None = None, *, evolved: bool = False) -> dict[str
 
 
 def test_retina_takes_rows_of_every_schema_version(
-        make_plane: Callable[..., DataPlane]) -> None:
-    dp = make_plane(nodes=1)
+        make_plane: Callable[..., DataPlane], catalog_dsn: str) -> None:
+    dp = make_plane(nodes=1, block_rows=2, blocks_per_file=1)  # streams of several files
     dp.commit({"orders": {"inserts": [_order(i) for i in range(1, 21)]}})
     old_writer = dp.writers["orders"]
     evolved = dp.catalog.add_column(SCHEMA, "orders", "tag", "string")
@@ -232,13 +359,40 @@ def test_retina_takes_rows_of_every_schema_version(
     dp.recover(node)
     assert tags() == expected()
 
+    # A column added between a Storage GC prepare and its rewrite task: the task writes
+    # the columns of the prepare's schema version, which the commit holds it to.
+    (vnode, files), *_ = [(v, f) for (_n, v), f in gc.streams(dp, "orders").items()
+                          if len(f) >= 2]
+    prepared = gc.prepare(dp, node, "orders", vnode, files)
+    try:
+        assert prepared.reply.schema_version == 2
+        dp.catalog.add_column(SCHEMA, "orders", "late", "int64")
+        reply = prepared.reply
+        result = spark_gc.rewrite_group(
+            spark_gc.TaskSpec(catalog_dsn, 5, prepared.trans_id, 16),
+            spark_gc.RewriteTask(0, reply.rewrite_id, node, f"{SCHEMA}.orders", vnode,
+                                 tuple(spark_gc.FileRef(f.file_id, f.name, reply.path_uri)
+                                       for f in files), 0, reply.file_name, reply.path_id,
+                                 reply.path_uri, reply.cutoff_ts, reply.expected_rows,
+                                 reply.schema_version))
+        assert not result.error, result.error
+        assert open_parquet(reply.path_uri, reply.file_name).schema_arrow.names[-2:] == [
+            "tag", COMMIT_TS]
+        assert gc.commit(dp, prepared, result.new_file_id).outcome
+    finally:
+        gc.end(dp, prepared.trans_id)
+    assert {r["id"]: r["tag"] for r in dp.read("orders").values()} == expected()
+
 
 # --- end to end: a real source, a real connector -----------------------------------------------
 @pytest.fixture
 def cdc_plane(tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str,
               pg_server: PostgresInstance) -> Iterator[CdcPlane]:
+    # No periodic checkpoint: a recovered node replays from the checkpoint taken when it
+    # went READY, before any row, so its replay spans every schema version.
     plane = DataPlane(tmp_path / "plane", etcd, catalog, catalog_dsn, nodes=2,
-                      retina={"block_rows": 16, "blocks_per_file": 2, "flush_interval_ms": 200})
+                      retina={"block_rows": 16, "blocks_per_file": 2, "flush_interval_ms": 200,
+                              "checkpoint_interval_ms": 3_600_000})
     plane.start(recover=False)  # the connector drives both nodes to READY
     source = SourceDb(pg_server)
     cdc = CdcPlane(plane, source, tmp_path)
@@ -271,7 +425,7 @@ def _spark_rewrite(cdc: CdcPlane, catalog_dsn: str) -> int:
                 0, reply.rewrite_id, node, f"{SCHEMA}.orders", vnode,
                 tuple(spark_gc.FileRef(f.file_id, f.name, reply.path_uri) for f in files), 0,
                 reply.file_name, reply.path_id, reply.path_uri, reply.cutoff_ts,
-                reply.expected_rows)
+                reply.expected_rows, reply.schema_version)
             result = spark_gc.rewrite_group(
                 spark_gc.TaskSpec(spec.catalog_dsn, 5, prepared.trans_id, 16), task)
             assert not result.error, result.error
@@ -284,41 +438,61 @@ def _spark_rewrite(cdc: CdcPlane, catalog_dsn: str) -> int:
     return done
 
 
+def _hwm(cdc: CdcPlane) -> int:
+    """The TransServer's high-water mark now (a read-only transaction's snapshot)."""
+    stub = cdc.plane.trans.stub()
+    began = stub.BeginTrans(tpb.BeginTransRequest(read_only=True), timeout=10)
+    stub.CommitTrans(tpb.CommitTransRequest(trans_id=began.trans_id), timeout=10)
+    return began.timestamp
+
+
 def test_add_column_flows_from_the_source_through_restarts_and_gc(
         cdc_plane: CdcPlane, catalog: Catalog, catalog_dsn: str) -> None:
     cdc, source = cdc_plane, cdc_plane.source
     assert source is not None
-    # The first add_column commit kills the connector right after it: the restart must
-    # find the column there and go on (the change is idempotent).
-    cdc.cdc.start("catalog.add_column.commit.after=exit(137)")
+    # Killed just before the add_column commit: the restarted connector must add it.
+    cdc.cdc.start("catalog.add_column.commit.before=exit(137)")
     eventually(cdc.all_ready, 60, "the connector to drive both nodes to READY")
+    before_rows = _hwm(cdc)  # every row of the test commits above it
     source.run(30)  # rows before the ALTER
     cdc.converged()
     _sql(source, "ALTER TABLE orders ADD COLUMN tag text")
     _sql(source, "INSERT INTO orders (id, customer, tag) VALUES (100001, 'new', 'tagged')",
          "INSERT INTO orders (id, customer) VALUES (100002, 'new')")
     assert cdc.cdc.wait_exit(60) == 137, cdc.cdc.log_tail()
-    cdc.cdc.start()
+    assert "tag" not in [c.name for c in catalog.get_table(SCHEMA, "orders").columns]
+    # This run adds it, then is killed right after its second add_column commit: the
+    # restart must find that column there and go on (the change is idempotent).
+    cdc.cdc.start("catalog.add_column.commit.after=exit(137)@2")
     _sql(source, "UPDATE orders SET tag = 'old row, tagged' WHERE id IN "
                  "(SELECT id FROM orders WHERE tag IS NULL ORDER BY id LIMIT 5)")
     cdc.converged()
     rows = cdc.actual()["orders"].values()
     assert sum(r["tag"] is not None for r in rows) == 6 and len(rows) > 20
-    table = catalog.get_table(SCHEMA, "orders")
-    assert [(c.name, c.type, c.since_version) for c in table.columns][-1] == ("tag", "string", 2)
-    assert table.schema_version == 2
-    source.run(20)  # more of the workload (its INSERTs leave tag unset)
+    _sql(source, "ALTER TABLE orders ADD COLUMN rank int")
+    _sql(source, "INSERT INTO orders (id, customer, rank) VALUES (100003, 'ranked', 3)")
+    assert cdc.cdc.wait_exit(60) == 137, cdc.cdc.log_tail()
+    cdc.cdc.start()
     cdc.converged()
-    # The run that added it died at once; the restarted one found it there: no second add.
-    assert not cdc.cdc.logged("cdc_schema_column_added")
+    table = catalog.get_table(SCHEMA, "orders")
+    assert [(c.name, c.type, c.since_version) for c in table.columns][-2:] == [
+        ("tag", "string", 2), ("rank", "int32", 3)]
+    assert table.schema_version == 3
+    source.run(20)  # more of the workload (its INSERTs leave tag and rank unset)
+    cdc.converged()
+    # tag was added (and logged) by the second run; rank by the third, which died before
+    # logging it, and the fourth found it there: no second add.
+    assert [e["column"] for e in cdc.cdc.logged("cdc_schema_column_added")] == ["tag"]
 
     # A Retina node killed and recovered: the connector replays changelog entries from
-    # both sides of the change (the older ones have a column fewer).
+    # every side of the changes (the older ones have a column or two fewer).
     victim = cdc.plane.nodes[1]
     cdc.plane.retinas[victim].kill9()
     source.run(10)
     cdc.plane.retinas[victim].start()
     cdc.converged(timeout_s=90)
+    replay_from = cdc.plane.status(victim).node_replay_from_ts
+    assert 0 <= replay_from <= before_rows, (replay_from, before_rows)
 
     # Storage GC rewrites old files (no tag column) into files with the current columns.
     eventually(lambda: any(len(f) >= 2 for f in gc.streams(cdc.plane, "orders").values()), 30,

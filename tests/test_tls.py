@@ -175,6 +175,9 @@ def test_tls_is_off_by_default_and_half_settings_are_config_errors(pki: Pki) -> 
         "etcd.cert_file needs etcd.ca_file": {"RETINA__ETCD__CERT_FILE": pki.client[0],
                                               "RETINA__ETCD__KEY_FILE": pki.client[1]},
         "catalog.sslmode": {"RETINA__CATALOG__SSLMODE": "verify-everything"},
+        # Looks secured, would run plaintext / unverified: refused, not silently accepted.
+        "tls.ca_file is set but tls.enabled = false": {"RETINA__TLS__CA_FILE": pki.ca},
+        "need catalog.sslmode": {"RETINA__CATALOG__SSLROOTCERT": pki.ca},
     }
     for message, env in cases.items():
         with pytest.raises(ConfigError, match=message):

@@ -137,11 +137,13 @@ class QueryAvailabilityGate:
             return NodeAvailability.STALE
         return NodeAvailability.READY
 
-    def check(self) -> GateDecision:
-        """Decide from the local snapshot whether a read-only transaction may begin."""
+    def check(self, snapshot: QueryAvailabilitySnapshot | None = None) -> GateDecision:
+        """Decide from the local snapshot (or ``snapshot``, one the caller took, so what it
+        reports beside the decision is what the decision saw) whether a read-only
+        transaction may begin."""
         if not self._enabled:
             return GateDecision(True, {}, "Retina disabled: nothing to gate")
-        snapshot = self._snapshot
+        snapshot = self._snapshot if snapshot is None else snapshot
         now_ms = self._clock_ms()
         nodes = {n: self.availability(n, snapshot, now_ms) for n in self._expected}
         if not snapshot.initialized or not snapshot.watch_healthy:

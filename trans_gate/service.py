@@ -201,8 +201,8 @@ class TransService(pb_grpc.TransServiceServicer):
     def GetQueryGateStatus(self, request: pb.GetQueryGateStatusRequest,
                            context: grpc.ServicerContext) -> pb.GetQueryGateStatusResponse:
         # The decision itself, not a re-derivation: an operator sees what BeginTrans sees.
-        decision = self._gate.check()
         snapshot = self._gate.snapshot
+        decision = self._gate.check(snapshot)
         return pb.GetQueryGateStatusResponse(
             admitted=decision.admitted, message=decision.message,
             nodes={n: str(a) for n, a in decision.nodes.items()},

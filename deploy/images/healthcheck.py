@@ -7,21 +7,37 @@ The TransServer is SERVING once started; a Retina node only once READY, so a
 node's container is healthy exactly when it serves reads and writes. The
 connector has no gRPC port: its /metrics answering means the process is up.
 Any other answer, or none within the timeout, exits 1 with a one-line reason.
+The gRPC check speaks TLS when ``$RETINA_CONFIG`` sets ``tls.enabled`` (the same
+channel the processes open, so a healthy container is one a client can reach).
 """
 
 from __future__ import annotations
 
 import sys
 import urllib.request
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
 
 TIMEOUT_S = 3.0
+
+
+def _channel(address: str) -> grpc.Channel:
+    import os
+
+    from retina_common.config import load_config
+    from retina_common.tls import open_channel
+
+    config = load_config(os.environ["RETINA_CONFIG"]) if os.environ.get("RETINA_CONFIG") else None
+    return open_channel(address, config.tls if config else None)
 
 
 def check_grpc(address: str, service: str) -> str | None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             answer = stub.Check(health_pb2.HealthCheckRequest(service=service),
