@@ -27,6 +27,7 @@ import functools
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -93,7 +94,8 @@ def check_source(cdc: CdcConfig) -> None:
         raise ConfigError("cdc.snapshot_chunk_rows must be at least 1")
 
 
-def open_source(cdc: CdcConfig, start_after: str | None) -> Source:
+def open_source(cdc: CdcConfig, start_after: str | None,
+                tables: TableMap | None = None) -> Source:
     check_source(cdc)
     if cdc.source == "postgres":
         from cdc_client.sources.postgres import PostgresSource
@@ -102,7 +104,19 @@ def open_source(cdc: CdcConfig, start_after: str | None) -> Source:
                               snapshot_mode=cdc.snapshot_mode,
                               snapshot_chunk_rows=cdc.snapshot_chunk_rows)
     from cdc_client.sources.debezium import DebeziumFileSource
-    return DebeziumFileSource(Path(cdc.debezium_dir), start_after=start_after)
+    return DebeziumFileSource(Path(cdc.debezium_dir), start_after=start_after,
+                              unavailable_placeholder=cdc.debezium_unavailable_placeholder,
+                              primary_key=None if tables is None else primary_keys(tables))
+
+
+def primary_keys(tables: TableMap) -> Callable[[str], tuple[str, ...] | None]:
+    """Source table -> the primary key of the Retina table it maps to (None: no such
+    table, which translate reports): the Debezium source finds a transaction's
+    earlier write of a row by it."""
+    def keys(source_table: str) -> tuple[str, ...] | None:
+        record = tables.lookup(tables.schema, source_table.rsplit(".", 1)[-1])
+        return None if record is None else tuple(record.primary_key)
+    return keys
 
 
 CATALOG_LOOKUP_RETRY_S = 60.0
@@ -206,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         committed = positions.load()
         catalog = Catalog(config.catalog.dsn, pool_max=2,
                           connect_timeout_s=config.catalog.connect_timeout_s)
-        source = open_source(config.cdc, committed.position if committed else None)
+        tables = table_map(catalog, config.cdc.schema)
+        source = open_source(config.cdc, committed.position if committed else None, tables)
     except ConfigError as exc:
         print(f"retina-cdc: {exc}", file=sys.stderr)
         return 2
@@ -221,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     changelog = Changelog(changelog_root(config))
     trans = trans_pb2_grpc.TransServiceStub(channel(config.trans.listen))
     connector = Connector(source=source, changelog=changelog, positions=positions, trans=trans,
-                          nodes=node_stubs(topology), tables=table_map(catalog, config.cdc.schema),
+                          nodes=node_stubs(topology), tables=tables,
                           topology=topology, settings=settings)
     try:
         serve_metrics(config.cdc.metrics_listen)

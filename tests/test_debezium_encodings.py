@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from collections.abc import Callable, Iterator
-from datetime import UTC, date, datetime, time, timedelta
+from datetime import UTC, date, datetime, time, timedelta, timezone
 from decimal import Decimal, localcontext
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from cdc_client.source import RowChange, SourceError, SourceTransaction
 from cdc_client.sources.debezium import DebeziumFileSource
 from cdc_client.sources.debezium_values import (
+    DEFAULT_PLACEHOLDER,
     ValueDecodeError,
     field_decoder,
     parse_zoned_timestamp,
@@ -58,12 +61,17 @@ def unscaled_base64(value: Decimal, scale: int) -> str:
 
 
 def zoned(value: datetime) -> str:
-    """io.debezium.time.ZonedTimestamp: ISO_OFFSET_DATE_TIME in UTC, fraction trimmed."""
-    utc = value.astimezone(UTC)
-    text = utc.strftime("%Y-%m-%dT%H:%M:%S")
-    if utc.microsecond:
-        text += f".{utc.microsecond:06d}".rstrip("0")
-    return text + "Z"
+    """io.debezium.time.ZonedTimestamp: ISO_OFFSET_DATE_TIME, fraction trimmed; in the
+    value's own offset (``Z`` for UTC), as a connector with another zone writes it."""
+    text = value.strftime("%Y-%m-%dT%H:%M:%S")
+    if value.microsecond:
+        text += f".{value.microsecond:06d}".rstrip("0")
+    offset = value.utcoffset()
+    if not offset:
+        return text + "Z"
+    minutes = offset // timedelta(minutes=1)
+    sign = "-" if minutes < 0 else "+"
+    return text + f"{sign}{abs(minutes) // 60:02d}:{abs(minutes) % 60:02d}"
 
 
 def micros(value: datetime) -> int:
@@ -439,8 +447,37 @@ def test_encode_value_raises_only_encoding_error(column_type: str) -> None:
         except EncodingError:
             refused += 1
             continue
-        assert len(decode_column(column_type, [encoded])) == 1
+        [decoded] = decode_column(column_type, [encoded]).to_pylist()
+        assert _same(decoded, stored_as(column_type, value)), (column_type, value, decoded)
     assert refused >= len(ODD_VALUES) // 2, "most odd values must be refused"
+
+
+def stored_as(column_type: str, value: Any) -> Any:
+    """What a column of the type holds for an accepted value, exactly."""
+    if column_type == "float32":
+        return float(np.float32(float(value)))
+    if column_type == "float64":
+        return float(value)
+    if column_type.startswith("decimal("):
+        scale = int(column_type.rstrip(")").split(",")[1])
+        with localcontext() as exact:
+            exact.prec = 100
+            return Decimal(repr(value) if isinstance(value, float) else value).quantize(
+                Decimal(1).scaleb(-scale))
+    if column_type == "int64" and isinstance(value, time):  # µs since midnight
+        return ((value.hour * 60 + value.minute) * 60 + value.second) * 10**6 \
+            + value.microsecond
+    if column_type == "timestamp_us" and isinstance(value, int):  # µs since the epoch
+        return EPOCH + timedelta(microseconds=value)
+    return value
+
+
+def _same(got: Any, want: Any) -> bool:
+    if isinstance(want, float) and math.isnan(want):
+        return isinstance(got, float) and math.isnan(got)
+    if isinstance(want, Decimal):  # the digits and the scale, not just the number
+        return isinstance(got, Decimal) and got.as_tuple() == want.as_tuple()
+    return type(got) is type(want) and got == want
 
 
 # --- the source: events in Debezium 2.x shape ----------------------------------------------
@@ -494,6 +531,150 @@ def test_schemaless_events_keep_their_json_values(tmp_path: Path) -> None:
     write(tmp_path / "0001.json", bare)
     tx = DebeziumFileSource(tmp_path).poll(2)
     assert tx is not None and tx.changes[0].after == table.wire_row(reading(1))
+
+
+# --- decimals written as JSON numbers or strings --------------------------------------------
+BIG = Decimal("123456789012345678.91")  # 20 digits: more than a binary float holds
+DECIMAL_SHAPES = {
+    # decimal.handling.mode=precise with the JSON converter's decimal.format=NUMERIC
+    "numeric": ({"type": "bytes", "optional": True, "name": "org.apache.kafka.connect.data.Decimal",
+                 "version": 1, "parameters": {"scale": "2",
+                                              "connect.decimal.precision": "20"}}, str),
+    # decimal.handling.mode=string
+    "string": ({"type": "string", "optional": True}, str),
+    # decimal.handling.mode=double
+    "double": ({"type": "double", "optional": True}, str),
+}
+
+
+def _raw_number(table: DebeziumTable, changes: list, field: str, text: str) -> list[str]:
+    """The transaction's lines, with ``field`` of the first event written as the JSON
+    number ``text`` (json.dumps cannot write a Decimal)."""
+    lines = [json.dumps(m) for m in table.transaction(changes, raw_after={0: {field: "@@"}})]
+    return [line.replace('"@@"', text) for line in lines]
+
+
+@pytest.mark.parametrize(("shape", "wire", "column_type", "expected"), [
+    ("numeric", "123456789012345678.91", "decimal(20,2)", BIG),
+    ("numeric", "-0.10", "decimal(20,2)", Decimal("-0.10")),
+    ("numeric", "42", "decimal(20,0)", Decimal("42")),
+    ("string", '"123456789012345678.91"', "decimal(20,2)", BIG),
+    # double: what the double holds, which is all the source gave
+    ("double", "1234.5", "decimal(20,2)", Decimal("1234.50")),
+    ("double", "1234.5", "float64", 1234.5),
+    ("double", "1.2345678901234568E17", "float64", 1.2345678901234568e17),
+    ("double", '"NaN"', "float64", math.nan),
+])
+def test_decimals_written_as_json_numbers_keep_every_digit(
+        tmp_path: Path, shape: str, wire: str, column_type: str, expected: Any) -> None:
+    table = DebeziumTable("readings", {"id": PG_COLUMNS["int8"], "amount": DECIMAL_SHAPES[shape]})
+    (tmp_path / "0001.json").write_text(
+        "\n".join(_raw_number(table, [("c", None, {"id": 1, "amount": None})], "amount",
+                               wire)) + "\n")
+    tx = DebeziumFileSource(tmp_path).poll(2)
+    assert tx is not None
+    [encoded] = [encode_value(column_type, tx.changes[0].after["amount"])]
+    [stored_value] = decode_column(column_type, [encoded]).to_pylist()
+    assert _same(stored_value, expected), (stored_value, expected)
+
+
+def test_schemaless_json_numbers_are_exact_decimals(tmp_path: Path) -> None:
+    (tmp_path / "0001.json").write_text(
+        '{"op": "c", "before": null, "after": {"id": 1, "amount": 123456789012345678.91}, '
+        '"source": {"schema": "public", "table": "t", "txId": 1, "ts_ms": 5}}\n')
+    tx = DebeziumFileSource(tmp_path).poll(2)
+    assert tx is not None and tx.changes[0].after == {"id": 1, "amount": BIG}
+    assert decode_column("decimal(20,2)", [encode_value("decimal(20,2)", BIG)]).to_pylist() \
+        == [BIG]
+
+
+# --- unchanged TOASTed values: Debezium's unavailable-value placeholder -----------------------
+PLACEHOLDER_BYTES = base64.b64encode(DEFAULT_PLACEHOLDER.encode()).decode()
+
+
+def _placeholders(fields: tuple[str, ...]) -> dict[str, str]:
+    """How Debezium 2.x writes the unchanged TOASTed columns of an update: the
+    placeholder text, for bytea the base64 of its bytes (binary.handling.mode=bytes)."""
+    return {f: PLACEHOLDER_BYTES if f == "payload" else DEFAULT_PLACEHOLDER for f in fields}
+
+
+def _keys(table: str) -> tuple[str, ...] | None:
+    return ("id",) if table == "public.readings" else None
+
+
+def test_placeholder_bytes_are_the_base64_of_its_text() -> None:
+    assert PLACEHOLDER_BYTES == "X19kZWJleml1bV91bmF2YWlsYWJsZV92YWx1ZQ=="
+
+
+@pytest.mark.parametrize("fields", [("doc",), ("payload",), ("payload", "doc")])
+def test_unavailable_value_without_a_record_of_it_stops_the_source(
+        tmp_path: Path, fields: tuple[str, ...]) -> None:
+    table = DebeziumTable("readings", READINGS_PG)
+    old = reading(1)
+    # REPLICA IDENTITY DEFAULT: no before image of an update that keeps the key.
+    write(tmp_path / "0001.json",
+          table.transaction([("u", None, {**old, "amount": Decimal("2.00")})],
+                            raw_after={0: _placeholders(fields)}))
+    source = DebeziumFileSource(tmp_path, primary_key=_keys)
+    with pytest.raises(SourceError) as caught:
+        source.poll(2)
+    text = str(caught.value)
+    assert text.startswith(f"0001.json:2: event without the value of field(s) {list(fields)} "
+                           "(op 'u', table public.readings, transaction 571:"), text
+    assert "ALTER TABLE public.readings REPLICA IDENTITY FULL" in text
+    assert DEFAULT_PLACEHOLDER in text
+
+
+def test_unavailable_value_is_taken_from_the_before_image(tmp_path: Path) -> None:
+    """REPLICA IDENTITY FULL: the old row carries the value the update left alone."""
+    table = DebeziumTable("readings", READINGS_PG)
+    old = reading(1, doc='{"big": "' + "x" * 50 + '"}', payload=b"\x01" * 40)
+    new = {**old, "amount": Decimal("2.00")}
+    write(tmp_path / "0001.json",
+          table.transaction([("u", old, new)], raw_after={0: _placeholders(("doc", "payload"))}))
+    tx = DebeziumFileSource(tmp_path).poll(2)
+    assert tx is not None
+    assert tx.changes == (RowChange("public.readings", "update", old, new),)
+
+
+def test_unavailable_value_is_taken_from_the_transactions_earlier_write(tmp_path: Path) -> None:
+    table = DebeziumTable("readings", READINGS_PG)
+    inserted = reading(7, doc='{"v": 1}', payload=b"toast")
+    updated = {**inserted, "amount": Decimal("3.00")}
+    again = {**updated, "tod": time(1, 2, 3)}
+    write(tmp_path / "0001.json",
+          table.transaction([("c", None, inserted), ("u", None, updated), ("u", None, again)],
+                            raw_after={1: _placeholders(("doc", "payload")),
+                                       2: _placeholders(("doc",))}))
+    tx = DebeziumFileSource(tmp_path, primary_key=_keys).poll(2)
+    assert tx is not None
+    assert [c.after for c in tx.changes] == [inserted, updated, again]
+    # Another row's write is not this row's value; neither is one of another transaction.
+    write(tmp_path / "0001.json",
+          table.transaction([("u", None, {**reading(8), "amount": Decimal("1.00")})],
+                            raw_after={0: _placeholders(("doc",))}))
+    source = DebeziumFileSource(tmp_path, primary_key=_keys, start_after=tx.position)
+    with pytest.raises(SourceError, match=r"field\(s\) \['doc'\]"):
+        source.poll(2)
+
+
+def test_unavailable_value_in_an_insert_stops_the_source(tmp_path: Path) -> None:
+    table = DebeziumTable("readings", READINGS_PG)
+    write(tmp_path / "0001.json",
+          table.transaction([("c", None, reading(1))], raw_after={0: _placeholders(("doc",))}))
+    with pytest.raises(SourceError, match=r"0001.json:2: event without the value of field"):
+        DebeziumFileSource(tmp_path, primary_key=_keys).poll(2)
+
+
+def test_the_placeholder_is_configurable(tmp_path: Path) -> None:
+    table = DebeziumTable("readings", READINGS_PG)
+    write(tmp_path / "0001.json",
+          table.transaction([("u", None, reading(1))], raw_after={0: {"doc": "<toasted>"}}))
+    with pytest.raises(SourceError, match=r"field\(s\) \['doc'\].*'<toasted>'"):
+        DebeziumFileSource(tmp_path, unavailable_placeholder="<toasted>").poll(2)
+    # With another placeholder configured, that text is ordinary data.
+    tx = DebeziumFileSource(tmp_path).poll(2)
+    assert tx is not None and tx.changes[0].after["doc"] == "<toasted>"
 
 
 # --- translate: the decoded value against the Retina column --------------------------------
@@ -550,13 +731,16 @@ def test_connector_stores_debezium_values_in_retina_types(readings_cdc: CdcPlane
     rows = {
         1: reading(1),
         2: reading(2, amount=Decimal("-9999999999.99"), ratio=Decimal("-98765.432101"),
-                   at=datetime(1965, 5, 4, 3, 2, 1, 900000, tzinfo=UTC),
+                   # written in the connector's zone, not UTC
+                   at=datetime(1965, 5, 4, 8, 32, 1, 900000,
+                               tzinfo=timezone(timedelta(hours=5, minutes=30))),
                    local_at=datetime(1901, 1, 1, tzinfo=UTC), day=date(1900, 2, 28),
                    tod=time(0, 0), payload=b"", doc="[]",
                    ref="00000000-0000-0000-0000-000000000000"),
         3: reading(3, **{k: None for k in ("amount", "ratio", "at", "local_at", "day", "tod",
                                             "payload", "doc", "ref")}),
-        4: reading(4, at=datetime(2024, 12, 31, 23, 59, 59, 999999, tzinfo=UTC),
+        4: reading(4, at=datetime(2024, 12, 31, 15, 59, 59, 999999,
+                                  tzinfo=timezone(timedelta(hours=-8))),
                    ratio=Decimal("7")),
     }
     write(events / "0001.json",
@@ -572,6 +756,17 @@ def test_connector_stores_debezium_values_in_retina_types(readings_cdc: CdcPlane
                                                    ("d", rows[3], None)]))
     del rows[3]
     cdc.converged(expected_readings(cdc, list(rows.values())))
+    # Updates that left TOASTed values alone (Debezium's placeholder in their place): the
+    # value comes from the old row (REPLICA IDENTITY FULL) or from the row as an earlier
+    # change of the transaction wrote it; the placeholder is never stored.
+    old4, rows[4] = rows[4], {**rows[4], "amount": Decimal("4.00")}
+    rows[5] = reading(5, doc='{"toasted": true}', payload=b"\x05" * 9)
+    inserted5 = rows[5]
+    rows[5] = {**rows[5], "amount": Decimal("5.00")}
+    write(events / "0003.json", table.transaction(
+        [("u", old4, rows[4]), ("c", None, inserted5), ("u", None, rows[5])],
+        raw_after={0: _placeholders(("payload", "doc")), 2: _placeholders(("payload", "doc"))}))
+    cdc.converged(expected_readings(cdc, list(rows.values())))
 
 
 @pytest.mark.parametrize(("case", "override", "named"), [
@@ -582,6 +777,10 @@ def test_connector_stores_debezium_values_in_retina_types(readings_cdc: CdcPlane
     ("does not fit", {"amount": unscaled_base64(Decimal("12345678901.00"), 2)},
      "at 0001.json:8, change 2 (event at 0001.json:7): column readings.amount "
      "(decimal(12,2))"),
+    # Debezium's placeholder with no record of the value: never stored
+    ("unavailable", {"doc": DEFAULT_PLACEHOLDER},
+     "0001.json:7: event without the value of field(s) ['doc'] (op 'c', table "
+     "public.readings"),
 ])
 def test_malformed_value_stops_the_connector_with_exit_3(
         readings_cdc: CdcPlane, case: str, override: dict, named: str) -> None:

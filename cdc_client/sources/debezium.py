@@ -8,7 +8,14 @@ transaction; an event without transaction data is a transaction of its own.
 
 Column values are decoded by the event's own ``schema`` block when it has one
 (``debezium_values.py``: base64 decimals, epoch-day dates, ISO-8601 zoned
-timestamps, ...); a value that does not decode is a malformed event.
+timestamps, ...); a value that does not decode is a malformed event. JSON
+numbers are parsed as ``Decimal``, so no digit of a decimal is lost.
+
+Debezium's unavailable-value placeholder (an unchanged TOASTed value under
+REPLICA IDENTITY DEFAULT) is never stored: an UPDATE takes the value from its
+own ``before`` image (REPLICA IDENTITY FULL) or from the row as an earlier
+change of the same transaction wrote it; else the source stops (SourceError,
+exit 3) naming the event and the fields (docs/cdc.md).
 
 A transaction's position is ``file:line`` of the line that completed it, so
 positions order by (file name, line number). The files are the durable
@@ -26,19 +33,28 @@ import json
 import os
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 from cdc_client.source import Op, RowChange, SourceError, SourceTransaction
-from cdc_client.sources.debezium_values import ValueDecodeError, decode_row, row_decoder
+from cdc_client.sources.debezium_values import (
+    DEFAULT_PLACEHOLDER,
+    UNAVAILABLE,
+    ValueDecodeError,
+    decode_row,
+    row_decoder,
+)
 
 SUFFIXES = (".json", ".jsonl")
 CHUNK_BYTES = 1 << 20
 POLL_STEP_S = 0.05
 
 OPS: dict[str, Op] = {"c": "insert", "r": "insert", "u": "update", "d": "delete"}
+# Source table (schema.table) -> its primary-key columns, None when unknown.
+PrimaryKey = Callable[[str], tuple[str, ...] | None]
 
 
 @dataclass(frozen=True)
@@ -138,6 +154,9 @@ class _OpenTransaction:
     txid: str
     begun_at: str
     events: list[tuple[int | None, RowChange]] = field(default_factory=list)
+    # (table, primary-key values) -> the row as this transaction last wrote it, for
+    # the unavailable values of a later update of it.
+    rows: dict[tuple[str, tuple[Any, ...]], Mapping[str, Any]] = field(default_factory=dict)
 
     def ordered_changes(self) -> tuple[RowChange, ...]:
         orders = [order for order, _ in self.events]
@@ -151,10 +170,15 @@ class DebeziumFileSource:
 
     name = "debezium-file"
 
-    def __init__(self, directory: Path, *, start_after: str | None = None) -> None:
+    def __init__(self, directory: Path, *, start_after: str | None = None,
+                 unavailable_placeholder: str = DEFAULT_PLACEHOLDER,
+                 primary_key: PrimaryKey | None = None) -> None:
         self._start_key = self.position_key(start_after) if start_after else None
         self._lines = _LineFeed(Path(directory), self._start_key[0] if self._start_key else None)
         self._open: _OpenTransaction | None = None
+        # Debezium's unavailable.value.placeholder; empty: none is recognised.
+        self._placeholder = unavailable_placeholder or None
+        self._primary_key = primary_key
 
     # -- Source protocol --
     def poll(self, timeout_s: float) -> SourceTransaction | None:
@@ -226,7 +250,7 @@ class DebeziumFileSource:
 
     def _event(self, message: Mapping[str, Any], schema: Any,
                line: _Line) -> SourceTransaction | None:
-        change = _row_change(message, schema, line)
+        change = self._row_change(message, schema, line)
         info = message.get("transaction")
         if info is None:
             if self._open is not None:
@@ -245,14 +269,100 @@ class DebeziumFileSource:
                               f"(open: {self._open.txid if self._open else 'none'})")
         order = info.get("total_order")
         self._open.events.append((order if isinstance(order, int) else None, change))
+        self._remember(self._open, change)
         return None
+
+    # -- change events --
+    def _row_change(self, message: Mapping[str, Any], schema: Any, line: _Line) -> RowChange:
+        if "op" not in message:
+            raise SourceError(f"{line.where}: change event without 'op'")
+        op = OPS.get(message["op"])
+        if op is None:
+            raise SourceError(f"{line.where}: unknown op {message['op']!r}")
+        # Debezium leaves ``before`` out of an update under PostgreSQL's default
+        # replica identity; a key change then arrives as a delete and a create.
+        table = _table(message, line)
+        before = self._row(message, schema, "before", line, required=op == "delete")
+        after = self._row(message, schema, "after", line, required=op in ("insert", "update"))
+        if before is not None:
+            # Only its key identifies the row; an unavailable value there is no value.
+            before = {n: v for n, v in before.items() if v is not UNAVAILABLE}
+        if op != "delete" and after is not None and _unavailable(after):
+            after = self._fill_unavailable(message, table, op, before, after, line)
+        return RowChange(table, op, None if op == "insert" else before,
+                         None if op == "delete" else after, origin=line.where)
+
+    def _row(self, message: Mapping[str, Any], schema: Any, key: str, line: _Line,
+             *, required: bool) -> dict[str, Any] | None:
+        row = message.get(key)
+        if row is None:
+            if required:
+                raise SourceError(f"{line.where}: op {message['op']!r} without {key!r}")
+            return None
+        if not isinstance(row, Mapping):
+            raise SourceError(f"{line.where}: {key!r} is not an object")
+        # Values come in the wire form of the event's own schema (base64 decimals,
+        # epoch-day dates, ...): decoded here, where the schema is known.
+        try:
+            return decode_row(row, row_decoder(schema, key), self._placeholder)
+        except ValueDecodeError as exc:
+            raise SourceError(f"{line.where}: malformed event ({_describe(message)}): "
+                              f"{key}: {exc}") from None
+
+    def _fill_unavailable(self, message: Mapping[str, Any], table: str, op: Op,
+                          before: Mapping[str, Any] | None, after: dict[str, Any],
+                          line: _Line) -> dict[str, Any]:
+        """An UPDATE that left a TOASTed value alone carries the placeholder for it.
+        Taken, exactly, from the event's old row (REPLICA IDENTITY FULL) or from this
+        transaction's own earlier write of the row; else the source stops: no other
+        record of the value exists for a file source, and storing the placeholder
+        would corrupt the row silently."""
+        prior: Mapping[str, Any] = {}
+        if op == "update" and self._open is not None:
+            key = self._row_key(table, before if before else after)
+            prior = self._open.rows.get((table, key), {}) if key is not None else {}
+        filled = dict(after)
+        for name in _unavailable(after):
+            for source in ((before or {}) if op == "update" else {}, prior):
+                value = source.get(name, UNAVAILABLE)
+                if value is not UNAVAILABLE:
+                    filled[name] = value
+                    break
+        missing = _unavailable(filled)
+        if missing:
+            raise SourceError(
+                f"{line.where}: event without the value of field(s) {missing} "
+                f"({_describe(message)}): Debezium wrote its unavailable-value placeholder "
+                f"{self._placeholder!r} (an unchanged TOASTed value) and neither the event's "
+                f"before image nor an earlier change of the row in its transaction has it; "
+                f"run ALTER TABLE {table} REPLICA IDENTITY FULL at the source so Debezium "
+                f"sends the old value (docs/cdc.md)")
+        return filled
+
+    def _row_key(self, table: str, row: Mapping[str, Any]) -> tuple[Any, ...] | None:
+        columns = self._primary_key(table) if self._primary_key is not None else None
+        if not columns or any(row.get(c) in (None, UNAVAILABLE) for c in columns):
+            return None
+        return tuple(row[c] for c in columns)
+
+    def _remember(self, open_tx: _OpenTransaction, change: RowChange) -> None:
+        if self._primary_key is None:
+            return
+        if change.before is not None:
+            old = self._row_key(change.table, change.before)
+            open_tx.rows.pop((change.table, old), None)
+        if change.after is not None:
+            new = self._row_key(change.table, change.after)
+            if new is not None:
+                open_tx.rows[(change.table, new)] = change.after
 
 
 # --- messages ---
 def _parse(line: _Line) -> tuple[Mapping[str, Any] | None, Any]:
     """The message (the envelope's payload) and the envelope's schema, if any."""
     try:
-        message = json.loads(line.text)
+        # Decimal, not float: a decimal written as a JSON number keeps every digit.
+        message = json.loads(line.text, parse_float=Decimal)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise SourceError(f"{line.where}: malformed JSON: {exc}") from exc
     schema = None
@@ -262,39 +372,6 @@ def _parse(line: _Line) -> tuple[Mapping[str, Any] | None, Any]:
     if message is None or isinstance(message, Mapping):
         return message, schema
     raise SourceError(f"{line.where}: expected a JSON object, got {type(message).__name__}")
-
-
-def _row_change(message: Mapping[str, Any], schema: Any, line: _Line) -> RowChange:
-    if "op" not in message:
-        raise SourceError(f"{line.where}: change event without 'op'")
-    op = OPS.get(message["op"])
-    if op is None:
-        raise SourceError(f"{line.where}: unknown op {message['op']!r}")
-    # Debezium leaves ``before`` out of an update under PostgreSQL's default
-    # replica identity; a key change then arrives as a delete and a create.
-    table = _table(message, line)
-    before = _row(message, schema, "before", line, required=op == "delete")
-    after = _row(message, schema, "after", line, required=op in ("insert", "update"))
-    return RowChange(table, op, None if op == "insert" else before,
-                     None if op == "delete" else after, origin=line.where)
-
-
-def _row(message: Mapping[str, Any], schema: Any, key: str, line: _Line,
-         *, required: bool) -> dict[str, Any] | None:
-    row = message.get(key)
-    if row is None:
-        if required:
-            raise SourceError(f"{line.where}: op {message['op']!r} without {key!r}")
-        return None
-    if not isinstance(row, Mapping):
-        raise SourceError(f"{line.where}: {key!r} is not an object")
-    # Values come in the wire form of the event's own schema (base64 decimals,
-    # epoch-day dates, ...): decoded here, where the schema is known.
-    try:
-        return decode_row(row, row_decoder(schema, key))
-    except ValueDecodeError as exc:
-        raise SourceError(f"{line.where}: malformed event ({_describe(message)}): "
-                          f"{key}: {exc}") from None
 
 
 def _table(message: Mapping[str, Any], line: _Line) -> str:
@@ -328,7 +405,11 @@ def _source_txid(source: Mapping[str, Any]) -> str:
     return ""
 
 
+def _unavailable(row: Mapping[str, Any]) -> list[str]:
+    return [name for name, value in row.items() if value is UNAVAILABLE]
+
+
 def _ms(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, int | float | Decimal):
         return 0
     return int(value)

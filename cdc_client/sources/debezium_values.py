@@ -21,7 +21,19 @@ decoder from that wire form to the Python value
 (µs since midnight) |
 | ``bytes`` (any other name) | ``bytes`` | ``binary`` |
 | ``data.Json``/``Uuid``/``Xml``/``Enum``, ``string`` | ``str`` | ``string`` |
-| ``int8`` … ``int64``, ``float32``/``float64``, ``boolean`` | the JSON value | the same |
+| ``int8`` … ``int64``, ``boolean`` | the JSON value | the same |
+| ``float``/``double`` (FLOAT32/64; ``decimal.handling.mode=double``) | ``float`` |
+``float*``, ``decimal(p,s)`` |
+
+JSON numbers with a fraction or exponent are parsed as ``Decimal`` (never
+``float``): a Connect ``Decimal`` the JSON converter writes as a number
+(``decimal.format=NUMERIC``) keeps every digit, and the float decoder
+converts to ``float`` itself.
+
+Debezium writes its ``unavailable.value.placeholder`` for an unchanged
+TOASTed value it did not receive: the text, or (``bytes`` columns) the base64
+of its UTF-8 bytes. :func:`decode_row` gives :data:`UNAVAILABLE` for it, never
+the placeholder as data; the source resolves it or stops.
 
 A value that does not decode (bad base64, a timestamp that does not parse,
 one finer than a microsecond, a value of another JSON type than its schema
@@ -39,9 +51,10 @@ import re
 from collections.abc import Callable, Mapping
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
-from typing import Any
+from typing import Any, NamedTuple
 
 Decoder = Callable[[Any], Any]
+DEFAULT_PLACEHOLDER = "__debezium_unavailable_value"  # Debezium's own default
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 EPOCH_DATE = date(1970, 1, 1)
@@ -51,6 +64,22 @@ _ZONED = re.compile(r"(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d)(?::(\d\d)(?:\.(\d{1,9}
 
 class ValueDecodeError(ValueError):
     """A value that its own Debezium schema cannot decode."""
+
+
+class _Unavailable:
+    """A value Debezium did not have: its unavailable-value placeholder."""
+
+    def __repr__(self) -> str:
+        return "UNAVAILABLE"
+
+
+UNAVAILABLE: Any = _Unavailable()
+
+
+class Field(NamedTuple):
+    label: str  # the schema's name, else its type, for errors
+    decode: Decoder
+    binary: bool  # a ``bytes`` schema: the placeholder comes base64-encoded
 
 
 # --- primitive checks -------------------------------------------------------
@@ -67,7 +96,8 @@ def _string(value: Any) -> str:
 
 
 def _float(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    # A JSON number arrives as int or (parse_float=Decimal) Decimal.
+    if isinstance(value, bool) or not isinstance(value, int | float | Decimal):
         # The JSON converter writes NaN and the infinities as strings.
         if value in ("NaN", "Infinity", "-Infinity"):
             return float(value)
@@ -116,8 +146,12 @@ def _decimal(parameters: Mapping[str, Any]) -> Decoder:
     def decode(value: Any) -> Decimal:
         if scale is None:
             raise ValueDecodeError("Decimal schema without an integer 'scale' parameter")
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return Decimal(repr(value))  # the converter's decimal.format=NUMERIC
+        if isinstance(value, Decimal):  # the converter's decimal.format=NUMERIC
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return Decimal(value)  # NUMERIC with no fraction digits (scale 0)
+        if isinstance(value, float):  # a parser without parse_float=Decimal: refuse to guess
+            raise ValueDecodeError("a decimal parsed as a binary float has lost digits")
         return _scaled(_unscaled(value), scale)
     return decode
 
@@ -215,9 +249,11 @@ LOGICAL: dict[str, Decoder] = {
     "io.debezium.time.MicroTime": _time_of_day(1_000_000),
     "io.debezium.time.NanoTime": _time_of_day(1_000_000_000),
 }
+# The JSON converter names FLOAT32/FLOAT64 "float"/"double" in a schema block.
 PRIMITIVE: dict[str, Decoder] = {
     "int8": _int_range(8), "int16": _int_range(16), "int32": _int_range(32),
-    "int64": _int_range(64), "float32": _float, "float64": _float,
+    "int64": _int_range(64), "float": _float, "double": _float,
+    "float32": _float, "float64": _float,
     "boolean": _boolean, "string": _string, "bytes": _bytes,
 }
 
@@ -238,9 +274,9 @@ def field_decoder(schema: Mapping[str, Any]) -> Decoder:
     return PRIMITIVE.get(schema.get("type"), _passthrough)  # type: ignore[arg-type]
 
 
-def row_decoder(envelope: Any, key: str) -> dict[str, tuple[str, Decoder]] | None:
-    """Per column of the envelope's ``key`` ("before"/"after") struct: (a label for
-    errors, its decoder). None for a schema-less event."""
+def row_decoder(envelope: Any, key: str) -> dict[str, Field] | None:
+    """Per column of the envelope's ``key`` ("before"/"after") struct: its
+    :class:`Field`. None for a schema-less event."""
     if not isinstance(envelope, Mapping) or not isinstance(envelope.get("fields"), list):
         return None
     for field in envelope["fields"]:
@@ -248,26 +284,48 @@ def row_decoder(envelope: Any, key: str) -> dict[str, tuple[str, Decoder]] | Non
             columns = field.get("fields")
             if not isinstance(columns, list):
                 return None
-            return {c["field"]: (str(c.get("name") or c.get("type")), field_decoder(c))
+            return {c["field"]: Field(str(c.get("name") or c.get("type")), field_decoder(c),
+                                      c.get("type") == "bytes")
                     for c in columns if isinstance(c, Mapping) and "field" in c}
     return None
 
 
-def decode_row(row: Mapping[str, Any], decoders: Mapping[str, tuple[str, Decoder]] | None,
-               ) -> dict[str, Any]:
-    """The row's values decoded; raises ValueDecodeError naming the column."""
-    if decoders is None:
-        return dict(row)
+def is_placeholder(value: Any, placeholder: str | None, *, binary: bool) -> bool:
+    """Whether a wire value is Debezium's unavailable-value placeholder: its text, or
+    for a ``bytes`` schema the base64 of its UTF-8 bytes."""
+    if placeholder is None or not isinstance(value, str):
+        return False
+    if value == placeholder:
+        return True
+    if not binary:
+        return False
+    try:
+        return base64.b64decode(value, validate=True) == placeholder.encode()
+    except binascii.Error:
+        return False
+
+
+def decode_row(row: Mapping[str, Any], decoders: Mapping[str, Field] | None,
+               placeholder: str | None = DEFAULT_PLACEHOLDER) -> dict[str, Any]:
+    """The row's values decoded, :data:`UNAVAILABLE` for the placeholder (None: no
+    placeholder recognised); raises ValueDecodeError naming the column."""
     out: dict[str, Any] = {}
     for column, value in row.items():
-        if value is None or column not in decoders:
-            out[column] = value  # a column the schema omits: translate reports it
-            continue
-        label, decode = decoders[column]
-        try:
-            out[column] = decode(value)
-        except ValueDecodeError as exc:
-            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-            raise ValueDecodeError(f"field {column!r} ({label}): cannot decode {shown}: "
-                                   f"{exc}") from None
+        field = decoders.get(column) if decoders is not None else None
+        if is_placeholder(value, placeholder, binary=field is not None and field.binary):
+            out[column] = UNAVAILABLE
+        elif value is None or field is None:
+            # schema-less, or a column the schema omits: translate reports it
+            out[column] = value
+        else:
+            out[column] = _decoded(column, field, value)
     return out
+
+
+def _decoded(column: str, field: Field, value: Any) -> Any:
+    try:
+        return field.decode(value)
+    except ValueDecodeError as exc:
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise ValueDecodeError(f"field {column!r} ({field.label}): cannot decode {shown}: "
+                               f"{exc}") from None
