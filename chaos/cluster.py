@@ -68,8 +68,11 @@ RETINA_SETTINGS = {"block_rows": 32, "blocks_per_file": 2, "flush_interval_ms": 
                    "gc_retired_retention_ms": 8000, "gc_lineage_retention_ms": 10_000,
                    "gc_prepare_ttl_ms": 60_000, "temporary_file_ttl_ms": 120_000}
 TRANS_SETTINGS = {"ts_block_size": 32, "write_lease_ms": 5000}
+# snapshot_chunk_rows: the rows the source holds before the connector first starts
+# (workload.PRELOADED_ROWS per table) are loaded by its initial snapshot in many chunks.
 CDC_SETTINGS = {"retention_interval_s": 2, "node_check_interval_ms": 250,
-                "write_lease_ms": 2000, "batch_max_rows": 400}
+                "write_lease_ms": 2000, "batch_max_rows": 400, "snapshot_mode": "initial",
+                "snapshot_chunk_rows": 40}
 
 
 @dataclass

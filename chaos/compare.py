@@ -20,7 +20,7 @@ from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import Snapshot, SnapshotReader
 from retina_common.topology import Topology
 
-from .workload import SCHEMA, TABLES, Key, Row, TableSpec, normalise, source_rows
+from .workload import SCHEMA, Key, Row, TableSpec, current_tables, normalise, source_rows
 
 
 class FastSnapshotReader(SnapshotReader):
@@ -122,17 +122,30 @@ def _example(diff: TableDiff, text: str) -> None:
 
 
 def snapshot_rows(reader: SnapshotReader, table: TableSpec) -> list[Row]:
-    cols = [c.name for c in table.columns]
+    """The snapshot's rows in the order of ``table.all_columns``. A column the source
+    added but the Retina table does not have reads NULL: the connector adds it when the
+    first change that carries it arrives, and until then the source holds NULL in it for
+    every row (it was added nullable, without a default)."""
+    cols = table.all_columns
     snap = reader.read(SCHEMA, table.name).table
     if snap.num_rows == 0:
         return []
-    data = snap.select(cols).to_pylist()
-    return [normalise(tuple(r[c] for c in cols)) for r in data]
+    present = [c for c in cols if c in snap.column_names]
+    return widen(snap.select(present).to_pylist(), cols)
+
+
+def widen(records: list[dict[str, Any]], cols: tuple[str, ...]) -> list[Row]:
+    """Records as rows over ``cols``, NULL where a record lacks a column."""
+    return [normalise(tuple(r.get(c) for c in cols)) for r in records]
 
 
 def compare_once(reader: SnapshotReader, source: Callable[[], Any]) -> Comparison:
     tables: dict[str, TableDiff] = {}
-    for table in TABLES:
+    try:
+        current = current_tables(source())
+    except psycopg2.Error as exc:
+        return Comparison(tables, f"source columns: {exc}".strip())
+    for table in current:
         try:
             want = source_rows(source(), table)
         except psycopg2.Error as exc:  # the source is just back from an outage
@@ -159,9 +172,22 @@ def committed_lsn(etcd: EtcdStore, connector: str) -> int:
     if kv is None:
         return 0
     try:
-        return lsn(str(json.loads(kv.value)["position"]))
+        return position_lsn(str(json.loads(kv.value)["position"]))
     except (ValueError, KeyError):
         return 0
+
+
+def position_lsn(position: str) -> int:
+    """A committed position's LSN. An initial snapshot chunk's position
+    (``snapshot:<consistent point>:<chunk>:<json>``) counts as its consistent point: the
+    snapshot holds every transaction committed before it. A connector killed before its
+    first chunk committed takes a new snapshot whose consistent point lies past the
+    episode's marker; the stream has nothing to commit beyond it until the next writes,
+    so without this the connector would never seem to catch up. While the snapshot's
+    later chunks are still on their way the comparison keeps polling until equal."""
+    if position.startswith("snapshot:"):
+        return lsn(position.split(":")[1])
+    return lsn(position)
 
 
 def wait_caught_up(etcd: EtcdStore, connector: str, after_lsn: int, deadline: float,

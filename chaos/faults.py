@@ -49,16 +49,18 @@ RETINA_PREFIXES = ("ingest.", "index.", "checkpoint.", "recovery.", "catalog.", 
                    "sweeper.")
 # Points of the Spark job's rewrite task (spark_jobs/storage_gc.py, rewrite_group).
 REWRITER_PREFIXES = ("gc.rewrite.",)
+# Schema evolution: only the connector's Catalog.add_column reaches them, when it reads the
+# first change carrying a column a source ALTER TABLE ADD COLUMN added. The connector is
+# restarted with the point armed and the workload adds a column and writes it at once
+# (workload.add_column; it also does so by itself, rarely); crash at the first hit. The
+# restarted connector must add the column or find it there (the comparison checks the
+# rows; tests/test_schema_evolution.py checks the catalog too).
+SCHEMA_POINTS = ("catalog.add_column.",)
 # Points no process of this topology reaches, with the reason (reported, never hidden).
 # Empty since the campaign runs Storage GC (chaos/gc.py): atomicSwapFiles, the only
-# caller of catalog.swap.commit.*, is reached by every GC commit.
-UNREACHABLE: dict[str, str] = {
-    # Schema evolution: only the connector's Catalog.add_column reaches them, on a source
-    # ALTER TABLE ADD COLUMN, and the campaign's workload runs no DDL.
-    # tests/test_schema_evolution.py kills the connector at each of them.
-    "catalog.add_column.commit.before": "the campaign's workload runs no DDL",
-    "catalog.add_column.commit.after": "the campaign's workload runs no DDL",
-}
+# caller of catalog.swap.commit.*, is reached by every GC commit; and since the workload
+# adds columns, which reaches catalog.add_column.commit.*.
+UNREACHABLE: dict[str, str] = {}
 # Storage GC points, by what reaches them (chaos/gc.py runs the passes):
 # - the commit: reached only while a GC commit runs, so the campaign runs GC passes on the
 #   armed node while it waits (catalog.update_file.commit.* is also reached by every
@@ -116,7 +118,7 @@ def process_of(point: str) -> str:
     failpoint is armed in."""
     if point.startswith(REWRITER_PREFIXES):
         return "rewriter"
-    if point.startswith("cdc."):
+    if point.startswith(("cdc.", *SCHEMA_POINTS)):
         return "cdc"
     if point.startswith("trans."):
         return "trans"
@@ -181,6 +183,9 @@ class FaultContext:
     rng: random.Random
     write: Callable[[], None]  # one small workload step on the source
     source: Callable[[], Any] | None = None  # the source connection (GC's racing changes)
+    # An ADD COLUMN at the source and a write of the new column (workload.add_column, with
+    # the workload's stream); returns "table.column type", or "" if none was added.
+    evolve: Callable[[], str] | None = None
     gc_row_group_rows: tuple[int, ...] = ROW_GROUP_ROWS  # the GC passes' new-file row groups
 
     def gc_pass(self, node: str, result: FaultResult, max_groups: int = 3,
@@ -377,6 +382,9 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
                                 "back")
         ctx.kill(name, signal.SIGKILL)
     ctx.cluster.start(name, spec)
+    if point.startswith(SCHEMA_POINTS):
+        added = ctx.evolve() if ctx.evolve is not None else ""
+        result.detail += f" (adding {added})" if added else " (no column left to add)"
     if role == "cdc" and ".replay." in point:
         # Replay points are only reached while a node recovers: give the connector one.
         node = ctx.node()
@@ -797,6 +805,7 @@ def inject(ctx: FaultContext, kind: str, seed: int, episode: int,
            prefixes: tuple[str, ...] = ()) -> FaultResult:
     if kind == "failpoint":
         point = failpoint_for(seed, episode, prefixes)
-        k = 1 if point.startswith(START_POINTS + GC_REVERT_POINTS) else ctx.rng.randint(1, 3)
+        k = 1 if point.startswith(START_POINTS + GC_REVERT_POINTS + SCHEMA_POINTS) \
+            else ctx.rng.randint(1, 3)
         return arm_failpoint(ctx, point, k)
     return FAULTS[kind][1](ctx)

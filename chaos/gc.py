@@ -293,7 +293,8 @@ class GcDriver:
                            group.vnode, tuple(FileRef(f.file_id, f.name, f.path_uri)
                                               for f in group.files),
                            0, prepared.file_name, prepared.path_id, prepared.path_uri,
-                           prepared.cutoff_ts, prepared.expected_rows)
+                           prepared.cutoff_ts, prepared.expected_rows,
+                           prepared.schema_version)
         rewritten = self._rewrite(spec, task)
         if rewritten is None:  # the task process died (a gc.rewrite.* failpoint)
             result.counts["task_died"] += 1

@@ -45,7 +45,10 @@ from .prober import Prober, ReadinessTracker
 from .report import Anomaly, Report
 from .sweep import StorageAudit
 
-CDC_STOP_CODES = {3: "stopped by a malformed source event or a refusal"}
+# 6: the workload changes the source schema only by nullable ADD COLUMNs, which the
+# connector must follow; a stop on a schema change is a finding.
+CDC_STOP_CODES = {3: "stopped by a malformed source event or a refusal",
+                  6: "stopped by a source schema change it could not follow"}
 READY_TIMEOUT_S = 60.0
 # Exit codes that are not findings by themselves: a signal, "restart me" (1), the
 # failpoint's 137, and 4 (a dependency, e.g. PostgreSQL, unreachable at start).
@@ -199,7 +202,8 @@ class Campaign:
         work_rng = random.Random(derived ^ 0x5DEECE66D)
         ctx = FaultContext(self.cluster, self.tracker, fault_rng,
                            lambda: self._write(work_rng, episode), self._source,
-                           self.gc_row_group_rows())
+                           gc_row_group_rows=self.gc_row_group_rows(),
+                           evolve=lambda: self._add_column(work_rng, episode))
         for _ in range(fault_rng.randint(1, 2)):
             ctx.write()
         kind = self._fault_kind(fault_rng, episode)
@@ -282,11 +286,23 @@ class Campaign:
     def _write(self, rng: random.Random, episode: int) -> None:
         """One workload step; a source outage (the PostgreSQL fault) skips it."""
         try:
-            self.report.transactions += workload.step(self._source(), rng, episode)
+            self.report.transactions += workload.step(self._source(), rng, episode,
+                                                      self.report.workload)
         except psycopg2.Error:
             with contextlib.suppress(Exception):
                 self.conn.close()
             self.conn = None
+
+    def _add_column(self, rng: random.Random, episode: int) -> str:
+        """An ADD COLUMN and a write of it (the schema failpoints' driver); "" if none."""
+        try:
+            return workload.add_column(self._source(), rng, episode,
+                                       counts=self.report.workload)
+        except psycopg2.Error:
+            with contextlib.suppress(Exception):
+                self.conn.close()
+            self.conn = None
+            return ""
 
     # --- recovery and convergence -----------------------------------------------------------
     def _heal(self, episode: int) -> None:

@@ -40,6 +40,10 @@ class Report:
     reads_failed: int = 0
     reads_outside_ready: int = 0
     transactions: int = 0
+    # The workload's rarer write paths (chaos/workload.py): truncates, truncates_refilled
+    # (inserts after the TRUNCATE in its transaction), columns_added, and writes of the
+    # TOAST table that leave its TOAST column out (upsert_ / update_toast_kept).
+    workload: Counter[str] = field(default_factory=Counter)
     # Storage GC (chaos/gc.py): passes, groups, committed, refused_<CODE>, files_replaced,
     # rows_kept, rows_dropped, chain_items, racing_changes, gate_closed, commit_unknown,
     # task_died, streams_skipped, rolled_back_recovery, rolled_back_in_place, promoted
@@ -86,7 +90,8 @@ class Report:
             f"chaos campaign seed={self.seed}: {self.episodes}/{self.episodes_planned} episodes "
             f"in {self.duration_s:.0f}s (mean episode {_mean(self.episode_seconds):.2f}s, "
             f"mean converge {_mean(self.converge_seconds):.2f}s)",
-            f"  source transactions  {self.transactions}",
+            f"  source transactions  {self.transactions} (" + (", ".join(
+                f"{k}={v}" for k, v in sorted(self.workload.items())) or "-") + ")",
             "  faults               " + ", ".join(f"{k}={v}" for k, v in
                                                   sorted(self.faults.items())),
             f"  failpoints hit       {len(self.failpoint_hits)}/{len(self.catalogue)} "

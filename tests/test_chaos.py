@@ -13,13 +13,15 @@ import random
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
+import psycopg2
 import pytest
 
-from chaos import faults, gc_task
+from chaos import faults, gc_task, workload
 from chaos import gc as gc_driver
-from chaos.compare import diff_table, lsn
+from chaos.compare import diff_table, lsn, position_lsn, widen
 from chaos.main import episode_seed, parse_args
 from chaos.prober import ReadinessTracker
 from chaos.workload import BY_NAME
@@ -28,11 +30,13 @@ from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 
 # Seed 40's first ten episodes draw, among others, an orphan pass with planted orphans
-# (episode 2), a kill at sweeper.retired.main_index.after (GC passes until retired files
-# fall due, then forced sweeper rounds; episode 3), a gc_rewrite fault (episode 4) and the
-# failpoint gc.rewrite.write.after (a rewrite task killed; episode 5): Storage GC and the
-# sweepers are in the sample, about a minute and a half long. (Seed 7 stopped drawing a
-# gc_rewrite fault when the sweeper fault kinds joined the menu.)
+# (episode 2), a kill at sweeper.retired.catalog.before (GC passes until retired files
+# fall due, then forced sweeper rounds; episode 3), a gc_rewrite fault (episode 4), a kill
+# at gc.revert.primary.after (episode 5) and one at catalog.add_column.commit.before (the
+# workload adds a column; episode 7): Storage GC, the sweepers and schema evolution are in
+# the sample, well under a minute and a half long. Every cluster also starts with an
+# initial snapshot of preloaded rows, and the workload leaves TOAST values unchanged.
+# (Seed 7 stopped drawing a gc_rewrite fault when the sweeper fault kinds joined the menu.)
 SAMPLE = ["--seed", "40", "--episodes", "10", "--time-budget", "100", "--converge-timeout",
           "45"]
 
@@ -86,6 +90,25 @@ def test_unreachable_points_are_really_unreachable() -> None:
             assert point.startswith(faults.START_POINTS), point
     for prep in faults.GC_ROLLBACK_PREPARE:
         assert prep in failpoints.catalogue() and faults.gc_driving(prep) == "pass"
+
+
+def test_the_add_column_points_are_armed_in_the_connector_and_driven_by_an_add_column() -> None:
+    points = [p for p in failpoints.catalogue() if p.startswith("catalog.add_column.")]
+    assert len(points) == 2
+    for point in points:
+        assert point in faults.relevant_points()
+        assert faults.process_of(point) == "cdc"  # only the connector calls add_column
+        assert point.startswith(faults.SCHEMA_POINTS)
+
+
+def test_a_column_the_retina_table_lacks_reads_null_in_the_comparison() -> None:
+    table = workload.dataclasses.replace(BY_NAME["tags"], added=(("x1", "integer"),))
+    assert table.all_columns == ("name", "weight", "note", "x1")
+    # The connector adds x1 only with the first change that carries it: until then
+    # Retina's rows lack it and the source's read NULL.
+    got = widen([{"name": "a", "weight": 1, "note": None}], table.all_columns)
+    assert diff_table(table, {("a",): ("a", 1, None, None)}, got).clean
+    assert not diff_table(table, {("a",): ("a", 1, None, 5)}, got).clean
 
 
 def test_failpoint_selection_by_prefix() -> None:
@@ -191,10 +214,54 @@ def test_diff_counts_lost_duplicated_phantom_and_mismatched_rows() -> None:
 
 def test_lsn_and_arguments() -> None:
     assert lsn("0/10") == 16 and lsn("1/0") == 1 << 32
+    # An initial snapshot chunk's position counts as its consistent point.
+    assert position_lsn('snapshot:0/1DEBF00:13:{"table":"public.tags","after":["t:1"]}') == \
+        lsn("0/1DEBF00") == position_lsn("0/1DEBF00")
     args = parse_args(["--seed", "4", "--episode", "9"])
     assert (args.seed, args.episode) == (4, 9)
     with pytest.raises(SystemExit):
         parse_args(["--faults", "no_such_fault"])
+
+
+@pytest.mark.integration
+def test_the_workload_truncates_adds_columns_and_leaves_toast_values_alone(
+        catalog_dsn: str) -> None:
+    """The campaign's source workload itself, on a real PostgreSQL: what the connector is
+    meant to be exercised with is really in the source."""
+    workload.populate_source(catalog_dsn)
+    conn = psycopg2.connect(catalog_dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute("SELECT attstorage FROM pg_attribute WHERE attrelid = "
+                        "'public.accounts'::regclass AND attname = 'doc'")
+            assert cur.fetchone() == ("e",)  # out of line, uncompressed
+            cur.execute("SELECT count(*), min(length(doc)) FROM public.accounts "
+                        "WHERE doc IS NOT NULL")
+            preloaded, shortest = cur.fetchone()
+        assert preloaded > 0 and shortest > 4000  # TOASTed
+        rng = random.Random(5)
+        added = [workload.add_column(conn, rng, 0) for _ in range(16)]
+        assert sum(bool(a) for a in added) == 5 * workload.MAX_ADDED and added[-1] == ""
+        tables = workload.current_tables(conn)
+        for table in tables:
+            assert [n for n, _ in table.added] == ["x1", "x2", "x3"]
+            rows = workload.source_rows(conn, table)
+            assert all(len(r) == len(table.all_columns) for r in rows.values())
+        for name, tally in Counter(a.split()[0].split(".")[0] for a in added if a).items():
+            assert tally == workload.MAX_ADDED, name
+        # Every new column was written right after the ALTER (so the connector sees it).
+        for table in tables:
+            rows = workload.source_rows(conn, table).values()
+            width = len(table.columns)
+            assert any(r[width] is not None for r in rows), table.name
+        truncated = workload.truncate(conn, rng, 1, tables)
+        assert len(workload.source_rows(conn, BY_NAME[truncated])) <= 20
+        counts: Counter[str] = Counter()
+        for episode in range(40):
+            workload.step(conn, rng, episode, counts)
+        assert counts["update_toast_kept"] + counts["upsert_toast_kept"] > 0
+    finally:
+        conn.close()
 
 
 # --- the fixed-seed sample --------------------------------------------------------------------
@@ -225,6 +292,7 @@ def test_fixed_seed_sample_loses_nothing_and_never_serves_outside_ready(tmp_path
     assert report["faults"].get("orphan_sweep", 0) >= 1, output
     assert report["sweep"].get("orphans_removed", 0) >= 1, output
     assert report["gc"].get("committed", 0) >= 1, output
+    assert report["workload"].get("columns_added", 0) >= 1, output
     assert any(p.startswith("gc.") for p in report["failpoint_hits"]), output
     assert not report["stopped_early"] or "time budget" in report["stopped_early"], output
     assert result.returncode == 0, f"anomalies ({took:.0f}s):\n{output}"
