@@ -479,13 +479,14 @@ class LocalIndexService:
         return previous
 
     @contextmanager
-    def _txn(self) -> Iterator[lmdb.Transaction]:
-        """The open batch if there is one, else a transaction of its own."""
+    def _txn(self, write: bool = True) -> Iterator[lmdb.Transaction]:
+        """The open batch (its own writes included) if there is one, else a transaction
+        of its own (read-only unless ``write``)."""
         batch = getattr(self._batch, "txn", None)
         if batch is not None:
             yield batch
             return
-        with self._env.begin(write=True, db=self._primary) as txn:
+        with self._env.begin(write=write, db=self._primary) as txn:
             yield txn
 
     def put_primary_entries_only(self, table_id: int, keys: Sequence[bytes],
@@ -518,7 +519,7 @@ class LocalIndexService:
                 targets.setdefault(vnode_of(key), []).append(key)
 
         try:
-            with self._read_txn() as txn:
+            with self._txn(write=False) as txn:
                 cursor = txn.cursor(db=self._primary)
                 prefix: bytes | None = None
                 latest: bytes | None = None
@@ -535,16 +536,6 @@ class LocalIndexService:
         except lmdb.Error as exc:
             raise IndexBackendError(f"primary index scan failed: {exc}") from exc
         return targets
-
-    @contextmanager
-    def _read_txn(self) -> Iterator[lmdb.Transaction]:
-        """The open batch (its own writes included) if there is one, else a read txn."""
-        batch = getattr(self._batch, "txn", None)
-        if batch is not None:
-            yield batch
-            return
-        with self._env.begin(db=self._primary) as txn:
-            yield txn
 
     def tombstone_primary_resolved(self, table_id: int, keys: Sequence[bytes], ts: int) -> None:
         """tombstonePrimaryResolved: the keys' rows were deleted at ``ts``."""
