@@ -31,7 +31,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import grpc
@@ -45,7 +44,7 @@ from retina_common.checkpoint import CorruptCheckpoint, Pointer
 from retina_common.client import channel
 from retina_common.config import Config, ConfigError, load_config
 from retina_common.etcd import EtcdError, EtcdStore
-from retina_common.gc_cli import show_lineage, show_sweep
+from retina_common.gc_cli import print_table, show_lineage, show_sweep, when
 from retina_common.keys import LIFECYCLE_PREFIX, checkpoint_slot_key, node_of_lifecycle_key
 from retina_common.lifecycle_record import LifecycleRecord, MalformedLifecycleValue
 from retina_common.log import token_hash
@@ -64,10 +63,6 @@ class UsageError(Exception):
 
 
 # --- output helpers ---------------------------------------------------------------------
-def _when(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S") if ms else "-"
-
-
 def _age(ms: int, now_ms: int) -> str:
     if not ms:
         return "-"
@@ -81,14 +76,6 @@ def _age(ms: int, now_ms: int) -> str:
 
 def _ts(value: int) -> str:
     return "+INF" if value == PLUS_INF else ("-" if value < 0 else str(value))
-
-
-def table(rows: list[list[Any]], header: list[str]) -> None:
-    """Aligned columns on stdout."""
-    cells = [[str(c) for c in row] for row in [header, *rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    for row in cells:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
 
 def _err(message: str) -> None:
@@ -271,9 +258,9 @@ def _status_row(node: str, status: dict[str, Any], now_ms: int) -> list[Any]:
 
 def print_status(status: dict[str, Any]) -> None:
     now = status["now_ms"]
-    table([_status_row(n, status, now) for n in status["nodes"]],
-          ["node", "lifecycle", "phase", "checkpoint", "age", "replay_from", "token_hash",
-           "gate"])
+    print_table([_status_row(n, status, now) for n in status["nodes"]],
+                ["node", "lifecycle", "phase", "checkpoint", "age", "replay_from",
+                 "token_hash", "gate"])
     trans = status["trans"]
     print()
     if "error" in trans:
@@ -330,12 +317,12 @@ def _print_replay(node: str, view: dict[str, Any], scopes: bool) -> None:
         print(f"  ({view['note']})")
         return
     print(f"  checkpointAppliedTs {view['checkpoint_applied_ts']}")
-    table([[v, _ts(ts)] for v, ts in view["vnode_replay_from_ts"].items()],
-          ["vnode", "replay_from_ts"])
+    print_table([[v, _ts(ts)] for v, ts in view["vnode_replay_from_ts"].items()],
+                ["vnode", "replay_from_ts"])
     if scopes:
-        table([[c["table_id"], c["vnode"], _ts(c["scope_replay_from_ts"]),
-                _ts(c["earliest_unsafe_insert_ts"])] for c in view["scopes"]],
-              ["table", "vnode", "scope_replay_from_ts", "earliest_unsafe_insert_ts"])
+        print_table([[c["table_id"], c["vnode"], _ts(c["scope_replay_from_ts"]),
+                      _ts(c["earliest_unsafe_insert_ts"])] for c in view["scopes"]],
+                    ["table", "vnode", "scope_replay_from_ts", "earliest_unsafe_insert_ts"])
 
 
 def cmd_replay_ts(cluster: Cluster, args: argparse.Namespace) -> int:
@@ -404,7 +391,7 @@ def cmd_checkpoint(cluster: Cluster, args: argparse.Namespace) -> int:
     code = _per_node(cluster, args, run, lambda n, v: rows.append(
         [n, v["checkpoint_id"], v["checkpoint_applied_ts"], v["body_length"]]))
     if rows:
-        table(rows, ["node", "checkpoint", "applied_ts", "bytes"])
+        print_table(rows, ["node", "checkpoint", "applied_ts", "bytes"])
     return code
 
 
@@ -447,10 +434,11 @@ def cmd_files(cluster: Cluster, args: argparse.Namespace) -> int:
         print(json.dumps({"table": args.table, "types": [t.name for t in types],
                           "files": rows}, indent=2))
         return EXIT_OK
-    table([[r["file_id"], r["type"], r["node"] or "-", "-" if r["vnode"] is None else r["vnode"],
-            r["row_groups"], _span(r["min_row_id"], r["max_row_id"]),
-            _when(r["cleanup_at"] or 0), r["name"]] for r in rows],
-          ["file", "type", "node", "vnode", "rgs", "row_ids", "cleanup_at", "name"])
+    print_table([[r["file_id"], r["type"], r["node"] or "-",
+                  "-" if r["vnode"] is None else r["vnode"], r["row_groups"],
+                  _span(r["min_row_id"], r["max_row_id"]), when(r["cleanup_at"] or 0),
+                  r["name"]] for r in rows],
+                ["file", "type", "node", "vnode", "rgs", "row_ids", "cleanup_at", "name"])
     print(f"{len(rows)} files")
     return EXIT_OK
 
@@ -466,12 +454,12 @@ def _print_gc_status(node: str, v: dict[str, Any]) -> None:
           f"{'-' if floor < 0 else floor}  last fold {v['last_fold_ts']}  "
           f"last prune horizon {v['last_prune_horizon_ts']}")
     if v["entries"]:
-        table([[e["rewrite_id"][:12], e["state"], f"{e['table_id']}/{e['virtual_node_id']}",
-                e["new_file_id"], ",".join(map(str, e["old_file_ids"])), e["cutoff_ts"],
-                e["rows_kept"], _when(int(e["updated_at_ms"])), e["reason"]]
-               for e in v["entries"]],
-              ["rewrite", "state", "table/vnode", "new", "old", "cutoff", "rows_kept",
-               "updated", "reason"])
+        print_table([[e["rewrite_id"][:12], e["state"],
+                      f"{e['table_id']}/{e['virtual_node_id']}", e["new_file_id"],
+                      ",".join(map(str, e["old_file_ids"])), e["cutoff_ts"], e["rows_kept"],
+                      when(int(e["updated_at_ms"])), e["reason"]] for e in v["entries"]],
+                    ["rewrite", "state", "table/vnode", "new", "old", "cutoff", "rows_kept",
+                     "updated", "reason"])
 
 
 def cmd_gc_status(cluster: Cluster, args: argparse.Namespace) -> int:

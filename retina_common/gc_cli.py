@@ -55,14 +55,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _when(ms: int) -> str:
+def when(ms: int) -> str:
+    """A wall-clock time in ms as UTC text for the operator tables ('-' when unset)."""
     return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S") if ms else "-"
 
 
-def _print_table(rows: list[list[str]], header: list[str]) -> None:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+def print_table(rows: list[list[Any]], header: list[str]) -> None:
+    """Aligned columns on stdout (retina-gc and retina-admin)."""
+    cells = [[str(c) for c in row] for row in [header, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
 
 def _sweep(stub: retina_pb2_grpc.RetinaWorkerServiceStub, args: argparse.Namespace,
@@ -75,7 +78,7 @@ def _sweep(stub: retina_pb2_grpc.RetinaWorkerServiceStub, args: argparse.Namespa
 def show_sweep(node: str, reply: pb.RunSweeperResponse) -> None:
     print(f"{node}: removed {reply.removed} ({reply.bytes_removed} bytes), held {reply.held}")
     if reply.objects:
-        _print_table([[o.pass_name, str(o.file_id), o.name, o.action, o.reason, str(o.bytes)]
+        print_table([[o.pass_name, str(o.file_id), o.name, o.action, o.reason, str(o.bytes)]
                       for o in reply.objects],
                      ["pass", "file", "name", "action", "reason", "bytes"])
 
@@ -83,11 +86,11 @@ def show_sweep(node: str, reply: pb.RunSweeperResponse) -> None:
 def show_lineage(node: str, records: list[pb.GcLineageRecord]) -> None:
     print(f"{node}: {len(records)} rewrites")
     if records:
-        _print_table([[r.rewrite_id[:12], r.status, r.journal_state,
+        print_table([[r.rewrite_id[:12], r.status, r.journal_state,
                        f"{r.schema_name}.{r.table_name}/{r.virtual_node_id}",
                        str(r.new_file_id), ",".join(map(str, r.old_file_ids)),
-                       _when(r.created_at_ms), _when(r.completed_at_ms),
-                       _when(r.reverted_at_ms),
+                       when(r.created_at_ms), when(r.completed_at_ms),
+                       when(r.reverted_at_ms),
                        "yes" if r.revertible else f"no: {r.not_revertible_reason}"]
                       for r in records],
                      ["rewrite", "status", "journal", "table/vnode", "new", "old", "created",
