@@ -42,13 +42,16 @@ COPY devtools ./devtools
 # No Spark: the compose services do not run Spark jobs (install ".[spark]" in an image
 # that does). Named volumes mounted on the two directories start out owned by retina,
 # as in the image.
+# grpcio-tools was needed only to build (the gRPC modules are generated now).
 RUN pip install --no-cache-dir --no-deps --no-build-isolation . \
+ && pip uninstall -y -q grpcio-tools \
  && useradd --system --home /var/lib/retina --create-home retina \
  && mkdir -p /var/lib/retina/state /var/lib/retina/data \
  && chown -R retina:retina /var/lib/retina
 COPY deploy/images/healthcheck.py /usr/local/bin/retina-healthcheck
+COPY deploy/images/cdc-entrypoint.sh /usr/local/bin/retina-cdc-container
 RUN sed -i '1i #!/opt/venv/bin/python' /usr/local/bin/retina-healthcheck \
- && chmod 755 /usr/local/bin/retina-healthcheck
+ && chmod 755 /usr/local/bin/retina-healthcheck /usr/local/bin/retina-cdc-container
 
 USER retina
 ENV RETINA_CONFIG=/etc/retina/retina.toml

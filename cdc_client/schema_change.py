@@ -39,7 +39,8 @@ import psycopg2
 import structlog
 from prometheus_client import Counter
 
-from retina_common.catalog import TableRecord
+from retina_common.catalog import InvalidCatalogArgument, TableRecord
+from retina_common.catalog.model import check_column_type, check_name
 
 log = structlog.get_logger("cdc")
 COLUMNS_ADDED = Counter("cdc_schema_columns_added_total",
@@ -98,8 +99,15 @@ NUMERIC = 1700
 def _numeric_fits(type_modifier: int) -> tuple[str, ...]:
     if type_modifier < 4:  # unconstrained numeric: any decimal column took it before
         return ()
-    precision, scale = ((type_modifier - 4) >> 16) & 0xFFFF, (type_modifier - 4) & 0xFFFF
-    return (f"decimal({precision},{scale})",) if precision <= 38 else ()
+    # PostgreSQL 15 stores the scale as a signed 11-bit field (numeric(5,-2) is legal
+    # there) and allows a scale above the precision (numeric(2,4)); a Retina decimal
+    # has neither, so such a column has no Retina type.
+    precision = ((type_modifier - 4) >> 16) & 0xFFFF
+    scale = (type_modifier - 4) & 0x7FF
+    if scale & 0x400:
+        scale -= 0x800
+    fits = 0 < precision <= 38 and 0 <= scale <= precision
+    return (f"decimal({precision},{scale})",) if fits else ()
 
 
 def pg_column_fits(type_oid: int, type_modifier: int) -> tuple[str, ...]:
@@ -208,7 +216,16 @@ def plan(schema: SourceSchema, table: TableRecord) -> list[tuple[str, str]]:
         if not col.fits:
             raise UnsupportedSchemaChange(
                 f"{where}: new column {col.name} of type {col.source_type} has no Retina "
-                "column type (a numeric needs a precision of at most 38 and a scale)")
+                "column type (a numeric needs a precision of at most 38 and a scale "
+                "between 0 and the precision)")
+        # The catalog would refuse it (InvalidCatalogArgument), and the connector would
+        # then retry the same transaction forever: stop here, with the reason, instead.
+        try:
+            check_name("column", col.name)
+            check_column_type(col.fits[0])
+        except InvalidCatalogArgument as e:
+            raise UnsupportedSchemaChange(
+                f"{where}: new column {col.name!r} cannot be a Retina column: {e}") from None
     return [(c.name, c.fits[0]) for c in added]
 
 

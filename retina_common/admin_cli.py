@@ -6,7 +6,7 @@
     retina-admin checkpoint [--node NODE]
     retina-admin files SCHEMA.TABLE [--type REGULAR ...]
     retina-admin gc status
-    retina-admin gc run [--sweep] [--dry-run]
+    retina-admin gc run [--sweep [--dry-run]]
     retina-admin lineage
 
 Every command takes ``--json`` (one JSON document on stdout instead of tables),
@@ -469,8 +469,10 @@ def cmd_gc_status(cluster: Cluster, args: argparse.Namespace) -> int:
 
 def _gc_round(cluster: Cluster, args: argparse.Namespace, node: str) -> dict[str, Any]:
     stub = cluster.node(node)
-    out = {"maintenance": _dict(stub.RunGcMaintenance(pb.RunGcMaintenanceRequest(),
-                                                      timeout=cluster.timeout_s))}
+    out: dict[str, Any] = {}
+    if not args.dry_run:  # a fold/prune round has no dry run: it is left out of one
+        out["maintenance"] = _dict(stub.RunGcMaintenance(pb.RunGcMaintenanceRequest(),
+                                                         timeout=cluster.timeout_s))
     if args.sweep:
         sweep = stub.RunSweeper(pb.RunSweeperRequest(dry_run=args.dry_run),
                                 timeout=cluster.timeout_s)
@@ -480,14 +482,18 @@ def _gc_round(cluster: Cluster, args: argparse.Namespace, node: str) -> dict[str
 
 
 def _print_gc_round(node: str, v: dict[str, Any]) -> None:
-    m = v["maintenance"]
-    print(f"{node}: folded {m['folded_items']} items at {m['fold_ts']}, pruned "
-          f"{m['pruned_versions']} versions below {m['prune_horizon_ts']}")
+    if "maintenance" in v:
+        m = v["maintenance"]
+        print(f"{node}: folded {m['folded_items']} items at {m['fold_ts']}, pruned "
+              f"{m['pruned_versions']} versions below {m['prune_horizon_ts']}")
     if "_sweep_reply" in v:
         show_sweep(node, v["_sweep_reply"])
 
 
 def cmd_gc_run(cluster: Cluster, args: argparse.Namespace) -> int:
+    if args.dry_run and not args.sweep:
+        raise UsageError("--dry-run applies to the sweep (--sweep); a fold/prune round "
+                         "has no dry run")
     return _per_node(cluster, args, lambda n: _gc_round(cluster, args, n), _print_gc_round)
 
 
@@ -568,7 +574,8 @@ def parser() -> argparse.ArgumentParser:
     gc.add_parser("status", parents=[common], help="journal, pending rewrites, fold floor")
     s = gc.add_parser("run", parents=[common], help="one fold/prune round now (and a sweep)")
     s.add_argument("--sweep", action="store_true", help="also one sweeper round")
-    s.add_argument("--dry-run", action="store_true", help="the sweep removes nothing")
+    s.add_argument("--dry-run", action="store_true",
+                   help="with --sweep: only the sweep, removing nothing (no fold/prune round)")
     sub.add_parser("lineage", parents=[common], help="every Storage GC rewrite")
     return p
 

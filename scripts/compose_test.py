@@ -1,13 +1,17 @@
 """`make compose-test`: the containerised cluster, for real.
 
-Brings the compose cluster up (by default with the registry-free local override),
-waits until every service is healthy (both Retina nodes READY), creates the
-Retina tables, and runs a CDC workload on the source PostgreSQL: inserts, updates,
-primary-key changes and deletes over two tables, one of them with a composite key.
-Then it kills a Retina container (SIGKILL) while the workload is still writing,
-lets it come back, waits for it to be READY again (recovery: replay by the
-connector, MarkReady), writes more, and compares the gated snapshot of every table
-(`retina-query`) with the source table itself, the oracle. The cluster is always
+Brings the compose cluster up (by default with the registry-free local override)
+without the connector, creates the Retina tables and the source tables, and
+writes a first workload to the source; then starts the connector, which loads
+those rows from its initial snapshot and streams from its slot (Debezium's
+snapshot.mode=initial), and waits until every service is healthy (both Retina
+nodes READY). The workload is inserts, updates, primary-key changes and deletes
+over two tables, one of them with a composite key. Then it kills a Retina
+container (SIGKILL) while the workload is still writing, lets it come back, waits
+for it to be READY again (recovery: replay by the connector, MarkReady), writes
+more, adds a nullable column at the source and truncates a table, and compares
+the gated snapshot of every table (`retina-query`) with the source table itself,
+the oracle, after each step. The cluster is always
 torn down with its volumes (unless --keep). Prints the timings.
 
 Needs only the Python standard library, Docker and docker-compose (v1
@@ -40,6 +44,11 @@ SCHEMA = "app"
 KILLED = "retina-2"
 SERVICES = ["etcd", "postgres", "trans", "retina-1", "retina-2", "source-db", "cdc",
             "prometheus"]
+# What must be healthy before the connector starts (the nodes wait for it: READY
+# only once it has driven their replay and MarkReady).
+BEFORE_CDC = ["etcd", "postgres", "trans", "source-db", "prometheus"]
+# Only the registry images have them (the local override has no MinIO or Grafana).
+UPSTREAM_ONLY = ["minio", "grafana"]
 SOURCE_DDL = """
 CREATE TABLE orders (id int8 PRIMARY KEY, customer text, amount numeric(12,2),
                      status text, qty int4);
@@ -169,9 +178,9 @@ class Cluster:
         return proc
 
     def retina(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        """A Retina command inside the connector's container (it has the config,
-        the storage and the TransServer address)."""
-        return self.run("exec", "-T", "cdc", *args, check=check, quiet=True)
+        """A Retina command inside a Retina node's container (the image, the config,
+        the storage and the TransServer address; up before the connector is)."""
+        return self.run("exec", "-T", "retina-1", *args, check=check, quiet=True)
 
 
 class Workload:
@@ -285,6 +294,22 @@ def create_tables(cluster: Cluster) -> None:
     cluster.psql(SOURCE_DDL)
 
 
+def schema_change_and_truncate(cluster: Cluster, workload: Workload, transactions: int) -> None:
+    """ALTER TABLE ... ADD COLUMN (nullable) with rows that set it and rows that do not,
+    then a TRUNCATE followed by inserts in the same transaction, then more workload."""
+    script = "ALTER TABLE orders ADD COLUMN note text;\n"
+    script += workload.script(transactions // 4)
+    noted = workload.ids[-20:]
+    script += (f"UPDATE orders SET note = 'noted ' || id "
+               f"WHERE id IN ({','.join(map(str, noted))});\n")
+    script += "BEGIN;\nTRUNCATE items;\n"
+    script += "".join(f"INSERT INTO items VALUES ({oid}, 1, 'after-truncate', 1);\n"
+                      for oid in workload.ids[-10:])
+    script += "COMMIT;\n"
+    script += workload.script(transactions // 4)
+    cluster.psql(script)
+
+
 def kill_and_recover(cluster: Cluster, timings: dict[str, float],
                      workload: Workload, transactions: int) -> None:
     before = int(cluster.psql("SELECT count(*) FROM orders;").strip())
@@ -351,15 +376,34 @@ def run(cluster: Cluster, args: argparse.Namespace, timings: dict[str, float]) -
         timings[name] = time.monotonic() - t0
         return value
 
+    services = SERVICES + (UPSTREAM_ONLY if args.upstream else [])
     if not args.no_build:
         timed("build images", lambda: cluster.stream("build"))
-    timed("up", lambda: cluster.run("up", "-d", "--no-build", timeout_s=900))
-    timed("up -> every service healthy", lambda: poll(
-        lambda: cluster.healthy(SERVICES), 600, "every service to be healthy", interval_s=2))
-    timed("prometheus scrapes every process",
-          lambda: poll(lambda: scraped(cluster), 90, "prometheus to scrape every process"))
+    # Everything but the connector first: the source gets rows before any slot exists.
+    timed("up (without the connector)", lambda: cluster.run(
+        "up", "-d", "--no-build", *[s for s in services if s != "cdc"], timeout_s=900))
+    timed("up -> healthy (without the connector)", lambda: poll(
+        lambda: cluster.healthy(BEFORE_CDC), 600, "the services the connector needs",
+        interval_s=2))
     timed("create tables", lambda: create_tables(cluster))
     workload = Workload(args.seed)
+    timed("workload 0 (source, before the connector)",
+          lambda: cluster.psql(workload.script(args.transactions)))
+    timed("up cdc (initial snapshot) -> every service healthy", lambda: (
+        cluster.run("up", "-d", "--no-build", timeout_s=900),
+        poll(lambda: cluster.healthy(services), 600, "every service to be healthy",
+             interval_s=2)))
+    timed("prometheus scrapes every process",
+          lambda: poll(lambda: scraped(cluster), 90, "prometheus to scrape every process"))
+    counts = timed("initial snapshot -> snapshot = source",
+                   lambda: converge(cluster, 180, "the gated snapshot to equal the source "
+                                                  "after the initial snapshot"))
+    snapshot_logs = [line for line in cluster.run("logs", "--no-color", "cdc").stdout
+                     .splitlines() if "cdc_snapshot_" in line]
+    if not snapshot_logs:
+        raise Failed("the connector logged no initial snapshot (cdc_snapshot_*)")
+    log(f"converged after the initial snapshot: {counts}; connector: "
+        f"{snapshot_logs[-1].split('|', 1)[-1].strip()[:300]}")
     timed("workload 1 (source)", lambda: cluster.psql(workload.script(args.transactions)))
     counts = timed("workload 1 -> snapshot = source",
                    lambda: converge(cluster, 180, "the gated snapshot to equal the source"))
@@ -370,7 +414,17 @@ def run(cluster: Cluster, args: argparse.Namespace, timings: dict[str, float]) -
     counts = timed("workload 3 -> snapshot = source",
                    lambda: converge(cluster, 180, "the gated snapshot to equal the source "
                                                   "after the recovery"))
-    log(f"PASS: the gated snapshot equals the source after a {KILLED} kill: {counts}")
+    log(f"converged after the recovery: {counts}")
+    timed("ADD COLUMN, TRUNCATE (source)",
+          lambda: schema_change_and_truncate(cluster, workload, args.transactions))
+    counts = timed("ADD COLUMN, TRUNCATE -> snapshot = source",
+                   lambda: converge(cluster, 180, "the gated snapshot to equal the source "
+                                                  "after ADD COLUMN and TRUNCATE"))
+    columns = snapshot_rows(cluster, "orders")
+    if not columns or not any("note" in row for row in columns.values()):
+        raise Failed("the Retina table orders did not gain the source's column note")
+    log(f"PASS: the gated snapshot equals the source after the initial snapshot, a "
+        f"{KILLED} kill, ADD COLUMN and TRUNCATE: {counts}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -124,10 +124,16 @@ def test_gc_status_run_and_lineage(plane: DataPlane) -> None:
     status = admin_json(plane, "gc", "status")
     assert set(status) == set(plane.nodes)
     assert all(s["pending_rewrites"] == 0 for s in status.values())
-    ran = admin_json(plane, "gc", "run", "--sweep", "--dry-run")
+    ran = admin_json(plane, "gc", "run")
     for node in plane.nodes:
         assert {"folded_items", "pruned_versions", "fold_ts"} <= set(ran[node]["maintenance"])
-        assert ran[node]["sweep"]["removed"] == 0  # a dry run removes nothing
+        assert "sweep" not in ran[node]
+    dry = admin_json(plane, "gc", "run", "--sweep", "--dry-run")
+    for node in plane.nodes:
+        assert "maintenance" not in dry[node]  # a dry run changes nothing: no fold/prune
+        assert dry[node]["sweep"]["removed"] == 0
+    alone = admin(plane, "gc", "run", "--dry-run")
+    assert alone.returncode == 2 and "--dry-run applies to the sweep" in alone.stderr
     lineage = admin_json(plane, "lineage")
     assert all(v["records"] == [] for v in lineage.values())  # no rewrite has run
     for args in (("gc", "status"), ("lineage",)):

@@ -805,3 +805,22 @@ def test_malformed_value_stops_the_connector_with_exit_3(
     assert len(cdc.cdc.logged("cdc_stopped_malformed")) == 2
     assert cdc.cdc.logged("cdc_stopped_malformed")[-1]["error"] == stopped[-1]["error"]
     cdc.converged(expected_readings(cdc, [good]))
+
+
+def test_malformed_schema_type_and_object_key_are_malformed_events(tmp_path: Path) -> None:
+    """A field schema whose type is a list, and a key that arrives as a JSON object, are
+    refused as malformed (exit 3) naming the event: never a TypeError (exit 1, a crash
+    loop over the same event)."""
+    table = DebeziumTable("readings", READINGS_PG)
+    [begin, event, end] = table.transaction([("c", None, reading(1))])
+    after_schema = event["schema"]["fields"][1]["fields"]
+    after_schema[0] = {**after_schema[0], "type": ["int64"]}
+    event["payload"]["after"]["id"] = {"high": 0, "low": 1}
+    write(tmp_path / "0001.json", [begin, event, end])
+    tx = DebeziumFileSource(tmp_path, primary_key=_keys).poll(2)
+    assert tx is not None and tx.changes[0].after["id"] == {"high": 0, "low": 1}
+    tables = TableMap(SCHEMA, lambda _s, _n: _record(READINGS_RETINA))
+    with pytest.raises(MalformedChange) as caught:
+        translate(tx, tables, Topology(("127.0.0.1:1",), 4))
+    assert "(event at 0001.json:2)" in str(caught.value)
+    assert "primary key of readings: a dict is not a int64 value" in str(caught.value)

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from email.parser import Parser
 from pathlib import Path
@@ -19,8 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # Every [project.scripts] entry: none of them may need pyspark to start.
-SCRIPTS = ["retina-trans", "retina-server", "retina-cdc", "retina-cluster", "retina-catalog",
-           "retina-query", "retina-chaos", "retina-gc"]
+SCRIPTS = sorted(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"])
 
 
 def _checkout_files() -> list[str]:

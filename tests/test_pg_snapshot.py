@@ -10,17 +10,23 @@ and updates that leave a TOASTed value alone.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import psycopg2
 import pytest
 
 from cdc_client.changelog import REPLACE, TRUNCATE, Changelog
 from cdc_client.replay import requests
 from cdc_client.schema_change import UnsupportedSchemaChange
 from cdc_client.source import RowChange, SourceError, SourceTransaction
-from cdc_client.sources.pg_snapshot import SnapshotPosition, is_snapshot_position
+from cdc_client.sources.pg_snapshot import (
+    SnapshotPosition,
+    is_snapshot_position,
+    published_tables,
+)
 from cdc_client.sources.postgres import PostgresSource, drop_slot, format_lsn
 from cdc_client.translate import TableMap, translate
 from devtools.cluster import PostgresInstance
@@ -143,6 +149,19 @@ def test_snapshot_resumes_after_its_committed_chunk_in_a_fresh_snapshot(db: Sour
     assert apply(apply({}, done), rest)["public.notes"] == notes(db)
     keys = [resumed.position_key(t.position) for t in done + rest]
     assert keys == sorted(set(keys))
+
+
+def test_snapshot_tables_are_in_the_order_a_resume_compares_them(db: SourceDb) -> None:
+    """A resumed snapshot finds its table by comparing qualified names in Python; the
+    tables must come in that order. Here SQL's (schema, table) order differs from it:
+    'a.y' < 'a-b.x' by schema, 'a-b.x' < 'a.y' as strings ('-' sorts before '.')."""
+    db.execute('CREATE SCHEMA a', 'CREATE SCHEMA "a-b"',
+               "CREATE TABLE a.y (id int8 PRIMARY KEY)",
+               'CREATE TABLE "a-b".x (id int8 PRIMARY KEY)',
+               f'CREATE PUBLICATION {db.publication} FOR TABLE a.y, "a-b".x')
+    with closing(psycopg2.connect(db.dsn)) as conn, conn.cursor() as cur:
+        names = [t.relation.table for t in published_tables(cur, db.publication)]
+    assert names == ["a-b.x", "a.y"]
 
 
 def test_a_slot_dropped_mid_snapshot_stops_the_source(db: SourceDb) -> None:

@@ -24,11 +24,13 @@ import pytest
 
 from cdc_client.main import STOPPED_BY_SCHEMA_CHANGE
 from cdc_client.schema_change import (
+    NUMERIC,
     ColumnFacts,
     SourceColumn,
     SourceSchema,
     UnsupportedSchemaChange,
     pg_column_facts,
+    pg_column_fits,
     plan,
 )
 from devtools.cluster import PostgresInstance
@@ -163,6 +165,13 @@ def test_plan_adds_new_nullable_columns_and_accepts_unchanged_tables() -> None:
      "has no Retina column type"),
     (_source(ID, NOTE, ("gone", "text", ("string",), False)), RETINA,
      "no longer in the source table"),
+    # Names the catalog refuses: a quoted source identifier, a space, non-ASCII.
+    (_source(ID, NOTE, ("order-date", "text", ("string",), False),
+             facts={"order-date": NULLABLE}), RETINA, "'order-date' cannot be a Retina column"),
+    (_source(ID, NOTE, ("due at", "text", ("string",), False), facts={"due at": NULLABLE}),
+     RETINA, "'due at' cannot be a Retina column"),
+    (_source(ID, NOTE, ("größe", "text", ("string",), False), facts={"größe": NULLABLE}),
+     RETINA, "cannot be a Retina column"),
     # Added by evolution, and gone from the source now: dropped after it was added.
     (_source(ID, NOTE), _table(("id", "int64", 1), ("note", "string", 1), ("t", "string", 2)),
      "column t was dropped or renamed"),
@@ -172,6 +181,25 @@ def test_plan_refuses_every_other_change(source: SourceSchema, table: TableRecor
     with pytest.raises(UnsupportedSchemaChange, match=message) as err:
         plan(source, table)
     assert "public.orders" in str(err.value) and "shop.orders" in str(err.value)
+
+
+def _numeric_typmod(precision: int, scale: int) -> int:
+    """PostgreSQL 15's atttypmod of numeric(precision, scale): scale as 11 signed bits."""
+    return ((precision << 16) | (scale & 0x7FF)) + 4
+
+
+@pytest.mark.parametrize(("precision", "scale", "fits"), [
+    (10, 2, ("decimal(10,2)",)),
+    (38, 0, ("decimal(38,0)",)),
+    (5, 5, ("decimal(5,5)",)),
+    (39, 2, ()),  # wider than a Retina decimal
+    (5, -2, ()),  # PostgreSQL 15: rounds to hundreds
+    (2, 4, ()),  # PostgreSQL 15: scale above precision
+])
+def test_numeric_columns_fit_only_a_decimal_retina_can_hold(
+        precision: int, scale: int, fits: tuple[str, ...]) -> None:
+    assert pg_column_fits(NUMERIC, _numeric_typmod(precision, scale)) == fits
+    assert pg_column_fits(NUMERIC, -1) == ()  # unconstrained numeric
 
 
 def test_replica_identity_full_does_not_read_as_a_key_change() -> None:

@@ -343,7 +343,14 @@ class DebeziumFileSource:
         columns = self._primary_key(table) if self._primary_key is not None else None
         if not columns or any(row.get(c) in (None, UNAVAILABLE) for c in columns):
             return None
-        return tuple(row[c] for c in columns)
+        key = tuple(row[c] for c in columns)
+        try:
+            hash(key)
+        except TypeError:
+            # A key value that arrived as a JSON array or object: the codec refuses the
+            # row itself (exit 3); it is just not remembered for TOAST filling.
+            return None
+        return key
 
     def _remember(self, open_tx: _OpenTransaction, change: RowChange) -> None:
         if self._primary_key is None:

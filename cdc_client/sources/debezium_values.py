@@ -271,7 +271,9 @@ def field_decoder(schema: Mapping[str, Any]) -> Decoder:
         return _decimal(parameters if isinstance(parameters, Mapping) else {})
     if isinstance(name, str) and name in LOGICAL:
         return LOGICAL[name]
-    return PRIMITIVE.get(schema.get("type"), _passthrough)  # type: ignore[arg-type]
+    kind = schema.get("type")
+    # A malformed schema's type can be a list or an object: not a key to look up.
+    return PRIMITIVE.get(kind, _passthrough) if isinstance(kind, str) else _passthrough
 
 
 def row_decoder(envelope: Any, key: str) -> dict[str, Field] | None:

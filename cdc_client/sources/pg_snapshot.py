@@ -146,6 +146,10 @@ def published_tables(cur: Any, publication: str) -> list[SnapshotTable]:
             Column(col, int(type_oid), col in key, int(typmod))
             for col, type_oid, typmod in columns))
         tables.append(SnapshotTable(relation, key))
+    # A resumed snapshot finds its place by comparing these names in Python: the order
+    # must be that comparison's, not the database collation's (which can put 'B' after
+    # 'a', and would then skip a table when the one to resume in is gone).
+    tables.sort(key=lambda t: t.relation.table)
     return tables
 
 

@@ -15,7 +15,9 @@ as_root() {
 }
 
 missing=""
-command -v docker >/dev/null 2>&1 || missing="$missing docker.io"
+# dockerd, not docker: a machine can carry a Docker client alone (a static
+# binary in /usr/local/bin, say) with no engine to talk to.
+command -v dockerd >/dev/null 2>&1 || missing="$missing docker.io"
 command -v docker-compose >/dev/null 2>&1 || docker compose version >/dev/null 2>&1 \
     || missing="$missing docker-compose"
 command -v debootstrap >/dev/null 2>&1 || missing="$missing debootstrap"
