@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from retina_common.catalog import TableRecord
-from retina_common.codec import encode_primary_key, encode_value
+from retina_common.codec import encode_primary_key, value_encoder
 from retina_common.config import TlsConfig
 from retina_common.pb import retina_pb2 as pb
 from retina_common.tls import open_channel
@@ -63,25 +63,28 @@ class TableWriter:
         as DELETE + INSERT.
         """
         by_vnode: dict[int, pb.TableUpdateData] = {}
+        routes: dict[bytes, int] = {}  # a replaced key is routed once, not twice
 
         def tud(key: bytes) -> pb.TableUpdateData:
-            vnode = self.topology.vnode_of_key(key)
+            vnode = routes.get(key)
+            if vnode is None:
+                vnode = routes[key] = self.topology.vnode_of_key(key)
             if vnode not in by_vnode:
                 by_vnode[vnode] = pb.TableUpdateData(
                     table_name=self.table.name, primary_index_id=self.table.primary_index_id,
                     timestamp=ts, virtual_node_id=vnode)
             return by_vnode[vnode]
 
-        replaces = list(replaces)
-        for row in [*deletes, *replaces]:
-            key = self.key(row)
+        # Each row's key once (a replace uses it twice), each column's encoder once.
+        replaced = [(self.key(row), row) for row in replaces]
+        encoders = [(c.name, value_encoder(c.type)) for c in self.table.columns]
+        for key in [*(self.key(row) for row in deletes), *(k for k, _ in replaced)]:
             tud(key).delete_data.add().index_keys.append(self._index_key(key, ts))
-        for row in [*inserts, *replaces]:
-            key = self.key(row)
+        for key, row in [*((self.key(row), row) for row in inserts), *replaced]:
             item = tud(key).insert_data.add()
             item.index_keys.append(self._index_key(key, ts))
-            item.col_values.extend(encode_value(c.type, row.get(c.name))
-                                   for c in self.table.columns)
+            item.col_values.extend(b"" if (v := row.get(name)) is None else encode(v)
+                                   for name, encode in encoders)
         per_node: dict[str, list[pb.TableUpdateData]] = defaultdict(list)
         for vnode, data in sorted(by_vnode.items()):
             per_node[self.topology.node_of_vnode(vnode)].append(data)

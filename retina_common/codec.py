@@ -20,11 +20,12 @@ columns; Retina uses it to check that an INSERT's key bytes match its row.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 from typing import Any
@@ -127,13 +128,20 @@ def encode_value(type_name: str, value: Any) -> bytes:
     """
     if value is None:
         return b""
+    return value_encoder(type_name)(value)
+
+
+@functools.lru_cache(maxsize=256)
+def value_encoder(type_name: str) -> Callable[[Any], bytes]:
+    """:func:`encode_value` for one column type, resolved once (a writer encodes many
+    values of each column): the returned function takes a non-NULL value."""
     match = _DECIMAL.match(type_name)
     if match:
-        return _encode_decimal(int(match.group(1)), int(match.group(2)), value)
+        return functools.partial(_encode_decimal, int(match.group(1)), int(match.group(2)))
     encode = _ENCODERS.get(type_name)
     if encode is None:
         raise EncodingError(f"unknown column type {type_name}")
-    return encode(type_name, value)
+    return functools.partial(encode, type_name)
 
 
 def _refuse(type_name: str, value: Any) -> EncodingError:
@@ -141,6 +149,8 @@ def _refuse(type_name: str, value: Any) -> EncodingError:
 
 
 def _is_int(value: Any) -> bool:
+    if type(value) is int:  # the common case, without the ABC check below
+        return True
     return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
 
 
@@ -184,7 +194,9 @@ def _encode_timestamp(type_name: str, value: Any) -> bytes:
 
 
 def _encode_float(type_name: str, value: Any) -> bytes:
-    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real | Decimal):
+    # type(value) is float: the common case, without the ABC checks.
+    if type(value) is not float and (isinstance(value, bool | np.bool_)
+                                     or not isinstance(value, numbers.Real | Decimal)):
         raise _refuse(type_name, value)
     try:
         number = float(value)
@@ -276,7 +288,7 @@ def encode_primary_key(types: Sequence[str], values: Sequence[Any]) -> bytes:
     for type_name, value in zip(types, values, strict=True):
         if value is None:
             raise EncodingError("a primary-key column cannot be NULL")
-        encoded = encode_value(type_name, value)
+        encoded = value_encoder(type_name)(value)
         out += len(encoded).to_bytes(4, "big") + encoded
     return bytes(out)
 

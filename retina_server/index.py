@@ -403,7 +403,11 @@ class LocalIndexService:
         pairs = self._candidates(table_id, keys, ts)
         if pairs is None:
             return None
-        at_ts = self._classify([at if at != TOMBSTONE else None for at, _ in pairs], baseline)
+        at_rows = [at if at != TOMBSTONE else None for at, _ in pairs]
+        if any(r is not None for r in at_rows):
+            at_ts = self._classify(at_rows, baseline)
+        else:  # the normal case: nothing at exactly ts, so nothing to look up
+            at_ts = [Resolved(Resolution.NOT_FOUND_OR_ORPHAN)] * len(at_rows)
         before = self._classify([b for _, b in pairs], baseline)
         return [[r for r in (a, b) if r.status == Resolution.FOUND]
                 for a, b in zip(at_ts, before, strict=True)]

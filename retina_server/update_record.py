@@ -51,6 +51,7 @@ import contextlib
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -101,7 +102,7 @@ def prepare(node: RetinaNode, request: pb.UpdateRecordRequest,
 
 
 def _keys(table: TableRecord, tud: pb.TableUpdateData, items: list, what: str,
-          node: RetinaNode) -> list[bytes]:
+          node: RetinaNode, routes: dict[bytes, int]) -> list[bytes]:
     """The primary-key bytes of ``items``; every rule is checked batch-wise and the
     first offending row is named."""
     if not items:
@@ -128,13 +129,19 @@ def _keys(table: TableRecord, tud: pb.TableUpdateData, items: list, what: str,
     keys = [k.key for k in index_keys]
     if not all(keys):
         raise _invalid(f"{name}: {what} {keys.index(b'')} has an empty key")
+    # ``routes`` is shared by the update's deletes and inserts: a replace's key is
+    # hashed once.
     route = node.topology.vnode_of_key
     vnode = tud.virtual_node_id
-    routes = [route(k) for k in keys]
-    if routes.count(vnode) != len(routes):
-        i = next(i for i, v in enumerate(routes) if v != vnode)
-        raise _invalid(f"{name}: {what} {i} key routes to virtual node {routes[i]}, "
-                       f"not {vnode}")
+    if routes:
+        got = [routes.get(k, -1) for k in keys]
+        got = [v if v >= 0 else route(k) for k, v in zip(keys, got, strict=True)]
+    else:
+        got = [route(k) for k in keys]
+    routes.update(zip(keys, got, strict=True))
+    if got.count(vnode) != len(got):
+        i = next(i for i, v in enumerate(got) if v != vnode)
+        raise _invalid(f"{name}: {what} {i} key routes to virtual node {got[i]}, not {vnode}")
     return keys
 
 
@@ -155,19 +162,23 @@ def _prepare_one(node: RetinaNode, schema_name: str, tud: pb.TableUpdateData) ->
         owner = node.topology.node_of_vnode(vnode)
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                       f"virtual node {vnode} belongs to {owner}, not {node.node_id}")
-    delete_keys = _keys(table, tud, list(tud.delete_data), "delete", node)
-    insert_keys = _keys(table, tud, list(tud.insert_data), "insert", node)
+    routes: dict[bytes, int] = {}
+    delete_keys = _keys(table, tud, list(tud.delete_data), "delete", node, routes)
+    insert_keys = _keys(table, tud, list(tud.insert_data), "insert", node, routes)
     if len(set(insert_keys)) != len(insert_keys):
         raise _invalid(f"{tud.table_name}: duplicate keys in one insert batch")
     columns: list[pa.Array] = []
     if insert_keys:
-        table = _table_for_widths(node, schema_name, table, tud)
+        table, widths = _table_for_widths(node, schema_name, table, tud)
         width = len(table.columns)
-        # A row encoded for an older schema version lacks the columns added since: NULL.
-        rows = [pad_values(row.col_values, width) for row in tud.insert_data]
-        for c, column in enumerate(table.columns):
+        if widths == {width}:
+            rows: list[Any] = [row.col_values for row in tud.insert_data]
+        else:  # a row encoded for an older schema version: NULL for the columns added since
+            rows = [pad_values(row.col_values, width) for row in tud.insert_data]
+        # One transposition of the rows into columns (zip, in C).
+        for column, values in zip(table.columns, zip(*rows, strict=True), strict=True):
             try:
-                columns.append(decode_column(column.type, [row[c] for row in rows]))
+                columns.append(decode_column(column.type, values))
             except EncodingError as exc:
                 raise _invalid(f"{tud.table_name}.{column.name}: {exc}") from None
         _check_keys_match_rows(table, tud.table_name, insert_keys, columns)
@@ -176,20 +187,23 @@ def _prepare_one(node: RetinaNode, schema_name: str, tud: pb.TableUpdateData) ->
 
 
 def _table_for_widths(node: RetinaNode, schema_name: str, table: TableRecord,
-                      tud: pb.TableUpdateData) -> TableRecord:
-    """The table record every insert row's width fits: a row wider than the cached record
-    was encoded after a column was added (schema evolution), so the record is re-read
-    from the catalog once. Any width that is no schema version's is refused."""
+                      tud: pb.TableUpdateData) -> tuple[TableRecord, set[int]]:
+    """The table record every insert row's width fits, and the rows' distinct widths: a
+    row wider than the cached record was encoded after a column was added (schema
+    evolution), so the record is re-read from the catalog once. Any width that is no
+    schema version's is refused, naming the first row that has it."""
     widths = [len(row.col_values) for row in tud.insert_data]
-    if max(widths) > len(table.columns):
+    distinct = set(widths)
+    if max(distinct) > len(table.columns):
         table = node.refresh_table(schema_name, tud.table_name)
-    for i, n in enumerate(widths):
-        if not table.accepts_width(n):
-            expected = (f"{len(table.columns)}" if table.original_width == len(table.columns)
-                        else f"{table.original_width} to {len(table.columns)}")
-            raise _invalid(f"{tud.table_name}: insert {i} has {n} values for {expected} "
-                           "columns")
-    return table
+    bad = {n for n in distinct if not table.accepts_width(n)}
+    if bad:
+        i = next(i for i, n in enumerate(widths) if n in bad)
+        expected = (f"{len(table.columns)}" if table.original_width == len(table.columns)
+                    else f"{table.original_width} to {len(table.columns)}")
+        raise _invalid(f"{tud.table_name}: insert {i} has {widths[i]} values for {expected} "
+                       "columns")
+    return table, distinct
 
 
 def _check_keys_match_rows(table: TableRecord, name: str, keys: list[bytes],
@@ -350,8 +364,14 @@ def _apply_deletes(node: RetinaNode, u: PreparedUpdate) -> int:
         if rows:
             found_keys.append(key)
     deleted = sum(node.rg_visibility(f, rg).delete(rows, u.ts) for (f, rg), rows in by_rg.items())
-    if found_keys:
-        node.index.tombstone_primary_resolved(tid, found_keys, u.ts)
+    # REPLACE_WRITES_ONE_VERSION: a key this update re-inserts gets its version at u.ts
+    # from the INSERT (putPrimaryEntriesOnly, same batch, same key@ts), which would
+    # overwrite the tombstone: writing it first changes nothing durable, so it is not
+    # written. If the INSERT fails, the batch aborts and neither is written.
+    reinserted = set(u.insert_keys)
+    tombstoned = [k for k in found_keys if k not in reinserted] if reinserted else found_keys
+    if tombstoned:
+        node.index.tombstone_primary_resolved(tid, tombstoned, u.ts)
     return deleted
 
 
