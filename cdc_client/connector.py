@@ -31,7 +31,6 @@ Crash windows: ``docs/write-paths/cdc-changelog.md``.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -277,7 +276,7 @@ class Connector:
         CDC_BATCH_BEGIN_AFTER.hit()
         ids = [t.trans_id for t in began]
         logged = [LoggedTransaction(b.timestamp, t.position, t.source_txid, t.commit_time_ms,
-                                    [dataclasses.replace(r, ts=b.timestamp) for r in rows])
+                                    _stamped(rows, b.timestamp))
                   for b, t, rows in zip(began, batch.transactions, batch.rows, strict=True)]
         self._open_ids = ids
         t1 = time.monotonic()
@@ -519,6 +518,12 @@ def _unavailable(exc: Exception) -> bool:
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000, 1)
+
+
+def _stamped(rows: list[ChangeRow], ts: int) -> list[ChangeRow]:
+    """The rows with their transaction's timestamp (built directly: dataclasses.replace
+    costs several microseconds a row, a measurable share of a 5,000-row batch)."""
+    return [ChangeRow(ts, r.seq, r.vnode, r.table, r.op, r.key, r.values) for r in rows]
 
 
 class _TableRecords(dict):

@@ -17,7 +17,6 @@ does not fit the column's precision and scale) raises
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +25,7 @@ from cdc_client.changelog import DELETE, REPLACE, TRUNCATE, ChangeRow
 from cdc_client.schema_change import SourceSchema, UnsupportedSchemaChange, evolve, plan
 from cdc_client.source import RowChange, SourceTransaction
 from retina_common.catalog import TableRecord
-from retina_common.codec import EncodingError, encode_primary_key, encode_value
+from retina_common.codec import EncodingError, encode_primary_key, value_encoder
 from retina_common.topology import Topology
 
 
@@ -63,7 +62,7 @@ class TableMap:
         evolve(schema, table, self.add_column)
         self.forget()
 
-    def table(self, source_table: str, where: str) -> TableRecord:
+    def table(self, source_table: str, where: object) -> TableRecord:
         name = source_table.rsplit(".", 1)[-1]
         record = self.lookup(self.schema, name)
         if record is None:
@@ -72,35 +71,78 @@ class TableMap:
         return record
 
 
-def _key(table: TableRecord, row: Mapping[str, Any], where: str) -> bytes:
-    types = {c.name: c.type for c in table.columns}
-    missing = [c for c in table.primary_key if row.get(c) is None]
+class _Where:
+    """Where a change is, for an error message: formatted only when one is raised (a
+    transaction of thousands of rows raises none)."""
+
+    __slots__ = ("index", "origin", "trans")
+
+    def __init__(self, trans: SourceTransaction, index: int, origin: str) -> None:
+        self.trans, self.index, self.origin = trans, index, origin
+
+    def __str__(self) -> str:
+        text = (f"source transaction {self.trans.source_txid} at {self.trans.position}, "
+                f"change {self.index}")
+        return f"{text} (event at {self.origin})" if self.origin else text
+
+
+class _Shape:
+    """What translating rows of one table needs, worked out once per table record."""
+
+    def __init__(self, table: TableRecord) -> None:
+        types = {c.name: c.type for c in table.columns}
+        self.key_columns = table.primary_key
+        self.key_types = [types[c] for c in table.primary_key]
+        self.names = frozenset(types)
+        # A column added by schema evolution is NULL in a row the source decoded with its
+        # older relation (a transaction re-delivered after a restart that followed the
+        # change); the columns the table was created with must be there.
+        self.required = frozenset(c.name for c in table.columns if c.since_version == 1)
+        self.encoders = [(c, value_encoder(c.type)) for c in table.columns]
+
+
+# By the record's identity (hashing a record hashes every column): the entry keeps the
+# record alive, so its id cannot be reused for another one while cached.
+_shapes: dict[int, tuple[TableRecord, _Shape]] = {}
+
+
+def _shape(table: TableRecord) -> _Shape:
+    entry = _shapes.get(id(table))
+    if entry is None or entry[0] is not table:
+        if len(_shapes) > 1024:  # table records of many schema versions over a long run
+            _shapes.clear()
+        entry = _shapes[id(table)] = (table, _Shape(table))
+    return entry[1]
+
+
+def _key(table: TableRecord, row: Mapping[str, Any], where: object) -> bytes:
+    shape = _shape(table)
+    missing = [c for c in shape.key_columns if row.get(c) is None]
     if missing:
         raise MalformedChange(f"{where}: missing primary-key column(s) {missing} "
                               f"for {table.name}")
     try:
-        return encode_primary_key([types[c] for c in table.primary_key],
-                                  [row[c] for c in table.primary_key])
+        return encode_primary_key(shape.key_types, [row[c] for c in shape.key_columns])
     except EncodingError as exc:  # the codec's only error for a value that does not fit
         raise MalformedChange(f"{where}: primary key of {table.name}: {exc}") from None
 
 
-def _values(table: TableRecord, row: Mapping[str, Any], where: str) -> tuple[bytes, ...]:
-    names = [c.name for c in table.columns]
-    extra = sorted(set(row) - set(names))
-    # A column added by schema evolution is NULL in a row the source decoded with its
-    # older relation (a transaction re-delivered after a restart that followed the change).
-    absent = [c.name for c in table.columns if c.name not in row and c.since_version == 1]
-    if extra or absent:
+def _values(table: TableRecord, row: Mapping[str, Any], where: object) -> tuple[bytes, ...]:
+    shape = _shape(table)
+    keys = row.keys()
+    if not (shape.names.issuperset(keys) and keys >= shape.required):
+        extra = sorted(set(row) - shape.names)
+        absent = [c.name for c in table.columns if c.name not in row and c.since_version == 1]
         raise MalformedChange(f"{where}: schema mismatch for {table.name}: "
                               f"unknown column(s) {extra}, missing column(s) {absent}")
     out = []
-    for col in table.columns:
+    for col, encode in shape.encoders:
+        value = row.get(col.name)
         try:
-            out.append(encode_value(col.type, row.get(col.name)))
+            out.append(b"" if value is None else encode(value))
         except EncodingError as exc:  # the codec's only error for a value that does not fit
             raise MalformedChange(f"{where}: column {table.name}.{col.name} ({col.type}): "
-                                  f"cannot encode {_shown(row.get(col.name))}: {exc}") from None
+                                  f"cannot encode {_shown(value)}: {exc}") from None
     return tuple(out)
 
 
@@ -109,7 +151,7 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def _effects(change: RowChange, table: TableRecord, where: str
+def _effects(change: RowChange, table: TableRecord, where: object
              ) -> list[tuple[bytes, int, tuple[bytes, ...] | None]]:
     if change.op == "delete":
         if change.before is None:
@@ -142,9 +184,7 @@ def translate(trans: SourceTransaction, tables: TableMap, topology: Topology
     net: dict[tuple[str, bytes], tuple[int, tuple[bytes, ...] | None]] = {}
     truncated: dict[str, None] = {}
     for i, change in enumerate(trans.changes):
-        where = f"source transaction {trans.source_txid} at {trans.position}, change {i}"
-        if change.origin:
-            where += f" (event at {change.origin})"
+        where = _Where(trans, i, change.origin)
         if change.op not in ("insert", "update", "delete", "truncate"):
             raise MalformedChange(f"{where}: unknown operation {change.op!r}")
         table = tables.table(change.table, where)
@@ -154,8 +194,9 @@ def translate(trans: SourceTransaction, tables: TableMap, topology: Topology
             continue
         for key, op, values in _effects(change, table, where):
             net[(table.name, key)] = (op, values)
-    rows = [ChangeRow(0, 0, vnode, table, TRUNCATE, b"", None)
-            for table in truncated for vnode in range(topology.virtual_nodes)]
-    rows += [ChangeRow(0, 0, topology.vnode_of_key(key), table, op, key, values)
-             for (table, key), (op, values) in net.items()]
-    return [dataclasses.replace(row, seq=seq) for seq, row in enumerate(rows)]
+    effects = [(vnode, table, TRUNCATE, b"", None)
+               for table in truncated for vnode in range(topology.virtual_nodes)]
+    effects += [(topology.vnode_of_key(key), table, op, key, values)
+                for (table, key), (op, values) in net.items()]
+    return [ChangeRow(0, seq, vnode, table, op, key, values)
+            for seq, (vnode, table, op, key, values) in enumerate(effects)]

@@ -481,6 +481,8 @@ def test_add_column_flows_from_the_source_through_restarts_and_gc(
     # Killed just before the add_column commit: the restarted connector must add it.
     cdc.cdc.start("catalog.add_column.commit.before=exit(137)")
     eventually(cdc.all_ready, 60, "the connector to drive both nodes to READY")
+    # A node answers READY before etcd (and so the gate) has it: the read below is gated.
+    eventually(cdc.plane.gate_open, 15, "the query gate to admit")
     before_rows = _hwm(cdc)  # every row of the test commits above it
     source.run(30)  # rows before the ALTER
     cdc.converged()
