@@ -3,9 +3,15 @@ and source position, stored before anything is sent (specification section 6).
 
 Layout under the changelog root (a local directory or any pyarrow.fs URI)::
 
-    segments/vnode=0003/<firstTs>-<lastTs>.parquet   one per batch and virtual node
+    segments/batch/<firstTs>-<lastTs>.parquet        one per batch, every virtual node
     batches/<firstTs>-<lastTs>.rec                   the batch record (the commit point)
     retained_from.rcw                                the retention low-watermark
+
+A batch's segment holds the rows of all its virtual nodes (a ``vnode`` column,
+sorted by it), so a batch costs two durable writes whatever the number of
+virtual nodes. Changelogs written before that hold one segment per batch and
+virtual node, ``segments/vnode=0003/<firstTs>-<lastTs>.parquet``; their records
+name them so (no ``dir``), and they are read and dropped as before.
 
 A batch (one or more source transactions, timestamps ascending) is durable
 once its batch record is: segments are written and fsynced first, then the
@@ -39,12 +45,12 @@ import io
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import crc32c
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -69,6 +75,7 @@ SEGMENT_SCHEMA = pa.schema([
     ("ts", pa.int64()), ("seq", pa.int32()), ("table", pa.string()), ("op", pa.int8()),
     ("key", pa.binary()), ("values", pa.list_(pa.binary())),
 ])
+SHARED_SEGMENT_SCHEMA = SEGMENT_SCHEMA.append(pa.field("vnode", pa.int32()))
 
 
 def changelog_root(config: Config) -> str:
@@ -121,11 +128,21 @@ class LoggedTransaction:
 
 @dataclass(frozen=True)
 class SegmentRef:
+    """The rows of one virtual node in a batch: ``rows`` of them in the file ``dir/name``,
+    whose ``length`` and CRC32C are checked on every read. ``dir`` is ``segments/batch``
+    for a segment shared by every virtual node of its batch (the refs of one batch then
+    name the same file), or empty for the older one-file-per-virtual-node layout."""
+
     vnode: int
     name: str
     rows: int
     length: int
     crc32c: int
+    dir: str = ""
+
+    @property
+    def path(self) -> tuple[str, str]:
+        return (self.dir or _segment_dir(self.vnode), self.name)
 
 
 @dataclass(frozen=True)
@@ -148,7 +165,8 @@ class BatchRecord:
             "firstTs": self.first_ts, "lastTs": self.last_ts,
             "transactions": list(self.transactions),
             "segments": [{"vnode": s.vnode, "name": s.name, "rows": s.rows,
-                          "length": s.length, "crc32c": s.crc32c} for s in self.segments],
+                          "length": s.length, "crc32c": s.crc32c,
+                          **({"dir": s.dir} if s.dir else {})} for s in self.segments],
         }, separators=(",", ":")).encode()
         return f"{_MAGIC} {len(body)} {crc32c.crc32c(body)}\n".encode() + body
 
@@ -163,7 +181,7 @@ class BatchRecord:
         d = json.loads(body)
         return cls(int(d["firstTs"]), int(d["lastTs"]), tuple(d["transactions"]),
                    tuple(SegmentRef(int(s["vnode"]), s["name"], int(s["rows"]),
-                                    int(s["length"]), int(s["crc32c"]))
+                                    int(s["length"]), int(s["crc32c"]), s.get("dir", ""))
                          for s in d["segments"]))
 
 
@@ -183,12 +201,15 @@ def parse_watermark(data: bytes) -> int:
     return int(json.loads(body)["retainedFromTs"])
 
 
+SHARED_DIR = "segments/batch"
+
+
 def _segment_dir(vnode: int) -> str:
     return f"segments/vnode={vnode:04d}"
 
 
-def _encode_segment(rows: list[ChangeRow]) -> bytes:
-    table = pa.table({
+def encode_segment(rows: list[ChangeRow], *, with_vnode: bool = True) -> bytes:
+    columns = {
         "ts": pa.array([r.ts for r in rows], pa.int64()),
         "seq": pa.array([r.seq for r in rows], pa.int32()),
         "table": pa.array([r.table for r in rows], pa.string()),
@@ -196,23 +217,46 @@ def _encode_segment(rows: list[ChangeRow]) -> bytes:
         "key": pa.array([r.key for r in rows], pa.binary()),
         "values": pa.array([None if r.values is None else list(r.values) for r in rows],
                            pa.list_(pa.binary())),
-    }, schema=SEGMENT_SCHEMA)
+    }
+    schema = SEGMENT_SCHEMA
+    if with_vnode:
+        columns["vnode"] = pa.array([r.vnode for r in rows], pa.int32())
+        schema = SHARED_SEGMENT_SCHEMA
     out = io.BytesIO()
-    pq.write_table(table, out, compression="zstd")
+    pq.write_table(pa.table(columns, schema=schema), out, compression="zstd")
     return out.getvalue()
 
 
 def decode_segment(data: bytes, vnode: int) -> list[ChangeRow]:
+    """The rows of ``vnode`` in a segment: all of a one-virtual-node segment's, those with
+    that ``vnode`` in a batch's shared one."""
+    return decode_segment_vnodes(data, {vnode}, vnode).get(vnode, [])
+
+
+def decode_segment_vnodes(data: bytes, vnodes: set[int], only: int | None = None
+                          ) -> dict[int, list[ChangeRow]]:
+    """The rows of each of ``vnodes`` in a segment. A one-virtual-node segment (no
+    ``vnode`` column) holds ``only``'s rows."""
     table = pq.read_table(io.BytesIO(data))
-    cols = [table.column(n).to_pylist() for n in ("ts", "seq", "table", "op", "key", "values")]
-    return [ChangeRow(ts, seq, vnode, t, op, key, None if values is None else tuple(values))
-            for ts, seq, t, op, key, values in zip(*cols, strict=True)]
+    names = ("ts", "seq", "table", "op", "key", "values")
+    if "vnode" in table.column_names:
+        wanted = pc.is_in(table.column("vnode"), pa.array(sorted(vnodes), pa.int32()))
+        table = table.filter(wanted)
+        vnode_of = table.column("vnode").to_pylist()
+    else:
+        assert only is not None, "a one-virtual-node segment needs its virtual node"
+        vnode_of = [only] * table.num_rows
+    cols = [table.column(n).to_pylist() for n in names]
+    out: dict[int, list[ChangeRow]] = {}
+    for v, ts, seq, t, op, key, values in zip(vnode_of, *cols, strict=True):
+        out.setdefault(v, []).append(
+            ChangeRow(ts, seq, v, t, op, key, None if values is None else tuple(values)))
+    return out
 
 
 class Changelog:
-    def __init__(self, root: str, writers: int = 8) -> None:
+    def __init__(self, root: str) -> None:
         self.root = storage.root_uri(root)
-        self._pool = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="changelog")
 
     def _uri(self, sub: str) -> str:
         return storage.file_uri(self.root, sub)
@@ -228,15 +272,16 @@ class Changelog:
             for row in trans.rows:
                 by_vnode.setdefault(row.vnode, []).append(row)
         name = f"{first:020d}-{last:020d}.parquet"
-
-        def write(vnode: int, rows: list[ChangeRow]) -> SegmentRef:
-            data = _encode_segment(rows)
-            storage.write_durably(self._uri(_segment_dir(vnode)), name, data)
-            return SegmentRef(vnode, name, len(rows), len(data), crc32c.crc32c(data))
-
-        # The segments are independent: writing them concurrently lets the file
-        # system fold their fsyncs into fewer journal commits.
-        refs = list(self._pool.map(write, *zip(*sorted(by_vnode.items()), strict=True)))
+        # One segment for every virtual node of the batch, sorted by virtual node: one
+        # durable write (a file and a directory fsync) instead of one per virtual node.
+        rows = [row for _vnode, vrows in sorted(by_vnode.items()) for row in vrows]
+        refs: list[SegmentRef] = []
+        if rows:
+            data = encode_segment(rows)
+            storage.write_durably(self._uri(SHARED_DIR), name, data)
+            length, crc = len(data), crc32c.crc32c(data)
+            refs = [SegmentRef(vnode, name, len(vrows), length, crc, SHARED_DIR)
+                    for vnode, vrows in sorted(by_vnode.items())]
         CDC_CHANGELOG_SEGMENTS_AFTER.hit()
         record = BatchRecord(first, last, tuple(
             {"ts": t.ts, "position": t.position, "sourceTxid": t.source_txid,
@@ -265,11 +310,31 @@ class Changelog:
         return out
 
     def read_segment(self, ref: SegmentRef) -> list[ChangeRow]:
-        data = storage.read_bytes(self._uri(_segment_dir(ref.vnode)), ref.name)
-        if len(data) != ref.length or crc32c.crc32c(data) != ref.crc32c:
-            raise CorruptChangelog(f"segment vnode={ref.vnode}/{ref.name}: "
-                                   "length or CRC32C mismatch")
-        return decode_segment(data, ref.vnode)
+        return self._read_segments([ref])[ref.vnode]
+
+    def _read_segments(self, refs: list[SegmentRef]) -> dict[int, list[ChangeRow]]:
+        """The rows of each ref's virtual node; a file several refs share is read (and
+        checked) once."""
+        by_path: dict[tuple[str, str], list[SegmentRef]] = {}
+        for ref in refs:
+            by_path.setdefault(ref.path, []).append(ref)
+        out: dict[int, list[ChangeRow]] = {}
+        for (directory, name), same in by_path.items():
+            data = storage.read_bytes(self._uri(directory), name)
+            first = same[0]
+            if len(data) != first.length or crc32c.crc32c(data) != first.crc32c:
+                raise CorruptChangelog(f"segment {directory}/{name}: length or CRC32C "
+                                       "mismatch")
+            rows = decode_segment_vnodes(data, {r.vnode for r in same},
+                                         None if first.dir else first.vnode)
+            for ref in same:
+                got = rows.get(ref.vnode, [])
+                if len(got) != ref.rows:
+                    raise CorruptChangelog(f"segment {directory}/{name}: {len(got)} rows of "
+                                           f"virtual node {ref.vnode}, the record says "
+                                           f"{ref.rows}")
+                out[ref.vnode] = got
+        return out
 
     def retained_from(self) -> int:
         """The low-watermark: every batch at or above it is still here (0: all of them)."""
@@ -299,10 +364,9 @@ class Changelog:
         low = min(starts.values())
         try:
             for record in (self.records(low) if records is None else records):
-                rows = [row for ref in record.segments if ref.vnode in starts
-                        for row in self.read_segment(ref)
-                        if row.ts >= starts[ref.vnode]
-                        and (upto_ts is None or row.ts <= upto_ts)]
+                read = self._read_segments([r for r in record.segments if r.vnode in starts])
+                rows = [row for vnode, vrows in read.items() for row in vrows
+                        if row.ts >= starts[vnode] and (upto_ts is None or row.ts <= upto_ts)]
                 rows.sort(key=lambda r: (r.ts, r.vnode, r.seq))
                 yield from rows
         except FileNotFoundError:
@@ -325,10 +389,9 @@ class Changelog:
             self._raise_watermark(max(r.last_ts for r in doomed) + 1)
         for record in doomed:
             storage.delete_quietly(self._uri("batches"), record.name)
-            for ref in record.segments:
-                storage.delete_quietly(self._uri(_segment_dir(ref.vnode)), ref.name)
-        named = {(ref.vnode, ref.name) for r in records if r.last_ts >= horizon_ts
-                 for ref in r.segments}
+            for directory, name in {ref.path for ref in record.segments}:
+                storage.delete_quietly(self._uri(directory), name)
+        named = {ref.path for r in records if r.last_ts >= horizon_ts for ref in r.segments}
         self._drop_orphans(named, horizon_ts)
         return len(doomed)
 
@@ -344,7 +407,7 @@ class Changelog:
         storage.write_durably(self.root, WATERMARK_NAME, encode_watermark(retained_from_ts))
         CDC_RETENTION_WATERMARK_AFTER.hit()
 
-    def _drop_orphans(self, named: set[tuple[int, str]], horizon_ts: int) -> None:
+    def _drop_orphans(self, named: set[tuple[str, str]], horizon_ts: int) -> None:
         # A segment whose record was never written (crash in between) is dead,
         # but only once a later batch exists: the newest one may be mid-write.
         fs, base = pafs.FileSystem.from_uri(self._uri("segments"))
@@ -352,7 +415,7 @@ class Changelog:
         for info in infos:
             if info.type != pafs.FileType.File or not info.base_name.endswith(".parquet"):
                 continue
-            vnode = int(info.path.rsplit("vnode=", 1)[1].split("/", 1)[0])
+            directory = "segments/" + info.path.rstrip("/").rsplit("/", 2)[-2]
             last = int(info.base_name.split("-")[1].split(".")[0])
-            if (vnode, info.base_name) not in named and last < horizon_ts:
-                storage.delete_quietly(self._uri(_segment_dir(vnode)), info.base_name)
+            if (directory, info.base_name) not in named and last < horizon_ts:
+                storage.delete_quietly(self._uri(directory), info.base_name)

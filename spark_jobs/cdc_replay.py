@@ -149,7 +149,7 @@ class _Tables(dict):
 def replay_vnode(spec: JobSpec, task: VnodeTask) -> VnodeResult:
     """Send one virtual node's changelog range to its node; runs inside a Spark task."""
     changelog = Changelog(spec.changelog_root)
-    # Batch records are small JSON; only this vnode's segments are read.
+    # Batch records are small JSON; of each batch's segment only this vnode's rows are kept.
     records = [r for r in changelog.records(task.from_ts)
                if task.to_ts is None or r.first_ts <= task.to_ts]
     context = spec.context.message() if spec.context else None

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import crc32c
 import pytest
 
 from cdc_client.changelog import (
     DELETE,
     REPLACE,
     WATERMARK_NAME,
+    BatchRecord,
     Changelog,
     ChangelogGap,
     ChangeRow,
     CorruptChangelog,
     LoggedTransaction,
+    SegmentRef,
+    encode_segment,
 )
 from retina_common.failpoints import FailpointTriggered
 
@@ -66,11 +70,16 @@ def test_drop_before_keeps_the_horizon_and_removes_orphans(tmp_path: Path) -> No
     log.append([txn(1, [(0, b"a", REPLACE)])])
     log.append([txn(5, [(0, b"b", REPLACE)])])
     log.append([txn(9, [(0, b"c", REPLACE)])])
-    orphan = tmp_path / "segments" / "vnode=0000" / f"{2:020d}-{2:020d}.parquet"
-    orphan.write_bytes(b"never named by a record")
+    # Segments no record names (a crash between the two writes), in both layouts; the
+    # newest may still be mid-write, so only one below the horizon goes.
+    orphans = [tmp_path / "segments" / d / f"{ts:020d}-{ts:020d}.parquet"
+               for d, ts in (("vnode=0000", 2), ("batch", 3), ("batch", 10))]
+    for orphan in orphans:
+        orphan.parent.mkdir(parents=True, exist_ok=True)
+        orphan.write_bytes(b"never named by a record")
     assert log.drop_before(5) == 1
     assert [r.first_ts for r in log.records()] == [5, 9]
-    assert not orphan.exists()
+    assert [o.exists() for o in orphans] == [False, False, True]
     # The batch ending at 1 is gone: the changelog holds everything from 2 on.
     assert [r.key for r in log.read({0: 2})] == [b"b", b"c"]
 
@@ -145,3 +154,64 @@ def test_a_corrupt_low_watermark_is_an_error_not_zero(tmp_path: Path) -> None:
         log.retained_from()
     with pytest.raises(CorruptChangelog):
         list(log.read({0: 9}))
+
+
+def test_a_batch_is_one_segment_file_whatever_its_virtual_nodes(tmp_path: Path) -> None:
+    log = Changelog(str(tmp_path))
+    record = log.append([txn(7, [(v, bytes([v]), REPLACE) for v in range(8)] +
+                              [(3, b"z", DELETE)])])
+    files = list((tmp_path / "segments").rglob("*.parquet"))
+    assert [f.relative_to(tmp_path).as_posix() for f in files] == [
+        f"segments/batch/{7:020d}-{7:020d}.parquet"]
+    assert sorted((r.vnode, r.rows) for r in record.segments) == [
+        (v, 2 if v == 3 else 1) for v in range(8)]
+    rows = list(log.read({3: 0, 5: 0}))
+    assert [(r.vnode, r.key, r.op) for r in rows] == [
+        (3, b"\x03", REPLACE), (3, b"z", DELETE), (5, b"\x05", REPLACE)]
+
+
+def write_legacy_batch(root: Path, ts: int, rows: list[tuple[int, bytes, int]]) -> None:
+    """A batch as changelogs before the shared segment wrote it: one segment file per
+    virtual node, named by refs without ``dir``."""
+    trans = txn(ts, rows)
+    name = f"{ts:020d}-{ts:020d}.parquet"
+    refs = []
+    for vnode in sorted({r.vnode for r in trans.rows}):
+        data = encode_segment([r for r in trans.rows if r.vnode == vnode], with_vnode=False)
+        directory = root / "segments" / f"vnode={vnode:04d}"
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_bytes(data)
+        refs.append(SegmentRef(vnode, name, sum(r.vnode == vnode for r in trans.rows),
+                               len(data), crc32c.crc32c(data)))
+    record = BatchRecord(ts, ts, ({"ts": ts, "position": f"pos{ts}", "sourceTxid": f"x{ts}",
+                                   "commitTimeMs": 0, "rows": len(trans.rows)},), tuple(refs))
+    (root / "batches").mkdir(parents=True, exist_ok=True)
+    (root / "batches" / record.name).write_bytes(record.to_bytes())
+
+
+def test_a_changelog_of_both_layouts_reads_and_drops_in_order(tmp_path: Path) -> None:
+    """A connector upgraded over an existing changelog: its older batches have a segment
+    per virtual node; replay reads across both, retention drops both."""
+    write_legacy_batch(tmp_path, 3, [(0, b"a", REPLACE), (1, b"b", REPLACE), (0, b"c", DELETE)])
+    log = Changelog(str(tmp_path))
+    log.append([txn(8, [(1, b"b", DELETE), (0, b"d", REPLACE)])])
+    assert [(r.ts, r.vnode, r.key, r.op) for r in log.read({0: 0, 1: 0})] == [
+        (3, 0, b"a", REPLACE), (3, 0, b"c", DELETE), (3, 1, b"b", REPLACE),
+        (8, 0, b"d", REPLACE), (8, 1, b"b", DELETE)]
+    assert [r.key for r in log.read({1: 4})] == [b"b"]
+    assert log.drop_before(5) == 1
+    assert not list((tmp_path / "segments").glob("vnode=*/*.parquet"))
+    assert [r.ts for r in log.read({0: 4, 1: 4})] == [8, 8]
+
+
+def test_a_shared_segment_that_lost_rows_of_a_virtual_node_is_corrupt(tmp_path: Path) -> None:
+    log = Changelog(str(tmp_path))
+    record = log.append([txn(4, [(0, b"a", REPLACE), (2, b"b", REPLACE)])])
+    # A record whose row count for a virtual node disagrees with its (intact) segment.
+    lying = BatchRecord(record.first_ts, record.last_ts, record.transactions, tuple(
+        SegmentRef(r.vnode, r.name, r.rows + (r.vnode == 2), r.length, r.crc32c, r.dir)
+        for r in record.segments))
+    (tmp_path / "batches" / record.name).write_bytes(lying.to_bytes())
+    assert [r.key for r in log.read({0: 0})] == [b"a"]
+    with pytest.raises(CorruptChangelog, match="virtual node 2"):
+        list(log.read({2: 0}))
