@@ -50,6 +50,24 @@ SWEEPERS_ARGS ?= --minutes 5 --sample-s 10
 bench-sweepers: setup
 	@$(PY) bench/bench_sweepers.py $(SWEEPERS_ARGS)
 
+# Retina beside Delta Lake, Iceberg and Paimon on one CDC workload (bench/bench_peers.py,
+# docs/performance.md). The peers run in their own virtual environment, .venv-peers
+# (pypaimon pins pyarrow below Retina's), made here once; e.g.
+# `make bench-peers PEERS_ARGS="--rows 50000 --budget-s 60"`.
+PEERS_VENV ?= .venv-peers
+PEERS_PACKAGES := deltalake==1.6.6 pyiceberg[sql-sqlite]==0.12.0 pypaimon==2.1.0 matplotlib==3.11.2
+PEERS_ARGS ?=
+
+.PHONY: bench-peers
+bench-peers: setup
+	@if [ ! -x $(PEERS_VENV)/bin/python ] || ! $(PEERS_VENV)/bin/python -c "import deltalake, pyiceberg, pypaimon, matplotlib" 2>/dev/null; then \
+		echo "bench-peers: creating $(PEERS_VENV) ($(PEERS_PACKAGES))"; \
+		python3 -m venv $(PEERS_VENV) && \
+		$(PEERS_VENV)/bin/pip install -q --disable-pip-version-check $(PEERS_PACKAGES); \
+	fi
+	@$(PY) bench/bench_peers.py --peers-python $(PEERS_VENV)/bin/python --json peers.json $(PEERS_ARGS)
+	@$(PEERS_VENV)/bin/python bench/peers/plot.py peers.json peers.png && echo "bench-peers: figures in peers.json, plot in peers.png"
+
 cluster-up: setup
 	@$(VENV)/bin/retina-cluster start --state-dir $(STATE)
 

@@ -1,0 +1,87 @@
+"""bench/bench_peers.py's oracle: the workload it generates and the model every system's
+final table is compared with. A wrong model would pass a wrong system or fail a right one.
+Pure logic: no system is started here (the benchmark itself starts them)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from .support import ROOT
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "bench" / "bench_peers.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def replay_every_change(changes: list) -> dict:
+    table: dict = {}
+    for key, row in changes:
+        if row is None:
+            table.pop(key, None)
+        else:
+            table[key] = tuple(row[c] for c in ("c1", "c2", "c3", "c4", "c5"))
+    return table
+
+
+def test_the_workload_has_the_asked_mix_and_only_touches_live_keys(bench: ModuleType) -> None:
+    changes = bench.generate(20_000, seed=3)
+    assert changes == bench.generate(20_000, seed=3)  # a fixed seed is the same workload
+    live: set[int] = set()
+    kinds: Counter[str] = Counter()
+    for key, row in changes:
+        if row is None:
+            assert key in live, "a delete of a key that is not live"
+            live.remove(key)
+            kinds["delete"] += 1
+        elif key in live:
+            kinds["update"] += 1
+        else:
+            assert key > max(live, default=0), "an insert reuses a key"
+            live.add(key)
+            kinds["insert"] += 1
+    assert abs(kinds["insert"] / 20_000 - 0.7) < 0.02
+    assert abs(kinds["update"] / 20_000 - 0.2) < 0.02
+    assert abs(kinds["delete"] / 20_000 - 0.1) < 0.02
+
+
+@pytest.mark.parametrize("size", [1, 7, 100, 5000])
+def test_collapsed_micro_batches_model_every_change_in_order(bench: ModuleType,
+                                                             size: int) -> None:
+    changes = bench.generate(12_000, seed=11)
+    batches = bench.micro_batches(changes, size)
+    assert sum(b.changes for b in batches) == len(changes)
+    for b in batches:  # MERGE and upsert refuse a key twice in one source
+        keys = [r["id"] for r in b.upserts] + b.deletes
+        assert len(keys) == len(set(keys))
+    assert bench.model(batches) == replay_every_change(changes)
+    # A prefix of the batches (a run stopped at its budget) models that prefix.
+    half = len(batches) // 2
+    applied = sum(b.changes for b in batches[:half])
+    assert bench.model(batches[:half]) == replay_every_change(changes[:applied])
+
+
+def test_the_peer_workload_file_holds_the_collapsed_batches(bench: ModuleType,
+                                                           tmp_path: Path) -> None:
+    batches = bench.micro_batches(bench.generate(3_000, seed=5), 250)
+    bench.workload_file(batches, tmp_path / "w.parquet")
+    table = pq.read_table(tmp_path / "w.parquet")
+    assert table.column("batch").to_pylist() == sorted(table.column("batch").to_pylist())
+    upserts = table.filter(pc.invert(table.column("deleted")))
+    assert bench.as_model(upserts) == {r["id"]: tuple(r[c] for c in bench.VALUES)
+                                       for b in batches for r in b.upserts}
+    assert sorted(table.filter(table.column("deleted")).column("id").to_pylist()) == sorted(
+        k for b in batches for k in b.deletes)
