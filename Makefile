@@ -38,6 +38,7 @@ lint: setup
 bench: setup
 	@$(PY) bench/bench_trans.py
 	@$(PY) bench/bench_dataplane.py
+	@$(PY) bench/bench_apply_stages.py
 	@$(PY) bench/bench_recovery.py
 	@$(PY) bench/bench_cdc.py
 	@$(PY) bench/bench_spark_replay.py

@@ -1,0 +1,101 @@
+"""Where UpdateRecord time goes, stage by stage, in one process (no gRPC).
+
+Per phase (insert, replace, delete) and ``--batch`` rows per request: the client
+building the request (``TableWriter.updates``), protobuf serialise and parse,
+the node's ``prepare`` (validation and decoding) and ``apply`` (index,
+visibility, write buffer; one LMDB fsync per request), each as rows/s. A
+private etcd and PostgreSQL are started for the catalog; the node runs in
+this process. Prints figures; asserts nothing.
+
+    .venv/bin/python bench/bench_apply_stages.py --batch 5000 --requests 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from devtools.cluster import free_port, start_cluster, stop_cluster
+from retina_common.catalog import Catalog, ColumnSpec
+from retina_common.client import TableWriter, requests_by_node
+from retina_common.log import configure_logging
+from retina_common.pb import retina_pb2 as pb
+from retina_common.topology import Topology
+from retina_server.index import LocalIndexService
+from retina_server.node import BufferSettings, RetinaNode
+from retina_server.update_record import apply, prepare
+
+COLUMNS = [ColumnSpec("id", "int64"), ColumnSpec("a", "int64"), ColumnSpec("b", "float64"),
+           ColumnSpec("c", "string"), ColumnSpec("d", "int64"), ColumnSpec("e", "string")]
+
+
+def row(i: int, version: int) -> dict:
+    return {"id": i, "a": i * 3 + version, "b": i * 0.5, "c": f"name-{i % 997}-{version}",
+            "d": version, "e": "x" * 20}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=5000, help="rows per request")
+    parser.add_argument("--requests", type=int, default=20, help="requests per phase")
+    args = parser.parse_args()
+    configure_logging("bench", "warning")
+    work = Path(tempfile.mkdtemp(prefix="retina-bench-stages-"))
+    os.chmod(work, 0o755)  # PostgreSQL runs as its own user and writes its log below
+    node_id = f"127.0.0.1:{free_port()}"
+    print(f"setup: {platform.platform()}, {os.cpu_count()} cores, Python "
+          f"{platform.python_version()}; one node (8 virtual nodes) in this process, "
+          f"{args.requests} requests of {args.batch} rows per phase, 6 columns")
+    state = start_cluster(work / "cluster", nodes=[node_id], virtual_nodes=8,
+                          log=lambda _m: None)
+    catalog = Catalog(state.postgres.dsn())
+    try:
+        catalog.create_schema("b")
+        table = catalog.create_table("b", "t", COLUMNS, ["id"])
+        topology = Topology((node_id,), 8)
+        node = RetinaNode(node_id, topology, catalog, LocalIndexService(work / "index"),
+                          "file://" + str(work / "storage"), BufferSettings(),
+                          lambda: int(time.time() * 1000))
+        writer = TableWriter(table, topology)
+        ts = 10**9
+        for phase, kind in (("insert", "inserts"), ("replace", "replaces"),
+                            ("delete", "deletes")):
+            spent = dict.fromkeys(("client encode", "serialize", "parse", "prepare", "apply"),
+                                  0.0)
+            for b in range(args.requests):
+                ts += 1
+                rows = [row(b * args.batch + i, 1) for i in range(args.batch)]
+                t0 = time.perf_counter()
+                request = requests_by_node("b", [writer.updates(ts, **{kind: rows})])[node_id]
+                t1 = time.perf_counter()
+                data = request.SerializeToString()
+                t2 = time.perf_counter()
+                parsed = pb.UpdateRecordRequest.FromString(data)
+                t3 = time.perf_counter()
+                prepared = prepare(node, parsed, 10**7)
+                t4 = time.perf_counter()
+                apply(node, prepared)
+                t5 = time.perf_counter()
+                for name, seconds in zip(spent, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4),
+                                         strict=True):
+                    spent[name] += seconds
+            total = args.requests * args.batch
+            server = spent["parse"] + spent["prepare"] + spent["apply"]
+            print(f"{phase:<8} " + " | ".join(f"{name} {total / s:>10,.0f}"
+                                               for name, s in spent.items())
+                  + f" | server total {total / server:>9,.0f} rows/s")
+        node.shutdown()
+    finally:
+        catalog.close()
+        stop_cluster(state, log=lambda _m: None)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
