@@ -170,8 +170,16 @@ def workload_file(batches: list[Batch], path: Path) -> None:
     pq.write_table(pa.table(cols, schema=schema), path)
 
 
+class DuplicateKeys(Exception):
+    """A final table with two rows of one key: never equal to the model."""
+
+
 def as_model(table: pa.Table) -> Model:
     ids = table.column("id").to_pylist()
+    if len(set(ids)) != len(ids):
+        seen: set[int] = set()
+        twice = sorted({k for k in ids if k in seen or seen.add(k)})
+        raise DuplicateKeys(f"{len(twice)} key(s) with more than one row (e.g. {twice[:3]})")
     values = list(zip(*(table.column(c).to_pylist() for c in VALUES), strict=True))
     return dict(zip(ids, values, strict=True))
 
@@ -208,7 +216,12 @@ class Result:
             "detail": self.detail}
 
 
-def compare(result: Result, got: Model, batches: list[Batch]) -> None:
+def compare(result: Result, content: Callable[[], Model], batches: list[Batch]) -> None:
+    try:
+        got = content()
+    except DuplicateKeys as exc:
+        result.equal, result.detail = False, str(exc)
+        return
     want = model(batches)
     missing = [k for k in want if k not in got]
     extra = [k for k in got if k not in want]
@@ -327,7 +340,7 @@ def retina_direct(cluster: RetinaCluster, batches: list[Batch], size: int,
             break
     result.seconds = time.perf_counter() - started
     result.complete = applied == len(batches)
-    compare(result, retina_content(cluster, table.name), batches[:applied])
+    compare(result, lambda: retina_content(cluster, table.name), batches[:applied])
     return result
 
 
@@ -373,7 +386,7 @@ def retina_changelog(cluster: RetinaCluster, batches: list[Batch], size: int,
     result.complete = applied == len(batches)
     result.files, result.bytes = disk_usage(changelog_dir)
     result.detail = "files and bytes: the changelog only"
-    compare(result, retina_content(cluster, name), batches[:applied])
+    compare(result, lambda: retina_content(cluster, name), batches[:applied])
     return result
 
 
@@ -408,7 +421,7 @@ def peer(system: str, python: str, batches: list[Batch], size: int, budget_s: fl
     result.changes = sum(b.changes for b in batches[:applied])
     result.files, result.bytes = answer["files"], answer["bytes"]
     result.complete = applied == len(batches)
-    compare(result, as_model(pq.read_table(answer["final"])), batches[:applied])
+    compare(result, lambda: as_model(pq.read_table(answer["final"])), batches[:applied])
     shutil.rmtree(root, ignore_errors=True)
     return result
 

@@ -26,8 +26,9 @@ TRUNCATE of the table in the segment's virtual node (empty key, applied
 before the other rows of its timestamp). Replay reads a
 virtual node from a timestamp, inclusive, in (ts, seq) order.
 
-The record format: ``RCLB1 <length> <crc32c>\\n`` then a JSON body of that
-length. A corrupt record or segment raises :class:`CorruptChangelog`; it is
+The record format: ``RCLB2 <length> <crc32c>\\n`` then a JSON body of that
+length (``RCLB1`` for a record of the older layout, or of a batch without rows).
+A corrupt record or segment raises :class:`CorruptChangelog`; it is
 never read as absent.
 
 The retention low-watermark (``RCLW1 <length> <crc32c>\\n`` + JSON
@@ -67,7 +68,12 @@ if TYPE_CHECKING:
 
 # TRUNCATE: every row of the table in the row's virtual node (key b"", no values).
 DELETE, REPLACE, TRUNCATE = 0, 1, 2
-_MAGIC = "RCLB1"
+# RCLB2: a record naming a batch's shared segment (``dir``). A connector or replay job
+# from before that layout reads it as not a record (CorruptChangelog, a clear stop)
+# instead of looking for per-virtual-node files that are not there. RCLB1 records
+# (one segment per virtual node) are still read.
+_MAGIC = "RCLB2"
+_MAGIC_V1 = "RCLB1"
 _WATERMARK_MAGIC = "RCLW1"
 WATERMARK_NAME = "retained_from.rcw"
 _RECORD = re.compile(r"^(\d{20})-(\d{20})\.rec$")
@@ -168,13 +174,15 @@ class BatchRecord:
                           "length": s.length, "crc32c": s.crc32c,
                           **({"dir": s.dir} if s.dir else {})} for s in self.segments],
         }, separators=(",", ":")).encode()
-        return f"{_MAGIC} {len(body)} {crc32c.crc32c(body)}\n".encode() + body
+        magic = _MAGIC if any(s.dir for s in self.segments) else _MAGIC_V1
+        return f"{magic} {len(body)} {crc32c.crc32c(body)}\n".encode() + body
 
     @classmethod
     def parse(cls, data: bytes, where: str) -> BatchRecord:
         head, _, body = data.partition(b"\n")
         parts = head.decode(errors="replace").split(" ")
-        if len(parts) != 3 or parts[0] != _MAGIC or not all(p.isdigit() for p in parts[1:]):
+        if len(parts) != 3 or parts[0] not in (_MAGIC, _MAGIC_V1) or \
+                not all(p.isdigit() for p in parts[1:]):
             raise CorruptChangelog(f"{where}: not a changelog batch record")
         if len(body) != int(parts[1]) or crc32c.crc32c(body) != int(parts[2]):
             raise CorruptChangelog(f"{where}: length or CRC32C mismatch")

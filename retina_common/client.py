@@ -75,16 +75,30 @@ class TableWriter:
                     timestamp=ts, virtual_node_id=vnode)
             return by_vnode[vnode]
 
-        # Each row's key once (a replace uses it twice), each column's encoder once.
-        replaced = [(self.key(row), row) for row in replaces]
-        encoders = [(c.name, value_encoder(c.type)) for c in self.table.columns]
-        for key in [*(self.key(row) for row in deletes), *(k for k, _ in replaced)]:
+        # Rows are taken in the order they always were (deletes, replaces; then inserts,
+        # replaces), so a bad row is reported the same way; a replace's key is computed
+        # once and each column's encoder resolved once.
+        replaces = list(replaces)
+        replaced_keys: list[bytes] = []
+        for row in deletes:
+            key = self.key(row)
             tud(key).delete_data.add().index_keys.append(self._index_key(key, ts))
-        for key, row in [*((self.key(row), row) for row in inserts), *replaced]:
+        for row in replaces:
+            key = self.key(row)
+            replaced_keys.append(key)
+            tud(key).delete_data.add().index_keys.append(self._index_key(key, ts))
+        encoders = [(c.name, value_encoder(c.type)) for c in self.table.columns]
+
+        def insert(key: bytes, row: Row) -> None:
             item = tud(key).insert_data.add()
             item.index_keys.append(self._index_key(key, ts))
             item.col_values.extend(b"" if (v := row.get(name)) is None else encode(v)
                                    for name, encode in encoders)
+
+        for row in inserts:
+            insert(self.key(row), row)
+        for key, row in zip(replaced_keys, replaces, strict=True):
+            insert(key, row)
         per_node: dict[str, list[pb.TableUpdateData]] = defaultdict(list)
         for vnode, data in sorted(by_vnode.items()):
             per_node[self.topology.node_of_vnode(vnode)].append(data)

@@ -134,14 +134,21 @@ def encode_value(type_name: str, value: Any) -> bytes:
 @functools.lru_cache(maxsize=256)
 def value_encoder(type_name: str) -> Callable[[Any], bytes]:
     """:func:`encode_value` for one column type, resolved once (a writer encodes many
-    values of each column): the returned function takes a non-NULL value."""
+    values of each column): the returned function takes a non-NULL value. For a type
+    the codec does not know it raises EncodingError when called, as encode_value does,
+    never here: callers resolve every column's encoder up front, before they know which
+    values are NULL."""
     match = _DECIMAL.match(type_name)
     if match:
         return functools.partial(_encode_decimal, int(match.group(1)), int(match.group(2)))
     encode = _ENCODERS.get(type_name)
     if encode is None:
-        raise EncodingError(f"unknown column type {type_name}")
+        return functools.partial(_unknown_type, type_name)
     return functools.partial(encode, type_name)
+
+
+def _unknown_type(type_name: str, _value: Any) -> bytes:
+    raise EncodingError(f"unknown column type {type_name}")
 
 
 def _refuse(type_name: str, value: Any) -> EncodingError:

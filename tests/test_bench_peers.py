@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 from types import ModuleType
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
@@ -81,7 +82,27 @@ def test_the_peer_workload_file_holds_the_collapsed_batches(bench: ModuleType,
     table = pq.read_table(tmp_path / "w.parquet")
     assert table.column("batch").to_pylist() == sorted(table.column("batch").to_pylist())
     upserts = table.filter(pc.invert(table.column("deleted")))
-    assert bench.as_model(upserts) == {r["id"]: tuple(r[c] for c in bench.VALUES)
-                                       for b in batches for r in b.upserts}
+    written = list(zip(*(upserts.column(c).to_pylist() for c in ("batch", "id", *bench.VALUES)),
+                       strict=True))
+    assert written == [(i, r["id"], *(r[c] for c in bench.VALUES))
+                       for i, b in enumerate(batches) for r in b.upserts]
     assert sorted(table.filter(table.column("deleted")).column("id").to_pylist()) == sorted(
         k for b in batches for k in b.deletes)
+
+
+def test_a_final_table_with_a_key_twice_is_never_equal(bench: ModuleType) -> None:
+    """Two versions of one row (an old one a DELETE missed) must fail the comparison, not
+    collapse into one dict entry."""
+    batches = bench.micro_batches(bench.generate(500, seed=2), 100)
+    rows = {k: v for k, v in bench.model(batches).items()}
+    key, values = next(iter(rows.items()))
+    ids = [*rows, key]
+    columns = {"id": pa.array(ids, pa.int64())}
+    for i, c in enumerate(bench.VALUES):
+        columns[c] = pa.array([rows[k][i] for k in rows] + [values[i]])
+    result = bench.Result("x", 100)
+    bench.compare(result, lambda: bench.as_model(pa.table(columns)), batches)
+    assert result.equal is False and f"e.g. [{key}]" in result.detail
+    clean = bench.Result("x", 100)
+    bench.compare(clean, lambda: dict(rows), batches)
+    assert clean.equal is True

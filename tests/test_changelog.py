@@ -160,6 +160,9 @@ def test_a_batch_is_one_segment_file_whatever_its_virtual_nodes(tmp_path: Path) 
     log = Changelog(str(tmp_path))
     record = log.append([txn(7, [(v, bytes([v]), REPLACE) for v in range(8)] +
                               [(3, b"z", DELETE)])])
+    # A record of the shared layout says so in its magic: a connector from before it
+    # refuses the record (not a record) instead of looking for per-vnode files.
+    assert (tmp_path / "batches" / record.name).read_bytes().startswith(b"RCLB2 ")
     files = list((tmp_path / "segments").rglob("*.parquet"))
     assert [f.relative_to(tmp_path).as_posix() for f in files] == [
         f"segments/batch/{7:020d}-{7:020d}.parquet"]
@@ -193,6 +196,7 @@ def test_a_changelog_of_both_layouts_reads_and_drops_in_order(tmp_path: Path) ->
     """A connector upgraded over an existing changelog: its older batches have a segment
     per virtual node; replay reads across both, retention drops both."""
     write_legacy_batch(tmp_path, 3, [(0, b"a", REPLACE), (1, b"b", REPLACE), (0, b"c", DELETE)])
+    assert (tmp_path / "batches" / f"{3:020d}-{3:020d}.rec").read_bytes().startswith(b"RCLB1 ")
     log = Changelog(str(tmp_path))
     log.append([txn(8, [(1, b"b", DELETE), (0, b"d", REPLACE)])])
     assert [(r.ts, r.vnode, r.key, r.op) for r in log.read({0: 0, 1: 0})] == [

@@ -7,7 +7,7 @@ from decimal import Decimal
 
 import pytest
 
-from retina_common.codec import EncodingError, decode_column, encode_value
+from retina_common.codec import EncodingError, decode_column, encode_value, value_encoder
 
 
 @pytest.mark.parametrize("type_name, values", [
@@ -39,3 +39,14 @@ def test_fast_path_without_nulls() -> None:
 def test_malformed_values_are_refused(type_name: str, raw: list[bytes]) -> None:
     with pytest.raises(EncodingError):
         decode_column(type_name, raw)
+
+
+def test_an_unknown_column_type_is_refused_when_a_value_is_encoded() -> None:
+    """Not when the encoder is looked up: writers resolve every column's encoder before
+    they know which values are NULL, and a NULL of any type encodes to nothing."""
+    encode = value_encoder("interval")
+    with pytest.raises(EncodingError, match="unknown column type interval"):
+        encode(5)
+    assert encode_value("interval", None) == b""
+    with pytest.raises(EncodingError, match="unknown column type interval"):
+        encode_value("interval", 5)

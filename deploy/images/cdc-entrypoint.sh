@@ -13,12 +13,12 @@ set -u
 
 # Trap before starting the connector: a signal that comes before its pid is known
 # is remembered and passed on right after.
-early=""
-trap 'early=1' TERM INT
+stopping=""
+trap 'stopping=1' TERM INT
 retina-cdc "$@" &
 child=$!
-trap 'kill -TERM "$child" 2>/dev/null' TERM INT
-[ -z "$early" ] || kill -TERM "$child" 2>/dev/null
+trap 'stopping=1; kill -TERM "$child" 2>/dev/null' TERM INT
+[ -z "$stopping" ] || kill -TERM "$child" 2>/dev/null
 # `wait` returns early (above 128) when a trapped signal arrives: wait again while the
 # connector runs. If it ended just after such an early return, it is not reaped yet
 # and one more `wait` gives its own exit code (127 when there is nothing left to reap).
@@ -35,11 +35,13 @@ fi
 
 case "$rc" in
     3|5|6)
+        nap=""
+        trap 'kill "$nap" 2>/dev/null; exit 0' TERM INT
+        # A stop asked for while the connector was ending: honour it, do not idle.
+        [ -z "$stopping" ] || exit 0
         echo "retina-cdc-container: retina-cdc exited $rc and needs an operator" \
              "(docs/operations.md, 'Processes and exit codes'); not restarting it." \
              "Fix the cause, then: docker-compose restart cdc" >&2
-        nap=""
-        trap 'kill "$nap" 2>/dev/null; exit 0' TERM INT
         while :; do
             sleep 60 </dev/null >/dev/null 2>&1 &
             nap=$!
