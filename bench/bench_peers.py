@@ -237,6 +237,25 @@ def disk_usage(root: Path) -> tuple[int, int]:
     return len(files), sum(f.stat().st_size for f in files if f.exists())
 
 
+def timed_batches(result: Result, batches: list[Batch], budget_s: float,
+                  apply_one: Callable[[int, Batch], None]) -> int:
+    """Apply micro-batches (numbered from 1) one after another, timing each, until done
+    or past the budget; returns how many were applied."""
+    applied = 0
+    started = time.perf_counter()
+    for i, b in enumerate(batches, start=1):
+        t0 = time.perf_counter()
+        apply_one(i, b)
+        result.latencies_s.append(time.perf_counter() - t0)
+        result.changes += b.changes
+        applied += 1
+        if time.perf_counter() - started > budget_s:
+            break
+    result.seconds = time.perf_counter() - started
+    result.complete = applied == len(batches)
+    return applied
+
+
 # --- Retina ---------------------------------------------------------------------------------
 class FeedSource:
     """A CDC source the benchmark feeds: one source transaction per micro-batch."""
@@ -322,24 +341,17 @@ def retina_direct(cluster: RetinaCluster, batches: list[Batch], size: int,
                   budget_s: float) -> Result:
     table = cluster.catalog.create_table(SCHEMA, f"direct_{size}", COLUMNS, ["id"])
     writer = TableWriter(table, cluster.topology)
-    result = Result("retina-direct", size)
-    applied = 0
-    started = time.perf_counter()
-    for b in batches:
-        t0 = time.perf_counter()
+
+    def apply_one(_i: int, b: Batch) -> None:
         t = cluster.trans.BeginTrans(tpb.BeginTransRequest(), timeout=30)
         updates = writer.updates(t.timestamp, deletes=[{"id": k} for k in b.deletes],
                                  replaces=b.upserts)
         cluster.stub.UpdateRecord(requests_by_node(SCHEMA, [updates])[cluster.node],
                                   timeout=120)
         cluster.trans.CommitTrans(tpb.CommitTransRequest(trans_id=t.trans_id), timeout=30)
-        result.latencies_s.append(time.perf_counter() - t0)
-        result.changes += b.changes
-        applied += 1
-        if time.perf_counter() - started > budget_s:
-            break
-    result.seconds = time.perf_counter() - started
-    result.complete = applied == len(batches)
+
+    result = Result("retina-direct", size)
+    applied = timed_batches(result, batches, budget_s, apply_one)
     compare(result, lambda: retina_content(cluster, table.name), batches[:applied])
     return result
 
@@ -362,28 +374,20 @@ def retina_changelog(cluster: RetinaCluster, batches: list[Batch], size: int,
                                      schema=SCHEMA))
     worker = threading.Thread(target=connector.run, name="bench-connector", daemon=True)
     worker.start()
+
+    def apply_one(i: int, b: Batch) -> None:
+        changes = [RowChange(f"public.{name}", "delete", {"id": k}, None) for k in b.deletes]
+        changes += [RowChange(f"public.{name}", "update", None, r) for r in b.upserts]
+        source.queue.put(SourceTransaction(str(i), str(i), int(time.time() * 1000),
+                                           tuple(changes)))
+        positions.wait(i, 300)
+
     result = Result("retina-changelog", size)
-    applied = 0
-    started = time.perf_counter()
     try:
-        for i, b in enumerate(batches, start=1):
-            changes = [RowChange(f"public.{name}", "delete", {"id": k}, None)
-                       for k in b.deletes]
-            changes += [RowChange(f"public.{name}", "update", None, r) for r in b.upserts]
-            t0 = time.perf_counter()
-            source.queue.put(SourceTransaction(str(i), str(i), int(time.time() * 1000),
-                                               tuple(changes)))
-            positions.wait(i, 300)
-            result.latencies_s.append(time.perf_counter() - t0)
-            result.changes += b.changes
-            applied += 1
-            if time.perf_counter() - started > budget_s:
-                break
-        result.seconds = time.perf_counter() - started
+        applied = timed_batches(result, batches, budget_s, apply_one)
     finally:
         connector.stop()
         worker.join(timeout=30)
-    result.complete = applied == len(batches)
     result.files, result.bytes = disk_usage(changelog_dir)
     result.detail = "files and bytes: the changelog only"
     compare(result, lambda: retina_content(cluster, name), batches[:applied])

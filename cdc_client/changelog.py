@@ -235,14 +235,8 @@ def encode_segment(rows: list[ChangeRow], *, with_vnode: bool = True) -> bytes:
     return out.getvalue()
 
 
-def decode_segment(data: bytes, vnode: int) -> list[ChangeRow]:
-    """The rows of ``vnode`` in a segment: all of a one-virtual-node segment's, those with
-    that ``vnode`` in a batch's shared one."""
-    return decode_segment_vnodes(data, {vnode}, vnode).get(vnode, [])
-
-
-def decode_segment_vnodes(data: bytes, vnodes: set[int], only: int | None = None
-                          ) -> dict[int, list[ChangeRow]]:
+def decode_segment(data: bytes, vnodes: set[int], only: int | None = None
+                   ) -> dict[int, list[ChangeRow]]:
     """The rows of each of ``vnodes`` in a segment. A one-virtual-node segment (no
     ``vnode`` column) holds ``only``'s rows."""
     table = pq.read_table(io.BytesIO(data))
@@ -282,14 +276,14 @@ class Changelog:
         name = f"{first:020d}-{last:020d}.parquet"
         # One segment for every virtual node of the batch, sorted by virtual node: one
         # durable write (a file and a directory fsync) instead of one per virtual node.
-        rows = [row for _vnode, vrows in sorted(by_vnode.items()) for row in vrows]
+        ordered = sorted(by_vnode.items())
         refs: list[SegmentRef] = []
-        if rows:
-            data = encode_segment(rows)
+        if ordered:
+            data = encode_segment([row for _vnode, vrows in ordered for row in vrows])
             storage.write_durably(self._uri(SHARED_DIR), name, data)
             length, crc = len(data), crc32c.crc32c(data)
             refs = [SegmentRef(vnode, name, len(vrows), length, crc, SHARED_DIR)
-                    for vnode, vrows in sorted(by_vnode.items())]
+                    for vnode, vrows in ordered]
         CDC_CHANGELOG_SEGMENTS_AFTER.hit()
         record = BatchRecord(first, last, tuple(
             {"ts": t.ts, "position": t.position, "sourceTxid": t.source_txid,
@@ -333,8 +327,8 @@ class Changelog:
             if len(data) != first.length or crc32c.crc32c(data) != first.crc32c:
                 raise CorruptChangelog(f"segment {directory}/{name}: length or CRC32C "
                                        "mismatch")
-            rows = decode_segment_vnodes(data, {r.vnode for r in same},
-                                         None if first.dir else first.vnode)
+            rows = decode_segment(data, {r.vnode for r in same},
+                                  None if first.dir else first.vnode)
             for ref in same:
                 got = rows.get(ref.vnode, [])
                 if len(got) != ref.rows:

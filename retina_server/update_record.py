@@ -133,11 +133,7 @@ def _keys(table: TableRecord, tud: pb.TableUpdateData, items: list, what: str,
     # hashed once.
     route = node.topology.vnode_of_key
     vnode = tud.virtual_node_id
-    if routes:
-        got = [routes.get(k, -1) for k in keys]
-        got = [v if v >= 0 else route(k) for k, v in zip(keys, got, strict=True)]
-    else:
-        got = [route(k) for k in keys]
+    got = [routes[k] if k in routes else route(k) for k in keys]
     routes.update(zip(keys, got, strict=True))
     if got.count(vnode) != len(got):
         i = next(i for i, v in enumerate(got) if v != vnode)
