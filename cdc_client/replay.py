@@ -7,14 +7,28 @@ of the same key (Retina applies the DELETE first); a TRUNCATE as
 ``max_rows`` items, so none exceeds the server's ``max_rows_per_request``;
 the connector uses the smaller of ``cdc.request_max_rows`` and
 ``retina.max_rows_per_request``.
+
+Keys and rows are sent in the columnar form (``retina_common.columnar``,
+Arrow IPC). An update whose rows are wider than the connector's table record
+(a column added since it was read) or whose values do not decode is sent in
+the row form instead: the node re-reads its catalog, or refuses the row with
+the same message as ever.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 from cdc_client.changelog import REPLACE, TRUNCATE, BatchRecord, Changelog, ChangeRow
 from retina_common.catalog import TableRecord
+from retina_common.codec import EncodingError
+from retina_common.columnar import (
+    ColumnarError,
+    encode_delete_keys,
+    encode_insert_values,
+    row_count,
+)
 from retina_common.pb import retina_pb2 as pb
 from retina_common.topology import Topology
 
@@ -24,10 +38,8 @@ def _index_key(table: TableRecord, key: bytes, ts: int) -> pb.IndexKey:
                        key=key, timestamp=ts)
 
 
-def add_row(tud: pb.TableUpdateData, table: TableRecord, row: ChangeRow) -> None:
-    if row.op == TRUNCATE:  # the first row of its (ts, table, vnode): applied first
-        tud.truncate = True
-        return
+def _add_row(tud: pb.TableUpdateData, table: TableRecord, row: ChangeRow) -> None:
+    """``row`` (a DELETE or a replace) in the row form."""
     tud.delete_data.add().index_keys.append(_index_key(table, row.key, row.ts))
     if row.op == REPLACE:
         item = tud.insert_data.add()
@@ -35,31 +47,63 @@ def add_row(tud: pb.TableUpdateData, table: TableRecord, row: ChangeRow) -> None
         item.col_values.extend(row.values or ())
 
 
+@dataclass
+class _Update:
+    """The rows of one (ts, table, virtual node) of a request, in arrival order."""
+
+    table: TableRecord
+    ts: int
+    vnode: int
+    truncate: bool = False
+    rows: list[ChangeRow] = field(default_factory=list)
+
+    def message(self) -> pb.TableUpdateData:
+        tud = pb.TableUpdateData(table_name=self.table.name,
+                                 primary_index_id=self.table.primary_index_id,
+                                 timestamp=self.ts, virtual_node_id=self.vnode,
+                                 truncate=self.truncate)
+        if not self.rows:
+            return tud
+        values = [r.values or () for r in self.rows if r.op == REPLACE]
+        try:
+            inserts = encode_insert_values(self.table, values) if values else b""
+        except (EncodingError, ColumnarError):  # the node refuses or refreshes: row form
+            for row in self.rows:
+                _add_row(tud, self.table, row)
+            return tud
+        tud.delete_keys_arrow = encode_delete_keys([r.key for r in self.rows])
+        tud.insert_rows_arrow = inserts
+        return tud
+
+
 def requests(schema: str, tables: Mapping[str, TableRecord], rows: Iterable[ChangeRow],
              max_rows: int = 5000) -> Iterator[pb.UpdateRecordRequest]:
     """Rows (already in (ts, seq) order, all for one node) as requests of at
     most ``max_rows`` delete/insert items each, as Retina counts them (a
     replace is two)."""
-    request = pb.UpdateRecordRequest(schema_name=schema)
-    current: dict[tuple[int, str, int], pb.TableUpdateData] = {}
+    current: dict[tuple[int, str, int], _Update] = {}
     count = 0
     for row in rows:
         weight = 2 if row.op == REPLACE else 1
         if count and count + weight > max_rows:
-            yield request
-            request, current, count = pb.UpdateRecordRequest(schema_name=schema), {}, 0
+            yield _request(schema, current)
+            current, count = {}, 0
         slot = (row.ts, row.table, row.vnode)
-        tud = current.get(slot)
-        if tud is None:
-            table = tables[row.table]
-            tud = request.table_update_data.add(
-                table_name=row.table, primary_index_id=table.primary_index_id,
-                timestamp=row.ts, virtual_node_id=row.vnode)
-            current[slot] = tud
-        add_row(tud, tables[row.table], row)
+        update = current.get(slot)
+        if update is None:
+            update = current[slot] = _Update(tables[row.table], row.ts, row.vnode)
+        if row.op == TRUNCATE:  # the first row of its (ts, table, vnode): applied first
+            update.truncate = True
+        else:
+            update.rows.append(row)
         count += weight
     if count:
-        yield request
+        yield _request(schema, current)
+
+
+def _request(schema: str, updates: Mapping[object, _Update]) -> pb.UpdateRecordRequest:
+    return pb.UpdateRecordRequest(schema_name=schema,
+                                  table_update_data=[u.message() for u in updates.values()])
 
 
 def replay_requests(changelog: Changelog, schema: str, tables: Mapping[str, TableRecord],
@@ -78,9 +122,11 @@ def replay_requests(changelog: Changelog, schema: str, tables: Mapping[str, Tabl
 
 
 def changelog_rows(request: pb.UpdateRecordRequest) -> int:
-    """Changelog rows in a request: each is exactly one ``delete_data`` entry,
-    or a ``truncate`` flag."""
-    return sum(len(t.delete_data) + int(t.truncate) for t in request.table_update_data)
+    """Changelog rows in a request: each is exactly one deleted key (a
+    ``delete_data`` entry or a row of ``delete_keys_arrow``), or a ``truncate``
+    flag."""
+    return sum(len(t.delete_data) + row_count(t.delete_keys_arrow) + int(t.truncate)
+               for t in request.table_update_data)
 
 
 def by_node(rows: Iterable[ChangeRow], topology: Topology) -> dict[str, list[ChangeRow]]:

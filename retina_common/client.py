@@ -5,18 +5,24 @@ by its primary key to a virtual node and so to a node, and groups one
 transaction's effects into one ``TableUpdateData`` per virtual node. A
 replace (CDC INSERT/UPDATE/upsert) is a DELETE and an INSERT of the same key
 in the same ``TableUpdateData``; Retina applies the DELETE first.
+
+Rows are sent in the columnar form (``retina_common.columnar``, Arrow IPC) by
+default; ``columnar=False`` sends the row form (one message per row), which
+every Retina node also accepts.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from retina_common.catalog import TableRecord
 from retina_common.codec import encode_primary_key, value_encoder
+from retina_common.columnar import encode_delete_keys, encode_insert_values
 from retina_common.config import TlsConfig
 from retina_common.pb import retina_pb2 as pb
 from retina_common.tls import open_channel
@@ -42,9 +48,11 @@ def channel(address: str, tls: TlsConfig | None = None) -> grpc.Channel:
 
 
 class TableWriter:
-    def __init__(self, table: TableRecord, topology: Topology) -> None:
+    def __init__(self, table: TableRecord, topology: Topology, *, columnar: bool = True
+                 ) -> None:
         self.table = table
         self.topology = topology
+        self.columnar = columnar
         self._types = {c.name: c.type for c in table.columns}
         self._pk = table.primary_key
 
@@ -62,17 +70,15 @@ class TableWriter:
         ``deletes`` need only the key columns; ``replaces`` are full rows sent
         as DELETE + INSERT.
         """
-        by_vnode: dict[int, pb.TableUpdateData] = {}
+        by_vnode: dict[int, _Stream] = {}
         routes: dict[bytes, int] = {}  # a replaced key is routed once, not twice
 
-        def tud(key: bytes) -> pb.TableUpdateData:
+        def stream(key: bytes) -> _Stream:
             vnode = routes.get(key)
             if vnode is None:
                 vnode = routes[key] = self.topology.vnode_of_key(key)
             if vnode not in by_vnode:
-                by_vnode[vnode] = pb.TableUpdateData(
-                    table_name=self.table.name, primary_index_id=self.table.primary_index_id,
-                    timestamp=ts, virtual_node_id=vnode)
+                by_vnode[vnode] = _Stream()
             return by_vnode[vnode]
 
         # Rows are taken in the order they always were (deletes, replaces; then inserts,
@@ -82,27 +88,54 @@ class TableWriter:
         replaced_keys: list[bytes] = []
         for row in deletes:
             key = self.key(row)
-            tud(key).delete_data.add().index_keys.append(self._index_key(key, ts))
+            stream(key).deletes.append(key)
         for row in replaces:
             key = self.key(row)
             replaced_keys.append(key)
-            tud(key).delete_data.add().index_keys.append(self._index_key(key, ts))
+            stream(key).deletes.append(key)
         encoders = [(c.name, value_encoder(c.type)) for c in self.table.columns]
 
         def insert(key: bytes, row: Row) -> None:
-            item = tud(key).insert_data.add()
-            item.index_keys.append(self._index_key(key, ts))
-            item.col_values.extend(b"" if (v := row.get(name)) is None else encode(v)
-                                   for name, encode in encoders)
+            s = stream(key)
+            s.insert_keys.append(key)
+            s.insert_values.append([b"" if (v := row.get(name)) is None else encode(v)
+                                    for name, encode in encoders])
 
         for row in inserts:
             insert(self.key(row), row)
         for key, row in zip(replaced_keys, replaces, strict=True):
             insert(key, row)
         per_node: dict[str, list[pb.TableUpdateData]] = defaultdict(list)
-        for vnode, data in sorted(by_vnode.items()):
+        for vnode, s in sorted(by_vnode.items()):
+            data = pb.TableUpdateData(table_name=self.table.name,
+                                      primary_index_id=self.table.primary_index_id,
+                                      timestamp=ts, virtual_node_id=vnode)
+            self._fill(data, s, ts)
             per_node[self.topology.node_of_vnode(vnode)].append(data)
         return dict(per_node)
+
+    def _fill(self, data: pb.TableUpdateData, s: _Stream, ts: int) -> None:
+        if self.columnar:
+            if s.deletes:
+                data.delete_keys_arrow = encode_delete_keys(s.deletes)
+            if s.insert_values:
+                data.insert_rows_arrow = encode_insert_values(self.table, s.insert_values)
+            return
+        for key in s.deletes:
+            data.delete_data.add().index_keys.append(self._index_key(key, ts))
+        for key, values in zip(s.insert_keys, s.insert_values, strict=True):
+            item = data.insert_data.add()
+            item.index_keys.append(self._index_key(key, ts))
+            item.col_values.extend(values)
+
+
+@dataclass
+class _Stream:
+    """One virtual node's part of a transaction, before it is encoded."""
+
+    deletes: list[bytes] = field(default_factory=list)
+    insert_keys: list[bytes] = field(default_factory=list)
+    insert_values: list[list[bytes]] = field(default_factory=list)
 
 
 def requests_by_node(schema: str, updates: Iterable[dict[str, list[pb.TableUpdateData]]]

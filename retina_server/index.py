@@ -102,6 +102,12 @@ def _version_prefix(table_id: int, key: bytes) -> bytes:
     return _TABLE.pack(table_id) + _LEN.pack(len(key)) + key
 
 
+def _version_prefixes(table_id: int, keys: Iterable[bytes]) -> list[bytes]:
+    """``_version_prefix`` of many keys of one table."""
+    table, pack_len = _TABLE.pack(table_id), _LEN.pack
+    return [table + pack_len(len(key)) + key for key in keys]
+
+
 def _split_prefix(prefix: bytes) -> tuple[int, bytes]:
     (table_id,) = _TABLE.unpack(prefix[:8])
     (length,) = _LEN.unpack(prefix[8:12])
@@ -404,12 +410,12 @@ class LocalIndexService:
         if pairs is None:
             return None
         at_rows = [at if at != TOMBSTONE else None for at, _ in pairs]
-        if any(r is not None for r in at_rows):
-            at_ts = self._classify(at_rows, baseline)
-        else:  # the normal case: nothing at exactly ts, so nothing to look up
-            at_ts = [Resolved(Resolution.NOT_FOUND_OR_ORPHAN)] * len(at_rows)
         before = self._classify([b for _, b in pairs], baseline)
-        return [[r for r in (a, b) if r.status == Resolution.FOUND]
+        found = Resolution.FOUND
+        if all(r is None for r in at_rows):  # the normal case: nothing at exactly ts
+            return [[b] if b.status == found else [] for b in before]
+        at_ts = self._classify(at_rows, baseline)
+        return [[r for r in (a, b) if r.status == found]
                 for a, b in zip(at_ts, before, strict=True)]
 
     def _classify(self, row_ids: Sequence[int | None],
@@ -447,18 +453,19 @@ class LocalIndexService:
         cursor = txn.cursor(db=self._primary)
         bound, own = _TS.pack(ts + 1), _TS.pack(ts)
         unpack = _ROW.unpack
+        set_range, prev, last = cursor.set_range, cursor.prev, cursor.last
+        key_at, value_at = cursor.key, cursor.value
         out: list[tuple[int | None, int | None]] = []
-        for key in keys:
-            prefix = _version_prefix(table_id, key)
+        for prefix in _version_prefixes(table_id, keys):
             at: int | None = None
             before: int | None = None
-            moved = cursor.prev() if cursor.set_range(prefix + bound) else cursor.last()
-            if moved and cursor.key().startswith(prefix):
-                if cursor.key() == prefix + own:
-                    at = unpack(cursor.value())[0]
-                    moved = cursor.prev() and cursor.key().startswith(prefix)
+            moved = prev() if set_range(prefix + bound) else last()
+            if moved and (found := key_at()).startswith(prefix):
+                if found == prefix + own:
+                    at = unpack(value_at())[0]
+                    moved = prev() and key_at().startswith(prefix)
                 if moved:
-                    before = unpack(cursor.value())[0]
+                    before = unpack(value_at())[0]
             out.append((at, before))
         return out
 
@@ -469,15 +476,22 @@ class LocalIndexService:
         (skipped with ``keep_previous=False``: inside a batch, the abort is the undo)."""
         previous = []
         pack_ts, pack_row = _TS.pack, _ROW.pack
+        items = list(items)
+        prefixes = _version_prefixes(table_id, (key for key, _, _ in items))
+        stamps = [pack_ts(ts) for _, _, ts in items]
+        versions = [p + t for p, t in zip(prefixes, stamps, strict=True)]
         try:
             with self._txn() as txn:
-                for key, row_id, ts in items:
-                    prefix = _version_prefix(table_id, key)
-                    version = prefix + pack_ts(ts)
-                    if keep_previous:
-                        previous.append((key, ts, txn.get(version, db=self._primary)))
-                    txn.put(version, pack_row(row_id), db=self._primary)
-                    txn.put(pack_ts(ts) + prefix, b"", db=self._by_ts)
+                if keep_previous:
+                    get = txn.get
+                    previous = [(key, ts, get(v, db=self._primary))
+                                for (key, _, ts), v in zip(items, versions, strict=True)]
+                # putmulti: the puts of a request in one call (LMDB's loop, not ours)
+                txn.cursor(db=self._primary).putmulti(
+                    [(v, pack_row(row_id)) for v, (_, row_id, _) in
+                     zip(versions, items, strict=True)])
+                txn.cursor(db=self._by_ts).putmulti(
+                    [(t + p, b"") for p, t in zip(prefixes, stamps, strict=True)])
         except lmdb.Error as exc:
             raise IndexBackendError(f"{what} failed: {exc}") from exc
         return previous

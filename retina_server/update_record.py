@@ -61,9 +61,17 @@ import pyarrow.compute as pc
 from retina_common.catalog import NotFoundError, TableRecord
 from retina_common.codec import (
     EncodingError,
+    arrow_type,
     decode_column,
     encode_primary_keys,
     encode_values,
+)
+from retina_common.columnar import (
+    ColumnarError,
+    decode_delete_keys,
+    decode_insert_rows,
+    row_count,
+    stream_width,
 )
 from retina_common.pb import retina_pb2 as pb
 from retina_common.refusal import Refusal
@@ -95,10 +103,21 @@ def prepare(node: RetinaNode, request: pb.UpdateRecordRequest,
         raise _invalid("schema_name is required")
     if not request.table_update_data:
         raise _invalid("the request has no table_update_data")
-    rows = sum(len(t.delete_data) + len(t.insert_data) for t in request.table_update_data)
+    rows = sum(_rows(t) for t in request.table_update_data)
     if rows > max_rows:
         raise _invalid(f"request carries {rows} rows; the limit is {max_rows}")
     return [_prepare_one(node, request.schema_name, tud) for tud in request.table_update_data]
+
+
+def _rows(tud: pb.TableUpdateData) -> int:
+    """The delete and insert items of ``tud`` in either form (a columnar payload's
+    batch headers are read, not its values)."""
+    rows = len(tud.delete_data) + len(tud.insert_data)
+    try:
+        return (rows + row_count(tud.delete_keys_arrow, "delete_keys_arrow")
+                + row_count(tud.insert_rows_arrow, "insert_rows_arrow"))
+    except ColumnarError as exc:
+        raise _invalid(f"{tud.table_name}: {exc}") from None
 
 
 def _keys(table: TableRecord, tud: pb.TableUpdateData, items: list, what: str,
@@ -127,8 +146,15 @@ def _keys(table: TableRecord, tud: pb.TableUpdateData, items: list, what: str,
         raise _invalid(f"{name}: {what} {i} names table {ids[i][0]} index {ids[i][1]}, not "
                        f"{expected[0]}/{expected[1]}")
     keys = [k.key for k in index_keys]
+    _check_routes(node, tud, keys, what, routes)
+    return keys
+
+
+def _check_routes(node: RetinaNode, tud: pb.TableUpdateData, keys: list[bytes], what: str,
+                  routes: dict[bytes, int]) -> None:
+    """Every key is non-empty and routes to the update's virtual node."""
     if not all(keys):
-        raise _invalid(f"{name}: {what} {keys.index(b'')} has an empty key")
+        raise _invalid(f"{tud.table_name}: {what} {keys.index(b'')} has an empty key")
     # ``routes`` is shared by the update's deletes and inserts: a replace's key is
     # hashed once.
     route = node.topology.vnode_of_key
@@ -137,8 +163,8 @@ def _keys(table: TableRecord, tud: pb.TableUpdateData, items: list, what: str,
     routes.update(zip(keys, got, strict=True))
     if got.count(vnode) != len(got):
         i = next(i for i, v in enumerate(got) if v != vnode)
-        raise _invalid(f"{name}: {what} {i} key routes to virtual node {got[i]}, not {vnode}")
-    return keys
+        raise _invalid(f"{tud.table_name}: {what} {i} key routes to virtual node {got[i]}, "
+                       f"not {vnode}")
 
 
 def _prepare_one(node: RetinaNode, schema_name: str, tud: pb.TableUpdateData) -> PreparedUpdate:
@@ -159,12 +185,20 @@ def _prepare_one(node: RetinaNode, schema_name: str, tud: pb.TableUpdateData) ->
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                       f"virtual node {vnode} belongs to {owner}, not {node.node_id}")
     routes: dict[bytes, int] = {}
-    delete_keys = _keys(table, tud, list(tud.delete_data), "delete", node, routes)
-    insert_keys = _keys(table, tud, list(tud.insert_data), "insert", node, routes)
+    if tud.delete_keys_arrow or tud.insert_rows_arrow:
+        if tud.delete_data or tud.insert_data:
+            raise _invalid(f"{tud.table_name}: a TableUpdateData carries its rows either as "
+                           "delete_data/insert_data or as delete_keys_arrow/"
+                           "insert_rows_arrow, not both")
+        delete_keys = _columnar_deletes(node, tud, routes)
+        table, insert_keys, columns = _columnar_inserts(node, schema_name, table, tud, routes)
+    else:
+        delete_keys = _keys(table, tud, list(tud.delete_data), "delete", node, routes)
+        insert_keys = _keys(table, tud, list(tud.insert_data), "insert", node, routes)
+        columns = []
     if len(set(insert_keys)) != len(insert_keys):
         raise _invalid(f"{tud.table_name}: duplicate keys in one insert batch")
-    columns: list[pa.Array] = []
-    if insert_keys:
+    if insert_keys and not columns:
         table, widths = _table_for_widths(node, schema_name, table, tud)
         width = len(table.columns)
         if widths == {width}:
@@ -180,6 +214,59 @@ def _prepare_one(node: RetinaNode, schema_name: str, tud: pb.TableUpdateData) ->
         _check_keys_match_rows(table, tud.table_name, insert_keys, columns)
     return PreparedUpdate(table, vnode, tud.timestamp, delete_keys, insert_keys, columns,
                           tud.truncate)
+
+
+def _columnar_deletes(node: RetinaNode, tud: pb.TableUpdateData,
+                      routes: dict[bytes, int]) -> list[bytes]:
+    if not tud.delete_keys_arrow:
+        return []
+    try:
+        keys = decode_delete_keys(tud.delete_keys_arrow)
+    except ColumnarError as exc:
+        raise _invalid(f"{tud.table_name}: {exc}") from None
+    _check_routes(node, tud, keys, "delete", routes)
+    return keys
+
+
+def _columnar_inserts(node: RetinaNode, schema_name: str, table: TableRecord,
+                      tud: pb.TableUpdateData, routes: dict[bytes, int]
+                      ) -> tuple[TableRecord, list[bytes], list[pa.Array]]:
+    """The rows of ``insert_rows_arrow`` as the table's columns (those added after the
+    rows were encoded are NULL), and each row's key bytes computed from its key
+    columns."""
+    if not tud.insert_rows_arrow:
+        return table, [], []
+    try:
+        if stream_width(tud.insert_rows_arrow) > len(table.columns):  # a column was added
+            table = node.refresh_table(schema_name, tud.table_name)
+        rows = decode_insert_rows(tud.insert_rows_arrow, table)
+    except ColumnarError as exc:
+        raise _invalid(f"{tud.table_name}: {exc}") from None
+    n = rows.num_rows
+    if not n:
+        return table, [], []
+    columns = [c.combine_chunks() for c in rows.columns]
+    columns += [pa.nulls(n, arrow_type(c.type)) for c in table.columns[len(columns):]]
+    pk = _key_positions(table)
+    _check_key_columns_present(table, tud.table_name, columns, pk)
+    keys = encode_primary_keys([table.columns[p].type for p in pk],
+                               [columns[p] for p in pk]).to_pylist()
+    _check_routes(node, tud, keys, "insert", routes)
+    return table, keys, columns
+
+
+def _key_positions(table: TableRecord) -> list[int]:
+    position = {c.name: i for i, c in enumerate(table.columns)}
+    return [position[c] for c in table.primary_key]
+
+
+def _check_key_columns_present(table: TableRecord, name: str, columns: list[pa.Array],
+                               pk: list[int]) -> None:
+    for p in pk:
+        if columns[p].null_count:
+            i = pc.index(columns[p].is_null(), True).as_py()
+            raise _invalid(f"{name}: insert {i} has a NULL in key column "
+                           f"{table.columns[p].name}")
 
 
 def _table_for_widths(node: RetinaNode, schema_name: str, table: TableRecord,
@@ -208,13 +295,8 @@ def _check_keys_match_rows(table: TableRecord, name: str, keys: list[bytes],
 
     The index would otherwise file the row under a key its columns do not
     carry. One batch compare; only an offending row is looked at by itself."""
-    position = {c.name: i for i, c in enumerate(table.columns)}
-    pk = [position[c] for c in table.primary_key]
-    for p in pk:
-        if columns[p].null_count:
-            i = pc.index(columns[p].is_null(), True).as_py()
-            raise _invalid(f"{name}: insert {i} has a NULL in key column "
-                           f"{table.columns[p].name}")
+    pk = _key_positions(table)
+    _check_key_columns_present(table, name, columns, pk)
     types = [table.columns[p].type for p in pk]
     expected = encode_primary_keys(types, [columns[p] for p in pk])
     same = pc.equal(expected, pa.array(keys, pa.binary()))

@@ -368,7 +368,8 @@ def test_retina_takes_rows_of_every_schema_version(
     assert tags() == expected()  # old files (no tag column) and new ones
 
     # A row narrower than any schema version, or wider than the catalog's, is refused.
-    request = dp.writers["orders"].updates(10**12, inserts=[_order(99, "x", evolved=True)])
+    request = TableWriter(evolved, dp.topology, columnar=False).updates(
+        10**12, inserts=[_order(99, "x", evolved=True)])
     tud = next(iter(request.values()))[0]
     for width in (3, 6):
         del tud.insert_data[0].col_values[:]

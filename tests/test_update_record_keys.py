@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
+from retina_common.client import TableWriter
 from retina_common.codec import (
     decode_column,
     encode_primary_key,
@@ -111,7 +112,10 @@ def requests(plane: DataPlane, ts: int, start: int
     """One node's request carrying inserts into both tables, and the rows it inserts."""
     rows = {"orders": [order(start + i) for i in range(40)],
             "events": [event(start + i) for i in range(40)]}
-    per_table = {t: plane.writers[t].updates(ts, inserts=r) for t, r in rows.items()}
+    # The row form: its key bytes are sent beside the row (the columnar form has the
+    # node compute them, so they cannot disagree).
+    per_table = {t: TableWriter(plane.writers[t].table, plane.topology, columnar=False)
+                 .updates(ts, inserts=r) for t, r in rows.items()}
     node = plane.nodes[0]
     # One vnode per table, so the request's rows are easy to follow.
     datas = {t: per_table[t][node][0] for t in rows}

@@ -6,9 +6,12 @@ from collections.abc import Callable, Iterator
 from decimal import Decimal
 
 import grpc
+import numpy as np
+import pyarrow as pa
 import pytest
 
-from retina_common.client import requests_by_node
+from retina_common.client import TableWriter, requests_by_node
+from retina_common.columnar import row_count
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 
@@ -28,14 +31,21 @@ def order(i: int) -> dict:
     return {"id": i, "customer": "c", "amount": Decimal("1.50"), "note": None}
 
 
-def one_node_request(plane: DataPlane, ts: int, **ops) -> tuple[str, rpb.UpdateRecordRequest]:
-    """A request for the node owning the first key's vnode, with valid inserts for contrast."""
-    per_node = plane.writers["orders"].updates(ts, **ops)
-    node, datas = max(per_node.items(), key=lambda kv: max(len(d.insert_data) for d in kv[1]))
-    datas = sorted(datas, key=lambda d: -len(d.insert_data))  # one with inserts first
+def one_node_request(plane: DataPlane, ts: int, *, columnar: bool = False,
+                     **ops) -> tuple[str, rpb.UpdateRecordRequest]:
+    """A request for the node owning the first key's vnode, with valid inserts for contrast,
+    in the row form (or the columnar form)."""
+    writer = TableWriter(plane.writers["orders"].table, plane.topology, columnar=columnar)
+    per_node = writer.updates(ts, **ops)
+    node, datas = max(per_node.items(), key=lambda kv: max(inserted(d) for d in kv[1]))
+    datas = sorted(datas, key=lambda d: -inserted(d))  # one with inserts first
     request = rpb.UpdateRecordRequest(schema_name=SCHEMA)
     request.table_update_data.extend(datas)
     return node, request
+
+
+def inserted(tud: rpb.TableUpdateData) -> int:
+    return len(tud.insert_data) + row_count(tud.insert_rows_arrow)
 
 
 def fresh_rows(start: int, n: int = 5) -> list[dict]:
@@ -122,6 +132,144 @@ def test_malformed_request_is_refused_and_changes_nothing(
     finally:  # an open write transaction would hold the HWM (and every snapshot) back
         plane.trans.stub().RollbackTrans(tpb.RollbackTransRequest(trans_id=trans.trans_id))
     assert err.code() == code, err.details()
+    assert plane.read("orders") == before
+
+
+# --- the columnar form (Arrow IPC): the same rules, and its own malformations ------
+
+def _rows_of(tud: rpb.TableUpdateData) -> pa.Table:
+    return pa.ipc.open_stream(tud.insert_rows_arrow).read_all()
+
+
+def _set_rows(tud: rpb.TableUpdateData, rows: pa.Table) -> None:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, rows.schema) as writer:
+        writer.write_table(rows)
+    tud.insert_rows_arrow = sink.getvalue().to_pybytes()
+
+
+def _set_column(tud: rpb.TableUpdateData, name: str, column: pa.Array,
+                field: pa.Field | None = None) -> None:
+    rows = _rows_of(tud)
+    i = rows.schema.get_field_index(name)
+    _set_rows(tud, rows.set_column(i, field or pa.field(name, column.type), column))
+
+
+def _set_keys(tud: rpb.TableUpdateData, keys: pa.Array, name: str = "key") -> None:
+    sink = pa.BufferOutputStream()
+    batch = pa.record_batch([keys], names=[name])
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    tud.delete_keys_arrow = sink.getvalue().to_pybytes()
+
+
+def col_not_arrow(r: rpb.UpdateRecordRequest) -> None:
+    r.table_update_data[0].insert_rows_arrow = b"these are not Arrow bytes"
+
+
+def col_truncated_stream(r: rpb.UpdateRecordRequest) -> None:
+    tud = r.table_update_data[0]
+    tud.insert_rows_arrow = tud.insert_rows_arrow[:len(tud.insert_rows_arrow) // 2]
+
+
+def col_wrong_type(r: rpb.UpdateRecordRequest) -> None:
+    _wrong_type(r.table_update_data[0])
+
+
+def _wrong_type(tud: rpb.TableUpdateData) -> None:
+    _set_column(tud, "amount", _rows_of(tud).column("amount").cast(pa.float64()))
+
+
+def col_renamed(r: rpb.UpdateRecordRequest) -> None:
+    tud = r.table_update_data[0]
+    rows = _rows_of(tud)
+    _set_rows(tud, rows.rename_columns(["id", "client", "amount", "note"]))
+
+
+def col_extra_column(r: rpb.UpdateRecordRequest) -> None:
+    tud = r.table_update_data[0]
+    rows = _rows_of(tud)
+    _set_rows(tud, rows.append_column("surprise", pa.array([1] * rows.num_rows)))
+
+
+def col_too_narrow(r: rpb.UpdateRecordRequest) -> None:
+    tud = r.table_update_data[0]
+    _set_rows(tud, _rows_of(tud).select(["id", "customer"]))
+
+
+def col_null_key(r: rpb.UpdateRecordRequest) -> None:
+    tud = r.table_update_data[0]
+    ids = _rows_of(tud).column("id").to_pylist()
+    _set_column(tud, "id", pa.array([ids[0], None, *ids[2:]], pa.int64()))
+
+
+def col_bad_utf8(r: rpb.UpdateRecordRequest) -> None:
+    # Written without validation, as a faulty client could: the node validates in full.
+    tud = r.table_update_data[0]
+    n = _rows_of(tud).num_rows
+    offsets = pa.py_buffer(np.arange(n + 1, dtype=np.int32).tobytes())
+    bad = pa.Array.from_buffers(pa.string(), n, [None, offsets, pa.py_buffer(b"\xff" * n)])
+    _set_column(tud, "customer", bad)
+
+
+def col_duplicate_insert(r: rpb.UpdateRecordRequest) -> None:
+    tud = r.table_update_data[0]
+    rows = _rows_of(tud)
+    _set_rows(tud, pa.concat_tables([rows, rows.slice(0, 1)]))
+
+
+def col_both_forms(r: rpb.UpdateRecordRequest) -> None:
+    tud = r.table_update_data[0]
+    item = tud.delete_data.add()
+    item.index_keys.add(table_id=1, index_id=tud.primary_index_id, key=b"k",
+                        timestamp=tud.timestamp)
+
+
+def col_delete_keys_wrong_schema(r: rpb.UpdateRecordRequest) -> None:
+    tud = next(t for t in r.table_update_data if t.delete_keys_arrow)
+    _set_keys(tud, pa.array([1, 2], pa.int64()), name="id")
+
+
+def col_null_delete_key(r: rpb.UpdateRecordRequest) -> None:
+    tud = next(t for t in r.table_update_data if t.delete_keys_arrow)
+    _set_keys(tud, pa.array([None], pa.binary()))
+
+
+def col_empty_delete_key(r: rpb.UpdateRecordRequest) -> None:
+    tud = next(t for t in r.table_update_data if t.delete_keys_arrow)
+    _set_keys(tud, pa.array([b""], pa.binary()))
+
+
+def col_second_part_bad(r: rpb.UpdateRecordRequest) -> None:
+    # A valid first TableUpdateData followed by a broken one: neither applies.
+    bad = r.table_update_data.add()
+    bad.CopyFrom(r.table_update_data[0])
+    _wrong_type(bad)
+
+
+@pytest.mark.parametrize("mutate", [
+    col_not_arrow, col_truncated_stream, col_wrong_type, col_renamed, col_extra_column,
+    col_too_narrow, col_null_key, col_bad_utf8, col_duplicate_insert, col_both_forms,
+    col_delete_keys_wrong_schema, col_null_delete_key, col_empty_delete_key,
+    misrouted_vnode, col_second_part_bad,
+])
+def test_malformed_columnar_request_is_refused_and_changes_nothing(
+        plane: DataPlane, mutate: Callable[[rpb.UpdateRecordRequest], None]) -> None:
+    before = plane.read("orders")
+    trans = plane.trans.stub().BeginTrans(tpb.BeginTransRequest(), timeout=5)
+    try:
+        # Deletes of keys that route to the same node as the inserts' first vnode.
+        node, request = one_node_request(plane, trans.timestamp, columnar=True,
+                                         inserts=fresh_rows(1000 + 100 * trans.timestamp, 24),
+                                         deletes=[order(i) for i in range(20)])
+        request.table_update_data.sort(key=lambda t: -inserted(t))
+        assert inserted(request.table_update_data[0]) >= 2  # a row to break besides row 0
+        mutate(request)
+        err = rpc_error(lambda: plane.retinas[node].stub.UpdateRecord(request, timeout=10))
+    finally:
+        plane.trans.stub().RollbackTrans(tpb.RollbackTransRequest(trans_id=trans.trans_id))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert "orders" in err.details()
     assert plane.read("orders") == before
 
 

@@ -1,0 +1,144 @@
+"""The columnar form of a ``TableUpdateData``: Arrow IPC streams instead of rows.
+
+Documented in ``docs/encoding.md`` ("Columnar form"). ``delete_keys_arrow``
+holds one binary column ``key`` (the primary-key bytes of each row to
+delete); ``insert_rows_arrow`` holds the rows to insert, one column per table
+column, by name and in column order, with the column's Arrow type
+(``codec.arrow_type``); a prefix of the columns is a row encoded before a
+column was added. Retina computes an inserted row's key bytes from its key
+columns (``codec.encode_primary_keys``), so a key cannot disagree with its row.
+
+The row form (``delete_data`` / ``insert_data``, one protobuf message and one
+``bytes`` per value) stays for compatibility; this form is what the client
+library, the connector and the Spark replay send, because it is decoded and
+checked a column at a time instead of a value at a time.
+
+Decoding is the trust boundary: a stream that does not parse, holds a type or
+name other than the table's, or fails Arrow's full validation (offsets, UTF-8)
+raises ``ColumnarError`` with a message naming what is wrong; the server turns
+it into INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pyarrow as pa
+
+from retina_common.catalog import TableRecord
+from retina_common.codec import arrow_type, decode_column
+
+DELETE_KEY = "key"
+_DELETE_SCHEMA = pa.schema([pa.field(DELETE_KEY, pa.binary(), nullable=False)])
+
+
+class ColumnarError(ValueError):
+    """A columnar payload is malformed or does not fit the table."""
+
+
+def table_schema(table: TableRecord, width: int | None = None) -> pa.Schema:
+    """The Arrow schema of ``insert_rows_arrow`` for the first ``width`` columns."""
+    columns = table.columns if width is None else table.columns[:width]
+    return pa.schema([pa.field(c.name, arrow_type(c.type)) for c in columns])
+
+
+def _ipc(batch: pa.RecordBatch) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def encode_delete_keys(keys: Sequence[bytes]) -> bytes:
+    """``delete_keys_arrow`` for primary-key bytes ``keys``."""
+    return _ipc(pa.record_batch([pa.array(keys, pa.binary())], schema=_DELETE_SCHEMA))
+
+
+def encode_insert_rows(table: TableRecord, columns: Sequence[pa.Array]) -> bytes:
+    """``insert_rows_arrow`` for the table's first ``len(columns)`` columns."""
+    return _ipc(pa.record_batch(list(columns), schema=table_schema(table, len(columns))))
+
+
+def encode_insert_values(table: TableRecord, rows: Sequence[Sequence[bytes]]) -> bytes:
+    """``insert_rows_arrow`` for rows whose values are in the row form's encoding
+    (``codec``), as the connector's changelog keeps them; rows of different schema
+    versions are padded with NULL to the widest. Raises ``codec.EncodingError`` on a
+    value that does not decode and ``ColumnarError`` on a row wider than ``table``."""
+    width = max(len(r) for r in rows)
+    if width > len(table.columns):
+        raise ColumnarError(f"a row has {width} values; {table.name} has "
+                            f"{len(table.columns)} columns")
+    if any(len(r) != width for r in rows):
+        rows = [(*r, *([b""] * (width - len(r)))) for r in rows]
+    columns = [decode_column(c.type, values)
+               for c, values in zip(table.columns, zip(*rows, strict=True), strict=False)]
+    return encode_insert_rows(table, columns)
+
+
+def _read(data: bytes, what: str) -> pa.Table:
+    try:
+        table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+        table.validate(full=True)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise ColumnarError(f"{what} is not a valid Arrow IPC stream: {exc}") from None
+    return table
+
+
+def decode_delete_keys(data: bytes) -> list[bytes]:
+    """The primary-key bytes of ``delete_keys_arrow``."""
+    table = _read(data, "delete_keys_arrow")
+    if table.schema.names != [DELETE_KEY] or table.schema.types[0] != pa.binary():
+        raise ColumnarError(f"delete_keys_arrow must hold one binary column {DELETE_KEY!r}, "
+                            f"not {_describe(table.schema)}")
+    column = table.column(0).combine_chunks()
+    if column.null_count:
+        raise ColumnarError("delete_keys_arrow holds a NULL key")
+    return column.to_pylist()
+
+
+def decode_insert_rows(data: bytes, table: TableRecord) -> pa.Table:
+    """The rows of ``insert_rows_arrow``, checked against ``table``'s columns.
+
+    The caller has already refreshed ``table`` if the stream is wider than it.
+    Its columns must be a schema version's prefix of the table's, by name and
+    Arrow type (field nullability and metadata are not part of the contract)."""
+    rows = _read(data, "insert_rows_arrow")
+    width = rows.num_columns
+    if not table.accepts_width(width):
+        raise ColumnarError(f"insert_rows_arrow has {width} columns; the table has "
+                            f"{_widths(table)}")
+    expected = table_schema(table, width)
+    if rows.schema.names != expected.names or rows.schema.types != expected.types:
+        raise ColumnarError(f"insert_rows_arrow columns are {_describe(rows.schema)}, not "
+                            f"{_describe(expected)}")
+    return rows
+
+
+def stream_width(data: bytes) -> int:
+    """The number of columns ``insert_rows_arrow`` declares (schema only)."""
+    try:
+        return len(pa.ipc.open_stream(pa.py_buffer(data)).schema)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise ColumnarError(f"insert_rows_arrow is not a valid Arrow IPC stream: {exc}"
+                            ) from None
+
+
+def row_count(data: bytes, what: str = "columnar payload") -> int:
+    """The rows of one columnar payload (``what`` names it in an error), or 0 for an
+    empty one."""
+    if not data:
+        return 0
+    try:
+        return sum(b.num_rows for b in pa.ipc.open_stream(pa.py_buffer(data)))
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise ColumnarError(f"{what} is not a valid Arrow IPC stream: {exc}") from None
+
+
+def _widths(table: TableRecord) -> str:
+    if table.original_width == len(table.columns):
+        return f"{len(table.columns)}"
+    return f"{table.original_width} to {len(table.columns)}"
+
+
+def _describe(schema: pa.Schema) -> str:
+    return "(" + ", ".join(f"{f.name}: {f.type}" for f in schema) + ")"
