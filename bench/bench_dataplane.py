@@ -43,7 +43,7 @@ from retina_common.reader import SnapshotReader
 from retina_common.recovery_driver import drive_recovery
 from retina_common.topology import Topology
 
-BATCH = 1000
+BATCH = 1000  # rows per batch of the profile
 
 
 def row(i: int, version: int = 0) -> dict:
@@ -54,7 +54,10 @@ def row(i: int, version: int = 0) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, default=40, help="batches of 1000 rows per phase")
+    parser.add_argument("--batches", type=int, default=40, help="batches per phase")
+    parser.add_argument("--batch", type=int, default=BATCH, help="rows per batch")
+    parser.add_argument("--form", choices=("columnar", "row"), default="columnar",
+                        help="UpdateRecord's wire form (docs/encoding.md)")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     configure_logging("bench", "warning")
@@ -62,8 +65,8 @@ def main() -> None:
     node = f"127.0.0.1:{free_port()}"
     print(f"setup: {platform.platform()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}; one Retina node (all 8 vnodes), TransServer, etcd and "
-          f"PostgreSQL on this machine; loopback gRPC; batches of {BATCH} rows, "
-          f"{args.batches} per phase; block 4096 rows, 4 blocks per file")
+          f"PostgreSQL on this machine; loopback gRPC; batches of {args.batch} rows "
+          f"({args.form} form), {args.batches} per phase; block 4096 rows, 4 blocks per file")
     state = start_cluster(work, nodes=[node], virtual_nodes=8, log=lambda _m: None)
     topology = Topology((node,), 8)
     catalog = Catalog(state.postgres.dsn())
@@ -78,8 +81,8 @@ def main() -> None:
         stub = retina_pb2_grpc.RetinaWorkerServiceStub(channel)
         drive_recovery(stub)  # a fresh node: nothing to replay, then MarkReady
         trans = trans_pb2_grpc.TransServiceStub(grpc.insecure_channel(state.trans_listen))
-        writer = TableWriter(table, topology)
-        n = args.batches
+        writer = TableWriter(table, topology, columnar=args.form == "columnar")
+        n, size = args.batches, args.batch
 
         def phase(name: str, build) -> None:
             stamps = [trans.BeginTrans(tpb.BeginTransRequest(), timeout=10) for _ in range(n)]
@@ -93,20 +96,20 @@ def main() -> None:
                 apply_s.append(time.perf_counter() - a0)
                 trans.CommitTrans(tpb.CommitTransRequest(trans_id=t.trans_id), timeout=10)
             total = time.perf_counter() - t0
-            rows = n * BATCH
+            rows = n * size
             p50 = statistics.median(apply_s)
             print(f"{name:<28} {rows / sum(apply_s):>10,.0f} rows/s UpdateRecord mean, "
-                  f"{BATCH / p50:,.0f} at the p50 batch ({p50 * 1000:.1f} ms); "
+                  f"{size / p50:,.0f} at the p50 batch ({p50 * 1000:.1f} ms); "
                   f"{rows / total:,.0f} rows/s with Begin/Commit")
 
-        phase("insert-only", lambda b: {"inserts": [row(b * BATCH + i) for i in range(BATCH)]})
+        phase("insert-only", lambda b: {"inserts": [row(b * size + i) for i in range(size)]})
         phase("replace (DELETE+INSERT)",
-              lambda b: {"replaces": [row(b * BATCH + i, 1) for i in range(BATCH)]})
-        phase("delete-only", lambda b: {"deletes": [{"id": b * BATCH + i}
-                                                    for i in range(0, BATCH, 2)] +
-                                        [{"id": b * BATCH + i} for i in range(1, BATCH, 2)]})
+              lambda b: {"replaces": [row(b * size + i, 1) for i in range(size)]})
+        phase("delete-only", lambda b: {"deletes": [{"id": b * size + i}
+                                                    for i in range(0, size, 2)] +
+                                        [{"id": b * size + i} for i in range(1, size, 2)]})
         phase("insert-only (refill)",
-              lambda b: {"inserts": [row(n * BATCH + b * BATCH + i) for i in range(BATCH)]})
+              lambda b: {"inserts": [row(n * size + b * size + i) for i in range(size)]})
 
         reader = SnapshotReader(state.trans_listen, topology)
         wait_for(lambda: reader.read("bench", "orders").buffer_rows == 0, 60, "publish")

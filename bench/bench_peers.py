@@ -475,7 +475,7 @@ def main() -> int:
     args = parser.parse_args()
     sizes = args.batch or [100, 5000]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    configure_logging("bench", "warning")
+    configure_logging("bench", os.environ.get("BENCH_LOG_LEVEL", "warning"))
     peers = [s for s in systems if not s.startswith("retina")]
     versions = peer_versions(args.peers_python) if peers else "-"
     print(f"setup: {platform.platform()}, {os.cpu_count()} cores, Python "

@@ -9,7 +9,8 @@ the connector uses the smaller of ``cdc.request_max_rows`` and
 ``retina.max_rows_per_request``.
 
 Keys and rows are sent in the columnar form (``retina_common.columnar``,
-Arrow IPC). An update whose rows are wider than the connector's table record
+Arrow IPC) once an update has ``COLUMNAR_MIN_ROWS`` items, else in the row
+form. An update whose rows are wider than the connector's table record
 (a column added since it was read) or whose values do not decode is sent in
 the row form instead: the node re-reads its catalog, or refuses the row with
 the same message as ever.
@@ -24,6 +25,7 @@ from cdc_client.changelog import REPLACE, TRUNCATE, BatchRecord, Changelog, Chan
 from retina_common.catalog import TableRecord
 from retina_common.codec import EncodingError
 from retina_common.columnar import (
+    COLUMNAR_MIN_ROWS,
     ColumnarError,
     encode_delete_keys,
     encode_insert_values,
@@ -54,6 +56,7 @@ class _Update:
     table: TableRecord
     ts: int
     vnode: int
+    min_columnar_rows: int
     truncate: bool = False
     rows: list[ChangeRow] = field(default_factory=list)
 
@@ -62,25 +65,28 @@ class _Update:
                                  primary_index_id=self.table.primary_index_id,
                                  timestamp=self.ts, virtual_node_id=self.vnode,
                                  truncate=self.truncate)
-        if not self.rows:
-            return tud
         values = [r.values or () for r in self.rows if r.op == REPLACE]
-        try:
-            inserts = encode_insert_values(self.table, values) if values else b""
-        except (EncodingError, ColumnarError):  # the node refuses or refreshes: row form
-            for row in self.rows:
-                _add_row(tud, self.table, row)
-            return tud
-        tud.delete_keys_arrow = encode_delete_keys([r.key for r in self.rows])
-        tud.insert_rows_arrow = inserts
+        if len(self.rows) + len(values) >= self.min_columnar_rows:
+            try:
+                inserts = encode_insert_values(self.table, values) if values else b""
+            except (EncodingError, ColumnarError):
+                pass  # the row form: the node refreshes its table record or refuses the row
+            else:
+                tud.delete_keys_arrow = encode_delete_keys([r.key for r in self.rows])
+                tud.insert_rows_arrow = inserts
+                return tud
+        for row in self.rows:
+            _add_row(tud, self.table, row)
         return tud
 
 
 def requests(schema: str, tables: Mapping[str, TableRecord], rows: Iterable[ChangeRow],
-             max_rows: int = 5000) -> Iterator[pb.UpdateRecordRequest]:
+             max_rows: int = 5000, min_columnar_rows: int = COLUMNAR_MIN_ROWS
+             ) -> Iterator[pb.UpdateRecordRequest]:
     """Rows (already in (ts, seq) order, all for one node) as requests of at
     most ``max_rows`` delete/insert items each, as Retina counts them (a
-    replace is two)."""
+    replace is two); an update of ``min_columnar_rows`` items or more in the
+    columnar form."""
     current: dict[tuple[int, str, int], _Update] = {}
     count = 0
     for row in rows:
@@ -91,7 +97,8 @@ def requests(schema: str, tables: Mapping[str, TableRecord], rows: Iterable[Chan
         slot = (row.ts, row.table, row.vnode)
         update = current.get(slot)
         if update is None:
-            update = current[slot] = _Update(tables[row.table], row.ts, row.vnode)
+            update = current[slot] = _Update(tables[row.table], row.ts, row.vnode,
+                                             min_columnar_rows)
         if row.op == TRUNCATE:  # the first row of its (ts, table, vnode): applied first
             update.truncate = True
         else:

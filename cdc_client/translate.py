@@ -17,6 +17,7 @@ does not fit the column's precision and scale) raises
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -99,6 +100,21 @@ class _Shape:
         # change); the columns the table was created with must be there.
         self.required = frozenset(c.name for c in table.columns if c.since_version == 1)
         self.encoders = [(c, value_encoder(c.type)) for c in table.columns]
+        self.named_encoders = [(c.name, encode) for c, encode in self.encoders]
+        self.encode_key = _key_encoder(self.key_types)
+
+
+def _key_encoder(types: list[str]) -> Callable[[list[Any]], bytes]:
+    """``encode_primary_key`` for one table's key types; a one-column key (the usual
+    case) without the general function's per-row lookups."""
+    if len(types) != 1:
+        return functools.partial(encode_primary_key, types)
+    encode = value_encoder(types[0])
+
+    def one_column(values: list[Any]) -> bytes:
+        encoded = encode(values[0])
+        return len(encoded).to_bytes(4, "big") + encoded
+    return one_column
 
 
 # By the record's identity (hashing a record hashes every column): the entry keeps the
@@ -122,7 +138,7 @@ def _key(table: TableRecord, row: Mapping[str, Any], where: object) -> bytes:
         raise MalformedChange(f"{where}: missing primary-key column(s) {missing} "
                               f"for {table.name}")
     try:
-        return encode_primary_key(shape.key_types, [row[c] for c in shape.key_columns])
+        return shape.encode_key([row[c] for c in shape.key_columns])
     except EncodingError as exc:  # the codec's only error for a value that does not fit
         raise MalformedChange(f"{where}: primary key of {table.name}: {exc}") from None
 
@@ -135,6 +151,12 @@ def _values(table: TableRecord, row: Mapping[str, Any], where: object) -> tuple[
         absent = [c.name for c in table.columns if c.name not in row and c.since_version == 1]
         raise MalformedChange(f"{where}: schema mismatch for {table.name}: "
                               f"unknown column(s) {extra}, missing column(s) {absent}")
+    get = row.get
+    try:  # every value at once; a value that does not fit is looked for again below
+        return tuple([b"" if (v := get(name)) is None else encode(v)
+                      for name, encode in shape.named_encoders])
+    except EncodingError:
+        pass
     out = []
     for col, encode in shape.encoders:
         value = row.get(col.name)

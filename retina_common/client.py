@@ -7,8 +7,9 @@ replace (CDC INSERT/UPDATE/upsert) is a DELETE and an INSERT of the same key
 in the same ``TableUpdateData``; Retina applies the DELETE first.
 
 Rows are sent in the columnar form (``retina_common.columnar``, Arrow IPC) by
-default; ``columnar=False`` sends the row form (one message per row), which
-every Retina node also accepts.
+default, except a virtual node's part smaller than ``min_columnar_rows`` (the
+row form is cheaper there); ``columnar=False`` sends the row form (one message
+per row) always. Every Retina node accepts both.
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ import grpc
 
 from retina_common.catalog import TableRecord
 from retina_common.codec import encode_primary_key, value_encoder
-from retina_common.columnar import encode_delete_keys, encode_insert_values
+from retina_common.columnar import (
+    COLUMNAR_MIN_ROWS,
+    encode_delete_keys,
+    encode_insert_values,
+)
 from retina_common.config import TlsConfig
 from retina_common.pb import retina_pb2 as pb
 from retina_common.tls import open_channel
@@ -48,11 +53,12 @@ def channel(address: str, tls: TlsConfig | None = None) -> grpc.Channel:
 
 
 class TableWriter:
-    def __init__(self, table: TableRecord, topology: Topology, *, columnar: bool = True
-                 ) -> None:
+    def __init__(self, table: TableRecord, topology: Topology, *, columnar: bool = True,
+                 min_columnar_rows: int = COLUMNAR_MIN_ROWS) -> None:
         self.table = table
         self.topology = topology
         self.columnar = columnar
+        self.min_columnar_rows = min_columnar_rows
         self._types = {c.name: c.type for c in table.columns}
         self._pk = table.primary_key
 
@@ -115,7 +121,7 @@ class TableWriter:
         return dict(per_node)
 
     def _fill(self, data: pb.TableUpdateData, s: _Stream, ts: int) -> None:
-        if self.columnar:
+        if self.columnar and len(s.deletes) + len(s.insert_keys) >= self.min_columnar_rows:
             if s.deletes:
                 data.delete_keys_arrow = encode_delete_keys(s.deletes)
             if s.insert_values:

@@ -144,7 +144,38 @@ def value_encoder(type_name: str) -> Callable[[Any], bytes]:
     encode = _ENCODERS.get(type_name)
     if encode is None:
         return functools.partial(_unknown_type, type_name)
-    return functools.partial(encode, type_name)
+    general = functools.partial(encode, type_name)
+    natural = _NATURAL.get(type_name)
+    if natural is None:
+        return general
+    return _fast_path(natural, _STRUCT[type_name].pack if natural is not str else None,
+                      general)
+
+
+def _fast_path(natural: type, pack: Callable[[Any], bytes] | None,
+               general: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
+    """``general`` behind a shortcut for the type's natural Python type (an int for
+    int64, a float for float64, a str for string), which is what most values are.
+    Whatever the shortcut cannot take (out of range, a lone surrogate, another
+    type) goes to ``general``, which accepts it or raises the EncodingError."""
+    if pack is None:
+        def encode_str(value: Any) -> bytes:
+            if type(value) is str:
+                try:
+                    return b"\x01" + value.encode()
+                except UnicodeEncodeError:
+                    pass
+            return general(value)
+        return encode_str
+
+    def encode(value: Any) -> bytes:
+        if type(value) is natural:
+            try:
+                return pack(value)
+            except (struct.error, OverflowError):
+                pass
+        return general(value)
+    return encode
 
 
 def _unknown_type(type_name: str, _value: Any) -> bytes:
@@ -278,6 +309,10 @@ def _unscaled(value: Decimal, precision: int, scale: int) -> int:
             raise EncodingError(f"{value} has more than {scale} fractional digits")
     return -unscaled if sign else unscaled
 
+
+# The Python type most values of a column type arrive as, taken by a shortcut.
+_NATURAL: dict[str, type] = {"int32": int, "int64": int, "float32": float, "float64": float,
+                             "string": str}
 
 _ENCODERS = {"int32": _encode_int, "int64": _encode_int, "date32": _encode_date,
              "timestamp_us": _encode_timestamp, "float32": _encode_float,

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import datetime
 import random
+from dataclasses import replace
 from decimal import Decimal
 
-import pyarrow as pa
 import pytest
 
+from cdc_client.changelog import DELETE, REPLACE, ChangeRow
+from cdc_client.replay import changelog_rows, requests
 from retina_common.catalog.model import ColumnRecord, TableRecord
 from retina_common.client import TableWriter
-from retina_common.codec import decode_column, encode_value
+from retina_common.codec import decode_column, encode_primary_key, encode_value
 from retina_common.columnar import (
+    COLUMNAR_MIN_ROWS,
     ColumnarError,
     decode_delete_keys,
     decode_insert_rows,
@@ -129,7 +132,8 @@ def test_row_and_columnar_forms_write_the_same_rows_through_a_crash_and_replay(
     equals the model."""
     plane: DataPlane = make_plane(nodes=2)
     rows = {"orders": order, "events": event}
-    writers = {form: {t: TableWriter(plane.tables[t], plane.topology, columnar=form)
+    writers = {form: {t: TableWriter(plane.tables[t], plane.topology, columnar=form,
+                                     min_columnar_rows=1)
                       for t in rows} for form in (False, True)}
     rng = random.Random(7)
     live: dict[str, set[int]] = {t: set() for t in rows}
@@ -171,7 +175,7 @@ def test_a_topology_routes_the_same_in_both_forms() -> None:
     topology = Topology(("a:1", "b:1"), 8)
     rows = [{c.name: None for c in TABLE.columns} | {"c0": i} for i in range(64)]
     by_row = TableWriter(TABLE, topology, columnar=False).updates(5, replaces=rows)
-    by_col = TableWriter(TABLE, topology).updates(5, replaces=rows)
+    by_col = TableWriter(TABLE, topology, min_columnar_rows=1).updates(5, replaces=rows)
     assert {n: [t.virtual_node_id for t in d] for n, d in by_row.items()} == \
         {n: [t.virtual_node_id for t in d] for n, d in by_col.items()}
     for node, datas in by_col.items():
@@ -179,5 +183,38 @@ def test_a_topology_routes_the_same_in_both_forms() -> None:
             assert decode_delete_keys(col.delete_keys_arrow) == \
                 [d.index_keys[0].key for d in row.delete_data]
             assert row_count(col.insert_rows_arrow) == len(row.insert_data)
-    assert isinstance(pa.ipc.open_stream(by_col["a:1"][0].insert_rows_arrow).schema,
-                      pa.Schema)
+    # The default sends parts below COLUMNAR_MIN_ROWS in the row form.
+    small = TableWriter(TABLE, topology).updates(5, replaces=rows[:COLUMNAR_MIN_ROWS // 2 - 1])
+    assert all(t.delete_data and not t.delete_keys_arrow for d in small.values() for t in d)
+
+
+def changes(n: int) -> list[ChangeRow]:
+    values = sample_rows(n)
+    out = []
+    for i, row in enumerate(values):
+        key = encode_primary_key(["int64"], [i])
+        out.append(ChangeRow(7, i, 0, TABLE.name, DELETE if i % 5 == 4 else REPLACE, key,
+                             None if i % 5 == 4 else tuple(row)))
+    return out
+
+
+def test_connector_requests_carry_the_same_rows_in_both_forms() -> None:
+    """The changelog's encoded rows, as the connector sends them: columnar from
+    COLUMNAR_MIN_ROWS items, the row form below it and for a row the cached table
+    record is too narrow for (the node then re-reads its catalog)."""
+    rows = changes(60)
+    [col] = requests("s", {TABLE.name: TABLE}, rows)
+    [row] = requests("s", {TABLE.name: TABLE}, rows, min_columnar_rows=10**6)
+    [c], [r] = col.table_update_data, row.table_update_data
+    assert not c.delete_data and not r.delete_keys_arrow
+    assert decode_delete_keys(c.delete_keys_arrow) == [d.index_keys[0].key for d in r.delete_data]
+    decoded = decode_insert_rows(c.insert_rows_arrow, TABLE)
+    for i, column in enumerate(TABLE.columns):
+        assert decoded.column(i).combine_chunks().equals(
+            decode_column(column.type, [item.col_values[i] for item in r.insert_data]))
+    assert changelog_rows(col) == changelog_rows(row) == 60
+    [small] = requests("s", {TABLE.name: TABLE}, rows[:COLUMNAR_MIN_ROWS // 2 - 1])
+    assert small.table_update_data[0].delete_data
+    wide = [replace(x, values=(*x.values, b"")) if x.values else x for x in rows]
+    [fallback] = requests("s", {TABLE.name: TABLE}, wide)
+    assert len(fallback.table_update_data[0].insert_data) == 48

@@ -706,7 +706,7 @@ def readings_cdc(tmp_path: Path, etcd: EtcdStore, catalog: Catalog,
     plane = DataPlane(tmp_path / "plane", etcd, catalog, catalog_dsn, nodes=2)
     record = catalog.create_table(SCHEMA, "readings", READINGS_RETINA, ["id"])
     plane.tables["readings"] = record
-    plane.writers["readings"] = TableWriter(record, plane.topology)
+    plane.writers["readings"] = TableWriter(record, plane.topology, min_columnar_rows=1)
     plane.start(recover=False)
     (tmp_path / "events").mkdir()
     cdc = CdcPlane(plane, None, tmp_path, source="debezium-file",

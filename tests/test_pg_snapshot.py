@@ -216,8 +216,8 @@ def test_translate_truncate_supersedes_earlier_rows_and_keeps_later_ones() -> No
     [request] = requests("shop", {"notes": table}, [replace(r, ts=5) for r in rows])
     assert sorted(t.virtual_node_id for t in request.table_update_data if t.truncate) == \
         [0, 1, 2, 3]
-    assert sum(row_count(t.insert_rows_arrow) for t in request.table_update_data
-               if t.truncate) == 1
+    assert sum(len(t.insert_data) + row_count(t.insert_rows_arrow)
+               for t in request.table_update_data if t.truncate) == 1
 
 
 # --- schema changes during a snapshot ---------------------------------------

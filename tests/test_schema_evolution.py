@@ -341,14 +341,14 @@ def test_retina_takes_rows_of_every_schema_version(
     old_writer = dp.writers["orders"]
     evolved = dp.catalog.add_column(SCHEMA, "orders", "tag", "string")
     # The node learns the column from the first row that carries it; no restart.
-    dp.writers["orders"] = TableWriter(evolved, dp.topology)
+    dp.writers["orders"] = TableWriter(evolved, dp.topology, min_columnar_rows=1)
     dp.commit({"orders": {"inserts": [_order(i, f"t{i}" if i % 2 else None, evolved=True)
                                       for i in range(21, 41)],
                           "replaces": [_order(3, "set later", evolved=True)]}})
     # A row encoded for the old version (a changelog entry replayed across the change).
     dp.writers["orders"] = old_writer
     dp.commit({"orders": {"replaces": [_order(22)]}})
-    dp.writers["orders"] = TableWriter(evolved, dp.topology)
+    dp.writers["orders"] = TableWriter(evolved, dp.topology, min_columnar_rows=1)
 
     def expected() -> dict[int, str | None]:
         out: dict[int, str | None] = {i: None for i in range(1, 41)}

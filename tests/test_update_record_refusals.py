@@ -35,7 +35,8 @@ def one_node_request(plane: DataPlane, ts: int, *, columnar: bool = False,
                      **ops) -> tuple[str, rpb.UpdateRecordRequest]:
     """A request for the node owning the first key's vnode, with valid inserts for contrast,
     in the row form (or the columnar form)."""
-    writer = TableWriter(plane.writers["orders"].table, plane.topology, columnar=columnar)
+    writer = TableWriter(plane.writers["orders"].table, plane.topology, columnar=columnar,
+                         min_columnar_rows=1)
     per_node = writer.updates(ts, **ops)
     node, datas = max(per_node.items(), key=lambda kv: max(inserted(d) for d in kv[1]))
     datas = sorted(datas, key=lambda d: -inserted(d))  # one with inserts first
