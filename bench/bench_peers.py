@@ -197,6 +197,7 @@ class Result:
     equal: bool | None = None
     detail: str = ""
     complete: bool = True
+    live_rows: int = 0  # in the final table (the model's)
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.latencies_s)
@@ -213,7 +214,7 @@ class Result:
             "last_tenth_p50_ms": statistics.median(self.latencies_s[-tenth:]) * ms
             if lat else None,
             "files": self.files, "bytes": self.bytes, "equal": self.equal,
-            "detail": self.detail}
+            "live_rows": self.live_rows, "detail": self.detail}
 
 
 def compare(result: Result, content: Callable[[], Model], batches: list[Batch]) -> None:
@@ -223,6 +224,7 @@ def compare(result: Result, content: Callable[[], Model], batches: list[Batch]) 
         result.equal, result.detail = False, str(exc)
         return
     want = model(batches)
+    result.live_rows = len(want)
     missing = [k for k in want if k not in got]
     extra = [k for k in got if k not in want]
     changed = [k for k in want if k in got and got[k] != want[k]]
@@ -394,11 +396,28 @@ def retina_changelog(cluster: RetinaCluster, batches: list[Batch], size: int,
     return result
 
 
-def retina_footprint(cluster: RetinaCluster) -> tuple[int, int]:
-    """Data files, index and node state of the whole node (both Retina tables)."""
-    files, size = disk_usage(cluster.work / "storage")
-    state_files, state_size = disk_usage(cluster.work / "retina-state")
-    return files + state_files, size + state_size
+def retina_footprint(cluster: RetinaCluster) -> dict[str, tuple[int, int]]:
+    """(files, bytes) of the whole node (every Retina table): data files, and the index
+    and node state (primary index, MainIndex, checkpoints)."""
+    return {"data": disk_usage(cluster.work / "storage"),
+            "index and state": disk_usage(cluster.work / "retina-state")}
+
+
+def print_footprint(parts: dict[str, tuple[int, int]], results: list[Result]) -> None:
+    """The node's footprint, and per live row of the Retina tables (the changelog's
+    files are each changelog result's own)."""
+    live = sum(r.live_rows for r in results if r.system.startswith("retina"))
+    changelog = sum(r.bytes or 0 for r in results if r.system == "retina-changelog")
+    total = sum(b for _f, b in parts.values())
+    print("Retina node footprint (every Retina table): "
+          + ", ".join(f"{name} {f} files {b / 2**20:.2f} MiB" for name, (f, b) in parts.items())
+          + f"; {live} live rows in all")
+    if live:
+        print("bytes per live row: " + ", ".join(
+            f"{name} {b / live:,.0f}" for name, (_f, b) in parts.items())
+            + f", changelog {changelog / live:,.0f}; total {(total + changelog) / live:,.0f}"
+            " (the Storage GC job off, its default: replaced and deleted rows stay in their "
+            "files)")
 
 
 # --- peers ----------------------------------------------------------------------------------
@@ -502,9 +521,7 @@ def main() -> int:
                 print(f"running {system} B={size} ...", flush=True)
                 results.append(run(batches, size))
         if cluster is not None:
-            files, size_bytes = retina_footprint(cluster)
-            print(f"Retina node footprint (data files, index, state; every Retina table): "
-                  f"{files} files, {size_bytes / 2**20:.2f} MiB")
+            print_footprint(retina_footprint(cluster), results)
     finally:
         if cluster is not None:
             cluster.catalog.close()

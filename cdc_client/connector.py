@@ -49,6 +49,7 @@ from cdc_client.replay import by_node, changelog_rows, node_starts, replay_reque
 from cdc_client.source import Source, SourceTransaction
 from cdc_client.translate import TableMap
 from retina_common.catalog import TableRecord
+from retina_common.columnar import ROW_FORM_ONLY, min_columnar_rows
 from retina_common.etcd import EtcdUnavailable
 from retina_common.failpoints import (
     CDC_BATCH_BEGIN_AFTER,
@@ -98,11 +99,11 @@ class Settings:
     batch_max_transactions: int = 500
     batch_max_rows: int = 5000
     batch_max_delay_ms: int = 50
-    batch_idle_gap_ms: int = 5
+    batch_idle_gap_ms: int = 0
     write_lease_ms: int = 15_000
     replay_mode: int = pb.VNODE
     drive_recovery: bool = True
-    request_max_rows: int = 5000
+    request_max_rows: int = 10_000
     backoff_max_s: float = 2.0
     node_check_interval_s: float = 1.0
     rpc_timeout_s: float = 30.0
@@ -150,6 +151,9 @@ class Connector:
                                         thread_name_prefix="send")
         self._deferred: Exception | None = None  # a malformed transaction after a good batch
         self._open_ids: list[int] = []  # the in-flight batch, kept alive during a replay
+        # node -> its columnar threshold, from its last GetRetinaStatus (unknown: the row
+        # form, which every node takes).
+        self._min_columnar: dict[str, int] = {}
         self._extended_at = 0.0
 
     # --- life -------------------------------------------------------------
@@ -198,12 +202,20 @@ class Connector:
         deadline = None
         rows = 0
         while len(batch.transactions) < s.batch_max_transactions and rows < s.batch_max_rows:
-            # A batch closes when the source goes quiet for a moment, when it
-            # is full, or at its delay cap; under a backlog batches grow, which
-            # amortises the fixed cost of a batch (changelog fsyncs, commit).
-            timeout = 0.2 if deadline is None else min(s.batch_idle_gap_ms / 1000,
-                                                       deadline - time.monotonic())
-            if timeout <= 0 or self._stop.is_set():
+            # A batch closes when nothing more is queued (or the source stays quiet
+            # for batch_idle_gap_ms), when it is full, or at its delay cap. Under a
+            # backlog, transactions queue while a batch is processed and the next one
+            # takes them all (smart batching): batches grow exactly when the fixed cost
+            # of a batch (changelog fsyncs, commit) needs amortising, and a lone
+            # transaction waits for nothing.
+            if deadline is None:
+                timeout = 0.2
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                timeout = min(s.batch_idle_gap_ms / 1000, left)  # 0: take what is queued
+            if self._stop.is_set():
                 break
             item = self.intake.get(timeout)
             if item is None:
@@ -384,7 +396,8 @@ class Connector:
         while True:
             try:
                 for request in requests(self.settings.schema, tables, rows,
-                                        self.settings.request_max_rows):
+                                        self.settings.request_max_rows,
+                                        self._min_columnar.get(node, ROW_FORM_ONLY)):
                     stub.UpdateRecord(request, timeout=self.settings.rpc_timeout_s)
                 return
             except grpc.RpcError as exc:
@@ -413,6 +426,7 @@ class Connector:
             status = stub.GetRetinaStatus(pb.GetRetinaStatusRequest(), timeout=5)
         except grpc.RpcError:
             return False
+        self._min_columnar[node] = min_columnar_rows(status.accepts_columnar)
         if status.state == pb.READY:
             return False
         if status.state == pb.FAILED:
@@ -448,7 +462,9 @@ class Connector:
             try:
                 for request in replay_requests(self.changelog, self.settings.schema,
                                                self._table_records(), vnode_starts, context,
-                                               self.settings.request_max_rows):
+                                               self.settings.request_max_rows,
+                                               min_columnar_rows=self._min_columnar.get(
+                                                   node, ROW_FORM_ONLY)):
                     n = changelog_rows(request)
                     yield request
                     counter["rows"] += n

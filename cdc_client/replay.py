@@ -1,19 +1,22 @@
 """Changelog rows as UpdateRecord requests, for live sends and recovery replay.
 
 Rows become one ``TableUpdateData`` per (timestamp, table, virtual node): a
-DELETE as ``delete_data``; a replace as ``delete_data`` plus ``insert_data``
-of the same key (Retina applies the DELETE first); a TRUNCATE as
-``truncate = true`` (applied before both). Requests are cut at
-``max_rows`` items, so none exceeds the server's ``max_rows_per_request``;
-the connector uses the smaller of ``cdc.request_max_rows`` and
-``retina.max_rows_per_request``.
+DELETE as a deleted key; a replace as a deleted key plus an inserted row of
+the same key (Retina applies the DELETE first); a TRUNCATE as ``truncate =
+true`` (applied before both). Requests are cut at ``max_rows`` items, so none
+exceeds the server's ``max_rows_per_request`` (the connector uses the smaller
+of ``cdc.request_max_rows`` and ``retina.max_rows_per_request``), and at about
+``REQUEST_MAX_BYTES`` of values.
 
-Keys and rows are sent in the columnar form (``retina_common.columnar``,
-Arrow IPC) once an update has ``COLUMNAR_MIN_ROWS`` items, else in the row
-form. An update whose rows are wider than the connector's table record
-(a column added since it was read) or whose values do not decode is sent in
-the row form instead: the node re-reads its catalog, or refuses the row with
-the same message as ever.
+An update of ``min_columnar_rows`` items or more goes in the columnar form
+(``retina_common.columnar``, Arrow IPC: ``delete_keys_arrow`` and
+``insert_rows_arrow``), a smaller one in the row form (``delete_data`` and
+``insert_data``). Callers take the threshold from the node's
+``GetRetinaStatus.accepts_columnar`` (``columnar.min_columnar_rows``): a node
+built before the columnar form would ignore its fields. An update whose rows
+are wider than the connector's table record (a column added since it was
+read) or whose values do not decode goes in the row form too: the node
+re-reads its catalog, or refuses the row with the same message as ever.
 """
 
 from __future__ import annotations
@@ -80,20 +83,27 @@ class _Update:
         return tud
 
 
+# A request is cut here too, whatever its row count: a Retina node takes messages of up
+# to 64 MiB (retina_common.grpc_server), and wide rows reach that before max_rows.
+REQUEST_MAX_BYTES = 16 * 1024 * 1024
+
+
 def requests(schema: str, tables: Mapping[str, TableRecord], rows: Iterable[ChangeRow],
              max_rows: int = 5000, min_columnar_rows: int = COLUMNAR_MIN_ROWS
              ) -> Iterator[pb.UpdateRecordRequest]:
     """Rows (already in (ts, seq) order, all for one node) as requests of at
     most ``max_rows`` delete/insert items each, as Retina counts them (a
-    replace is two); an update of ``min_columnar_rows`` items or more in the
-    columnar form."""
+    replace is two), and about ``REQUEST_MAX_BYTES`` of values; an update of
+    ``min_columnar_rows`` items or more in the columnar form."""
     current: dict[tuple[int, str, int], _Update] = {}
-    count = 0
+    count = size = 0
     for row in rows:
         weight = 2 if row.op == REPLACE else 1
-        if count and count + weight > max_rows:
+        # Values' bytes, a key twice (the delete and the insert) and a per-row margin.
+        row_bytes = 2 * len(row.key) + 16 + (sum(map(len, row.values)) if row.values else 0)
+        if count and (count + weight > max_rows or size + row_bytes > REQUEST_MAX_BYTES):
             yield _request(schema, current)
-            current, count = {}, 0
+            current, count, size = {}, 0, 0
         slot = (row.ts, row.table, row.vnode)
         update = current.get(slot)
         if update is None:
@@ -104,6 +114,7 @@ def requests(schema: str, tables: Mapping[str, TableRecord], rows: Iterable[Chan
         else:
             update.rows.append(row)
         count += weight
+        size += row_bytes
     if count:
         yield _request(schema, current)
 
@@ -116,13 +127,14 @@ def _request(schema: str, updates: Mapping[object, _Update]) -> pb.UpdateRecordR
 def replay_requests(changelog: Changelog, schema: str, tables: Mapping[str, TableRecord],
                     starts: Mapping[int, int], context: pb.RecoveryReplayContext | None,
                     max_rows: int, upto_ts: int | None = None,
-                    records: Iterable[BatchRecord] | None = None
+                    records: Iterable[BatchRecord] | None = None, *,
+                    min_columnar_rows: int = COLUMNAR_MIN_ROWS
                     ) -> Iterator[pb.UpdateRecordRequest]:
     """The changelog of the virtual nodes in ``starts`` (vnode → first ts,
     inclusive), as requests carrying ``context`` (recovery replay) or none
     (backfill)."""
     rows = changelog.read(starts, upto_ts, records)
-    for request in requests(schema, tables, rows, max_rows):
+    for request in requests(schema, tables, rows, max_rows, min_columnar_rows):
         if context is not None:
             request.recovery_replay_context.CopyFrom(context)
         yield request

@@ -9,7 +9,9 @@ in the same ``TableUpdateData``; Retina applies the DELETE first.
 Rows are sent in the columnar form (``retina_common.columnar``, Arrow IPC) by
 default, except a virtual node's part smaller than ``min_columnar_rows`` (the
 row form is cheaper there); ``columnar=False`` sends the row form (one message
-per row) always. Every Retina node accepts both.
+per row) always. A node says it takes the columnar form in
+``GetRetinaStatus.accepts_columnar``; a node built before it would ignore the
+columnar fields, so use ``columnar=False`` while such nodes run.
 """
 
 from __future__ import annotations

@@ -151,16 +151,19 @@ class CdcConfig:
     changelog_root: str = ""
     batch_max_transactions: int = 500
     batch_max_rows: int = 5000
-    # A batch closes after batch_idle_gap_ms without a new source transaction,
-    # when full, or batch_max_delay_ms after its first transaction.
+    # A batch closes when no further source transaction is queued (after waiting
+    # batch_idle_gap_ms for one; 0: no wait), when full, or batch_max_delay_ms after
+    # its first transaction.
     batch_max_delay_ms: int = 50
-    batch_idle_gap_ms: int = 5
+    batch_idle_gap_ms: int = 0
     write_lease_ms: int = 15_000
     replay_mode: str = "vnode"  # "vnode" | "node"
     # false: an operator replays recovering nodes (spark_jobs/cdc_replay.py);
     # the connector then only waits for them to become READY.
     drive_recovery: bool = True
-    request_max_rows: int = 5000
+    # Delete and insert items per UpdateRecord request (a replace is two): twice
+    # batch_max_rows, so a full batch of replaces is one request per node.
+    request_max_rows: int = 10_000
     node_check_interval_ms: int = 1000
     retention_interval_s: int = 60
 

@@ -166,7 +166,8 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             recovery_attempt_token=str(s["token"]), checkpoint_id=int(s["checkpoint_id"]),
             recovery_epoch=int(s["recovery_epoch"]), replay_ts_ready=bool(s["replay_ts_ready"]),
             node_id=self._node.node_id, phase=str(s["phase"]),
-            failure_reason=str(s["failure_reason"]), **self._checkpoint_status())
+            failure_reason=str(s["failure_reason"]), accepts_columnar=True,
+            **self._checkpoint_status())
 
     def _checkpoint_status(self) -> dict[str, int]:
         last = self._recovery.last_checkpoint

@@ -9,6 +9,9 @@ key columns (or whose key column is NULL), a key that does not route to the
 named virtual node, a virtual node this node does not own, an oversized
 request, and a standalone INSERT of a key that is live (ALREADY_EXISTS: a CDC
 insert is always sent as DELETE + INSERT, so a retried one converges instead).
+A TableUpdateData in the columnar form (``retina_common.columnar``: Arrow IPC
+key and row streams) is decoded and validated in full first; its keys are
+computed from the rows' key columns, and every rule above applies to it too.
 
 Apply, per TableUpdateData in request order (section 5, "Unified write order"):
 
@@ -57,6 +60,7 @@ import grpc
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from prometheus_client import Counter
 
 from retina_common.catalog import NotFoundError, TableRecord
 from retina_common.codec import (
@@ -79,6 +83,10 @@ from retina_common.schema_evolution import pad_values
 from retina_server.index import IndexBackendError, Resolution, RowIdRange
 from retina_server.node import NodeFailedClosed, RetinaNode, Stream
 from retina_server.write_buffer import AppendHandle, SettleMode
+
+PARTS = Counter("retina_update_record_parts_total",
+                "TableUpdateData that passed validation, by wire form (docs/encoding.md)",
+                ["form"])
 
 
 @dataclass
@@ -106,7 +114,13 @@ def prepare(node: RetinaNode, request: pb.UpdateRecordRequest,
     rows = sum(_rows(t) for t in request.table_update_data)
     if rows > max_rows:
         raise _invalid(f"request carries {rows} rows; the limit is {max_rows}")
-    return [_prepare_one(node, request.schema_name, tud) for tud in request.table_update_data]
+    prepared = [_prepare_one(node, request.schema_name, tud)
+                for tud in request.table_update_data]
+    columnar = sum(1 for t in request.table_update_data
+                   if t.delete_keys_arrow or t.insert_rows_arrow)
+    PARTS.labels(form="columnar").inc(columnar)
+    PARTS.labels(form="row").inc(len(prepared) - columnar)
+    return prepared
 
 
 def _rows(tud: pb.TableUpdateData) -> int:
@@ -195,7 +209,7 @@ def _prepare_one(node: RetinaNode, schema_name: str, tud: pb.TableUpdateData) ->
     else:
         delete_keys = _keys(table, tud, list(tud.delete_data), "delete", node, routes)
         insert_keys = _keys(table, tud, list(tud.insert_data), "insert", node, routes)
-        columns = []
+        columns: list[pa.Array] = []
     if len(set(insert_keys)) != len(insert_keys):
         raise _invalid(f"{tud.table_name}: duplicate keys in one insert batch")
     if insert_keys and not columns:

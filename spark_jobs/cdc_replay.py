@@ -59,6 +59,7 @@ from cdc_client.replay import changelog_rows, node_starts, replay_requests
 from retina_common import progress
 from retina_common.catalog import Catalog, CatalogError, TableRecord
 from retina_common.client import channel
+from retina_common.columnar import min_columnar_rows
 from retina_common.config import Config, ConfigError
 from retina_common.log import token_hash
 from retina_common.pb import retina_pb2 as pb
@@ -124,6 +125,7 @@ class VnodeTask:
     node: str
     from_ts: int  # inclusive
     to_ts: int | None  # inclusive; None: to the end of the changelog
+    accepts_columnar: bool = False  # the node's GetRetinaStatus.accepts_columnar
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,8 @@ def replay_vnode(spec: JobSpec, task: VnodeTask) -> VnodeResult:
             for request in replay_requests(changelog, spec.schema,
                                            _Tables(spec.schema, spec.tables),
                                            {task.vnode: task.from_ts}, context, spec.max_rows,
-                                           task.to_ts, records):
+                                           task.to_ts, records, min_columnar_rows=(
+                                               min_columnar_rows(task.accepts_columnar))):
                 call_with_retry(lambda r=request: stub.UpdateRecord(
                     r, timeout=spec.rpc_timeout_s),
                     f"UpdateRecord of vnode {task.vnode} to {task.node}")
@@ -294,7 +297,8 @@ def plan_recovery(args: argparse.Namespace, topology: Topology,
     gap = replay_gap(changelog, vnode_starts, f"{node} stays RECOVERING")
     if gap is not None:
         return gap
-    tasks = [VnodeTask(v, node, s, None) for v, s in sorted(vnode_starts.items())]
+    tasks = [VnodeTask(v, node, s, None, status.accepts_columnar)
+             for v, s in sorted(vnode_starts.items())]
     print(f"{node}: recovery attempt {token_hash(context.token)}, checkpoint "
           f"{context.checkpoint_id}, {args.mode} mode: replaying {len(tasks)} virtual nodes "
           f"from ts {min(vnode_starts.values(), default=0)}", flush=True)
@@ -314,6 +318,7 @@ def plan_backfill(args: argparse.Namespace, topology: Topology,
                      "backfill")
     if gap is not None:
         return gap
+    accepts_columnar: dict[str, bool] = {}
     for node in topology.nodes:
         with channel(node) as ch:
             try:
@@ -328,7 +333,9 @@ def plan_backfill(args: argparse.Namespace, topology: Topology,
             return fail(PROG, f"{node} is not READY ({pb.LifecycleState.Name(status.state)}); "
                               "recover it first, backfill writes only to READY nodes",
                         EXIT_UNAVAILABLE)
-    tasks = [VnodeTask(v, topology.node_of_vnode(v), args.from_ts, args.to_ts)
+        accepts_columnar[node] = status.accepts_columnar
+    tasks = [VnodeTask(v, topology.node_of_vnode(v), args.from_ts, args.to_ts,
+                       accepts_columnar[topology.node_of_vnode(v)])
              for v in range(topology.virtual_nodes)]
     print(f"backfill of ts {args.from_ts}..{'end' if args.to_ts is None else args.to_ts} "
           f"into {len(topology.nodes)} nodes, {len(tasks)} virtual nodes", flush=True)

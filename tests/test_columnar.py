@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import datetime
 import random
+import re
 from dataclasses import replace
 from decimal import Decimal
 
+import pyarrow as pa
 import pytest
 
 from cdc_client.changelog import DELETE, REPLACE, ChangeRow
@@ -22,7 +24,9 @@ from retina_common.columnar import (
     decode_insert_rows,
     encode_delete_keys,
     encode_insert_values,
+    min_columnar_rows,
     row_count,
+    stream_width,
     table_schema,
 )
 from retina_common.topology import Topology
@@ -75,6 +79,22 @@ def test_rows_of_an_older_schema_version_pad_with_null_and_decode_for_both() -> 
         encode_insert_values(TABLE, new)
 
 
+@pytest.mark.parametrize("column, arrow", [
+    ("c8", pa.timestamp("us", "+00:00")), ("c8", pa.timestamp("us")),
+    ("c9", pa.decimal128(13, 2)), ("c0", pa.uint64()), ("c2", pa.large_string())])
+def test_a_column_of_another_arrow_type_is_refused(column: str, arrow: pa.DataType) -> None:
+    """Types are compared exactly: another time zone (or none), another precision,
+    signedness or offset width is another type, not something cast."""
+    rows = decode_insert_rows(encode_insert_values(TABLE, sample_rows(4)), TABLE)
+    i = rows.schema.get_field_index(column)
+    bad = rows.set_column(i, pa.field(column, arrow), rows.column(i).cast(arrow))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, bad.schema) as writer:
+        writer.write_table(bad)
+    with pytest.raises(ColumnarError, match=re.escape(f"{column}: {arrow}")):
+        decode_insert_rows(sink.getvalue().to_pybytes(), TABLE)
+
+
 def test_delete_keys_round_trip() -> None:
     keys = [b"\x00\x00\x00\x08" + bytes(8), b"k" * 300, b"\x01"]
     assert decode_delete_keys(encode_delete_keys(keys)) == keys
@@ -103,6 +123,9 @@ def test_damaged_streams_fail_closed(seed: int) -> None:
             else:
                 data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
         try:
+            # What the node runs first: the row count (metadata only) and the width.
+            assert row_count(bytes(data)) >= 0
+            assert stream_width(bytes(data)) >= 0
             if rng.random() < 0.5:
                 rows = decode_insert_rows(bytes(data), TABLE)
                 assert rows.schema.types == table_schema(TABLE).types
@@ -113,6 +136,68 @@ def test_damaged_streams_fail_closed(seed: int) -> None:
         except ColumnarError:
             outcomes["refused"] += 1
     assert outcomes["refused"] > 0
+
+
+def test_compressed_and_dictionary_streams_are_refused_before_decoding() -> None:
+    """A compressed body could expand a small request into gigabytes, so it is refused
+    from its metadata alone; a dictionary batch has no column type to belong to."""
+    rows = pa.table({"key": pa.array([b"k" * 1000] * 5000)})
+    for codec in ("zstd", "lz4"):
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, rows.schema,
+                               options=pa.ipc.IpcWriteOptions(compression=codec)) as writer:
+            writer.write_table(rows)
+        data = sink.getvalue().to_pybytes()
+        assert len(data) < 100_000  # 5 MB of keys in a few KB
+        for decode in (row_count, decode_delete_keys):
+            with pytest.raises(ColumnarError, match="compressed"):
+                decode(data)
+    table = pa.table({"key": pa.array(["a", "b", "a"]).dictionary_encode()})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    with pytest.raises(ColumnarError, match="dictionary"):
+        row_count(sink.getvalue().to_pybytes())
+
+
+def test_row_count_reads_every_batch_header() -> None:
+    batch = pa.record_batch([pa.array([b"k"] * 7)], names=["key"])
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        for n in (7, 0, 3):
+            writer.write_batch(batch.slice(0, n))
+    assert row_count(sink.getvalue().to_pybytes()) == 10
+    assert decode_delete_keys(sink.getvalue().to_pybytes()) == [b"k"] * 10
+
+
+def log_rows(replaces: int, deletes: int) -> list[ChangeRow]:
+    """Changelog rows of one (ts, table, virtual node): replaces, then deletes."""
+    rows = [ChangeRow(7, i, 0, TABLE.name, REPLACE, encode_primary_key(["int64"], [i]),
+                      tuple(values)) for i, values in enumerate(sample_rows(replaces))]
+    rows += [ChangeRow(7, i, 0, TABLE.name, DELETE, encode_primary_key(["int64"], [i]), None)
+             for i in range(replaces, replaces + deletes)]
+    return rows
+
+
+@pytest.mark.parametrize("items", [COLUMNAR_MIN_ROWS - 1, COLUMNAR_MIN_ROWS])
+def test_the_columnar_threshold_counts_one_virtual_nodes_items(items: int) -> None:
+    """Deletes and inserts of one virtual node count together against the threshold,
+    in the client and in the connector (where a replace is two items) alike; a node
+    that does not say it accepts the columnar form gets the row form at any size."""
+    columnar = items >= COLUMNAR_MIN_ROWS
+    topology = Topology(("a:1",), 1)  # every key in virtual node 0
+    rows = [{c.name: None for c in TABLE.columns} | {"c0": i} for i in range(items)]
+    [tud] = TableWriter(TABLE, topology).updates(
+        5, deletes=rows[:items // 2], inserts=rows[items // 2:])["a:1"]
+    assert bool(tud.delete_keys_arrow) == columnar and bool(tud.delete_data) != columnar
+    log = log_rows(items // 2, items % 2)
+    [request] = requests("s", {TABLE.name: TABLE}, log)
+    [part] = request.table_update_data
+    assert bool(part.delete_keys_arrow) == columnar and bool(part.delete_data) != columnar
+    [old_node] = requests("s", {TABLE.name: TABLE}, log,
+                          min_columnar_rows=min_columnar_rows(False))
+    assert old_node.table_update_data[0].delete_data
+    assert min_columnar_rows(True) == COLUMNAR_MIN_ROWS and min_columnar_rows(False) > 10**9
 
 
 def order(i: int, version: int) -> dict:

@@ -219,6 +219,47 @@ def col_duplicate_insert(r: rpb.UpdateRecordRequest) -> None:
     _set_rows(tud, pa.concat_tables([rows, rows.slice(0, 1)]))
 
 
+def col_compressed(r: rpb.UpdateRecordRequest) -> None:
+    tud = r.table_update_data[0]
+    rows = _rows_of(tud)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, rows.schema,
+                           options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+        writer.write_table(rows)
+    tud.insert_rows_arrow = sink.getvalue().to_pybytes()
+
+
+def col_dictionary(r: rpb.UpdateRecordRequest) -> None:
+    tud = r.table_update_data[0]
+    _set_column(tud, "customer", _rows_of(tud).column("customer").dictionary_encode())
+
+
+def col_timestamp_for_string(r: rpb.UpdateRecordRequest) -> None:
+    tud = r.table_update_data[0]
+    n = _rows_of(tud).num_rows
+    _set_column(tud, "note", pa.array([0] * n, pa.timestamp("us", "+00:00")))
+
+
+def col_decimal_beyond_precision(r: rpb.UpdateRecordRequest) -> None:
+    # decimal(12,2) holding 10^13: the type is right, the value is not.
+    tud = r.table_update_data[0]
+    amounts = _rows_of(tud).column("amount").combine_chunks()
+    raw = bytearray(amounts.buffers()[1].to_pybytes())
+    raw[16:32] = (10**15).to_bytes(16, "little", signed=True)
+    bad = pa.Array.from_buffers(amounts.type, len(amounts), [None, pa.py_buffer(bytes(raw))])
+    _set_column(tud, "amount", bad)
+
+
+def col_bad_later_batch(r: rpb.UpdateRecordRequest) -> None:
+    # A valid first record batch, then one with a NULL key.
+    tud = r.table_update_data[0]
+    rows = _rows_of(tud)
+    ids = rows.column("id").to_pylist()
+    later = rows.set_column(0, pa.field("id", pa.int64()),
+                            pa.array([ids[0], None, *ids[2:]], pa.int64()))
+    _set_rows(tud, pa.concat_tables([rows.slice(0, 1), later.slice(1)]))
+
+
 def col_both_forms(r: rpb.UpdateRecordRequest) -> None:
     tud = r.table_update_data[0]
     item = tud.delete_data.add()
@@ -251,6 +292,8 @@ def col_second_part_bad(r: rpb.UpdateRecordRequest) -> None:
 @pytest.mark.parametrize("mutate", [
     col_not_arrow, col_truncated_stream, col_wrong_type, col_renamed, col_extra_column,
     col_too_narrow, col_null_key, col_bad_utf8, col_duplicate_insert, col_both_forms,
+    col_compressed, col_dictionary, col_timestamp_for_string, col_decimal_beyond_precision,
+    col_bad_later_batch,
     col_delete_keys_wrong_schema, col_null_delete_key, col_empty_delete_key,
     misrouted_vnode, col_second_part_bad,
 ])
