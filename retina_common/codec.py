@@ -85,7 +85,8 @@ def decode_column(type_name: str, values: Sequence[bytes]) -> pa.Array:
                 if data.strip(b"\x00\x01"):
                     raise EncodingError("boolean values must be 0 or 1")
                 return pa.array(bytearray(data), pa.uint8()).cast(pa.bool_())
-            return pa.Array.from_buffers(arrow, len(values), [None, pa.py_buffer(data)])
+            return _checked(pa.Array.from_buffers(arrow, len(values),
+                                                  [None, pa.py_buffer(data)]))
         bad = [v for v in values if len(v) not in (0, width)]
         if bad:
             raise EncodingError(f"{type_name} value of {len(bad[0])} bytes, expected {width}")
@@ -96,7 +97,7 @@ def decode_column(type_name: str, values: Sequence[bytes]) -> pa.Array:
             return pa.array([bool(v[0]) if ok else None for v, ok in zip(values, valid,
                                                                           strict=True)], arrow)
         mask = pa.array(valid, pa.bool_())
-        dense = pa.Array.from_buffers(arrow, len(values), [None, pa.py_buffer(data)])
+        dense = _checked(pa.Array.from_buffers(arrow, len(values), [None, pa.py_buffer(data)]))
         return pc.if_else(mask, dense, pa.nulls(len(values), arrow))
     out: list[Any] = []
     for v in values:
@@ -112,6 +113,17 @@ def decode_column(type_name: str, values: Sequence[bytes]) -> pa.Array:
         except UnicodeDecodeError as exc:
             raise EncodingError(f"string value is not UTF-8: {exc}") from None
     return pa.array(out, pa.binary())
+
+
+def _checked(array: pa.Array) -> pa.Array:
+    """A decimal column's unscaled values fit its precision (the 16 bytes hold more);
+    other fixed-width types have no invalid bit patterns."""
+    if pa.types.is_decimal(array.type):
+        try:
+            array.validate(full=True)
+        except pa.ArrowInvalid as exc:
+            raise EncodingError(str(exc)) from None
+    return array
 
 
 def encode_value(type_name: str, value: Any) -> bytes:

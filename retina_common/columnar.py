@@ -161,9 +161,12 @@ def _read(data: bytes, what: str) -> pa.Table:
     _plain_rows(data, what)
     try:
         table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
-        table.validate(full=True)
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise ColumnarError(f"{what} is not a valid Arrow IPC stream: {exc}") from None
+    try:
+        table.validate(full=True)
+    except (pa.ArrowException, ValueError) as exc:
+        raise ColumnarError(f"{what} holds invalid data: {exc}") from None
     return table
 
 

@@ -54,6 +54,11 @@ _LEN = struct.Struct(">I")
 _TS = struct.Struct(">Q")  # big-endian, so versions of a key sort by timestamp
 _ROW = struct.Struct(">q")  # rowId, or TOMBSTONE
 TOMBSTONE = -1
+# LMDB's largest key is 511 bytes; a version key adds the table id, the key's length
+# and the timestamp (20 bytes) to the primary-key bytes. UpdateRecord refuses a longer
+# key (INVALID_ARGUMENT) instead of failing in the index (a retryable UNAVAILABLE that
+# would be retried forever).
+MAX_KEY_BYTES = 511 - 20
 
 
 class IndexBackendError(Exception):

@@ -80,7 +80,7 @@ from retina_common.columnar import (
 from retina_common.pb import retina_pb2 as pb
 from retina_common.refusal import Refusal
 from retina_common.schema_evolution import pad_values
-from retina_server.index import IndexBackendError, Resolution, RowIdRange
+from retina_server.index import MAX_KEY_BYTES, IndexBackendError, Resolution, RowIdRange
 from retina_server.node import NodeFailedClosed, RetinaNode, Stream
 from retina_server.write_buffer import AppendHandle, SettleMode
 
@@ -166,9 +166,14 @@ def _keys(table: TableRecord, tud: pb.TableUpdateData, items: list, what: str,
 
 def _check_routes(node: RetinaNode, tud: pb.TableUpdateData, keys: list[bytes], what: str,
                   routes: dict[bytes, int]) -> None:
-    """Every key is non-empty and routes to the update's virtual node."""
+    """Every key is non-empty, fits the primary index, and routes to the update's
+    virtual node."""
     if not all(keys):
         raise _invalid(f"{tud.table_name}: {what} {keys.index(b'')} has an empty key")
+    if max(map(len, keys), default=0) > MAX_KEY_BYTES:
+        i = next(i for i, k in enumerate(keys) if len(k) > MAX_KEY_BYTES)
+        raise _invalid(f"{tud.table_name}: {what} {i} has a primary key of {len(keys[i])} "
+                       f"bytes; the limit is {MAX_KEY_BYTES}")
     # ``routes`` is shared by the update's deletes and inserts: a replace's key is
     # hashed once.
     route = node.topology.vnode_of_key

@@ -82,6 +82,20 @@ def bad_value(r: rpb.UpdateRecordRequest) -> None:
     r.table_update_data[0].insert_data[0].col_values[0] = b"\x01\x02\x03"
 
 
+def decimal_beyond_precision(r: rpb.UpdateRecordRequest) -> None:
+    # 16 bytes hold more than decimal(12,2) does: 10^15 is 16 digits.
+    r.table_update_data[0].insert_data[0].col_values[2] = (10**15).to_bytes(16, "little",
+                                                                            signed=True)
+
+
+def key_too_long(r: rpb.UpdateRecordRequest) -> None:
+    # Longer than the primary index can hold (an LMDB key is at most 511 bytes).
+    tud = r.table_update_data[0]
+    tud.delete_data.add().index_keys.add(table_id=tud.insert_data[0].index_keys[0].table_id,
+                                         index_id=tud.primary_index_id, key=b"k" * 600,
+                                         timestamp=tud.timestamp)
+
+
 def duplicate_insert(r: rpb.UpdateRecordRequest) -> None:
     tud = r.table_update_data[0]
     tud.insert_data.append(tud.insert_data[0])
@@ -114,6 +128,8 @@ def second_part_bad(r: rpb.UpdateRecordRequest) -> None:
     (wrong_index, grpc.StatusCode.INVALID_ARGUMENT),
     (short_row, grpc.StatusCode.INVALID_ARGUMENT),
     (bad_value, grpc.StatusCode.INVALID_ARGUMENT),
+    (decimal_beyond_precision, grpc.StatusCode.INVALID_ARGUMENT),
+    (key_too_long, grpc.StatusCode.INVALID_ARGUMENT),
     (duplicate_insert, grpc.StatusCode.INVALID_ARGUMENT),
     (misrouted_vnode, grpc.StatusCode.INVALID_ARGUMENT),
     (recovery_context, grpc.StatusCode.FAILED_PRECONDITION),
@@ -272,6 +288,11 @@ def col_delete_keys_wrong_schema(r: rpb.UpdateRecordRequest) -> None:
     _set_keys(tud, pa.array([1, 2], pa.int64()), name="id")
 
 
+def col_delete_key_too_long(r: rpb.UpdateRecordRequest) -> None:
+    tud = next(t for t in r.table_update_data if t.delete_keys_arrow)
+    _set_keys(tud, pa.array([b"k" * 492], pa.binary()))
+
+
 def col_null_delete_key(r: rpb.UpdateRecordRequest) -> None:
     tud = next(t for t in r.table_update_data if t.delete_keys_arrow)
     _set_keys(tud, pa.array([None], pa.binary()))
@@ -295,6 +316,7 @@ def col_second_part_bad(r: rpb.UpdateRecordRequest) -> None:
     col_compressed, col_dictionary, col_timestamp_for_string, col_decimal_beyond_precision,
     col_bad_later_batch,
     col_delete_keys_wrong_schema, col_null_delete_key, col_empty_delete_key,
+    col_delete_key_too_long,
     misrouted_vnode, col_second_part_bad,
 ])
 def test_malformed_columnar_request_is_refused_and_changes_nothing(
