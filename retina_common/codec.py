@@ -57,6 +57,7 @@ class EncodingError(ValueError):
     """A value's bytes do not match its column type."""
 
 
+@functools.lru_cache(maxsize=256)  # called per column per TableUpdateData
 def arrow_type(type_name: str) -> pa.DataType:
     match = _DECIMAL.match(type_name)
     if match:
@@ -68,6 +69,7 @@ def arrow_type(type_name: str) -> pa.DataType:
     }[type_name]
 
 
+@functools.lru_cache(maxsize=256)
 def _width(type_name: str) -> int | None:
     if _DECIMAL.match(type_name):
         return 16

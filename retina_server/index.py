@@ -392,6 +392,8 @@ class LocalIndexService:
                         baseline: Callable[[int], bool], ts: int) -> list[Resolved]:
         """resolvePrimary at ``ts``: each key's latest version at or before ``ts``
         (a tombstone at exactly ``ts`` is looked past), against the baseline set."""
+        if not keys:
+            return []
         pairs = self._candidates(table_id, keys, ts)
         if pairs is None:
             return [Resolved(Resolution.BACKEND_ERROR)] * len(keys)
