@@ -59,6 +59,12 @@ PEERS_VENV ?= .venv-peers
 PEERS_PACKAGES := deltalake==1.6.6 pyiceberg[sql-sqlite]==0.12.0 pypaimon==2.1.0 matplotlib==3.11.2
 PEERS_ARGS ?=
 
+# The Spark replay on a real standalone cluster (a master and a worker from the pip package's
+# spark-class, started and stopped around the run): bench/spark_standalone.sh.
+.PHONY: bench-spark-standalone
+bench-spark-standalone: setup
+	@bash bench/spark_standalone.sh $(SPARK_ARGS)
+
 .PHONY: bench-peers
 bench-peers: setup
 	@if [ ! -x $(PEERS_VENV)/bin/python ] || ! $(PEERS_VENV)/bin/python -c "import deltalake, pyiceberg, pypaimon, matplotlib" 2>/dev/null; then \

@@ -8,7 +8,8 @@ never sent, and the Retina node is started only afterwards: it is a fresh node, 
 with nothing applied, so its recovery replays the whole changelog (a node rebuilt from
 the changelog). Then:
 
-* ``cdc_replay --recover NODE`` runs in a subprocess (Spark local mode, ``--master``);
+* ``cdc_replay --recover NODE`` runs in a subprocess (``--master``: local mode, or a
+  standalone cluster's ``spark://`` URL, e.g. from ``bench/spark_standalone.sh``);
   the end-to-end time includes Python and JVM start-up, Spark start-up, the replay and
   MarkReady; the replay phase alone is the Spark job, as the job's JSON summary reports;
 * the node is READY and a gated snapshot count is checked against the expected live rows;
@@ -240,8 +241,9 @@ def main() -> None:
     args = parser.parse_args()
     configure_logging("bench", "warning")
     print(f"setup: {platform.platform()}, {os.cpu_count()} cores, Python "
-          f"{platform.python_version()}, PySpark {pyspark.__version__} (local mode); one Retina "
-          f"node owning {args.vnodes} virtual nodes, TransServer, etcd and PostgreSQL on this "
+          f"{platform.python_version()}, PySpark {pyspark.__version__} (--master "
+          f"{args.master}); one Retina node owning {args.vnodes} virtual nodes, TransServer, "
+          "etcd and PostgreSQL on this "
           "machine; loopback gRPC; local changelog storage")
     run_spark(args)
     if args.baseline:
