@@ -142,7 +142,8 @@ def steady(dsn: str, reader: SnapshotReader, rate: int, seconds: float) -> dict:
             time.sleep(0.005)
 
     deadline = settle = float("inf")
-    threads = [threading.Thread(target=probe), threading.Thread(target=watch)]
+    threads = [threading.Thread(target=probe, daemon=True),
+               threading.Thread(target=watch, daemon=True)]
     for t in threads:
         t.start()
     started = time.monotonic()
@@ -157,12 +158,15 @@ def steady(dsn: str, reader: SnapshotReader, rate: int, seconds: float) -> dict:
     achieved = n * rows_per_txn / (time.monotonic() - started)
     stop.set()
     threads[0].join()
-    # Sample until every marker is committed, and a little after.
-    wait_for(lambda: reader.read(SCHEMA, "probe").table.num_rows == len(sent), 60,
-             "every probe marker to be visible")
-    settle = time.monotonic() + 0.2
-    deadline = settle + 30
-    threads[1].join()
+    # Sample until every marker is committed, and a little after (the sampler stops
+    # however the wait ends).
+    try:
+        wait_for(lambda: reader.read(SCHEMA, "probe").table.num_rows == len(sent), 60,
+                 "every probe marker to be visible")
+    finally:
+        settle = time.monotonic() + 0.2
+        deadline = settle + 30
+        threads[1].join()
     read_ms = []
     for _ in range(5):  # what one full gated read of the probe table costs
         t0 = time.monotonic_ns()

@@ -23,8 +23,14 @@ trap stop EXIT
 "$SPARK_HOME/bin/spark-class" org.apache.spark.deploy.master.Master --host 127.0.0.1 \
     --port "$MASTER_PORT" --webui-port 0 > "$DIR/master.log" 2>&1 &
 master_pid=$!
-"$SPARK_HOME/bin/spark-class" org.apache.spark.deploy.worker.Worker --cores 2 --memory 4g \
-    --webui-port 0 "$master" > "$DIR/worker.log" 2>&1 &
+for _ in $(seq 120); do  # our master, not one left over on the port, must be up
+    grep -q "Starting Spark master at $master" "$DIR/master.log" && break
+    kill -0 "$master_pid" 2>/dev/null || { echo "the Spark master exited (port $MASTER_PORT taken?):"; tail -n 20 "$DIR/master.log"; exit 1; }
+    sleep 0.5
+done
+grep -q "Starting Spark master at $master" "$DIR/master.log" || { echo "the Spark master did not start in 60 s"; exit 1; }
+"$SPARK_HOME/bin/spark-class" org.apache.spark.deploy.worker.Worker --host 127.0.0.1 --cores 2 \
+    --memory 4g --webui-port 0 "$master" > "$DIR/worker.log" 2>&1 &
 worker_pid=$!
 for _ in $(seq 120); do  # the worker registers with the master within seconds
     grep -q "Successfully registered with master" "$DIR/worker.log" && break

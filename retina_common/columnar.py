@@ -30,7 +30,8 @@ from retina_common.catalog import TableRecord
 from retina_common.codec import arrow_type, decode_column
 
 DELETE_KEY = "key"
-# Below this many rows in a TableUpdateData the row form is cheaper end to end: an
+# Below this many items (deletes plus inserts) in a TableUpdateData the row form is
+# cheaper end to end: an
 # Arrow IPC stream costs a fixed ~50 µs to write and ~15 µs to read, a row ~7 µs in
 # the row form (measured on the 2-core bench machine, 6 columns; crossover ~16 rows).
 COLUMNAR_MIN_ROWS = 32
@@ -99,13 +100,19 @@ def _plain_rows(data: bytes, what: str) -> int:
 
     A compressed body could expand a request of a few KB into gigabytes before any
     row is counted; a dictionary batch has no column type to belong to. Both are
-    refused before anything is decoded, so a decoded stream is never larger than
-    the request that carried it."""
+    refused before anything is decoded, as is metadata older than V5 (which could
+    flag compression another way), so a decoded stream is never larger than the
+    request that carried it."""
     try:
         reader = pa.ipc.MessageReader.open_stream(pa.py_buffer(data))
         rows = 0
         for i, message in enumerate(reader):
             kind = message.type
+            if message.metadata_version != pa.ipc.MetadataVersion.V5:
+                # Before V5 a batch could say it is compressed in its message's custom
+                # metadata (ARROW:experimental_compression), which Arrow still honours.
+                raise ColumnarError(f"{what} uses an Arrow IPC metadata version before "
+                                    "V5; only V5 is taken")
             if i == 0 and kind == "schema":
                 continue
             if kind != "record batch" or i == 0:

@@ -259,12 +259,14 @@ def _columnar_inserts(node: RetinaNode, schema_name: str, table: TableRecord,
         if stream_width(tud.insert_rows_arrow) > len(table.columns):  # a column was added
             table = node.refresh_table(schema_name, tud.table_name)
         rows = decode_insert_rows(tud.insert_rows_arrow, table)
+        columns = [c.combine_chunks() for c in rows.columns]
     except ColumnarError as exc:
         raise _invalid(f"{tud.table_name}: {exc}") from None
+    except pa.ArrowException as exc:  # e.g. a column beyond Arrow's 2 GiB offsets
+        raise _invalid(f"{tud.table_name}: insert_rows_arrow: {exc}") from None
     n = rows.num_rows
     if not n:
         return table, [], []
-    columns = [c.combine_chunks() for c in rows.columns]
     columns += [pa.nulls(n, arrow_type(c.type)) for c in table.columns[len(columns):]]
     pk = _key_positions(table)
     _check_key_columns_present(table, tud.table_name, columns, pk)

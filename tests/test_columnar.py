@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import random
 import re
+import struct
 from dataclasses import replace
 from decimal import Decimal
 
@@ -16,7 +17,12 @@ from cdc_client.changelog import DELETE, REPLACE, ChangeRow
 from cdc_client.replay import changelog_rows, requests
 from retina_common.catalog.model import ColumnRecord, TableRecord
 from retina_common.client import TableWriter
-from retina_common.codec import decode_column, encode_primary_key, encode_value
+from retina_common.codec import (
+    decode_column,
+    encode_primary_key,
+    encode_primary_keys,
+    encode_value,
+)
 from retina_common.columnar import (
     COLUMNAR_MIN_ROWS,
     ColumnarError,
@@ -160,6 +166,72 @@ def test_compressed_and_dictionary_streams_are_refused_before_decoding() -> None
         row_count(sink.getvalue().to_pybytes())
 
 
+def _v4_compressed(stream: bytes) -> bytes:
+    """``stream`` (a schema and one zstd-compressed record batch) rewritten the way Arrow
+    before V5 flagged compression: the batch's message says metadata V4 and carries
+    ARROW:experimental_compression in its custom metadata, with no compression field."""
+    u32 = struct.Struct("<I")
+    schema, batch = list(pa.ipc.MessageReader.open_stream(pa.py_buffer(stream)))
+    meta, body = bytearray(batch.metadata.to_pybytes()), batch.body.to_pybytes()
+
+    def field(table: int, vtable: int, index: int) -> int | None:
+        size = struct.unpack_from("<H", meta, vtable)[0]
+        if 4 + 2 * index + 2 > size:
+            return None
+        offset = struct.unpack_from("<H", meta, vtable + 4 + 2 * index)[0]
+        return table + offset if offset else None
+
+    message = u32.unpack_from(meta, 0)[0]
+    message_vt = message - struct.unpack_from("<i", meta, message)[0]
+    header = field(message, message_vt, 2)
+    assert header is not None
+    record = header + u32.unpack_from(meta, header)[0]
+    record_vt = record - struct.unpack_from("<i", meta, record)[0]
+    body_length_at = field(message, message_vt, 3)
+    assert body_length_at is not None
+    body_length = struct.unpack_from("<q", meta, body_length_at)[0]
+    struct.pack_into("<H", meta, record_vt + 4 + 2 * 3, 0)  # no RecordBatch.compression
+    while len(meta) % 8:
+        meta.append(0)
+    # A new Message table (V4, custom_metadata) in front; the old one's RecordBatch is
+    # reached through the new header offset. A 128-byte shift keeps its alignment.
+    size = 128
+    out = bytearray(size)
+    u32.pack_into(out, 0, 24)
+    struct.pack_into("<7H", out, 4, 14, 24, 20, 22, 4, 8, 16)
+    struct.pack_into("<iIqIhB", out, 24, 20, size + record - 28, body_length, 48 - 40, 3, 3)
+    struct.pack_into("<II", out, 48, 1, 64 - 52)
+    struct.pack_into("<4H", out, 56, 8, 12, 4, 8)
+    struct.pack_into("<iII", out, 64, 8, 76 - 68, 112 - 72)
+    key = b"ARROW:experimental_compression"
+    u32.pack_into(out, 76, len(key))
+    out[80:80 + len(key)] = key
+    u32.pack_into(out, 112, 4)
+    out[116:120] = b"zstd"
+    new_meta = bytes(out) + bytes(meta)
+    continuation = 0xFFFFFFFF
+    return (schema.serialize().to_pybytes() + struct.pack("<Ii", continuation, len(new_meta))
+            + new_meta + body + struct.pack("<Ii", continuation, 0))
+
+
+def test_compression_flagged_by_pre_v5_metadata_is_refused() -> None:
+    """Arrow still decompresses a V4 batch whose message's custom metadata names a
+    codec; the node takes V5 metadata only."""
+    keys = [b"k%05d" % i + b"x" * 200 for i in range(1000)]
+    sink = pa.BufferOutputStream()
+    batch = pa.record_batch([pa.array(keys, pa.binary())], names=["key"])
+    with pa.ipc.new_stream(sink, batch.schema,
+                           options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+        writer.write_batch(batch)
+    crafted = _v4_compressed(sink.getvalue().to_pybytes())
+    # Arrow itself decodes the crafted stream into the original keys...
+    assert pa.ipc.open_stream(crafted).read_all().column(0).to_pylist() == keys
+    # ...and the node refuses it before decoding anything.
+    for decode in (row_count, decode_delete_keys):
+        with pytest.raises(ColumnarError, match="only V5"):
+            decode(crafted)
+
+
 def test_row_count_reads_every_batch_header() -> None:
     batch = pa.record_batch([pa.array([b"k"] * 7)], names=["key"])
     sink = pa.BufferOutputStream()
@@ -297,6 +369,9 @@ def test_connector_requests_carry_the_same_rows_in_both_forms() -> None:
     for i, column in enumerate(TABLE.columns):
         assert decoded.column(i).combine_chunks().equals(
             decode_column(column.type, [item.col_values[i] for item in r.insert_data]))
+    # The key the node computes from each row's key column is the changelog row's key.
+    computed = encode_primary_keys(["int64"], [decoded.column("c0").combine_chunks()])
+    assert computed.to_pylist() == [x.key for x in rows if x.op == REPLACE]
     assert changelog_rows(col) == changelog_rows(row) == 60
     [small] = requests("s", {TABLE.name: TABLE}, rows[:COLUMNAR_MIN_ROWS // 2 - 1])
     assert small.table_update_data[0].delete_data
