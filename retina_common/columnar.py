@@ -10,13 +10,15 @@ columns (``codec.encode_primary_keys``), so a key cannot disagree with its row.
 
 The row form (``delete_data`` / ``insert_data``, one protobuf message and one
 ``bytes`` per value) stays for compatibility; this form is what the client
-library, the connector and the Spark replay send, because it is decoded and
-checked a column at a time instead of a value at a time.
+library, the connector and the Spark replay send for parts of
+``COLUMNAR_MIN_ROWS`` items or more, to nodes that accept it, because it is
+decoded and checked a column at a time instead of a value at a time.
 
-Decoding is the trust boundary: a stream that does not parse, holds a type or
-name other than the table's, or fails Arrow's full validation (offsets, UTF-8)
-raises ``ColumnarError`` with a message naming what is wrong; the server turns
-it into INVALID_ARGUMENT.
+Decoding is the trust boundary: a stream that does not parse, is compressed,
+holds a dictionary batch or pre-V5 metadata, holds a type or name other than
+the table's, or fails Arrow's full validation (offsets, UTF-8, decimal
+precision) raises ``ColumnarError`` with a message naming what is wrong; the
+server turns it into INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -30,10 +32,13 @@ from retina_common.catalog import TableRecord
 from retina_common.codec import arrow_type, decode_column
 
 DELETE_KEY = "key"
+_DELETE_SCHEMA = pa.schema([pa.field(DELETE_KEY, pa.binary(), nullable=False)])
+_U16, _U32, _I32, _I64 = (struct.Struct(f) for f in ("<H", "<I", "<i", "<q"))
+
 # Below this many items (deletes plus inserts) in a TableUpdateData the row form is
-# cheaper end to end: an
-# Arrow IPC stream costs a fixed ~50 µs to write and ~15 µs to read, a row ~7 µs in
-# the row form (measured on the 2-core bench machine, 6 columns; crossover ~16 rows).
+# cheaper end to end: an Arrow IPC stream costs a fixed ~50 µs to write and ~15 µs to
+# read, an item ~7 µs in the row form (measured on the 2-core bench machine, 6 columns;
+# crossover ~16 items).
 COLUMNAR_MIN_ROWS = 32
 # A node that does not say GetRetinaStatus.accepts_columnar gets the row form only.
 ROW_FORM_ONLY = 2**62
@@ -43,10 +48,6 @@ def min_columnar_rows(accepts_columnar: bool) -> int:
     """The columnar threshold for a node, from its GetRetinaStatus.accepts_columnar: a
     node built before the columnar form would ignore its fields, losing the rows."""
     return COLUMNAR_MIN_ROWS if accepts_columnar else ROW_FORM_ONLY
-_DELETE_SCHEMA = pa.schema([pa.field(DELETE_KEY, pa.binary(), nullable=False)])
-
-
-_U16, _U32, _I32, _I64 = (struct.Struct(f) for f in ("<H", "<I", "<i", "<q"))
 
 
 class ColumnarError(ValueError):
