@@ -26,30 +26,10 @@ from dataclasses import dataclass, field
 
 from cdc_client.changelog import REPLACE, TRUNCATE, BatchRecord, Changelog, ChangeRow
 from retina_common.catalog import TableRecord
-from retina_common.codec import EncodingError
-from retina_common.columnar import (
-    COLUMNAR_MIN_ROWS,
-    ColumnarError,
-    encode_delete_keys,
-    encode_insert_values,
-    row_count,
-)
+from retina_common.client import fill_update
+from retina_common.columnar import COLUMNAR_MIN_ROWS, row_count
 from retina_common.pb import retina_pb2 as pb
 from retina_common.topology import Topology
-
-
-def _index_key(table: TableRecord, key: bytes, ts: int) -> pb.IndexKey:
-    return pb.IndexKey(table_id=table.table_id, index_id=table.primary_index_id,
-                       key=key, timestamp=ts)
-
-
-def _add_row(tud: pb.TableUpdateData, table: TableRecord, row: ChangeRow) -> None:
-    """``row`` (a DELETE or a replace) in the row form."""
-    tud.delete_data.add().index_keys.append(_index_key(table, row.key, row.ts))
-    if row.op == REPLACE:
-        item = tud.insert_data.add()
-        item.index_keys.append(_index_key(table, row.key, row.ts))
-        item.col_values.extend(row.values or ())
 
 
 @dataclass
@@ -68,18 +48,9 @@ class _Update:
                                  primary_index_id=self.table.primary_index_id,
                                  timestamp=self.ts, virtual_node_id=self.vnode,
                                  truncate=self.truncate)
-        values = [r.values or () for r in self.rows if r.op == REPLACE]
-        if len(self.rows) + len(values) >= self.min_columnar_rows:
-            try:
-                inserts = encode_insert_values(self.table, values) if values else b""
-            except (EncodingError, ColumnarError):
-                pass  # the row form: the node refreshes its table record or refuses the row
-            else:
-                tud.delete_keys_arrow = encode_delete_keys([r.key for r in self.rows])
-                tud.insert_rows_arrow = inserts
-                return tud
-        for row in self.rows:
-            _add_row(tud, self.table, row)
+        replaces = [r for r in self.rows if r.op == REPLACE]
+        fill_update(tud, self.table, [r.key for r in self.rows], [r.key for r in replaces],
+                    [r.values or () for r in replaces], self.min_columnar_rows)
         return tud
 
 

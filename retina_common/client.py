@@ -17,16 +17,18 @@ columnar fields, so use ``columnar=False`` while such nodes run.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from retina_common.catalog import TableRecord
-from retina_common.codec import encode_primary_key, value_encoder
+from retina_common.codec import EncodingError, encode_primary_key, value_encoder
 from retina_common.columnar import (
     COLUMNAR_MIN_ROWS,
+    ROW_FORM_ONLY,
+    ColumnarError,
     encode_delete_keys,
     encode_insert_values,
 )
@@ -66,10 +68,6 @@ class TableWriter:
 
     def key(self, row: Row) -> bytes:
         return encode_primary_key([self._types[c] for c in self._pk], [row[c] for c in self._pk])
-
-    def _index_key(self, key: bytes, ts: int) -> pb.IndexKey:
-        return pb.IndexKey(table_id=self.table.table_id, index_id=self.table.primary_index_id,
-                           key=key, timestamp=ts)
 
     def updates(self, ts: int, *, deletes: Iterable[Row] = (), inserts: Iterable[Row] = (),
                 replaces: Iterable[Row] = ()) -> dict[str, list[pb.TableUpdateData]]:
@@ -118,23 +116,40 @@ class TableWriter:
             data = pb.TableUpdateData(table_name=self.table.name,
                                       primary_index_id=self.table.primary_index_id,
                                       timestamp=ts, virtual_node_id=vnode)
-            self._fill(data, s, ts)
+            fill_update(data, self.table, s.deletes, s.insert_keys, s.insert_values,
+                        self.min_columnar_rows if self.columnar else ROW_FORM_ONLY)
             per_node[self.topology.node_of_vnode(vnode)].append(data)
         return dict(per_node)
 
-    def _fill(self, data: pb.TableUpdateData, s: _Stream, ts: int) -> None:
-        if self.columnar and len(s.deletes) + len(s.insert_keys) >= self.min_columnar_rows:
-            if s.deletes:
-                data.delete_keys_arrow = encode_delete_keys(s.deletes)
-            if s.insert_values:
-                data.insert_rows_arrow = encode_insert_values(self.table, s.insert_values)
+
+def fill_update(data: pb.TableUpdateData, table: TableRecord, deletes: Sequence[bytes],
+                insert_keys: Sequence[bytes], insert_values: Sequence[Sequence[bytes]],
+                min_columnar_rows: int) -> None:
+    """Put one update's deleted keys and inserted rows (values in the row form's
+    encoding) into ``data``: in the columnar form from ``min_columnar_rows`` items on,
+    else, or if a value does not decode or a row is wider than ``table``, in the row
+    form (the node then refreshes its table record, or refuses the row with the row
+    form's message)."""
+    if len(deletes) + len(insert_keys) >= min_columnar_rows:
+        try:
+            rows = encode_insert_values(table, insert_values) if insert_values else b""
+        except (EncodingError, ColumnarError):
+            pass
+        else:
+            data.delete_keys_arrow = encode_delete_keys(deletes) if deletes else b""
+            data.insert_rows_arrow = rows
             return
-        for key in s.deletes:
-            data.delete_data.add().index_keys.append(self._index_key(key, ts))
-        for key, values in zip(s.insert_keys, s.insert_values, strict=True):
-            item = data.insert_data.add()
-            item.index_keys.append(self._index_key(key, ts))
-            item.col_values.extend(values)
+
+    def index_key(key: bytes) -> pb.IndexKey:
+        return pb.IndexKey(table_id=table.table_id, index_id=table.primary_index_id, key=key,
+                           timestamp=data.timestamp)
+
+    for key in deletes:
+        data.delete_data.add().index_keys.append(index_key(key))
+    for key, values in zip(insert_keys, insert_values, strict=True):
+        item = data.insert_data.add()
+        item.index_keys.append(index_key(key))
+        item.col_values.extend(values)
 
 
 @dataclass
