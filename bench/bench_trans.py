@@ -7,7 +7,11 @@ measures over loopback gRPC:
 * gated read-only BeginTrans latency, p50/p99/max (sequential client);
 * the gate decision alone (``trans_gate_decision_seconds`` from /metrics);
 * write BeginTrans + CommitTrans pairs per second, 1 and N client threads;
-* BeginTransBatch + CommitTransBatch of 100 transactions.
+* BeginTransBatch + CommitTransBatch of 100 transactions;
+* the stack's floor: the same client against a TransService whose BeginTrans
+  returns a constant (a grpcio Python server in a process of its own), measured
+  the same way right after, so the gated figure can be read against what
+  loopback gRPC in Python costs on this machine at this moment.
 
 Prints figures and the machine they ran on; asserts nothing.
 
@@ -17,6 +21,7 @@ Prints figures and the machine they ran on; asserts nothing.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import platform
 import shutil
@@ -29,7 +34,7 @@ from pathlib import Path
 import grpc
 import requests
 
-from devtools.cluster import start_cluster, stop_cluster, wait_for
+from devtools.cluster import free_port, start_cluster, stop_cluster, wait_for
 from retina_common.etcd import EtcdStore
 from retina_common.keys import lifecycle_key
 from retina_common.lifecycle_record import LifecycleRecord, LifecycleState
@@ -63,6 +68,54 @@ def gate_decision_quantiles(metrics_url: str) -> str:
     return f"p50 {bound(0.5)}, p99 {bound(0.99)} (histogram buckets, server side)"
 
 
+def sequential_begins(stub: trans_pb2_grpc.TransServiceStub,
+                      calls: int) -> tuple[list[float], list[int]]:
+    """Latencies (ms) and transaction ids of ``calls`` read-only BeginTrans, one after
+    another (after 200 of warm-up, whose ids are among those returned)."""
+    ids = [stub.BeginTrans(tpb.BeginTransRequest(read_only=True)).trans_id
+           for _ in range(200)]
+    latencies = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        r = stub.BeginTrans(tpb.BeginTransRequest(read_only=True))
+        latencies.append((time.perf_counter() - t0) * 1000)
+        ids.append(r.trans_id)
+    return latencies, ids
+
+
+class _ConstantBegin(trans_pb2_grpc.TransServiceServicer):
+    def BeginTrans(self, request: tpb.BeginTransRequest,
+                   context: grpc.ServicerContext) -> tpb.BeginTransResponse:
+        return tpb.BeginTransResponse(trans_id=1, timestamp=1, lease_expires_at_ms=1)
+
+
+def _serve_constant(address: str) -> None:
+    from concurrent import futures
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+    trans_pb2_grpc.add_TransServiceServicer_to_server(_ConstantBegin(), server)
+    server.add_insecure_port(address)
+    server.start()
+    server.wait_for_termination()
+
+
+def stack_floor(calls: int) -> str:
+    """The same measurement against a server that does nothing."""
+    address = f"127.0.0.1:{free_port()}"
+    process = multiprocessing.get_context("spawn").Process(target=_serve_constant,
+                                                           args=(address,), daemon=True)
+    process.start()
+    try:
+        channel = grpc.insecure_channel(address)
+        grpc.channel_ready_future(channel).result(timeout=30)
+        latencies, _ = sequential_begins(trans_pb2_grpc.TransServiceStub(channel), calls)
+        channel.close()
+    finally:
+        process.kill()
+        process.join()
+    return (f"p50 {statistics.median(latencies):.3f} ms, p99 {percentile(latencies, 99):.3f} ms,"
+            f" max {max(latencies):.3f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -90,22 +143,14 @@ def main() -> None:
             return True
 
         wait_for(admitted, 10, "the gate to admit")
-        for _ in range(200):  # warm-up
-            stub.BeginTrans(tpb.BeginTransRequest(read_only=True))
-
-        latencies = []
-        ids = []
-        for _ in range(args.reads):
-            t0 = time.perf_counter()
-            r = stub.BeginTrans(tpb.BeginTransRequest(read_only=True))
-            latencies.append((time.perf_counter() - t0) * 1000)
-            ids.append(r.trans_id)
+        latencies, ids = sequential_begins(stub, args.reads)
         for chunk in range(0, len(ids), 1000):
             stub.CommitTransBatch(tpb.CommitTransBatchRequest(trans_ids=ids[chunk:chunk + 1000]))
         print(f"gated read-only BeginTrans ({args.reads} calls, sequential): "
               f"p50 {statistics.median(latencies):.3f} ms, p99 {percentile(latencies, 99):.3f} ms,"
               f" max {max(latencies):.3f} ms")
         print(f"gate decision alone: {gate_decision_quantiles(f'http://{state.trans_metrics}/metrics')}")
+        print(f"stack floor, a BeginTrans that returns a constant: {stack_floor(args.reads)}")
 
         def write_pairs(n: int) -> None:
             own = trans_pb2_grpc.TransServiceStub(grpc.insecure_channel(state.trans_listen))

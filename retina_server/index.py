@@ -40,6 +40,7 @@ from pathlib import Path
 
 import grpc
 import lmdb
+import numpy as np
 from prometheus_client import Counter
 
 from retina_common import failpoints as fp
@@ -88,6 +89,14 @@ class Resolved:
 
 
 @dataclass(frozen=True)
+class DeleteTargets:
+    """What a DELETE of many keys removes, grouped for the visibility update."""
+
+    found_keys: list[bytes]  # keys with at least one row removed, in request order
+    rows_by_rg: dict[tuple[int, int], list[int]]  # (fileId, rgId) -> row offsets
+
+
+@dataclass(frozen=True)
 class RowIdRange:
     """Rows ``[row_id_start, row_id_start + count)`` at ``(file, rg, offset...)``."""
 
@@ -125,14 +134,40 @@ class _RangeMap:
     def __init__(self) -> None:
         self._starts: list[int] = []
         self._ranges: list[RowIdRange] = []
+        # The ranges as arrays for ``locate`` (start, end, file, rg, offset), built on
+        # first use after a change: the buffer changes once per insert request, the
+        # flushed map once per published file.
+        self._columns: tuple[np.ndarray, ...] | None = None
 
     def add(self, r: RowIdRange) -> None:
+        self._columns = None
         i = bisect.bisect_left(self._starts, r.row_id_start)
         if i < len(self._starts) and self._starts[i] == r.row_id_start:
             self._ranges[i] = r  # idempotent re-add
             return
         self._starts.insert(i, r.row_id_start)
         self._ranges.insert(i, r)
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        if self._columns is None:
+            table = np.array([(r.row_id_start, r.row_id_start + r.count, r.file_id, r.rg_id,
+                               r.rg_row_offset) for r in self._ranges], np.int64).reshape(-1, 5)
+            self._columns = tuple(np.ascontiguousarray(column) for column in table.T)
+        return self._columns
+
+    def locate(self, row_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                   np.ndarray]:
+        """``find`` of many row ids at once: (found mask, file ids, rg ids, offsets);
+        the last three are meaningful only where the mask is set."""
+        starts, ends, files, rgs, offsets = self._arrays()
+        if not len(starts):
+            zero = np.zeros(len(row_ids), np.int64)
+            return np.zeros(len(row_ids), bool), zero, zero, zero
+        i = np.searchsorted(starts, row_ids, side="right") - 1
+        found = i >= 0
+        i[~found] = 0
+        found &= row_ids < ends[i]
+        return found, files[i], rgs[i], offsets[i] + (row_ids - starts[i])
 
     def find(self, row_id: int) -> RowLocation | None:
         i = bisect.bisect_right(self._starts, row_id) - 1
@@ -146,6 +181,7 @@ class _RangeMap:
     def remove_file(self, file_id: int) -> list[RowIdRange]:
         removed = [r for r in self._ranges if r.file_id == file_id]
         if removed:
+            self._columns = None
             kept = [r for r in self._ranges if r.file_id != file_id]
             self._ranges = kept
             self._starts = [r.row_id_start for r in kept]
@@ -244,6 +280,21 @@ class LocalIndexService:
         with self._lock:
             return [None if r == TOMBSTONE else (buffer_find(r) or flushed_find(r))
                     for r in row_ids]
+
+    def locate(self, row_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                   np.ndarray]:
+        """``locations_of`` as arrays (found mask, file ids, rg ids, offsets), for
+        row ids that are all real (no TOMBSTONE): the buffer first, then flushed files."""
+        with self._lock:
+            found, files, rgs, offsets = self._buffer.locate(row_ids)
+            if not found.all():
+                flushed, f_files, f_rgs, f_offsets = self._flushed.locate(row_ids)
+                take = ~found & flushed
+                files = np.where(take, f_files, files)
+                rgs = np.where(take, f_rgs, rgs)
+                offsets = np.where(take, f_offsets, offsets)
+                found = found | flushed
+        return found, files, rgs, offsets
 
     def flush_file(self, file_id: int) -> int:
         """flushIndexEntriesOfFile: make a file's ranges durable; returns rows flushed."""
@@ -416,6 +467,10 @@ class LocalIndexService:
         pairs = self._candidates(table_id, keys, ts)
         if pairs is None:
             return None
+        return self._resolve_for_delete(pairs, baseline)
+
+    def _resolve_for_delete(self, pairs: list[tuple[int | None, int | None]],
+                            baseline: Callable[[int], bool]) -> list[list[Resolved]]:
         at_rows = [at if at != TOMBSTONE else None for at, _ in pairs]
         before = self._classify([b for _, b in pairs], baseline)
         found = Resolution.FOUND
@@ -424,6 +479,50 @@ class LocalIndexService:
         at_ts = self._classify(at_rows, baseline)
         return [[r for r in (a, b) if r.status == found]
                 for a, b in zip(at_ts, before, strict=True)]
+
+    def delete_targets(self, table_id: int, keys: Sequence[bytes],
+                       baseline: Callable[[int], bool], ts: int) -> DeleteTargets | None:
+        """resolve_for_delete, grouped by row group for the visibility update (None on
+        a backend error). The normal case (no version at exactly ``ts``) is resolved a
+        batch at a time: one array lookup of every predecessor in the MainIndex instead
+        of an object per key. The rare case takes resolve_for_delete's path."""
+        pairs = self._candidates(table_id, keys, ts)
+        if pairs is None:
+            return None
+        if any(at is not None and at != TOMBSTONE for at, _ in pairs):
+            resolved = self._resolve_for_delete(pairs, baseline)
+            by_rg: dict[tuple[int, int], list[int]] = {}
+            found_keys = []
+            for key, rows in zip(keys, resolved, strict=True):
+                for r in rows:
+                    assert r.location is not None
+                    by_rg.setdefault((r.location.file_id, r.location.rg_id), []).append(
+                        r.location.rg_row_offset)
+                if rows:
+                    found_keys.append(key)
+            return DeleteTargets(found_keys, by_rg)
+        positions = [i for i, (_, before) in enumerate(pairs)
+                     if before is not None and before != TOMBSTONE]
+        row_ids = np.fromiter((pairs[i][1] for i in positions), np.int64, len(positions))
+        located, files, rgs, offsets = self.locate(row_ids)
+        in_baseline = {f: baseline(f) for f in np.unique(files[located]).tolist()}
+        found_keys = []
+        by_rg = {}
+        orphans = 0
+        for i, ok, f, g, o in zip(positions, located.tolist(), files.tolist(), rgs.tolist(),
+                                  offsets.tolist(), strict=True):
+            if not ok or not in_baseline[f]:
+                orphans += 1
+                continue
+            found_keys.append(keys[i])
+            rows = by_rg.get((f, g))
+            if rows is None:
+                by_rg[(f, g)] = [o]
+            else:
+                rows.append(o)
+        if orphans:
+            ORPHANS.inc(orphans)
+        return DeleteTargets(found_keys, by_rg)
 
     def _classify(self, row_ids: Sequence[int | None],
                   baseline: Callable[[int], bool]) -> list[Resolved]:

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -451,17 +450,10 @@ def _apply_deletes(node: RetinaNode, u: PreparedUpdate) -> int:
         return 0
     tid = u.table.table_id
     keys = list(dict.fromkeys(u.delete_keys))
-    targets = node.index.resolve_for_delete(tid, keys, node.in_baseline, u.ts)
+    targets = node.index.delete_targets(tid, keys, node.in_baseline, u.ts)
     if targets is None:
         raise Refusal(grpc.StatusCode.UNAVAILABLE, "primary index backend error")
-    by_rg: dict[tuple[int, int], list[int]] = defaultdict(list)
-    found_keys = []
-    for key, rows in zip(keys, targets, strict=True):
-        for r in rows:
-            assert r.location is not None
-            by_rg[(r.location.file_id, r.location.rg_id)].append(r.location.rg_row_offset)
-        if rows:
-            found_keys.append(key)
+    by_rg, found_keys = targets.rows_by_rg, targets.found_keys
     deleted = sum(node.rg_visibility(f, rg).delete(rows, u.ts) for (f, rg), rows in by_rg.items())
     # REPLACE_WRITES_ONE_VERSION: a key this update re-inserts gets its version at u.ts
     # from the INSERT (putPrimaryEntriesOnly, same batch, same key@ts), which would

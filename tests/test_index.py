@@ -130,3 +130,59 @@ def test_truncate_targets_skip_dead_keys_and_later_versions(tmp_path: Path) -> N
     assert index.truncate_targets(1, 20, vnode) == {}  # applied again: nothing to write
     assert index.resolve_primary(1, [b"later"], everything, 99)[0].row_id == r + 4
     assert index.truncate_targets(1, 99, vnode) == {1: [b"fresh", b"later"]}
+
+
+def _grouped(keys: list[bytes], resolved: list) -> tuple[list[bytes], dict]:
+    """resolve_for_delete's answer in delete_targets' shape."""
+    by_rg: dict[tuple[int, int], list[int]] = {}
+    found = []
+    for key, rows in zip(keys, resolved, strict=True):
+        for r in rows:
+            by_rg.setdefault((r.location.file_id, r.location.rg_id), []).append(
+                r.location.rg_row_offset)
+        if rows:
+            found.append(key)
+    return found, by_rg
+
+
+def test_batch_delete_targets_equal_resolve_for_delete_at_every_timestamp(
+        tmp_path: Path) -> None:
+    """delete_targets (array lookups of the MainIndex) against resolve_for_delete (one
+    object per key), seeded: ranges in the buffer and flushed, files outside the
+    baseline, dropped ranges, tombstones, stale copies at a delete's own timestamp."""
+    import random
+
+    rng = random.Random(15)
+    index = LocalIndexService(tmp_path)
+    keys = [f"k{i}".encode() for i in range(300)]
+    files = list(range(1, 9))
+    # Rows are written at even timestamps and tombstones at odd ones, so a delete at an
+    # odd timestamp takes the batch path (nothing but a tombstone at its own timestamp)
+    # and one at an even timestamp the stale-copy path.
+    for step in range(1, 60):
+        ts = 2 * step
+        chosen = rng.sample(keys, 25)
+        file_id = rng.choice(files)
+        first = index.allocate_row_ids(len(chosen))
+        index.put_main_index_entries([RowIdRange(first, len(chosen), file_id, ts % 3,
+                                                 rng.randrange(100))])
+        index.put_primary_entries_only(1, chosen, list(range(first, first + len(chosen))), ts)
+        index.tombstone_primary_resolved(1, rng.sample(keys, 5), ts + 1)
+        if step % 10 == 0:
+            index.flush_file(rng.choice(files))
+        if step == 45:
+            index.delete_main_index_range(files[-1])  # its rows become orphans
+    outside = {2, 5}
+
+    def baseline(file_id: int) -> bool:
+        return file_id not in outside
+
+    compared = 0
+    for ts in range(0, 124):
+        asked = [*rng.sample(keys, 120), b"never-written"]
+        resolved = index.resolve_for_delete(1, asked, baseline, ts)
+        targets = index.delete_targets(1, asked, baseline, ts)
+        assert targets is not None and resolved is not None
+        assert (targets.found_keys, targets.rows_by_rg) == _grouped(asked, resolved), ts
+        compared += len(targets.found_keys)
+    assert compared > 3000  # the comparison saw real deletes, not empty answers
