@@ -10,9 +10,17 @@ names (default 1,000 published files, 10 million rows):
 
 Then it starts a real ``retina-server`` and measures the time from process
 start to ``replayTsReady`` (load, validate, cleanse every entry against the
-catalog, footer checks, rewind). Figures are printed; nothing is asserted.
+catalog, footer checks, rewind). With ``--runs N`` it installs the checkpoint
+and starts the node N times over the same state (a new checkpoint id each
+time, the node stopped in between) and prints min / median / max. Figures are
+printed; nothing is asserted.
 
-    .venv/bin/python bench/bench_recovery.py --files 1000 --rows-per-file 10000
+Both instants are taken by one GetRetinaStatus poller started with the
+process: "listening" is its first answer, replayTsReady the first answer that
+says so (every 5 ms, on a channel that reconnects every 10-20 ms; the default
+reconnect back-off would add up to seconds).
+
+    .venv/bin/python bench/bench_recovery.py --files 10000 --rows-per-file 10000 --runs 3
 """
 
 from __future__ import annotations
@@ -22,7 +30,9 @@ import os
 import platform
 import random
 import shutil
+import statistics
 import tempfile
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,7 +43,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pyroaring import BitMap
 
-from devtools.cluster import free_port, start_cluster, start_retina_server, stop_cluster
+from devtools.cluster import (
+    free_port,
+    start_cluster,
+    start_retina_server,
+    stop_cluster,
+    terminate,
+)
 from retina_common import file_names
 from retina_common.catalog import Catalog, ColumnSpec, FileType
 from retina_common.checkpoint import (
@@ -45,12 +61,60 @@ from retina_common.checkpoint import (
 )
 from retina_common.etcd import EtcdStore
 from retina_common.log import configure_logging
-from retina_common.pb import retina_pb2_grpc
-from retina_common.recovery_driver import wait_replay_ready
+from retina_common.pb import retina_pb2, retina_pb2_grpc
 from retina_common.replay_ts import IngestSegment, SegmentKind
 from retina_common.storage import write_durably
 from retina_common.topology import Topology
 from retina_server.index import LocalIndexService, RowIdRange
+
+# Reconnect every 10-20 ms: with the default back-off (1 s, growing) a channel probed
+# before the server listens answers up to seconds after it does.
+_FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 10),
+                   ("grpc.min_reconnect_backoff_ms", 10), ("grpc.max_reconnect_backoff_ms", 20)]
+
+
+def watch_start(node: str, started: float, out: dict, stop: threading.Event) -> None:
+    """From the moment the process is started: seconds to the first GetRetinaStatus
+    answered (``listening``), then to replayTsReady (``ready``, with ``status``)."""
+    with grpc.insecure_channel(node, options=_FAST_RECONNECT) as channel:
+        stub = retina_pb2_grpc.RetinaWorkerServiceStub(channel)
+        while not stop.is_set():
+            try:
+                status = stub.GetRetinaStatus(retina_pb2.GetRetinaStatusRequest(), timeout=0.5,
+                                              wait_for_ready=True)
+            except grpc.RpcError:
+                continue  # not serving yet
+            now = time.perf_counter() - started
+            out.setdefault("listening", now)
+            if status.replay_ts_ready or status.state in (retina_pb2.READY, retina_pb2.FAILED):
+                out["ready"], out["status"] = now, status
+                return
+            time.sleep(0.005)
+
+
+def timed_start(state, node: str) -> tuple[float, float, retina_pb2.GetRetinaStatusResponse]:
+    """(process start -> listening, -> replayTsReady, the status then)."""
+    seen: dict = {}
+    stop = threading.Event()
+    t0 = time.perf_counter()
+    watcher = threading.Thread(target=watch_start, args=(node, t0, seen, stop))
+    watcher.start()
+    try:
+        start_retina_server(state, node, timeout_s=120)
+        watcher.join(600)
+    finally:
+        stop.set()
+        watcher.join()
+    if "status" not in seen:
+        raise TimeoutError(f"{node} not replayTsReady within 600 s")
+    return seen["listening"], seen["ready"], seen["status"]
+
+
+def spread(values: list[float], unit: str, scale: float = 1.0) -> str:
+    if len(values) == 1:
+        return f"{values[0] * scale:.2f} {unit}"
+    return (f"min {min(values) * scale:.2f} / median {statistics.median(values) * scale:.2f} / "
+            f"max {max(values) * scale:.2f} {unit} ({len(values)} runs)")
 
 
 def main() -> None:
@@ -59,6 +123,8 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=1000)
     parser.add_argument("--rows-per-file", type=int, default=10_000)
     parser.add_argument("--deleted", type=float, default=0.01, help="fraction of rows deleted")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="checkpoint installs and node starts over the same state")
     args = parser.parse_args()
     configure_logging("bench", "warning")
     work = Path(tempfile.mkdtemp(prefix="retina-bench-rec-"))
@@ -116,27 +182,29 @@ def main() -> None:
                                deleted))
         index.close()
         print(f"state built in {time.perf_counter() - built:.1f}s")
-        body = CheckpointBody(CheckpointHeader(node, 1, 1, int(time.time() * 1000),
-                                               10 + args.files * 10, topology.topology_hash),
-                              files, segments, rgs)
         store = CheckpointStore(EtcdStore([state.etcd.endpoint]), node, storage,
                                 topology.topology_hash)
-        t0 = time.perf_counter()
-        pointer = store.install(body)
-        write_s = time.perf_counter() - t0
+        installs, listening, ready = [], [], []
+        for run in range(1, args.runs + 1):
+            body = CheckpointBody(CheckpointHeader(node, run, 1, int(time.time() * 1000),
+                                                   10 + args.files * 10, topology.topology_hash),
+                                  files, segments, rgs)
+            t0 = time.perf_counter()
+            pointer = store.install(body)
+            installs.append(time.perf_counter() - t0)
+            listening_s, ready_s, status = timed_start(state, node)
+            listening.append(listening_s)
+            ready.append(ready_s)
+            print(f"run {run}: checkpoint install {installs[-1] * 1000:.0f} ms; process start ->"
+                  f" listening {listening_s:.2f} s -> replayTsReady {ready_s:.2f} s (state "
+                  f"{status.phase}, checkpoint {status.checkpoint_id})")
+            terminate(state.retina_pids.pop(node), timeout_s=60)
         print(f"checkpoint body: {pointer.length:,} bytes = {pointer.length * 8 / total:.3f} "
               f"bits per row ({pointer.length / args.files:,.0f} bytes per row group of "
-              f"{args.rows_per_file} rows); encode + write + fsync + etcd swap {write_s * 1000:.0f}"
-              " ms")
-        t0 = time.perf_counter()
-        start_retina_server(state, node, timeout_s=120)
-        listening_s = time.perf_counter() - t0
-        with grpc.insecure_channel(node) as channel:
-            status = wait_replay_ready(retina_pb2_grpc.RetinaWorkerServiceStub(channel), 600)
-        ready_s = time.perf_counter() - t0
-        print(f"process start -> gRPC listening {listening_s:.2f}s -> replayTsReady "
-              f"{ready_s:.2f}s (state {status.phase}, checkpoint {status.checkpoint_id}; "
-              "includes Python start-up and imports)")
+              f"{args.rows_per_file} rows); encode + write + fsync + etcd swap "
+              f"{spread(installs, 'ms', 1000)}")
+        print(f"process start -> gRPC listening {spread(listening, 's')} -> replayTsReady "
+              f"{spread(ready, 's')} (includes Python start-up and imports)")
         catalog.close()
     finally:
         stop_cluster(state, log=lambda _m: None)

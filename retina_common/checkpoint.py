@@ -33,7 +33,9 @@ import json
 import re
 import struct
 import threading
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 
 import crc32c
 from pyroaring import BitMap
@@ -112,6 +114,11 @@ class FileEntry:
     num_row_group: int
 
 
+# A FileEntry's fields in declaration order, as _FILE packs them (asdict would deep-copy
+# every entry: 80 ms of a 10,000-file checkpoint).
+_FILE_FIELDS = attrgetter(*(f.name for f in fields(FileEntry)))
+
+
 @dataclass(frozen=True)
 class RGEntry:
     file_id: int
@@ -142,7 +149,7 @@ def encode(body: CheckpointBody) -> bytes:
                          "topologyHash": h.topology_hash}, separators=(",", ":")).encode()
     parts = [MAGIC, struct.pack(">HI", SCHEMA_VERSION, len(header)), header,
              struct.pack(">I", len(body.files))]
-    parts += [_FILE.pack(*asdict(f).values()) for f in body.files]
+    parts += [_FILE.pack(*_FILE_FIELDS(f)) for f in body.files]
     parts.append(struct.pack(">I", len(body.segments)))
     parts += [_SEGMENT.pack(s.table_id, s.vnode, int(s.kind), s.file_id, s.first_block_id,
                             s.block_count, s.row_count, s.min_commit_ts, s.max_commit_ts)
@@ -171,6 +178,10 @@ class _Reader:
 
     def unpack(self, fmt: struct.Struct) -> tuple:
         return fmt.unpack(self.take(fmt.size))
+
+    def unpack_many(self, fmt: struct.Struct, count: int) -> Iterator[tuple]:
+        """``count`` records of a fixed size, laid end to end."""
+        return fmt.iter_unpack(self.take(fmt.size * count))
 
     @property
     def done(self) -> bool:
@@ -205,11 +216,10 @@ def decode(data: bytes, *, expect_node: str, expect_topology_hash: str) -> Check
     if header.checkpoint_applied_ts < 0 or header.checkpoint_id < 0:
         raise CorruptCheckpoint("negative checkpointAppliedTs or checkpointId")
     (n,) = reader.unpack(struct.Struct(">I"))
-    files = [FileEntry(*reader.unpack(_FILE)) for _ in range(n)]
+    files = [FileEntry(*fields) for fields in reader.unpack_many(_FILE, n)]
     (n,) = reader.unpack(struct.Struct(">I"))
     segments = []
-    for _ in range(n):
-        t, v, kind, f, first, blocks, rows, lo, hi = reader.unpack(_SEGMENT)
+    for t, v, kind, f, first, blocks, rows, lo, hi in reader.unpack_many(_SEGMENT, n):
         try:
             segments.append(IngestSegment(t, v, SegmentKind(kind), f, first, blocks, rows, lo, hi))
         except ValueError:

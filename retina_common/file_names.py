@@ -55,8 +55,9 @@ def parse(name: str) -> FileName:
         raise ValueError(f"{name!r}: creation time {stamp!r} is not yyyyMMddHHmmss")
     if not seq.isdigit() or not vnode.isdigit():
         raise ValueError(f"{name!r}: sequence and vnode must be numbers")
-    try:
-        created = datetime.strptime(stamp, _TIME_FORMAT).replace(tzinfo=UTC)
+    try:  # by hand: strptime costs 20 us a name, and cleansing parses every file's
+        created = datetime(int(stamp[0:4]), int(stamp[4:6]), int(stamp[6:8]),
+                           int(stamp[8:10]), int(stamp[10:12]), int(stamp[12:14]), tzinfo=UTC)
     except ValueError as exc:
         raise ValueError(f"{name!r}: bad creation time: {exc}") from None
     return FileName(f"{host}:{port}", created, int(seq), int(vnode))
