@@ -72,6 +72,9 @@ class TableMap:
         return record
 
 
+_OPERATIONS = frozenset(("insert", "update", "delete", "truncate"))
+
+
 class _Where:
     """Where a change is, for an error message: formatted only when one is raised (a
     transaction of thousands of rows raises none)."""
@@ -102,6 +105,8 @@ class _Shape:
         self.encoders = [(c, value_encoder(c.type)) for c in table.columns]
         self.named_encoders = [(c.name, encode) for c, encode in self.encoders]
         self.encode_key = _key_encoder(self.key_types)
+        # The usual one-column key, looked up without a list per row.
+        self.single_key = self.key_columns[0] if len(self.key_columns) == 1 else None
 
 
 def _key_encoder(types: list[str]) -> Callable[[list[Any]], bytes]:
@@ -131,20 +136,25 @@ def _shape(table: TableRecord) -> _Shape:
     return entry[1]
 
 
-def _key(table: TableRecord, row: Mapping[str, Any], where: object) -> bytes:
-    shape = _shape(table)
-    missing = [c for c in shape.key_columns if row.get(c) is None]
+def _key(table: TableRecord, shape: _Shape, row: Mapping[str, Any], where: object) -> bytes:
+    if shape.single_key is not None:
+        value = row.get(shape.single_key)
+        missing = [] if value is not None else [shape.single_key]
+        values = [value]
+    else:
+        missing = [c for c in shape.key_columns if row.get(c) is None]
+        values = [row.get(c) for c in shape.key_columns]
     if missing:
         raise MalformedChange(f"{where}: missing primary-key column(s) {missing} "
                               f"for {table.name}")
     try:
-        return shape.encode_key([row[c] for c in shape.key_columns])
+        return shape.encode_key(values)
     except EncodingError as exc:  # the codec's only error for a value that does not fit
         raise MalformedChange(f"{where}: primary key of {table.name}: {exc}") from None
 
 
-def _values(table: TableRecord, row: Mapping[str, Any], where: object) -> tuple[bytes, ...]:
-    shape = _shape(table)
+def _values(table: TableRecord, shape: _Shape, row: Mapping[str, Any],
+            where: object) -> tuple[bytes, ...]:
     keys = row.keys()
     if not (shape.names.issuperset(keys) and keys >= shape.required):
         extra = sorted(set(row) - shape.names)
@@ -173,21 +183,21 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def _effects(change: RowChange, table: TableRecord, where: object
+def _effects(change: RowChange, table: TableRecord, shape: _Shape, where: object
              ) -> list[tuple[bytes, int, tuple[bytes, ...] | None]]:
     if change.op == "delete":
         if change.before is None:
             raise MalformedChange(f"{where}: delete without a before image")
-        return [(_key(table, change.before, where), DELETE, None)]
+        return [(_key(table, shape, change.before, where), DELETE, None)]
     if change.after is None:
         raise MalformedChange(f"{where}: {change.op} without an after image")
-    key = _key(table, change.after, where)
+    key = _key(table, shape, change.after, where)
     effects: list[tuple[bytes, int, tuple[bytes, ...] | None]] = []
     if change.op == "update" and change.before is not None:
-        old = _key(table, change.before, where)
+        old = _key(table, shape, change.before, where)
         if old != key:  # a primary-key change
             effects.append((old, DELETE, None))
-    effects.append((key, REPLACE, _values(table, change.after, where)))
+    effects.append((key, REPLACE, _values(table, shape, change.after, where)))
     return effects
 
 
@@ -205,20 +215,29 @@ def translate(trans: SourceTransaction, tables: TableMap, topology: Topology
         tables.follow(schema, f"source transaction {trans.source_txid} at {trans.position}")
     net: dict[tuple[str, bytes], tuple[int, tuple[bytes, ...] | None]] = {}
     truncated: dict[str, None] = {}
+    # Source table -> (record, shape), once per transaction: the catalog is followed
+    # before any row is read, so a table's record cannot change inside one.
+    seen: dict[str, tuple[TableRecord, _Shape]] = {}
     for i, change in enumerate(trans.changes):
         where = _Where(trans, i, change.origin)
-        if change.op not in ("insert", "update", "delete", "truncate"):
+        if change.op not in _OPERATIONS:
             raise MalformedChange(f"{where}: unknown operation {change.op!r}")
-        table = tables.table(change.table, where)
+        known = seen.get(change.table)
+        if known is None:
+            record = tables.table(change.table, where)
+            known = seen[change.table] = (record, _shape(record))
+        table, shape = known
         if change.op == "truncate":
             truncated[table.name] = None
             net = {k: v for k, v in net.items() if k[0] != table.name}
             continue
-        for key, op, values in _effects(change, table, where):
+        for key, op, values in _effects(change, table, shape, where):
             net[(table.name, key)] = (op, values)
-    effects = [(vnode, table, TRUNCATE, b"", None)
-               for table in truncated for vnode in range(topology.virtual_nodes)]
-    effects += [(topology.vnode_of_key(key), table, op, key, values)
-                for (table, key), (op, values) in net.items()]
-    return [ChangeRow(0, seq, vnode, table, op, key, values)
-            for seq, (vnode, table, op, key, values) in enumerate(effects)]
+    rows = [ChangeRow(0, seq, vnode, table, TRUNCATE, b"", None)
+            for seq, (table, vnode) in enumerate(
+                (table, vnode) for table in truncated
+                for vnode in range(topology.virtual_nodes))]
+    vnode_of, first = topology.vnode_of_key, len(rows)
+    rows += [ChangeRow(0, seq, vnode_of(key), table, op, key, values)
+             for seq, ((table, key), (op, values)) in enumerate(net.items(), start=first)]
+    return rows

@@ -134,35 +134,48 @@ class _RangeMap:
     def __init__(self) -> None:
         self._starts: list[int] = []
         self._ranges: list[RowIdRange] = []
-        # The ranges as arrays for ``locate`` (start, end, file, rg, offset), built on
-        # first use after a change: the buffer changes once per insert request, the
-        # flushed map once per published file.
-        self._columns: tuple[np.ndarray, ...] | None = None
+        # The ranges as five arrays for ``locate`` (start, end, file, rg, offset), with room
+        # to grow: entries [0, _built) mirror _ranges. A change marks the entries from its
+        # position on as stale; ``_arrays`` refills only those, so the usual add (new row
+        # ids, near the end) costs what it adds, not the whole map (which holds every range
+        # ever flushed on this node).
+        self._columns = [np.empty(0, np.int64) for _ in range(5)]
+        self._built = 0
 
     def add(self, r: RowIdRange) -> None:
-        self._columns = None
         i = bisect.bisect_left(self._starts, r.row_id_start)
+        self._built = min(self._built, i)
         if i < len(self._starts) and self._starts[i] == r.row_id_start:
             self._ranges[i] = r  # idempotent re-add
             return
         self._starts.insert(i, r.row_id_start)
         self._ranges.insert(i, r)
 
-    def _arrays(self) -> tuple[np.ndarray, ...]:
-        if self._columns is None:
-            table = np.array([(r.row_id_start, r.row_id_start + r.count, r.file_id, r.rg_id,
-                               r.rg_row_offset) for r in self._ranges], np.int64).reshape(-1, 5)
-            self._columns = tuple(np.ascontiguousarray(column) for column in table.T)
-        return self._columns
+    def _arrays(self) -> list[np.ndarray]:
+        n = len(self._ranges)
+        if self._built < n:
+            if len(self._columns[0]) < n:
+                capacity = max(n, 2 * len(self._columns[0]), 64)
+                grown = [np.empty(capacity, np.int64) for _ in range(5)]
+                for new, old in zip(grown, self._columns, strict=True):
+                    new[:self._built] = old[:self._built]
+                self._columns = grown
+            tail = np.array([(r.row_id_start, r.row_id_start + r.count, r.file_id, r.rg_id,
+                              r.rg_row_offset) for r in self._ranges[self._built:]],
+                            np.int64).reshape(-1, 5)
+            for k, column in enumerate(self._columns):
+                column[self._built:n] = tail[:, k]
+            self._built = n
+        return [column[:n] for column in self._columns]
 
     def locate(self, row_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                    np.ndarray]:
         """``find`` of many row ids at once: (found mask, file ids, rg ids, offsets);
         the last three are meaningful only where the mask is set."""
-        starts, ends, files, rgs, offsets = self._arrays()
-        if not len(starts):
+        if not len(row_ids) or not self._ranges:
             zero = np.zeros(len(row_ids), np.int64)
             return np.zeros(len(row_ids), bool), zero, zero, zero
+        starts, ends, files, rgs, offsets = self._arrays()
         i = np.searchsorted(starts, row_ids, side="right") - 1
         found = i >= 0
         i[~found] = 0
@@ -181,8 +194,12 @@ class _RangeMap:
     def remove_file(self, file_id: int) -> list[RowIdRange]:
         removed = [r for r in self._ranges if r.file_id == file_id]
         if removed:
-            self._columns = None
             kept = [r for r in self._ranges if r.file_id != file_id]
+            columns = self._arrays()  # current, then compacted the same way (in C)
+            keep = columns[2] != file_id
+            for column, current in zip(self._columns, columns, strict=True):
+                column[:len(kept)] = current[keep]
+            self._built = len(kept)
             self._ranges = kept
             self._starts = [r.row_id_start for r in kept]
         return removed
