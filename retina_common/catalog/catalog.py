@@ -107,6 +107,34 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+# Idle connections a Catalog keeps for reuse. psycopg2's pools keep at most ``minconn``
+# idle (closing every other one they are given back): with 0, every catalog call paid a
+# new PostgreSQL connection and backend, ~2.5 ms against ~0.1 ms for the call itself.
+KEEP_IDLE = 2
+# A connection idle longer than this is checked (SELECT 1) before it is handed out: one
+# that went stale while PostgreSQL restarted is replaced, not failed on first use.
+REVALIDATE_AFTER_S = 1.0
+
+
+class _Connection(psycopg2.extensions.connection):
+    """A pooled connection that remembers since when it has been idle (opened, or last
+    given back)."""
+
+    def __init__(self, dsn: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(dsn, *args, **kwargs)
+        self.idle_since = time.monotonic()
+
+
+def _alive(conn: _Connection) -> bool:
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT 1")
+        conn.rollback()
+        return True
+    except psycopg2.Error:
+        return False
+
+
 class Catalog:
     """Thread-safe catalog client over a small psycopg2 connection pool."""
 
@@ -123,7 +151,9 @@ class Catalog:
             if self._pool is None:
                 try:
                     self._pool = psycopg2.pool.ThreadedConnectionPool(
-                        0, self._pool_max, self._dsn, connect_timeout=self._connect_timeout_s)
+                        min(KEEP_IDLE, self._pool_max), self._pool_max, self._dsn,
+                        connect_timeout=self._connect_timeout_s,
+                        connection_factory=_Connection)
                 except psycopg2.Error as exc:
                     raise CatalogUnavailable(f"cannot reach the catalog: {exc}") from exc
             return self._pool
@@ -131,12 +161,7 @@ class Catalog:
     @contextmanager
     def _connection(self) -> Iterator[Any]:
         pool = self._get_pool()
-        try:
-            conn = pool.getconn()
-        except psycopg2.pool.PoolError as exc:
-            raise CatalogUnavailable(f"catalog connection pool exhausted: {exc}") from exc
-        except psycopg2.Error as exc:
-            raise CatalogUnavailable(f"cannot reach the catalog: {exc}") from exc
+        conn = self._checkout(pool)
         broken = False
         try:
             yield conn
@@ -147,7 +172,25 @@ class Catalog:
             if not broken and conn.closed == 0 and \
                     conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
                 conn.rollback()
+            conn.idle_since = time.monotonic()
             pool.putconn(conn, close=broken or conn.closed != 0)
+
+    @staticmethod
+    def _checkout(pool: psycopg2.pool.ThreadedConnectionPool) -> _Connection:
+        """A connection from the pool; one idle for a while is checked first, and a dead
+        one dropped (after a PostgreSQL restart every idle one is dead: at most KEEP_IDLE
+        are dropped before the pool opens a new one, which is not checked)."""
+        try:
+            for _ in range(KEEP_IDLE + 1):
+                conn = pool.getconn()
+                if time.monotonic() - conn.idle_since <= REVALIDATE_AFTER_S or _alive(conn):
+                    return conn
+                pool.putconn(conn, close=True)
+            return pool.getconn()
+        except psycopg2.pool.PoolError as exc:
+            raise CatalogUnavailable(f"catalog connection pool exhausted: {exc}") from exc
+        except psycopg2.Error as exc:
+            raise CatalogUnavailable(f"cannot reach the catalog: {exc}") from exc
 
     def _transaction(self, body: Callable[[Any], T], *, before_commit: Failpoint | None = None,
                      after_commit: Failpoint | None = None) -> T:
