@@ -35,9 +35,12 @@ gc: setup
 lint: setup
 	@$(VENV)/bin/ruff check .
 
+# The figures of docs/performance.md; the 100M-row start is apart (it builds its state for
+# about two minutes): `.venv/bin/python bench/bench_recovery.py --files 10000 --runs 3`.
 bench: setup
 	@$(PY) bench/bench_trans.py
 	@$(PY) bench/bench_dataplane.py
+	@$(PY) bench/bench_dataplane.py --batch 5000 --batches 20
 	@$(PY) bench/bench_apply_stages.py
 	@$(PY) bench/bench_recovery.py
 	@$(PY) bench/bench_cdc.py
