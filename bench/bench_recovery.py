@@ -107,6 +107,8 @@ def timed_start(state, node: str) -> tuple[float, float, retina_pb2.GetRetinaSta
         watcher.join()
     if "status" not in seen:
         raise TimeoutError(f"{node} not replayTsReady within 600 s")
+    if seen["status"].state == retina_pb2.FAILED:  # not a start to time: say why
+        raise SystemExit(f"{node} FAILED at start: {seen['status'].failure_reason}")
     return seen["listening"], seen["ready"], seen["status"]
 
 

@@ -251,7 +251,8 @@ class Campaign:
             return
         if self.cluster.alive(CDC):
             self._anomaly(episode, "cdc_not_caught_up", "the connector is alive but its "
-                          "committed position did not pass the source's last commit", CDC)
+                          "committed position did not pass the source's last commit; "
+                          f"{self._replication_state()}", CDC)
             self.cluster.kill(CDC)
             self.cluster.start_cdc()
         if self.unconverged >= 3:
@@ -454,6 +455,26 @@ class Campaign:
             self._anomaly(episode, "read_outside_ready",
                           f"{len(breaches)} reads served while {node} was not READY "
                           f"(first took {end - start:.2f}s)", node)
+
+    def _replication_state(self) -> str:
+        """The source's replication slot and walsender as PostgreSQL sees them now (what a
+        connector that receives nothing is waiting for)."""
+        try:
+            conn = self.cluster.source_connect()
+            try:
+                with conn.cursor() as cur:
+                    cur.execute("SELECT slot_name, active, confirmed_flush_lsn, restart_lsn, "
+                                "pg_current_wal_lsn() FROM pg_replication_slots")
+                    slots = cur.fetchall()
+                    cur.execute("SELECT pid, backend_type, state, wait_event_type, wait_event, "
+                                "left(query, 80) FROM pg_stat_activity WHERE backend_type = "
+                                "'walsender' OR wait_event_type = 'Lock'")
+                    activity = cur.fetchall()
+            finally:
+                conn.close()
+        except Exception as exc:  # diagnostics only: never fail the campaign on them
+            return f"replication state unavailable: {exc}"
+        return f"slots {slots}; walsenders and lock waits {activity}"
 
     def _anomaly(self, episode: int, kind: str, detail: str, log_of: str) -> None:
         tail = self.cluster.log_tail(log_of) if log_of else ""

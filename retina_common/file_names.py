@@ -16,7 +16,7 @@ from retina_common.config import split_host_port
 
 SUFFIX = ".parquet"
 _TIME_FORMAT = "%Y%m%d%H%M%S"
-_TIME = re.compile(r"^\d{14}$")
+_TIME = re.compile(r"[0-9]{14}")  # ASCII digits only; fullmatch: no trailing newline
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def parse(name: str) -> FileName:
     host, dash, port = node.rpartition("-")
     if not dash or not host or not port.isdigit():
         raise ValueError(f"{name!r}: node part {node!r} is not host-port")
-    if not _TIME.match(stamp):
+    if not _TIME.fullmatch(stamp):
         raise ValueError(f"{name!r}: creation time {stamp!r} is not yyyyMMddHHmmss")
     if not seq.isdigit() or not vnode.isdigit():
         raise ValueError(f"{name!r}: sequence and vnode must be numbers")

@@ -542,11 +542,14 @@ def _backends(dsn: str) -> set[int]:
         conn.close()
 
 
+@pytest.mark.parametrize("revalidate_after_s", [1e9, 0.0])
 def test_idle_connections_are_reused_and_a_dead_one_is_replaced(
-        catalog: Catalog, catalog_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        catalog: Catalog, catalog_dsn: str, monkeypatch: pytest.MonkeyPatch,
+        revalidate_after_s: float) -> None:
     """Catalog calls reuse pooled PostgreSQL connections (a new one per call cost ~2.5 ms);
     one whose backend died while idle (a PostgreSQL restart, an idle timeout) is replaced
-    when it is next handed out, so the call succeeds."""
+    when it is next handed out, so the call succeeds: seen at once by its readable socket,
+    or (idle long enough) by a SELECT 1."""
     from retina_common.catalog import catalog as catalog_module
 
     catalog.create_schema("pool")
@@ -563,7 +566,7 @@ def test_idle_connections_are_reused_and_a_dead_one_is_replaced(
                     "current_database() AND pid <> pg_backend_pid()")
     killer.close()
     eventually(lambda: not _backends(catalog_dsn), 30, "the pooled backends to exit")
-    monkeypatch.setattr(catalog_module, "REVALIDATE_AFTER_S", 0.0)
+    monkeypatch.setattr(catalog_module, "REVALIDATE_AFTER_S", revalidate_after_s)
     assert len(catalog.list_tables("pool")) == 20
     catalog.create_table("pool", "after", [ColumnSpec("id", "int64")], ["id"])
     assert len(catalog.list_tables("pool")) == 21

@@ -102,6 +102,10 @@ def test_file_names_embed_node_time_seq_vnode() -> None:
 @pytest.mark.parametrize("name", [
     "x.parquet", "h-1_2026_1_1.parquet", "h-1_20261399000000_1_1.parquet",
     "h-1_20260101000000_a_1.parquet", "h_20260101000000_1_1.parquet", "h-1_20260101000000_1_1.pxl",
+    # Fourteen digits, but not ASCII ones, or with a trailing newline: no file has that name.
+    "h-1_\u0662\u0660\u0662\u0666\u0660\u0661\u0660\u0661\u0660\u0660\u0660\u0660\u0660\u0660_1_1.parquet",
+    "h-1_20260101000000\n_1_1.parquet", "h-1_20260230000000_1_1.parquet",
+    "h-1_20260101000060_1_1.parquet",
 ])
 def test_unparsable_file_names_raise(name: str) -> None:
     with pytest.raises(ValueError):

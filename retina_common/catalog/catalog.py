@@ -18,6 +18,7 @@ anything that fails before COMMIT raises an error meaning "nothing changed".
 
 from __future__ import annotations
 
+import select
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -116,6 +117,12 @@ KEEP_IDLE = 2
 REVALIDATE_AFTER_S = 1.0
 
 
+# TCP keepalives: a pooled connection to a host that vanished (a partition, a frozen
+# server) fails within about a minute instead of hanging its next call.
+_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10,
+               "keepalives_count": 3}
+
+
 class _Connection(psycopg2.extensions.connection):
     """A pooled connection that remembers since when it has been idle (opened, or last
     given back)."""
@@ -123,6 +130,20 @@ class _Connection(psycopg2.extensions.connection):
     def __init__(self, dsn: str, *args: Any, **kwargs: Any) -> None:
         super().__init__(dsn, *args, **kwargs)
         self.idle_since = time.monotonic()
+
+
+def _usable(conn: _Connection) -> bool:
+    """Whether a pooled connection can be handed out. An idle connection has nothing to
+    read: a readable socket means the server closed it or sent an error (a restart, an
+    idle timeout), checked at no cost on every checkout; one idle for a while is also
+    asked SELECT 1."""
+    try:
+        closed_by_server = bool(select.select([conn.fileno()], [], [], 0)[0])
+    except (OSError, ValueError, psycopg2.Error):
+        return False
+    if not closed_by_server and time.monotonic() - conn.idle_since <= REVALIDATE_AFTER_S:
+        return True
+    return _alive(conn)
 
 
 def _alive(conn: _Connection) -> bool:
@@ -153,7 +174,7 @@ class Catalog:
                     self._pool = psycopg2.pool.ThreadedConnectionPool(
                         min(KEEP_IDLE, self._pool_max), self._pool_max, self._dsn,
                         connect_timeout=self._connect_timeout_s,
-                        connection_factory=_Connection)
+                        connection_factory=_Connection, **_KEEPALIVES)
                 except psycopg2.Error as exc:
                     raise CatalogUnavailable(f"cannot reach the catalog: {exc}") from exc
             return self._pool
@@ -171,7 +192,10 @@ class Catalog:
         finally:
             if not broken and conn.closed == 0 and \
                     conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
-                conn.rollback()
+                try:
+                    conn.rollback()
+                except psycopg2.Error:
+                    broken = True  # never back into the pool; the original error stands
             conn.idle_since = time.monotonic()
             pool.putconn(conn, close=broken or conn.closed != 0)
 
@@ -183,7 +207,7 @@ class Catalog:
         try:
             for _ in range(KEEP_IDLE + 1):
                 conn = pool.getconn()
-                if time.monotonic() - conn.idle_since <= REVALIDATE_AFTER_S or _alive(conn):
+                if _usable(conn):
                     return conn
                 pool.putconn(conn, close=True)
             return pool.getconn()
