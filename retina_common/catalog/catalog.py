@@ -112,8 +112,8 @@ def _now_ms() -> int:
 # idle (closing every other one they are given back): with 0, every catalog call paid a
 # new PostgreSQL connection and backend, ~2.5 ms against ~0.1 ms for the call itself.
 KEEP_IDLE = 2
-# A connection idle longer than this is checked (SELECT 1) before it is handed out: one
-# that went stale while PostgreSQL restarted is replaced, not failed on first use.
+# A connection idle longer than this is also asked SELECT 1 before it is handed out (its
+# socket is looked at every time): one that went stale is replaced, not failed on first use.
 REVALIDATE_AFTER_S = 1.0
 
 
@@ -201,9 +201,9 @@ class Catalog:
 
     @staticmethod
     def _checkout(pool: psycopg2.pool.ThreadedConnectionPool) -> _Connection:
-        """A connection from the pool; one idle for a while is checked first, and a dead
-        one dropped (after a PostgreSQL restart every idle one is dead: at most KEEP_IDLE
-        are dropped before the pool opens a new one, which is not checked)."""
+        """A connection from the pool, checked first (``_usable``), a dead one dropped.
+        After a PostgreSQL restart every idle one is dead: at most KEEP_IDLE are dropped
+        before the pool opens a new one."""
         try:
             for _ in range(KEEP_IDLE + 1):
                 conn = pool.getconn()
