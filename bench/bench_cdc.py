@@ -240,18 +240,17 @@ def marker_visible(reader: SnapshotReader, timeout_s: float = 300) -> float:
         taken = time.monotonic()
         with reader.transaction() as trans:
             samples.append((taken, trans.timestamp))
-        if marker_ts is not None and trans.timestamp >= marker_ts:
-            # Sampled in order and snapshots only grow: the first sample that covers it.
-            return next(t for t, ts in samples if ts >= marker_ts)
         if marker_ts is None and taken >= next_read:
             next_read = taken + 0.25
             probe = reader.read(SCHEMA, "probe", keep_hidden=True).table
             ids = probe.column("id").to_pylist()
             if BURST_MARKER in ids:
                 marker_ts = probe.column(COMMIT_TS)[ids.index(BURST_MARKER)].as_py()
-                if any(ts >= marker_ts for _t, ts in samples):
-                    return next(t for t, ts in samples if ts >= marker_ts)
-                continue  # it became visible during the read: the next sample holds it
+        # Snapshots only grow: once the latest sample covers the marker, the first
+        # sample that does is when it became visible (a read that found it while no
+        # sample covered it yet waits for the next sample).
+        if marker_ts is not None and samples[-1][1] >= marker_ts:
+            return next(t for t, ts in samples if ts >= marker_ts)
         time.sleep(0.005)
     raise SystemExit(f"burst: the marker was not visible within {timeout_s:.0f} s")
 

@@ -233,10 +233,9 @@ def translate(trans: SourceTransaction, tables: TableMap, topology: Topology
             continue
         for key, op, values in _effects(change, table, shape, where):
             net[(table.name, key)] = (op, values)
+    truncates = [(table, vnode) for table in truncated for vnode in range(topology.virtual_nodes)]
     rows = [ChangeRow(0, seq, vnode, table, TRUNCATE, b"", None)
-            for seq, (table, vnode) in enumerate(
-                (table, vnode) for table in truncated
-                for vnode in range(topology.virtual_nodes))]
+            for seq, (table, vnode) in enumerate(truncates)]
     vnode_of, first = topology.vnode_of_key, len(rows)
     rows += [ChangeRow(0, seq, vnode_of(key), table, op, key, values)
              for seq, ((table, key), (op, values)) in enumerate(net.items(), start=first)]

@@ -195,11 +195,13 @@ class _RangeMap:
         removed = [r for r in self._ranges if r.file_id == file_id]
         if removed:
             kept = [r for r in self._ranges if r.file_id != file_id]
-            columns = self._arrays()  # current, then compacted the same way (in C)
-            keep = columns[2] != file_id
-            for column, current in zip(self._columns, columns, strict=True):
-                column[:len(kept)] = current[keep]
-            self._built = len(kept)
+            # The current prefix of the arrays is compacted the same way (in C); the rest
+            # stays stale until a lookup needs it.
+            keep = self._columns[2][:self._built] != file_id
+            current = int(keep.sum())
+            for column in self._columns:
+                column[:current] = column[:self._built][keep]
+            self._built = current
             self._ranges = kept
             self._starts = [r.row_id_start for r in kept]
         return removed
