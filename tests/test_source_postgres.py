@@ -17,6 +17,7 @@ import pytest
 
 from cdc_client.source import SourceError, SourceTransaction
 from cdc_client.sources.postgres import (
+    FEEDBACK_INTERVAL_S,
     PostgresSource,
     decode_message,
     drop_slot,
@@ -213,6 +214,68 @@ def confirmed_flush(db: SourceDb) -> int:
     [(lsn,)] = db.query("SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
                         "WHERE slot_name = %s", (db.slot,))
     return parse_lsn(lsn)
+
+
+def current_wal(db: SourceDb) -> int:
+    [(lsn,)] = db.query("SELECT pg_current_wal_lsn()::text")
+    return parse_lsn(lsn)
+
+
+def test_read_ahead_is_never_confirmed_by_a_keepalive(db: SourceDb) -> None:
+    """T2 begins first and writes a lot, T1 and T3 commit, then T2 commits.
+    The connector has read T3 ahead but committed only T1; while T2 streams
+    (its change LSNs lie below T1's commit), every acknowledgement of T1 asks
+    the server for a keepalive. psycopg2 used to confirm such a keepalive's
+    WAL end, past T3: the slot then skipped T3 after a restart (seed 1132)."""
+    source = db.open()
+    with closing(psycopg2.connect(db.dsn)) as long_conn, long_conn.cursor() as cur:
+        cur.execute("INSERT INTO notes SELECT g, repeat('x', 200), g "
+                    "FROM generate_series(1000, 40999) g")
+        db.execute("INSERT INTO notes VALUES (1, 't1', 1)")
+        db.execute("INSERT INTO notes VALUES (3, 't3', 3)")
+        long_conn.commit()
+    t1, t3 = collect(source, 2)
+    deadline = time.monotonic() + 60
+    t2 = None
+    while t2 is None:  # read T2 a message or so at a time, acknowledging T1 in between
+        assert time.monotonic() < deadline, "T2 did not arrive"
+        source.ack(t1.position)
+        t2 = source.poll(0.0)
+    assert len(t2.changes) == 40_000
+    source.ack(t1.position)
+    assert_quiet(source, FEEDBACK_INTERVAL_S + 0.5)  # a periodic status update went out too
+    assert confirmed_flush(db) == parse_lsn(t1.position)
+    source.close()
+
+    resumed = db.open(start_after=t1.position)
+    again = collect(resumed, 2, 60)
+    assert [t.position for t in again] == [t3.position, t2.position]
+    assert again[0].changes[0].after == {"id": 3, "body": "t3", "flag": 3}
+
+
+def test_keepalives_move_the_slot_past_other_tables_only_when_caught_up(db: SourceDb) -> None:
+    """A source busy only with unpublished tables sends us nothing: the slot
+    follows the keepalives' WAL end, so it does not keep that WAL forever,
+    but never past a transaction read and not yet acknowledged."""
+    source = db.open()
+    db.execute("INSERT INTO notes VALUES (1, 'a', 1)")
+    [tx] = collect(source, 1)
+    for i in range(3):
+        db.execute(f"INSERT INTO unpublished VALUES ({i})")
+    assert_quiet(source, 2 * FEEDBACK_INTERVAL_S)  # keepalives come and go, unacked tx
+    assert confirmed_flush(db) < parse_lsn(tx.position)
+
+    source.ack(tx.position)
+    for i in range(3, 6):
+        db.execute(f"INSERT INTO unpublished VALUES ({i})")
+    busy_elsewhere = current_wal(db)
+
+    def slot_moved() -> bool:
+        assert source.poll(0.2) is None
+        return confirmed_flush(db) >= busy_elsewhere
+    eventually(slot_moved, 30, "the slot to follow the keepalives past other tables' WAL")
+    source.close()
+    assert_quiet(db.open(start_after=tx.position), 1.0)
 
 
 def test_start_after_skips_redelivered_transactions(db: SourceDb) -> None:

@@ -38,6 +38,7 @@ from cdc_client.schema_change import (
     pg_source_schema,
 )
 from cdc_client.source import RowChange, SourceError, SourceTransaction
+from cdc_client.sources.pg_stream import Keepalive, ReplicationStream, XLogData
 
 log = structlog.get_logger("cdc")
 
@@ -548,7 +549,7 @@ class PostgresSource:
         self._start_after = start_after
         self._floor = parse_lsn(start_after) if start_after else 0
         self._conn: Any = None  # the replication connection, once streaming
-        self._cur: Any = None
+        self._stream: ReplicationStream | None = None
         self._lookup: Any = None  # a plain connection for unchanged TOAST values
         self._relations: dict[int, Relation] = {}
         self._schemas: list[SourceSchema] = []  # Relations not yet handed out
@@ -593,7 +594,8 @@ class PostgresSource:
         except BaseException:
             conn.close()
             raise
-        self._conn, self._cur = conn, cur
+        self._conn = conn
+        self._stream = ReplicationStream(conn, confirmed=self._acked_lsn)
         self._last_feedback = time.monotonic()
 
     # -- Source protocol --
@@ -607,19 +609,22 @@ class PostgresSource:
             self._snapshot.close()
             self._snapshot = None
             self._start_streaming()
+        stream = self._streaming()
         deadline = time.monotonic() + max(timeout_s, 0.0)
         while True:
             self._keep_alive()
-            msg = self._cur.read_message()
-            if msg is not None:
+            msg = stream.read()
+            if isinstance(msg, XLogData):
                 tx = self._handle(decode_message(msg.payload))
                 if tx is not None:
                     return tx
+            elif msg is not None:
+                self._on_keepalive(msg)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None  # a half-read transaction stays open for the next poll
             if msg is None:
-                select.select([self._conn], [], [], min(remaining, FEEDBACK_INTERVAL_S))
+                select.select([stream], [], [], min(remaining, FEEDBACK_INTERVAL_S))
 
     def ack(self, position: str) -> None:
         if pg_snapshot.is_snapshot_position(position):
@@ -642,16 +647,37 @@ class PostgresSource:
             self._snapshot.close()
 
     # -- feedback --
+    def _streaming(self) -> ReplicationStream:
+        if self._stream is None:
+            raise SourceError("the replication stream is not open")
+        return self._stream
+
     def _confirm(self, lsn: int) -> None:
         # reply=True: the server answers at once, so its view is current.
-        self._cur.send_feedback(write_lsn=lsn, flush_lsn=lsn, reply=True)
+        self._streaming().confirm(lsn, reply=True)
         self._last_feedback = time.monotonic()
 
     def _keep_alive(self) -> None:
-        # psycopg2 also replies to keepalive requests inside read_message, but
-        # only while someone calls it; this bounds the gap to our own interval.
+        # The stream answers the server's reply requests as they are read, but
+        # only while someone reads; this bounds the gap to our own interval.
         if time.monotonic() - self._last_feedback >= FEEDBACK_INTERVAL_S:
-            self._cur.send_feedback(force=True)
+            self._streaming().send_status()
+            self._last_feedback = time.monotonic()
+
+    def _on_keepalive(self, keepalive: Keepalive) -> None:
+        """Confirm the keepalive's WAL end when nothing read is unacknowledged.
+
+        The server sends every transaction that commits before the WAL end it
+        reports ahead of the keepalive, so with no transaction half-read and
+        every one handed out acknowledged, everything before that end is
+        confirmed or was never ours (other tables' changes, empty transactions).
+        Without this, a source busy only with unpublished tables would keep
+        its WAL for the slot forever (PostgreSQL 15 sends nothing for them).
+        Invariant *confirm-only-committed*: never confirm past a transaction
+        read but not acknowledged (module pg_stream says how that lost data)."""
+        caught_up = self._open is None and self._acked_lsn >= self._returned_lsn
+        if caught_up and keepalive.wal_end > self._streaming().confirmed:
+            self._streaming().confirm(keepalive.wal_end)
             self._last_feedback = time.monotonic()
 
     # -- messages --
