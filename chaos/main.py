@@ -230,7 +230,7 @@ class Campaign:
             if self.cluster.alive(CDC) or self.broken:
                 break
             self._heal(episode)
-        self._check_progress(episode, caught_up and comparison.clean)
+        self._check_progress(episode, caught_up, comparison.clean)
         self._record_comparison(episode, comparison)
         self._check_gc_journals(episode)
         self._check_storage(episode)
@@ -243,13 +243,16 @@ class Campaign:
                  f"{time.monotonic() - t0:5.1f}s (fault {t_fault - t0:.1f} heal "
                  f"{t_heal - t_fault:.1f} converge {converge_s:.1f})")
 
-    def _check_progress(self, episode: int, converged: bool) -> None:
+    def _check_progress(self, episode: int, caught_up: bool, clean: bool) -> None:
         """A connector alive but not catching up is a finding; restart it so the campaign
-        can go on, and stop after three episodes in a row that do not converge."""
+        can go on, and stop after three episodes in a row that do not converge. Rows
+        that differ although the connector caught up are their own anomaly (lost,
+        phantom...), not this one: the connector is then left alone."""
+        converged = caught_up and clean
         self.unconverged = 0 if converged else self.unconverged + 1
         if converged:
             return
-        if self.cluster.alive(CDC):
+        if not caught_up and self.cluster.alive(CDC):
             self._anomaly(episode, "cdc_not_caught_up", "the connector is alive but its "
                           "committed position did not pass the source's last commit; "
                           f"{self._replication_state()}", CDC)
