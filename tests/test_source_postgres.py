@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from cdc_client.sources.postgres import (
     drop_slot,
     format_lsn,
     parse_lsn,
+    snapshot_sees,
 )
 from devtools.cluster import PostgresInstance
 
@@ -67,6 +69,14 @@ class SourceDb:
                 cur.execute(query, args)
             cur.execute("SELECT pg_current_xact_id()::text::int8")
             return str(cur.fetchone()[0] % 2**32)
+
+    def execute_autocommit(self, *statements: str) -> None:
+        """Statements that cannot run in a transaction block (ALTER SYSTEM)."""
+        with closing(psycopg2.connect(self.dsn)) as conn:
+            conn.autocommit = True
+            with conn.cursor() as cur:
+                for statement in statements:
+                    cur.execute(statement)
 
     def query(self, query: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         with closing(psycopg2.connect(self.dsn)) as conn, conn, conn.cursor() as cur:
@@ -344,6 +354,62 @@ def test_unchanged_toast_value_within_its_transaction_and_of_a_deleted_row(db: S
                                                    {"id": 1, "body": text, "flag": 1}]
     assert [(c.op, c.before) for c in updated.changes] == [("delete", {"id": 1})]
     assert [(c.op, c.before) for c in deleted.changes] == [("delete", {"id": 1})]
+
+
+def test_unchanged_toast_value_is_read_once_the_commit_is_visible(db: SourceDb) -> None:
+    """Logical decoding sends a Commit before the transaction is visible to other
+    sessions; synchronous replication with a missing standby holds it there. A
+    key change keeping its TOASTed value read in that window found no row and
+    became two deletes (the fault campaign lost the row this way)."""
+    text = big_text(db)
+    db.execute(("INSERT INTO notes VALUES (51, %s, 0)", (text,)))
+    source = db.open()  # the slot starts after the insert
+    held: list[int] = []
+
+    def commit_held() -> None:
+        with closing(psycopg2.connect(db.dsn)) as conn, conn.cursor() as cur:
+            cur.execute("SELECT pg_backend_pid()")
+            held.append(cur.fetchone()[0])
+            cur.execute("SET synchronous_commit = on")  # the test server runs with it off
+            cur.execute("UPDATE notes SET id = 2324 WHERE id = 51")
+            conn.commit()  # flushed and decoded, then waits for the standby
+
+    db.execute_autocommit("ALTER SYSTEM SET synchronous_standby_names = 'nosuch'",
+                          "SELECT pg_reload_conf()")
+    writer = threading.Thread(target=commit_held)
+    try:
+        writer.start()
+        eventually(lambda: bool(held) and db.query(
+            "SELECT wait_event FROM pg_stat_activity WHERE pid = %s", (held[0],)
+        ) == [("SyncRep",)], 10, "the update's commit to wait for the standby")
+        release = threading.Timer(1.0, db.execute_autocommit,
+                                  ("ALTER SYSTEM RESET synchronous_standby_names",
+                                   "SELECT pg_reload_conf()"))
+        release.start()
+        [tx] = collect(source, 1)  # waits for the commit to become visible
+        release.join()
+    finally:
+        db.execute_autocommit("ALTER SYSTEM RESET synchronous_standby_names",
+                              "SELECT pg_reload_conf()")
+        writer.join(10)
+    assert [(c.op, c.before) for c in tx.changes] == [("update", {"id": 51})]
+    assert tx.changes[0].after == {"id": 2324, "body": text, "flag": 0}
+
+
+@pytest.mark.parametrize(("snapshot", "xid", "sees"), [
+    ("100:105:101,103", 99, True), ("100:105:101,103", 101, False),
+    ("100:105:101,103", 102, True), ("100:105:", 104, True),
+    # At or above xmax: not completed when the snapshot was taken.
+    ("100:105:", 105, False), ("105:105:", 107, False),
+    # 64-bit ids: the 32-bit xid belongs to xmax's epoch, or to the one before.
+    (f"{2**32 + 5}:{2**32 + 9}:{2**32 + 7}", 7, False),
+    (f"{2**32 + 5}:{2**32 + 9}:", 7, True),
+    (f"{2**32 - 10}:{2**32 + 9}:{2**32 - 3}", 2**32 - 3, False),
+    (f"{2**32 - 10}:{2**32 + 9}:{2**32 - 3}", 2**32 - 4, True),
+    (f"{2**32 - 10}:{2**32 - 5}:", 3, False),  # the next epoch: after xmax
+])
+def test_snapshot_sees(snapshot: str, xid: int, sees: bool) -> None:
+    assert snapshot_sees(snapshot, xid) is sees
 
 
 def test_unchanged_toast_value_with_replica_identity_full(db: SourceDb) -> None:

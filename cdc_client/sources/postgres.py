@@ -48,6 +48,7 @@ PG_EPOCH_MS = 946_684_800_000
 # wal_sender_timeout defaults to 60 s; a status update every couple of seconds
 # keeps the walsender alive even with a much shorter timeout.
 FEEDBACK_INTERVAL_S = 2.0
+VISIBILITY_WARN_S = 5.0  # a committed transaction still invisible this long: say so
 
 # Appended to the replication session's options: the text format of every
 # value we parse depends on these settings.
@@ -806,6 +807,7 @@ class PostgresSource:
         change and is applied after this one. A row gone from the source was
         deleted by a later transaction (or got another key): this update
         becomes a delete of its keys, which that transaction does anyway."""
+        self._wait_visible(open_tx.xid)
         by_table: dict[str, tuple[Relation, list[int]]] = {}
         for index, relation in open_tx.unresolved:
             by_table.setdefault(relation.table, (relation, []))[1].append(index)
@@ -829,13 +831,42 @@ class PostgresSource:
         open_tx.changes = [r for i, c in enumerate(open_tx.changes) for r in replaced.get(i, [c])]
         open_tx.unresolved = []
 
+    def _lookup_connection(self) -> Any:
+        if self._lookup is None:
+            self._lookup = psycopg2.connect(replication_dsn(self._dsn), connect_timeout=10)
+            self._lookup.autocommit = True
+        return self._lookup
+
+    def _wait_visible(self, xid: int) -> None:
+        """Return once transaction ``xid`` is visible to new snapshots.
+
+        PostgreSQL flushes a commit record, and logical decoding sends the
+        Commit, before the committing backend leaves the running transactions;
+        synchronous replication can hold that window open for as long as a
+        standby is missing. A read in it sees the row as it was before the
+        transaction, or not at all, and a row that is not there would wrongly
+        turn the update into a delete (found by the fault campaign: a key
+        change lost its row). Visibility never goes back, so once a snapshot
+        sees the transaction, every later statement does."""
+        started, pause, warned = time.monotonic(), 0.001, False
+        with self._lookup_connection().cursor() as cur:
+            while True:
+                cur.execute("SELECT pg_current_snapshot()::text")
+                if snapshot_sees(cur.fetchone()[0], xid):
+                    return
+                if not warned and time.monotonic() - started >= VISIBILITY_WARN_S:
+                    log.warning("cdc_waiting_for_commit_visibility", xid=xid,
+                                reason="committed in WAL, not yet visible (synchronous "
+                                       "replication waiting for a standby?)")
+                    warned = True
+                time.sleep(pause)  # bounded back-off; the commit is durable, it will show
+                pause = min(pause * 2, 0.1)
+
     def _current_rows(self, relation: Relation, changes: Sequence[RowChange]
                       ) -> dict[tuple[Any, ...], dict[str, Any]]:
         """The source's current rows of ``changes`` (by their new key), key and
         unchanged columns only, parsed like streamed values."""
-        if self._lookup is None:
-            self._lookup = psycopg2.connect(replication_dsn(self._dsn), connect_timeout=10)
-            self._lookup.autocommit = True
+        lookup = self._lookup_connection()
         key_cols = [c for c in relation.columns if c.is_key]
         wanted = sorted({n for c in changes if c.after for n in _unchanged(c.after)})
         columns = key_cols + [c for c in relation.columns
@@ -844,10 +875,10 @@ class PostgresSource:
                         relation.replica_identity, tuple(columns))
         key = sql.SQL(", ").join(sql.Identifier(c.name) for c in key_cols)
         one = sql.SQL("({})").format(sql.SQL(", ").join(sql.Placeholder() * len(key_cols)))
-        pg_snapshot.read_as_text(self._lookup, [c.type_oid for c in columns])
+        pg_snapshot.read_as_text(lookup, [c.type_oid for c in columns])
         found: dict[tuple[Any, ...], dict[str, Any]] = {}
         wanted_keys = list(dict.fromkeys(_key_of(relation, c.after or {}) for c in changes))
-        with self._lookup.cursor() as cur:
+        with lookup.cursor() as cur:
             for start in range(0, len(wanted_keys), 500):
                 chunk = wanted_keys[start:start + 500]
                 try:
@@ -873,6 +904,22 @@ class PostgresSource:
             self._confirm(end_lsn)
         else:
             self._empty_lsn = end_lsn
+
+
+def snapshot_sees(snapshot: str, xid: int) -> bool:
+    """Whether a committed 32-bit ``xid`` is visible in ``snapshot``, the text of
+    ``pg_current_snapshot()`` (``xmin:xmax:xip,...``, 64-bit transaction ids).
+
+    ``xmax`` is one past the latest *completed* transaction: a transaction at or
+    above it is still running for this snapshot, and is not in the ``xip`` list.
+    The 64-bit id is the one nearest ``xmax`` (an xid is never 2^31 away)."""
+    xmin_text, xmax_text, xip_text = snapshot.split(":")
+    xmin, xmax = int(xmin_text), int(xmax_text)
+    offset = (xid - xmax) % (1 << 32)
+    full = xmax + (offset - (1 << 32) if offset >= 1 << 31 else offset)
+    if full >= xmax:
+        return False
+    return full < xmin or str(full) not in xip_text.split(",")
 
 
 def _quote_ident(name: str) -> str:
