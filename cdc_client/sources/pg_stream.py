@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -87,8 +88,7 @@ _libpq: ctypes.CDLL | None = None
 def _lib() -> ctypes.CDLL:
     global _libpq
     if _libpq is None:
-        psycopg2.extensions  # noqa: B018 - psycopg2 (and its libpq) is loaded first
-        _libpq = _load_libpq()
+        _libpq = _load_libpq()  # psycopg2, imported above, has loaded its libpq
     return _libpq
 
 
@@ -104,14 +104,34 @@ class ReplicationStream:
         self._conn = conn  # keeps the psycopg2 connection, so the PGconn, alive
         self._pgconn = ctypes.c_void_p(conn.pgconn_ptr)
         self._lib = _lib()
+        # psycopg2 locks its connection for its own calls; ours take this lock, so
+        # close() from another thread never frees the PGconn under a read.
+        self._lock = threading.Lock()
+        self._closed = False
         self.confirmed = confirmed
         self.wal_end = 0  # the latest WAL end the server reported
 
     def fileno(self) -> int:
         return int(self._conn.fileno())
 
+    def close(self) -> None:
+        """Close the connection; later calls raise OperationalError."""
+        with self._lock:
+            self._closed = True
+            self._conn.close()
+
     def read(self) -> XLogData | Keepalive | None:
         """The next message, or None if none has arrived yet (never blocks)."""
+        with self._lock:
+            self._check_open()
+            data = self._read_copy_data()
+        return None if data is None else self._decode(data)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise psycopg2.OperationalError("replication stream closed")
+
+    def _read_copy_data(self) -> bytes | None:
         buffer = ctypes.c_void_p()
         length = self._lib.PQgetCopyData(self._pgconn, ctypes.byref(buffer), 1)
         if length == 0:
@@ -123,10 +143,9 @@ class ReplicationStream:
         if length < 0:
             self._lost("reading")
         try:
-            data = ctypes.string_at(buffer, length)
+            return ctypes.string_at(buffer, length)
         finally:
             self._lib.PQfreemem(buffer)
-        return self._decode(data)
 
     def _decode(self, data: bytes) -> XLogData | Keepalive:
         kind = data[:1]
@@ -152,12 +171,14 @@ class ReplicationStream:
         now_us = int((time.time() - _PG_EPOCH_S) * 1_000_000)
         lsn = self.confirmed
         message = _STATUS.pack(b"r", lsn, lsn, 0, now_us, 1 if reply else 0)
-        if self._lib.PQputCopyData(self._pgconn, message, len(message)) != 1:
-            self._lost("sending feedback")
-        while (flushed := self._lib.PQflush(self._pgconn)) == 1:
-            pass  # a blocking connection: PQflush only returns 1 on a full socket
-        if flushed < 0:
-            self._lost("sending feedback")
+        with self._lock:
+            self._check_open()
+            if self._lib.PQputCopyData(self._pgconn, message, len(message)) != 1:
+                self._lost("sending feedback")
+            while (flushed := self._lib.PQflush(self._pgconn)) == 1:
+                pass  # a blocking connection: PQflush only returns 1 on a full socket
+            if flushed < 0:
+                self._lost("sending feedback")
 
     def _lost(self, doing: str) -> None:
         message = (self._lib.PQerrorMessage(self._pgconn) or b"").decode("utf-8", "replace")

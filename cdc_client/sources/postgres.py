@@ -549,8 +549,7 @@ class PostgresSource:
             start_after = None  # the stream starts at the slot's consistent point
         self._start_after = start_after
         self._floor = parse_lsn(start_after) if start_after else 0
-        self._conn: Any = None  # the replication connection, once streaming
-        self._stream: ReplicationStream | None = None
+        self._stream: ReplicationStream | None = None  # the replication connection, once streaming
         self._lookup: Any = None  # a plain connection for unchanged TOAST values
         self._relations: dict[int, Relation] = {}
         self._schemas: list[SourceSchema] = []  # Relations not yet handed out
@@ -596,7 +595,6 @@ class PostgresSource:
         except BaseException:
             conn.close()
             raise
-        self._conn = conn
         self._stream = ReplicationStream(conn, confirmed=self._acked_lsn)
         self._last_feedback = time.monotonic()
 
@@ -642,9 +640,10 @@ class PostgresSource:
         return pg_snapshot.position_key(position)
 
     def close(self) -> None:
-        for conn in (self._conn, self._lookup):
-            if conn is not None:
-                conn.close()
+        if self._stream is not None:
+            self._stream.close()  # under the stream's lock: never under a read
+        if self._lookup is not None:
+            self._lookup.close()
         if self._snapshot is not None:
             self._snapshot.close()
 
