@@ -644,10 +644,18 @@ class LocalIndexService:
                          vnode_of: Callable[[bytes], int]) -> dict[int, list[bytes]]:
         """The keys of ``table_id`` a TRUNCATE at ``ts`` has to delete, by virtual node,
         in key order: those whose latest version at or before ``ts`` is a row id (live,
-        or an orphan that resolution sorts out). A key whose latest such version is a
-        tombstone is dead already (deleted before ``ts``, or by this TRUNCATE applied
-        before: a retry or a replay over it), and a key first written after ``ts``
-        cannot be touched by it, so a re-applied TRUNCATE finds nothing to write.
+        or an orphan that resolution sorts out). A key whose latest version before
+        ``ts`` is a tombstone is dead already, and a key first written after ``ts``
+        cannot be touched by it.
+
+        A tombstone at exactly ``ts`` is this TRUNCATE (or a DELETE of the same
+        update) applied before: a retry, or a replay over it. It does not make the
+        key dead, so the version before ``ts`` decides, as for a DELETE
+        (``delete_targets``): a replay that re-inserted the key at an earlier
+        timestamp put a live row under that tombstone, and the TRUNCATE applied
+        again must delete it (invariant REAPPLY_CONVERGES; the fault campaign found
+        a phantom row here, seed 1132 episode 49). Re-applied over nothing new, it
+        rewrites its own tombstones and deletes nothing.
 
         One sequential scan of the table's versions (inside the open batch, its own
         writes included) serves every virtual node of a request."""
@@ -656,8 +664,9 @@ class LocalIndexService:
         tombstone = _ROW.pack(TOMBSTONE)
         targets: dict[int, list[bytes]] = {}
 
-        def settle(prefix: bytes | None, latest: bytes | None) -> None:
-            if prefix is not None and latest is not None and latest != tombstone:
+        def settle(prefix: bytes | None, before: bytes | None, at: bytes | None) -> None:
+            deciding = at if at is not None and at != tombstone else before
+            if prefix is not None and deciding is not None and deciding != tombstone:
                 key = _split_prefix(prefix)[1]
                 targets.setdefault(vnode_of(key), []).append(key)
 
@@ -665,17 +674,21 @@ class LocalIndexService:
             with self._txn(write=False) as txn:
                 cursor = txn.cursor(db=self._primary)
                 prefix: bytes | None = None
-                latest: bytes | None = None
+                before: bytes | None = None  # the latest version before ts
+                at: bytes | None = None  # the version at exactly ts
                 if cursor.set_range(table):
                     for version, value in cursor:
                         if not version.startswith(table):
                             break
                         if version[:-8] != prefix:
-                            settle(prefix, latest)
-                            prefix, latest = version[:-8], None
-                        if version[-8:] <= bound:  # big-endian: byte order is ts order
-                            latest = value
-                settle(prefix, latest)
+                            settle(prefix, before, at)
+                            prefix, before, at = version[:-8], None, None
+                        stamp = version[-8:]  # big-endian: byte order is ts order
+                        if stamp < bound:
+                            before = value
+                        elif stamp == bound:
+                            at = value
+                settle(prefix, before, at)
         except lmdb.Error as exc:
             raise IndexBackendError(f"primary index scan failed: {exc}") from exc
         return targets

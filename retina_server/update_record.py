@@ -435,10 +435,11 @@ class _TruncateTargets:
 
 def _apply_truncate(node: RetinaNode, u: PreparedUpdate, targets: _TruncateTargets) -> int:
     """TRUNCATE of (table, vnode) at ``u.ts``: a DELETE of every key whose latest version
-    at or before ``u.ts`` is a row (``LocalIndexService.truncate_targets``). Re-applied (a
-    retry, a replay) it skips the keys it tombstoned and deletes only a stale copy at
-    exactly ``u.ts``, which the INSERTs of the same update put back; versions after
-    ``u.ts`` are never touched."""
+    at or before ``u.ts`` is a row (``LocalIndexService.truncate_targets``; its own
+    tombstones at ``u.ts`` do not count). Re-applied (a retry, a replay) it rewrites
+    those tombstones, deletes a stale copy at exactly ``u.ts`` (which the INSERTs of
+    the same update put back) and a row a replay put back under a tombstone at an
+    earlier timestamp; versions after ``u.ts`` are never touched."""
     if not u.truncate:
         return 0
     keys = targets.keys(u)

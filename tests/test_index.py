@@ -106,8 +106,9 @@ def test_delete_targets_the_predecessor_and_a_stale_copy_at_its_own_timestamp(
 
 def test_truncate_targets_skip_dead_keys_and_later_versions(tmp_path: Path) -> None:
     """What a TRUNCATE at 20 deletes: keys whose latest version at or before 20 is a
-    row. Tombstoned keys (so a re-applied TRUNCATE: its own tombstones) and keys
-    first written after 20 are left out; versions after 20 never matter."""
+    row. Keys tombstoned before 20 and keys first written after 20 are left out;
+    versions after 20 never matter. Its own tombstones at 20 (a re-application) do
+    not hide the row before them."""
     index = LocalIndexService(tmp_path)
     r = index.allocate_row_ids(8)
     index.put_main_index_entries([RowIdRange(r, 8, 1, 0, 0)])
@@ -127,9 +128,28 @@ def test_truncate_targets_skip_dead_keys_and_later_versions(tmp_path: Path) -> N
     assert index.truncate_targets(3, 20, vnode) == {}
     # The TRUNCATE at 20 applied: its tombstones, then the same key inserted at 25.
     index.tombstone_primary_resolved(1, [b"live", b"later", b"stale"], ts=20)
-    assert index.truncate_targets(1, 20, vnode) == {}  # applied again: nothing to write
+    # Applied again: the same keys (their rows before 20 are deleted already, so the
+    # DELETE writes only the same tombstones); "dead" stays out.
+    assert index.truncate_targets(1, 20, vnode) == {0: [b"live"], 1: [b"later", b"stale"]}
     assert index.resolve_primary(1, [b"later"], everything, 99)[0].row_id == r + 4
     assert index.truncate_targets(1, 99, vnode) == {1: [b"fresh", b"later"]}
+
+
+def test_truncate_applied_again_deletes_a_row_replayed_under_its_tombstone(
+        tmp_path: Path) -> None:
+    """A replay without a rewind in between (a connector killed before MarkReady
+    replays the same range again) re-inserts a key at 10 under the tombstone its
+    first TRUNCATE at 20 wrote: the TRUNCATE applied again must delete that row."""
+    index = LocalIndexService(tmp_path)
+    r = index.allocate_row_ids(2)
+    index.put_main_index_entries([RowIdRange(r, 2, 1, 0, 0)])
+    index.put_primary_entries_only(1, [b"k"], [r], ts=10)
+    index.tombstone_primary_resolved(1, [b"k"], ts=20)
+    index.put_primary_entries_only(1, [b"k"], [r + 1], ts=10)  # the replay's new copy
+    assert index.truncate_targets(1, 20, lambda _k: 0) == {0: [b"k"]}
+    targets = index.delete_targets(1, [b"k"], everything, 20)
+    assert targets is not None and targets.found_keys == [b"k"]
+    assert targets.rows_by_rg == {(1, 0): [1]}  # the replayed copy, row r + 1
 
 
 def _grouped(keys: list[bytes], resolved: list) -> tuple[list[bytes], dict]:

@@ -1,6 +1,7 @@
 """A TRUNCATE applied by Retina nodes (TableUpdateData.truncate, one per virtual node):
 every row of the table before its timestamp goes, and applying it again (a retry, a
-replay) deletes nothing more, however much was written after it."""
+replay) deletes nothing written after it, however much, and everything a replay put
+back before it."""
 
 from __future__ import annotations
 
@@ -83,3 +84,27 @@ def test_truncate_then_inserts_applied_twice_leave_one_copy(plane: DataPlane) ->
     assert send(plane, requests) == 2
     stub.CommitTrans(tpb.CommitTransRequest(trans_id=t.trans_id), timeout=10)
     assert ids(plane) == [7, 8]
+
+
+def test_insert_then_truncate_replayed_without_a_rewind_leave_nothing(plane: DataPlane) -> None:
+    """A replay of a range already replayed into the same recovery attempt (the
+    connector killed before MarkReady replays again; no rewind in between) applies an
+    INSERT at t1, then the TRUNCATE at t2 > t1, a second time. The INSERT puts a row
+    under the TRUNCATE's own tombstone; the TRUNCATE must delete it again (the fault
+    campaign's phantom row: seed 1132, episode 49)."""
+    stub = plane.trans.stub()
+    t1 = stub.BeginTrans(tpb.BeginTransRequest(), timeout=10)
+    inserted = requests_by_node(SCHEMA, [plane.writers["orders"].updates(
+        t1.timestamp, replaces=[order(161)])])
+    send(plane, inserted)
+    stub.CommitTrans(tpb.CommitTransRequest(trans_id=t1.trans_id), timeout=10)
+    t2 = stub.BeginTrans(tpb.BeginTransRequest(), timeout=10)
+    truncated = truncate(plane, t2.timestamp)
+    assert send(plane, truncated) >= 1
+    stub.CommitTrans(tpb.CommitTransRequest(trans_id=t2.trans_id), timeout=10)
+    assert ids(plane) == []
+    send(plane, inserted)  # both again, in order, at their own timestamps
+    assert send(plane, truncated) == 1  # the replayed copy of 161
+    assert ids(plane) == []
+    send(plane, truncated)  # and once more: nothing new to delete
+    assert ids(plane) == []
