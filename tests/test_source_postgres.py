@@ -356,23 +356,27 @@ def test_unchanged_toast_value_within_its_transaction_and_of_a_deleted_row(db: S
     assert [(c.op, c.before) for c in deleted.changes] == [("delete", {"id": 1})]
 
 
-def test_unchanged_toast_value_is_read_once_the_commit_is_visible(db: SourceDb) -> None:
-    """Logical decoding sends a Commit before the transaction is visible to other
-    sessions; synchronous replication with a missing standby holds it there. A
-    key change keeping its TOASTed value read in that window found no row and
-    became two deletes (the fault campaign lost the row this way)."""
-    text = big_text(db)
-    db.execute(("INSERT INTO notes VALUES (51, %s, 0)", (text,)))
-    source = db.open()  # the slot starts after the insert
+def collect_held(db: SourceDb, source: PostgresSource, *statements: str
+                 ) -> tuple[SourceTransaction, dict[str, Any]]:
+    """Run ``statements`` as one transaction whose commit synchronous replication holds
+    (flushed and decoded, not yet visible to other sessions: the standby it waits for
+    does not exist) for a second, then releases. Returns the source's transaction and
+    its schemas' facts as read the moment it was handed out (the connector's translate
+    reads them then)."""
     held: list[int] = []
 
     def commit_held() -> None:
         with closing(psycopg2.connect(db.dsn)) as conn, conn.cursor() as cur:
+            def standby_named() -> bool:
+                cur.execute("SHOW synchronous_standby_names")
+                return cur.fetchone() == ("nosuch",)
+            eventually(standby_named, 10, "this session to see the reloaded setting")
             cur.execute("SELECT pg_backend_pid()")
             held.append(cur.fetchone()[0])
             cur.execute("SET synchronous_commit = on")  # the test server runs with it off
-            cur.execute("UPDATE notes SET id = 2324 WHERE id = 51")
-            conn.commit()  # flushed and decoded, then waits for the standby
+            for statement in statements:
+                cur.execute(statement)
+            conn.commit()
 
     db.execute_autocommit("ALTER SYSTEM SET synchronous_standby_names = 'nosuch'",
                           "SELECT pg_reload_conf()")
@@ -381,19 +385,42 @@ def test_unchanged_toast_value_is_read_once_the_commit_is_visible(db: SourceDb) 
         writer.start()
         eventually(lambda: bool(held) and db.query(
             "SELECT wait_event FROM pg_stat_activity WHERE pid = %s", (held[0],)
-        ) == [("SyncRep",)], 10, "the update's commit to wait for the standby")
+        ) == [("SyncRep",)], 10, "the commit to wait for the standby")
         release = threading.Timer(1.0, db.execute_autocommit,
                                   ("ALTER SYSTEM RESET synchronous_standby_names",
                                    "SELECT pg_reload_conf()"))
         release.start()
-        [tx] = collect(source, 1)  # waits for the commit to become visible
+        [tx] = collect(source, 1)  # comes once the commit is visible
+        facts = {schema.table: schema.facts() for schema in tx.schemas}
         release.join()
+        return tx, facts
     finally:
         db.execute_autocommit("ALTER SYSTEM RESET synchronous_standby_names",
                               "SELECT pg_reload_conf()")
         writer.join(10)
+
+
+def test_unchanged_toast_value_is_read_once_the_commit_is_visible(db: SourceDb) -> None:
+    """Logical decoding sends a Commit before the transaction is visible to other
+    sessions. A key change keeping its TOASTed value read in that window found no row
+    and became two deletes (the fault campaign lost the row this way)."""
+    text = big_text(db)
+    db.execute(("INSERT INTO notes VALUES (51, %s, 0)", (text,)))
+    source = db.open()  # the slot starts after the insert
+    tx, _facts = collect_held(db, source, "UPDATE notes SET id = 2324 WHERE id = 51")
     assert [(c.op, c.before) for c in tx.changes] == [("update", {"id": 51})]
     assert tx.changes[0].after == {"id": 2324, "body": text, "flag": 0}
+
+
+def test_a_column_added_in_the_transaction_is_in_the_source_facts(db: SourceDb) -> None:
+    """The new column's facts are read from the source's catalog after the Commit; read
+    before the transaction is visible, the column is not there yet (the campaign's
+    connector stopped with exit 6 on its own ADD COLUMN)."""
+    source = db.open()
+    tx, facts = collect_held(db, source, "ALTER TABLE notes ADD COLUMN extra int4",
+                             "INSERT INTO notes VALUES (1, 'a', 1, 7)")
+    assert tx.changes[0].after == {"id": 1, "body": "a", "flag": 1, "extra": 7}
+    assert "extra" in facts["public.notes"]
 
 
 @pytest.mark.parametrize(("snapshot", "xid", "sees"), [

@@ -782,6 +782,10 @@ class PostgresSource:
         if not open_tx.changes:
             self._skip_empty(message.end_lsn)
             return None
+        if open_tx.unresolved or self._schemas:
+            # Both read the source next (unchanged TOAST values here, a new column's
+            # facts in translate): what they read must include this transaction.
+            self._wait_visible(open_tx.xid)
         if open_tx.unresolved:
             self._read_unchanged(open_tx)
         self._returned_lsn = message.end_lsn
@@ -798,7 +802,8 @@ class PostgresSource:
 
     def _read_unchanged(self, open_tx: _OpenTransaction) -> None:
         """Fill the remaining unchanged TOAST values with the row as the source
-        holds it now, read by its replica identity key.
+        holds it now (the transaction visible: :meth:`_wait_visible`), read by its
+        replica identity key.
 
         Exact for the final state: the value is read after this transaction
         committed. If nothing changed the row since, it is the value the row
@@ -806,7 +811,6 @@ class PostgresSource:
         change and is applied after this one. A row gone from the source was
         deleted by a later transaction (or got another key): this update
         becomes a delete of its keys, which that transaction does anyway."""
-        self._wait_visible(open_tx.xid)
         by_table: dict[str, tuple[Relation, list[int]]] = {}
         for index, relation in open_tx.unresolved:
             by_table.setdefault(relation.table, (relation, []))[1].append(index)
@@ -843,10 +847,11 @@ class PostgresSource:
         Commit, before the committing backend leaves the running transactions;
         synchronous replication can hold that window open for as long as a
         standby is missing. A read in it sees the row as it was before the
-        transaction, or not at all, and a row that is not there would wrongly
-        turn the update into a delete (found by the fault campaign: a key
-        change lost its row). Visibility never goes back, so once a snapshot
-        sees the transaction, every later statement does."""
+        transaction, or not at all: a row that is not there wrongly turned an
+        update into a delete (the fault campaign lost a key-changed row), and a
+        column added in the transaction is not in the catalog yet (the campaign's
+        connector stopped, exit 6, on its own ADD COLUMN). Visibility never goes
+        back, so once a snapshot sees the transaction, every later statement does."""
         started, pause, warned = time.monotonic(), 0.001, False
         with self._lookup_connection().cursor() as cur:
             while True:
