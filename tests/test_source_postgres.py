@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import struct
 import threading
 import time
@@ -356,48 +357,79 @@ def test_unchanged_toast_value_within_its_transaction_and_of_a_deleted_row(db: S
     assert [(c.op, c.before) for c in deleted.changes] == [("delete", {"id": 1})]
 
 
-def collect_held(db: SourceDb, source: PostgresSource, *statements: str
-                 ) -> tuple[SourceTransaction, dict[str, Any]]:
-    """Run ``statements`` as one transaction whose commit synchronous replication holds
-    (flushed and decoded, not yet visible to other sessions: the standby it waits for
-    does not exist) for a second, then releases. Returns the source's transaction and
-    its schemas' facts as read the moment it was handed out (the connector's translate
-    reads them then)."""
-    held: list[int] = []
+PROBE_IDS = itertools.count(-1, -1)  # keys of the probes' rows, never published
 
-    def commit_held() -> None:
-        with closing(psycopg2.connect(db.dsn)) as conn, conn.cursor() as cur:
-            def standby_named() -> bool:
-                cur.execute("SHOW synchronous_standby_names")
-                return cur.fetchone() == ("nosuch",)
-            eventually(standby_named, 10, "this session to see the reloaded setting")
+
+class HeldCommit:
+    """One transaction whose commit synchronous replication holds: flushed and decoded,
+    not yet visible to other sessions, while the standby named in
+    ``synchronous_standby_names`` does not answer (``nosuch``: it does not exist;
+    ``*``: any walsender, the connector's own included)."""
+
+    def __init__(self, db: SourceDb, standbys: str, *statements: str) -> None:
+        self.db, self.statements = db, statements
+        self.pid: list[int] = []
+        db.execute_autocommit(f"ALTER SYSTEM SET synchronous_standby_names = '{standbys}'",
+                              "SELECT pg_reload_conf()")
+        self._wait_until_commits_wait()
+        self.thread = threading.Thread(target=self._commit, args=(statements, self.pid))
+        self.thread.start()
+        self._wait_for_sync_rep(self.pid, 10, "the commit to wait for the standby")
+
+    def _commit(self, statements: tuple[str, ...], pid: list[int]) -> None:
+        with closing(psycopg2.connect(self.db.dsn)) as conn, conn.cursor() as cur:
             cur.execute("SELECT pg_backend_pid()")
-            held.append(cur.fetchone()[0])
+            pid.append(cur.fetchone()[0])
             cur.execute("SET synchronous_commit = on")  # the test server runs with it off
             for statement in statements:
                 cur.execute(statement)
             conn.commit()
 
-    db.execute_autocommit("ALTER SYSTEM SET synchronous_standby_names = 'nosuch'",
-                          "SELECT pg_reload_conf()")
-    writer = threading.Thread(target=commit_held)
+    def _wait_for_sync_rep(self, pid: list[int], timeout_s: float, what: str) -> None:
+        eventually(lambda: bool(pid) and self.db.query(
+            "SELECT wait_event FROM pg_stat_activity WHERE pid = %s", (pid[0],)
+        ) == [("SyncRep",)], timeout_s, what)
+
+    def _wait_until_commits_wait(self) -> None:
+        """Commits wait once the server has taken the reloaded setting everywhere (a
+        shared flag the checkpointer sets): probe with a commit of a write to a table
+        the publication leaves out until one waits, then cancel its wait."""
+        deadline = time.monotonic() + 20
+        while True:
+            assert time.monotonic() < deadline, "commits never waited for the standby"
+            probe: list[int] = []
+            write = f"INSERT INTO unpublished VALUES ({next(PROBE_IDS)})"
+            thread = threading.Thread(target=self._commit, args=((write,), probe))
+            thread.start()
+            try:
+                self._wait_for_sync_rep(probe, 1, "a probe commit to wait")
+            except AssertionError:
+                thread.join(10)
+                continue  # committed without waiting: not taken yet
+            self.db.execute_autocommit(f"SELECT pg_cancel_backend({probe[0]})")
+            thread.join(10)
+            return
+
+    def release(self) -> None:
+        self.db.execute_autocommit("ALTER SYSTEM RESET synchronous_standby_names",
+                                   "SELECT pg_reload_conf()")
+        self.thread.join(10)
+
+
+def collect_held(db: SourceDb, source: PostgresSource, *statements: str
+                 ) -> tuple[SourceTransaction, dict[str, Any]]:
+    """Run ``statements`` as a :class:`HeldCommit`, released after a second. Returns the
+    source's transaction and its schemas' facts as read the moment it was handed out
+    (the connector's translate reads them then)."""
+    held = HeldCommit(db, "nosuch", *statements)
+    release = threading.Timer(1.0, held.release)
     try:
-        writer.start()
-        eventually(lambda: bool(held) and db.query(
-            "SELECT wait_event FROM pg_stat_activity WHERE pid = %s", (held[0],)
-        ) == [("SyncRep",)], 10, "the commit to wait for the standby")
-        release = threading.Timer(1.0, db.execute_autocommit,
-                                  ("ALTER SYSTEM RESET synchronous_standby_names",
-                                   "SELECT pg_reload_conf()"))
         release.start()
         [tx] = collect(source, 1)  # comes once the commit is visible
-        facts = {schema.table: schema.facts() for schema in tx.schemas}
-        release.join()
-        return tx, facts
+        return tx, {schema.table: schema.facts() for schema in tx.schemas}
     finally:
-        db.execute_autocommit("ALTER SYSTEM RESET synchronous_standby_names",
-                              "SELECT pg_reload_conf()")
-        writer.join(10)
+        release.cancel()
+        held.release()
 
 
 def test_unchanged_toast_value_is_read_once_the_commit_is_visible(db: SourceDb) -> None:
@@ -421,6 +453,38 @@ def test_a_column_added_in_the_transaction_is_in_the_source_facts(db: SourceDb) 
                              "INSERT INTO notes VALUES (1, 'a', 1, 7)")
     assert tx.changes[0].after == {"id": 1, "body": "a", "flag": 1, "extra": 7}
     assert "extra" in facts["public.notes"]
+
+
+def test_a_connector_that_is_a_synchronous_standby_stops_with_the_reason(db: SourceDb
+                                                                          ) -> None:
+    """synchronous_standby_names = '*' makes the connector's own walsender a synchronous
+    standby: a commit waits for the connector to confirm it, and the connector waits
+    for it to become visible. The source says so and stops, instead of hanging."""
+    source = db.open()
+    db.execute("INSERT INTO notes VALUES (1, 'a', 1)")
+    [first] = collect(source, 1)
+    source.ack(first.position)  # a confirmed flush makes the walsender a candidate
+    eventually(lambda: db.query("SELECT sync_state FROM pg_stat_replication") == [("async",)],
+               10, "the walsender to report its state")
+    held = HeldCommit(db, "*", "ALTER TABLE notes ADD COLUMN extra int4",
+                      "INSERT INTO notes VALUES (2, 'b', 2, 7)")
+    outcome: list[BaseException] = []
+
+    def poll() -> None:  # on a thread: a regression would hang here, not fail
+        try:
+            collect(source, 1, timeout_s=30)
+        except BaseException as exc:  # handed to the test thread
+            outcome.append(exc)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    try:
+        poller.start()
+        poller.join(40)
+        assert not poller.is_alive(), "the source hung waiting for its own confirmation"
+    finally:
+        held.release()
+    [error] = outcome
+    assert isinstance(error, SourceError) and "synchronous standby" in str(error), error
 
 
 @pytest.mark.parametrize(("snapshot", "xid", "sees"), [

@@ -21,7 +21,6 @@ what its caller confirmed, and nothing else.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import struct
 import threading
 import time
@@ -50,22 +49,18 @@ class Keepalive:
     reply_requested: bool
 
 
-def _libpq_path() -> str:
-    """The libpq psycopg2 is linked with: the same library, so the same PGconn."""
-    with open("/proc/self/maps", encoding="utf-8") as maps:
-        for line in maps:
-            path = line.split()[-1]
-            if "/libpq" in path and ".so" in path:
-                return path
-    found = ctypes.util.find_library("pq")
-    if found is None:
-        raise RuntimeError("libpq is not loaded and not found: the replication stream "
-                           "needs the libpq psycopg2 uses")
-    return found
+def _libpq_of_psycopg2() -> ctypes.CDLL:
+    """libpq as psycopg2's extension module resolves it: dlsym through a handle on
+    that module searches its own dependencies, so this is the very libpq (bundled
+    or the system's) that made psycopg2's PGconn, whatever other libpq the process
+    may load."""
+    import psycopg2._psycopg as extension
+
+    return ctypes.CDLL(extension.__file__)
 
 
 def _load_libpq() -> ctypes.CDLL:
-    lib = ctypes.CDLL(_libpq_path())
+    lib = _libpq_of_psycopg2()
     conn, buf = ctypes.c_void_p, ctypes.c_void_p
     lib.PQgetCopyData.argtypes = [conn, ctypes.POINTER(buf), ctypes.c_int]
     lib.PQgetCopyData.restype = ctypes.c_int
@@ -79,6 +74,12 @@ def _load_libpq() -> ctypes.CDLL:
     lib.PQerrorMessage.restype = ctypes.c_char_p
     lib.PQfreemem.argtypes = [buf]
     lib.PQfreemem.restype = None
+    lib.PQgetResult.argtypes = [conn]
+    lib.PQgetResult.restype = ctypes.c_void_p
+    lib.PQresultErrorMessage.argtypes = [ctypes.c_void_p]
+    lib.PQresultErrorMessage.restype = ctypes.c_char_p
+    lib.PQclear.argtypes = [ctypes.c_void_p]
+    lib.PQclear.restype = None
     return lib
 
 
@@ -181,6 +182,16 @@ class ReplicationStream:
                 self._lost("sending feedback")
 
     def _lost(self, doing: str) -> None:
-        message = (self._lib.PQerrorMessage(self._pgconn) or b"").decode("utf-8", "replace")
+        reasons = [self._lib.PQerrorMessage(self._pgconn) or b""]
+        # A server that ends the copy (an error, a shutdown) says why in the results
+        # that follow it; PQerrorMessage is empty until they are read.
+        for _ in range(8):  # a bounded drain: one error result and the final NULL
+            result = self._lib.PQgetResult(self._pgconn)
+            if not result:
+                break
+            reasons.append(self._lib.PQresultErrorMessage(result) or b"")
+            self._lib.PQclear(result)
+        message = "; ".join(dict.fromkeys(
+            r.decode("utf-8", "replace").strip() for r in reasons if r.strip()))
         raise psycopg2.OperationalError(
-            f"replication stream lost while {doing}: {message.strip() or 'copy ended'}")
+            f"replication stream lost while {doing}: {message or 'copy ended'}")

@@ -595,7 +595,9 @@ class PostgresSource:
         except BaseException:
             conn.close()
             raise
-        self._stream = ReplicationStream(conn, confirmed=self._acked_lsn)
+        # 0, which the server ignores, until something is confirmed: the slot may be
+        # ahead of the committed position already (a keepalive's WAL end).
+        self._stream = ReplicationStream(conn, confirmed=0)
         self._last_feedback = time.monotonic()
 
     # -- Source protocol --
@@ -855,16 +857,35 @@ class PostgresSource:
         started, pause, warned = time.monotonic(), 0.001, False
         with self._lookup_connection().cursor() as cur:
             while True:
-                cur.execute("SELECT pg_current_snapshot()::text")
+                # txid_current_snapshot, not pg_current_snapshot: the same text, and
+                # servers before 13 have only this one.
+                cur.execute("SELECT txid_current_snapshot()::text")
                 if snapshot_sees(cur.fetchone()[0], xid):
                     return
+                self._keep_alive()  # a long wait must not end the stream (wal_sender_timeout)
                 if not warned and time.monotonic() - started >= VISIBILITY_WARN_S:
+                    self._refuse_if_synchronous_standby(cur)
                     log.warning("cdc_waiting_for_commit_visibility", xid=xid,
                                 reason="committed in WAL, not yet visible (synchronous "
                                        "replication waiting for a standby?)")
                     warned = True
                 time.sleep(pause)  # bounded back-off; the commit is durable, it will show
                 pause = min(pause * 2, 0.1)
+
+    def _refuse_if_synchronous_standby(self, cur: Any) -> None:
+        """A commit that waits for this very connection (its walsender is a synchronous
+        standby, e.g. ``synchronous_standby_names = '*'``) never becomes visible before
+        we confirm it, and we confirm only after handing it out: stop, and say why."""
+        cur.execute("SELECT r.sync_state FROM pg_stat_replication r JOIN "
+                    "pg_replication_slots s ON s.active_pid = r.pid WHERE s.slot_name = %s",
+                    (self._slot,))
+        row = cur.fetchone()
+        if row is not None and row[0] in ("sync", "quorum"):
+            raise SourceError(
+                f"the connector's replication connection (slot {self._slot}) is a "
+                f"synchronous standby ({row[0]}): commits wait for it while it waits for "
+                "them to become visible; leave it out of synchronous_standby_names "
+                "(docs/cdc.md, 'What the slot is confirmed to')")
 
     def _current_rows(self, relation: Relation, changes: Sequence[RowChange]
                       ) -> dict[tuple[Any, ...], dict[str, Any]]:
@@ -912,7 +933,7 @@ class PostgresSource:
 
 def snapshot_sees(snapshot: str, xid: int) -> bool:
     """Whether a committed 32-bit ``xid`` is visible in ``snapshot``, the text of
-    ``pg_current_snapshot()`` (``xmin:xmax:xip,...``, 64-bit transaction ids).
+    ``txid_current_snapshot()`` (``xmin:xmax:xip,...``, 64-bit transaction ids).
 
     ``xmax`` is one past the latest *completed* transaction: a transaction at or
     above it is still running for this snapshot, and is not in the ``xip`` list.
