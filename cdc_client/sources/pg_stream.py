@@ -25,68 +25,69 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg2
 
 # Standby status update times count microseconds from 2000-01-01 UTC.
 _PG_EPOCH_S = 946_684_800
 _XLOGDATA = struct.Struct("!QQQ")  # data start, WAL end, send time
+_XLOGDATA_END = 1 + _XLOGDATA.size  # where the payload starts
 _KEEPALIVE = struct.Struct("!QQB")  # WAL end, send time, reply requested
 _STATUS = struct.Struct("!cQQQQB")  # 'r', write, flush, apply, send time, reply
 
 
-@dataclass(frozen=True)
-class XLogData:
+class XLogData(NamedTuple):  # one per row read: a tuple is the cheapest record
     data_start: int
     wal_end: int
     payload: bytes
 
 
-@dataclass(frozen=True)
-class Keepalive:
+class Keepalive(NamedTuple):
     wal_end: int
     reply_requested: bool
 
 
-def _libpq_of_psycopg2() -> ctypes.CDLL:
-    """libpq as psycopg2's extension module resolves it: dlsym through a handle on
-    that module searches its own dependencies, so this is the very libpq (bundled
-    or the system's) that made psycopg2's PGconn, whatever other libpq the process
-    may load."""
+@dataclass(frozen=True)
+class _LibPq:
+    """The libpq calls the stream makes. Those that never block (reading what has
+    arrived, freeing, error text) keep the GIL (``PyDLL``): a call that releases it
+    per message would wait for the GIL back behind the connector's busy threads, up
+    to the 5 ms switch interval each time, for every row of a transaction. Those
+    that may block on a full socket (sending a status update) release it (``CDLL``)."""
+
+    keep_gil: ctypes.PyDLL
+    release_gil: ctypes.CDLL
+
+
+def _load_libpq() -> _LibPq:
+    # libpq as psycopg2's extension module resolves it: dlsym through a handle on
+    # that module searches its own dependencies, so this is the very libpq (bundled
+    # or the system's) that made psycopg2's PGconn, whatever other libpq the process
+    # may load.
     import psycopg2._psycopg as extension
 
-    return ctypes.CDLL(extension.__file__)
-
-
-def _load_libpq() -> ctypes.CDLL:
-    lib = _libpq_of_psycopg2()
+    keep, release = ctypes.PyDLL(extension.__file__), ctypes.CDLL(extension.__file__)
     conn, buf = ctypes.c_void_p, ctypes.c_void_p
-    lib.PQgetCopyData.argtypes = [conn, ctypes.POINTER(buf), ctypes.c_int]
-    lib.PQgetCopyData.restype = ctypes.c_int
-    lib.PQputCopyData.argtypes = [conn, ctypes.c_char_p, ctypes.c_int]
-    lib.PQputCopyData.restype = ctypes.c_int
-    lib.PQflush.argtypes = [conn]
-    lib.PQflush.restype = ctypes.c_int
-    lib.PQconsumeInput.argtypes = [conn]
-    lib.PQconsumeInput.restype = ctypes.c_int
-    lib.PQerrorMessage.argtypes = [conn]
-    lib.PQerrorMessage.restype = ctypes.c_char_p
-    lib.PQfreemem.argtypes = [buf]
-    lib.PQfreemem.restype = None
-    lib.PQgetResult.argtypes = [conn]
-    lib.PQgetResult.restype = ctypes.c_void_p
-    lib.PQresultErrorMessage.argtypes = [ctypes.c_void_p]
-    lib.PQresultErrorMessage.restype = ctypes.c_char_p
-    lib.PQclear.argtypes = [ctypes.c_void_p]
-    lib.PQclear.restype = None
-    return lib
+    for lib, name, argtypes, restype in (
+            (keep, "PQgetCopyData", [conn, ctypes.POINTER(buf), ctypes.c_int], ctypes.c_int),
+            (keep, "PQconsumeInput", [conn], ctypes.c_int),
+            (keep, "PQerrorMessage", [conn], ctypes.c_char_p),
+            (keep, "PQfreemem", [buf], None),
+            (keep, "PQgetResult", [conn], ctypes.c_void_p),
+            (keep, "PQresultErrorMessage", [ctypes.c_void_p], ctypes.c_char_p),
+            (keep, "PQclear", [ctypes.c_void_p], None),
+            (release, "PQputCopyData", [conn, ctypes.c_char_p, ctypes.c_int], ctypes.c_int),
+            (release, "PQflush", [conn], ctypes.c_int)):
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
+    return _LibPq(keep, release)
 
 
-_libpq: ctypes.CDLL | None = None
+_libpq: _LibPq | None = None
 
 
-def _lib() -> ctypes.CDLL:
+def _lib() -> _LibPq:
     global _libpq
     if _libpq is None:
         _libpq = _load_libpq()  # psycopg2, imported above, has loaded its libpq
@@ -104,11 +105,14 @@ class ReplicationStream:
     def __init__(self, conn: Any, confirmed: int) -> None:
         self._conn = conn  # keeps the psycopg2 connection, so the PGconn, alive
         self._pgconn = ctypes.c_void_p(conn.pgconn_ptr)
-        self._lib = _lib()
+        lib = _lib()
+        self._pq, self._pq_send = lib.keep_gil, lib.release_gil
         # psycopg2 locks its connection for its own calls; ours take this lock, so
         # close() from another thread never frees the PGconn under a read.
         self._lock = threading.Lock()
         self._closed = False
+        self._buffer = ctypes.c_void_p()  # PQgetCopyData's out parameter, reused
+        self._buffer_ref = ctypes.byref(self._buffer)
         self.confirmed = confirmed
         self.wal_end = 0  # the latest WAL end the server reported
 
@@ -133,12 +137,12 @@ class ReplicationStream:
             raise psycopg2.OperationalError("replication stream closed")
 
     def _read_copy_data(self) -> bytes | None:
-        buffer = ctypes.c_void_p()
-        length = self._lib.PQgetCopyData(self._pgconn, ctypes.byref(buffer), 1)
+        buffer, get = self._buffer, self._pq.PQgetCopyData
+        length = get(self._pgconn, self._buffer_ref, 1)
         if length == 0:
-            if not self._lib.PQconsumeInput(self._pgconn):
+            if not self._pq.PQconsumeInput(self._pgconn):
                 self._lost("reading")
-            length = self._lib.PQgetCopyData(self._pgconn, ctypes.byref(buffer), 1)
+            length = get(self._pgconn, self._buffer_ref, 1)
             if length == 0:
                 return None
         if length < 0:
@@ -146,15 +150,16 @@ class ReplicationStream:
         try:
             return ctypes.string_at(buffer, length)
         finally:
-            self._lib.PQfreemem(buffer)
+            self._pq.PQfreemem(buffer)
 
     def _decode(self, data: bytes) -> XLogData | Keepalive:
-        kind = data[:1]
-        if kind == b"w" and len(data) >= 1 + _XLOGDATA.size:
+        kind = data[0] if data else 0
+        if kind == 0x77 and len(data) >= _XLOGDATA_END:  # 'w'
             data_start, wal_end, _sent = _XLOGDATA.unpack_from(data, 1)
-            self.wal_end = max(self.wal_end, wal_end)
-            return XLogData(data_start, wal_end, data[1 + _XLOGDATA.size:])
-        if kind == b"k" and len(data) >= 1 + _KEEPALIVE.size:
+            if wal_end > self.wal_end:
+                self.wal_end = wal_end
+            return XLogData(data_start, wal_end, data[_XLOGDATA_END:])
+        if kind == 0x6B and len(data) >= 1 + _KEEPALIVE.size:  # 'k'
             wal_end, _sent, reply = _KEEPALIVE.unpack_from(data, 1)
             self.wal_end = max(self.wal_end, wal_end)
             if reply:
@@ -174,23 +179,23 @@ class ReplicationStream:
         message = _STATUS.pack(b"r", lsn, lsn, 0, now_us, 1 if reply else 0)
         with self._lock:
             self._check_open()
-            if self._lib.PQputCopyData(self._pgconn, message, len(message)) != 1:
+            if self._pq_send.PQputCopyData(self._pgconn, message, len(message)) != 1:
                 self._lost("sending feedback")
-            while (flushed := self._lib.PQflush(self._pgconn)) == 1:
+            while (flushed := self._pq_send.PQflush(self._pgconn)) == 1:
                 pass  # a blocking connection: PQflush only returns 1 on a full socket
             if flushed < 0:
                 self._lost("sending feedback")
 
     def _lost(self, doing: str) -> None:
-        reasons = [self._lib.PQerrorMessage(self._pgconn) or b""]
+        reasons = [self._pq.PQerrorMessage(self._pgconn) or b""]
         # A server that ends the copy (an error, a shutdown) says why in the results
         # that follow it; PQerrorMessage is empty until they are read.
         for _ in range(8):  # a bounded drain: one error result and the final NULL
-            result = self._lib.PQgetResult(self._pgconn)
+            result = self._pq.PQgetResult(self._pgconn)
             if not result:
                 break
-            reasons.append(self._lib.PQresultErrorMessage(result) or b"")
-            self._lib.PQclear(result)
+            reasons.append(self._pq.PQresultErrorMessage(result) or b"")
+            self._pq.PQclear(result)
         message = "; ".join(dict.fromkeys(
             r.decode("utf-8", "replace").strip() for r in reasons if r.strip()))
         raise psycopg2.OperationalError(
