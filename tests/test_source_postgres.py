@@ -357,6 +357,20 @@ def test_unchanged_toast_value_within_its_transaction_and_of_a_deleted_row(db: S
     assert [(c.op, c.before) for c in deleted.changes] == [("delete", {"id": 1})]
 
 
+def test_a_terminated_walsender_ends_the_stream_with_the_servers_reason(db: SourceDb) -> None:
+    """The connector exits 1 on a lost source connection and resumes from its committed
+    position; what it logs says why the server ended the stream."""
+    source = db.open()
+    assert source.poll(0.2) is None  # streaming
+    [(pid,)] = db.query("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s",
+                        (db.slot,))
+    db.query("SELECT pg_terminate_backend(%s)", (pid,))
+    with pytest.raises(psycopg2.OperationalError, match="terminating connection"):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            source.poll(0.2)
+
+
 PROBE_IDS = itertools.count(-1, -1)  # keys of the probes' rows, never published
 
 

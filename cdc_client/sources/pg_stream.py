@@ -57,7 +57,7 @@ class _LibPq:
     that may block on a full socket (sending a status update) release it (``CDLL``)."""
 
     keep_gil: ctypes.PyDLL
-    release_gil: ctypes.CDLL
+    release_gil: ctypes.CDLL  # also PQgetResult, which may wait for the server
 
 
 def _load_libpq() -> _LibPq:
@@ -74,7 +74,7 @@ def _load_libpq() -> _LibPq:
             (keep, "PQconsumeInput", [conn], ctypes.c_int),
             (keep, "PQerrorMessage", [conn], ctypes.c_char_p),
             (keep, "PQfreemem", [buf], None),
-            (keep, "PQgetResult", [conn], ctypes.c_void_p),
+            (release, "PQgetResult", [conn], ctypes.c_void_p),  # may wait for the server
             (keep, "PQresultErrorMessage", [ctypes.c_void_p], ctypes.c_char_p),
             (keep, "PQclear", [ctypes.c_void_p], None),
             (release, "PQputCopyData", [conn, ctypes.c_char_p, ctypes.c_int], ctypes.c_int),
@@ -191,7 +191,7 @@ class ReplicationStream:
         # A server that ends the copy (an error, a shutdown) says why in the results
         # that follow it; PQerrorMessage is empty until they are read.
         for _ in range(8):  # a bounded drain: one error result and the final NULL
-            result = self._pq.PQgetResult(self._pgconn)
+            result = self._pq_send.PQgetResult(self._pgconn)
             if not result:
                 break
             reasons.append(self._pq.PQresultErrorMessage(result) or b"")
