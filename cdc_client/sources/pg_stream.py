@@ -31,21 +31,17 @@ import psycopg2
 
 # Standby status update times count microseconds from 2000-01-01 UTC.
 _PG_EPOCH_S = 946_684_800
-_XLOGDATA = struct.Struct("!QQQ")  # data start, WAL end, send time
-_XLOGDATA_END = 1 + _XLOGDATA.size  # where the payload starts
+_XLOGDATA_END = 1 + 8 + 8 + 8  # 'w', data start, WAL end, send time: then the payload
 _KEEPALIVE = struct.Struct("!QQB")  # WAL end, send time, reply requested
 _STATUS = struct.Struct("!cQQQQB")  # 'r', write, flush, apply, send time, reply
 
 
 class XLogData(NamedTuple):  # one per row read: a tuple is the cheapest record
-    data_start: int
-    wal_end: int
     payload: bytes
 
 
 class Keepalive(NamedTuple):
     wal_end: int
-    reply_requested: bool
 
 
 @dataclass(frozen=True)
@@ -114,7 +110,6 @@ class ReplicationStream:
         self._buffer = ctypes.c_void_p()  # PQgetCopyData's out parameter, reused
         self._buffer_ref = ctypes.byref(self._buffer)
         self.confirmed = confirmed
-        self.wal_end = 0  # the latest WAL end the server reported
 
     def fileno(self) -> int:
         return int(self._conn.fileno())
@@ -155,16 +150,12 @@ class ReplicationStream:
     def _decode(self, data: bytes) -> XLogData | Keepalive:
         kind = data[0] if data else 0
         if kind == 0x77 and len(data) >= _XLOGDATA_END:  # 'w'
-            data_start, wal_end, _sent = _XLOGDATA.unpack_from(data, 1)
-            if wal_end > self.wal_end:
-                self.wal_end = wal_end
-            return XLogData(data_start, wal_end, data[_XLOGDATA_END:])
+            return XLogData(data[_XLOGDATA_END:])
         if kind == 0x6B and len(data) >= 1 + _KEEPALIVE.size:  # 'k'
             wal_end, _sent, reply = _KEEPALIVE.unpack_from(data, 1)
-            self.wal_end = max(self.wal_end, wal_end)
             if reply:
                 self.send_status()
-            return Keepalive(wal_end, bool(reply))
+            return Keepalive(wal_end)
         raise psycopg2.OperationalError(
             f"unrecognized replication message {data[:1]!r} of {len(data)} bytes")
 
