@@ -156,8 +156,9 @@ def _retire_leftovers(node: RetinaNode, catalog: Catalog, mine: list[FileRecord]
                       protected: frozenset[int]) -> int:
     now = int(time.time() * 1000)
     retired = 0
+    keep = kept | protected
     for f in mine:
-        if f.type == FileType.REGULAR and f.file_id not in kept | protected:
+        if f.type == FileType.REGULAR and f.file_id not in keep:
             retry(lambda f=f: _retire(catalog, f.file_id, now), f"retire file {f.file_id}")
             RETIRED.inc()
             retired += 1
