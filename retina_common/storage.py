@@ -12,7 +12,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -22,6 +21,9 @@ def root_uri(root: str) -> str:
     if "://" in root:
         return root.rstrip("/")
     return "file://" + str(Path(root).resolve())
+
+
+_LOCAL_FS = pafs.LocalFileSystem()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -88,8 +90,8 @@ def open_parquet(path_uri: str, name: str) -> pq.ParquetFile:
     one row group, reads only those bytes (never the whole object)."""
     directory = local_dir(path_uri)
     if directory is not None:
-        # An OSFile: a path string would be resolved to a file system again.
-        return pq.ParquetFile(pa.OSFile(os.path.join(directory, name)))
+        # The file system given: a bare path string would be resolved to one again.
+        return pq.ParquetFile(os.path.join(directory, name), filesystem=_LOCAL_FS)
     fs, path = pafs.FileSystem.from_uri(file_uri(path_uri, name))
     return pq.ParquetFile(fs.open_input_file(path))
 
