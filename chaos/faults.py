@@ -46,7 +46,7 @@ from .workload import PROBE_TABLE, SCHEMA
 # Which process reaches which failpoints (by name prefix).
 # etcd.txn.*: every compare-and-swap; Retina's checkpoint pointer swap does one constantly.
 RETINA_PREFIXES = ("ingest.", "index.", "checkpoint.", "recovery.", "catalog.", "etcd.", "gc.",
-                   "sweeper.")
+                   "sweeper.", "update_record.")
 # Points of the Spark job's rewrite task (spark_jobs/storage_gc.py, rewrite_group).
 REWRITER_PREFIXES = ("gc.rewrite.",)
 # Schema evolution: only the connector's Catalog.add_column reaches them, when it reads the
