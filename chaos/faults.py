@@ -595,18 +595,23 @@ def spark_replay_retry(ctx: FaultContext) -> FaultResult:
     connector recover the node itself, so the episode heals either way."""
     node = ctx.node()
     result = FaultResult("spark_replay_retry", node)
+    assert ctx.cluster.state is not None
+    config = ctx.cluster.state.config_path
     ctx.write()
     ctx.kill(CDC, signal.SIGTERM)
     ctx.cluster.start_cdc(drive_recovery=False)
-    ctx.write()  # rows the node has, or has not yet, when it dies: its replay's range
+    # Rows the node holds when it dies, the replay's range: the kill waits (a few
+    # seconds at most) until the restarted connector logged this step.
+    logged = spark_replay.logged_through(config)
+    ctx.write()
+    if not spark_replay.wait_logged_past(config, logged, 5.0):
+        result.notes.append("spark replay: the connector logged nothing new within 5s")
     ctx.kill(node, signal.SIGKILL)
     if ctx.rng.random() < 0.5:
         ctx.write()  # the source moves on while the node is down
     ctx.cluster.start_node(node)
-    assert ctx.cluster.state is not None
     try:
-        outcome = spark_replay.recover(ctx.cluster.state.config_path, node, ctx.rng,
-                                       ctx.failpoint_dir(), ctx.write)
+        outcome = spark_replay.recover(config, node, ctx.rng, ctx.failpoint_dir(), ctx.write)
     finally:
         if ctx.cluster.alive(CDC):  # one that exited by itself is the heal's to report
             ctx.kill(CDC, signal.SIGTERM)

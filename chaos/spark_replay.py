@@ -23,6 +23,7 @@ they applied twice, shows there.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import random
 import time
@@ -54,8 +55,11 @@ EXIT_AT_FAILPOINT = 137
 # How long the driver waits for the restarted node to answer and derive its starts.
 WAIT_S = 30.0
 # Items per request (a replace counts two), one drawn per recovery; None: the job's
-# default. Small requests give a task many of them, so "half" is a real midpoint.
+# default. Small requests give a task many of them, so "half" is a real midpoint: a
+# victim with fewer than FEW_REQUESTS under the drawn size gets the smallest (2: one
+# replace per request).
 MAX_ROWS = (2, 8, None)
+FEW_REQUESTS = 4
 
 
 @dataclass
@@ -127,6 +131,9 @@ class ReplayRecovery:
             self._failed(f"job spec: exit {spec}: {text}")
             return self.out
         victim = choose_victim(spec, plan.tasks, self.rng)
+        if victim.requests < FEW_REQUESTS and spec.max_rows > 2:
+            spec = dataclasses.replace(spec, max_rows=2)
+            victim = choose_victim(spec, plan.tasks, self.rng)
         others = [t for t in plan.tasks if t is not victim.task]
         at = self.rng.randint(0, len(others))  # Spark runs tasks in any order
         if not (self._run_all(spec, others[:at]) and self._victim(spec, victim)
@@ -221,9 +228,26 @@ class ReplayRecovery:
         self.out.anomalies.append(f"spark_replay_failed: {self.node}: {text[:900]}")
 
 
+def logged_through(config_path: str) -> int:
+    """The last timestamp of the changelog's newest batch (0: none yet)."""
+    records = Changelog(changelog_root(load(config_path)[0])).records()
+    return max((r.last_ts for r in records), default=0)
+
+
+def wait_logged_past(config_path: str, ts: int, timeout_s: float) -> bool:
+    """Whether the connector logged a batch past ``ts`` within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while logged_through(config_path) <= ts:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)  # polling interval, bounded by the deadline
+    return True
+
+
 def recover(config_path: str, node: str, rng: random.Random, failpoint_dir: str,
             between: Callable[[], None]) -> ReplayOutcome:
     return ReplayRecovery(config_path, node, rng, failpoint_dir, between).run()
 
 
-__all__ = ["ReplayOutcome", "choose_victim", "planned", "recover"]
+__all__ = ["ReplayOutcome", "choose_victim", "logged_through", "planned", "recover",
+           "wait_logged_past"]
