@@ -241,10 +241,14 @@ class ChaosCluster:
         wait_for(lambda: self.alive(TRANS) and grpc_serving(listen), timeout_s,
                  "the TransServer to serve")
 
-    def start_cdc(self, failpoints: str = "") -> Proc:
+    def start_cdc(self, failpoints: str = "", drive_recovery: bool = True) -> Proc:
+        """The connector; ``drive_recovery=False`` is the operator's setting while the
+        Spark replay job recovers a node (docs/spark.md): it only waits for READY."""
         assert self.state is not None
         argv = [sys.executable, "-m", "cdc_client", "--config", self.state.config_path]
-        return self._spawn(CDC, argv, {"RETINA__CDC__SOURCE_DSN": self.source_dsn}, failpoints)
+        env = {"RETINA__CDC__SOURCE_DSN": self.source_dsn,
+               "RETINA__CDC__DRIVE_RECOVERY": str(drive_recovery).lower()}
+        return self._spawn(CDC, argv, env, failpoints)
 
     def start(self, name: str, failpoints: str = "") -> Proc:
         """(Re)start the process ``name`` (a node id, ``trans`` or ``cdc``)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import signal
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from retina_common.pb import trans_pb2 as tpb
 from retina_common.tls import open_channel
 from retina_common.topology import load_topology
 
+from . import spark_replay
 from .cluster import CDC, TRANS, ChaosCluster
 from .gc import ROW_GROUP_ROWS, GcDriver, PassResult, maintenance
 from .prober import ReadinessTracker
@@ -174,6 +176,7 @@ class FaultResult:
     notes: list[str] = field(default_factory=list)
     gc: Counter[str] = field(default_factory=Counter)  # GC pass outcomes (chaos/gc.py)
     sweep: Counter[str] = field(default_factory=Counter)  # sweepers, reverts, orphans
+    replay: Counter[str] = field(default_factory=Counter)  # chaos/spark_replay.py
 
 
 @dataclass
@@ -189,12 +192,14 @@ class FaultContext:
     gc_row_group_rows: tuple[int, ...] = ROW_GROUP_ROWS  # the GC passes' new-file row groups
 
     def gc_pass(self, node: str, result: FaultResult, max_groups: int = 3,
-                race: float = 0.5, task_failpoints: str = "") -> PassResult:
+                race: float = 0.5, task_failpoints: str = "", failpoint_dir: str = "",
+                dead_task_retry: float = 0.5) -> PassResult:
         """One GC pass on ``node``; its counts, notes and anomalies go into ``result``."""
         assert self.cluster.state is not None
         state = self.cluster.state
         driver = GcDriver(state.trans_listen, state.postgres.dsn(), self.rng, self.source,
-                          task_failpoints, self.gc_row_group_rows)
+                          task_failpoints, self.gc_row_group_rows, failpoint_dir,
+                          dead_task_retry)
         done = driver.run_pass(node, lambda: self.cluster.alive(node), max_groups, race)
         done.task_exits = driver.task_exits
         result.gc.update(done.counts)
@@ -215,6 +220,13 @@ class FaultContext:
 
     def node(self) -> str:
         return self.rng.choice(self.cluster.nodes)
+
+    def failpoint_dir(self) -> str:
+        """A fresh RETINA_FAILPOINT_DIR for this fault's task processes (+once markers)."""
+        assert self.cluster.state is not None
+        parent = self.cluster.state_dir / "failpoints"
+        parent.mkdir(exist_ok=True)
+        return tempfile.mkdtemp(dir=parent)
 
 
 # --- process kills ------------------------------------------------------------------------
@@ -415,15 +427,22 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
     return result
 
 
-def arm_rewriter_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
+def arm_rewriter_failpoint(ctx: FaultContext, point: str, hit_k: int,
+                           dead_task_retry: float = 0.5) -> FaultResult:
     """A point of the GC rewrite task: GC passes on a random node whose rewrite tasks run
-    as child processes with ``point=exit(137)@K``, until a task dies there (a dead Spark
-    task: its TEMPORARY_GC file is left registered, written or not, and its group is never
-    committed); then one ordinary pass, which must be able to rewrite the same files."""
+    as child processes with ``point=exit(137)@1+once``, until a task dies there (a dead
+    Spark task: its TEMPORARY_GC file is left registered, written or not). The dead task is
+    then run again (Spark's retry, ``dead_task_retry`` of the time: the same prepared
+    group, a new process; its commit must go through or be refused with a documented
+    code) or its group is aborted or forgotten (never committed); then one ordinary pass,
+    which must be able to rewrite the same files."""
     # Each task process rewrites one group and reaches the point once: crash at the
-    # first hit (hit_k is the rotation's draw, unused here).
+    # first hit (hit_k is the rotation's draw, unused here), in one task of the fault
+    # only (+once: the retry and the other groups' tasks go through, as in a Spark job
+    # that lost one task).
     del hit_k
-    spec = f"{point}=exit({EXIT_AT_FAILPOINT})@1"
+    spec = f"{point}=exit({EXIT_AT_FAILPOINT})@1+once"
+    directory = ctx.failpoint_dir()
     node = ctx.node()
     result = FaultResult("failpoint", f"{spec} (tasks for {node})", failpoint=point)
     deadline = time.monotonic() + GC_FAILPOINT_DEADLINE_S
@@ -432,7 +451,8 @@ def arm_rewriter_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultRe
         ctx.write()
         if node_state(node) != rpb.READY:
             continue  # the gate would refuse the pass's read transaction
-        done = ctx.gc_pass(node, result, max_groups=3, race=0.3, task_failpoints=spec)
+        done = ctx.gc_pass(node, result, max_groups=3, race=0.3, task_failpoints=spec,
+                           failpoint_dir=directory, dead_task_retry=dead_task_retry)
         result.failpoint_hit = EXIT_AT_FAILPOINT in done.task_exits
         other = sorted({c for c in done.task_exits if c not in (0, EXIT_AT_FAILPOINT)})
         if other:
@@ -440,8 +460,9 @@ def arm_rewriter_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultRe
     if not result.failpoint_hit:
         result.notes.append(f"{point} not reached within {GC_FAILPOINT_DEADLINE_S:.0f}s")
         return result
+    retried = "retried" if result.gc["task_retried"] else "not retried"
     rerun = ctx.gc_pass(node, result, max_groups=3, race=0.3)
-    result.detail += f" then a clean pass: {rerun.counts['committed']} committed"
+    result.detail += f", {retried}, then a clean pass: {rerun.counts['committed']} committed"
     return result
 
 
@@ -559,6 +580,57 @@ def gc_rewrite(ctx: FaultContext) -> FaultResult:
             ctx.write()  # the stream goes on while the node is down
         ctx.cluster.start_node(node)
     result.detail += f", then {after}"
+    return result
+
+
+# --- Spark task retries (issue 25) -------------------------------------------------------------
+def spark_replay_retry(ctx: FaultContext) -> FaultResult:
+    """A node killed and recovered by the Spark replay job's code instead of the connector,
+    one of its tasks killed after about half its requests and retried (chaos/spark_replay.py).
+
+    The connector must not drive the same node: it is restarted with drive_recovery off
+    first (the operator's procedure of docs/spark.md: it keeps streaming, and only waits
+    for a RECOVERING node to be READY, its sends to it backing off), and restarted with it
+    on once the job's MarkReady is answered. If the job fails, that restart lets the
+    connector recover the node itself, so the episode heals either way."""
+    node = ctx.node()
+    result = FaultResult("spark_replay_retry", node)
+    assert ctx.cluster.state is not None
+    config = ctx.cluster.state.config_path
+    ctx.write()
+    ctx.kill(CDC, signal.SIGTERM)
+    ctx.cluster.start_cdc(drive_recovery=False)
+    # Rows the node holds when it dies, the replay's range: the kill waits (a few
+    # seconds at most) until the restarted connector logged this step.
+    logged = spark_replay.logged_through(config)
+    ctx.write()
+    if not spark_replay.wait_logged_past(config, logged, 5.0):
+        result.notes.append("spark replay: the connector logged nothing new within 5s")
+    ctx.kill(node, signal.SIGKILL)
+    if ctx.rng.random() < 0.5:
+        ctx.write()  # the source moves on while the node is down
+    ctx.cluster.start_node(node)
+    try:
+        outcome = spark_replay.recover(config, node, ctx.rng, ctx.failpoint_dir(), ctx.write)
+    finally:
+        if ctx.cluster.alive(CDC):  # one that exited by itself is the heal's to report
+            ctx.kill(CDC, signal.SIGTERM)
+            ctx.cluster.start_cdc()
+    result.replay.update(outcome.counts)
+    result.notes.extend(outcome.notes)
+    result.anomalies.extend(outcome.anomalies)
+    result.detail = outcome.detail or f"{node}: not recovered by the job"
+    return result
+
+
+def spark_gc_retry(ctx: FaultContext) -> FaultResult:
+    """A GC rewrite task killed at a random ``gc.rewrite.write.*`` point (its new file
+    registered, its bytes written or not) and always retried: the same prepared group's
+    task again in a new process, then CommitGcRewrite of that group, which must go through
+    or be refused with a documented code; the comparison checks the table."""
+    points = [p for p in relevant_points() if process_of(p) == "rewriter"]
+    result = arm_rewriter_failpoint(ctx, ctx.rng.choice(points), 1, dead_task_retry=1.0)
+    result.kind = "spark_gc_retry"
     return result
 
 
@@ -793,12 +865,33 @@ FAULTS: dict[str, tuple[float, Callable[[FaultContext], FaultResult]]] = {
     "sweeper_kill": (3, sweeper_kill),
     "gc_revert": (3, gc_revert),
     "orphan_sweep": (2, orphan_sweep),
+    "spark_replay_retry": (3, spark_replay_retry),
+    "spark_gc_retry": (2, spark_gc_retry),
 }
+# Kinds that joined the menu after the campaigns of docs/chaos.md: drawn from a stream of
+# their own (``late_rng``), so that every episode they do not take draws exactly the fault
+# it drew before they joined (a new weight in one draw would move them all).
+LATE_FAULTS = ("spark_replay_retry", "spark_gc_retry")
 
 
-def choose_fault(rng: random.Random, only: list[str] | None = None) -> str:
-    names = [n for n in FAULTS if not only or n in only]
+def _weighted(rng: random.Random, names: list[str]) -> str:
     return rng.choices(names, weights=[FAULTS[n][0] for n in names])[0]
+
+
+def choose_fault(rng: random.Random, late_rng: random.Random,
+                 only: list[str] | None = None) -> str:
+    """A fault kind by weight (among ``only``, if given). The earlier kinds are drawn from
+    ``rng`` as ever; then a late kind takes the episode with its share of the weights."""
+    names = [n for n in FAULTS if not only or n in only]
+    early = [n for n in names if n not in LATE_FAULTS]
+    late = [n for n in names if n in LATE_FAULTS]
+    if not early:
+        return _weighted(rng, late)
+    pick = _weighted(rng, early)
+    share = sum(FAULTS[n][0] for n in late) / sum(FAULTS[n][0] for n in names)
+    if late and late_rng.random() < share:
+        return _weighted(late_rng, late)
+    return pick
 
 
 def inject(ctx: FaultContext, kind: str, seed: int, episode: int,

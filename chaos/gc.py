@@ -29,10 +29,7 @@ with the journal or the catalog is an anomaly.
 from __future__ import annotations
 
 import contextlib
-import os
 import random
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -60,7 +57,7 @@ from spark_jobs.storage_gc import (
     rewrite_group,
 )
 
-from . import gc_task
+from . import spark_task
 from .workload import BY_NAME, SCHEMA, TABLES, Key, change_key
 
 RPC_TIMEOUT_S = 30.0
@@ -191,14 +188,20 @@ class GcDriver:
 
     def __init__(self, trans_listen: str, catalog_dsn: str, rng: random.Random,
                  source: Callable[[], Any] | None = None, task_failpoints: str = "",
-                 row_group_rows: Sequence[int] = ROW_GROUP_ROWS) -> None:
+                 row_group_rows: Sequence[int] = ROW_GROUP_ROWS, failpoint_dir: str = "",
+                 dead_task_retry: float = 0.5) -> None:
         self.trans_listen = trans_listen
         self.catalog_dsn = catalog_dsn
         self.rng = rng
         self.source = source  # the source database, for the racing changes
         # Set: every rewrite task runs in a process of its own with these failpoints
-        # (chaos/gc_task.py), so a point of the task kills that process, not the campaign.
+        # (chaos/spark_task.py), so a point of the task kills that process, not the
+        # campaign; failpoint_dir is their RETINA_FAILPOINT_DIR (+once needs it).
         self.task_failpoints = task_failpoints
+        self.failpoint_dir = failpoint_dir
+        # The share of dead tasks run again (Spark's retry); the rest are aborted or
+        # forgotten, half each.
+        self.dead_task_retry = dead_task_retry
         self.task_exits: list[int] = []  # exit codes of the task processes
         self.row_group_rows = tuple(row_group_rows)
 
@@ -302,13 +305,12 @@ class GcDriver:
                            prepared.cutoff_ts, prepared.expected_rows,
                            prepared.schema_version)
         rewritten = self._rewrite(spec, task)
+        retried = rewritten is None
         if rewritten is None:  # the task process died (a gc.rewrite.* failpoint)
             result.counts["task_died"] += 1
-            # Half the time the driver aborts the group, as the job does; else it forgets
-            # it (a dead driver): the prepared rewrite lapses with the read transaction.
-            if self.rng.random() < 0.5:
-                self._abort(stub, prepared.rewrite_id)
-            return True
+            rewritten = self._after_dead_task(stub, catalog, spec, task, result)
+            if rewritten is None:
+                return True
         if rewritten.error:
             self._abort(stub, prepared.rewrite_id)
             if UNAVAILABLE_MARK in rewritten.error or not alive():
@@ -324,6 +326,8 @@ class GcDriver:
             self._race(group, result)
         reply = self._commit(stub, prepared.rewrite_id, rewritten.new_file_id, alive)
         if isinstance(reply, grpc.RpcError):
+            if retried:
+                result.counts[f"retry_refused_{reply.code().name}"] += 1
             if reply.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION):
                 self._check_refused(stub, prepared.rewrite_id, what, result)
             return self._refusal(f"commit {what}", reply, node, alive, result)
@@ -332,6 +336,8 @@ class GcDriver:
             result.stopped = f"{node} exited during the commit of {what}"
             return False
         result.counts["committed"] += 1
+        if retried:
+            result.counts["retry_committed"] += 1
         result.counts["files_replaced"] += len(group.files)
         result.counts["rows_kept"] += reply.rows_kept
         result.counts["rows_dropped"] += reply.rows_dropped
@@ -345,14 +351,48 @@ class GcDriver:
         process; None if that process died."""
         if not self.task_failpoints:
             return rewrite_group(spec, task)
-        done = subprocess.run([sys.executable, "-m", "chaos.gc_task"],
-                              input=gc_task.encode(spec, task), capture_output=True, text=True,
-                              env={**os.environ, "RETINA_FAILPOINTS": self.task_failpoints},
-                              timeout=300, check=False)
-        self.task_exits.append(done.returncode)
-        if done.returncode != 0:
+        attempt = spark_task.run(rewrite_group, spec, task, failpoints=self.task_failpoints,
+                                 failpoint_dir=self.failpoint_dir)
+        self.task_exits.append(attempt.exit_code)
+        return attempt.result if attempt.exit_code == 0 else None
+
+    def _after_dead_task(self, stub: retina_pb2_grpc.RetinaWorkerServiceStub,
+                         catalog: Catalog, spec: TaskSpec, task: RewriteTask,
+                         result: PassResult) -> RewriteResult | None:
+        """What follows a task that died after registering its new file (its bytes written
+        or not), drawn once: Spark's retry (the same prepared group's task again, in a new
+        process, with the same failpoints: a +once point lets it through), or the driver
+        aborts the group (a job without retries, as the job does for a failed task), or
+        forgets it (a dead driver: the prepared rewrite lapses with the read transaction).
+        The retried task's result, to commit; None when the group ends here."""
+        draw = self.rng.random()
+        if draw < 1 - self.dead_task_retry:
+            if draw < (1 - self.dead_task_retry) / 2:
+                self._abort(stub, task.rewrite_id)
             return None
-        return gc_task.result_of(done.stdout)
+        registered = self._registered(catalog, task)
+        result.counts["task_retried"] += 1
+        again = self._rewrite(spec, task)
+        if again is None:
+            result.counts["task_died"] += 1
+            result.notes.append(f"gc: the retried rewrite task of {task.rewrite_id} died "
+                                f"again (exits {self.task_exits[-2:]})")
+            self._abort(stub, task.rewrite_id)
+            return None
+        if not again.error and registered and again.new_file_id != registered:
+            # The retry must reuse the dead attempt's TEMPORARY_GC row, not add another.
+            result.anomalies.append(f"gc_retry_disagrees: {task.file_name}: the dead task "
+                                    f"registered file {registered}, its retry returned "
+                                    f"{again.new_file_id}")
+        return again
+
+    def _registered(self, catalog: Catalog, task: RewriteTask) -> int:
+        """The file id of the new file's catalog row, 0 if it has none (or unreadable)."""
+        try:
+            rows = catalog.get_files_by_type(task.path_id, [FileType.TEMPORARY_GC])
+        except CatalogError:
+            return 0
+        return next((f.file_id for f in rows if f.name == task.file_name), 0)
 
     def _commit(self, stub: retina_pb2_grpc.RetinaWorkerServiceStub, rewrite_id: str,
                 new_file_id: int, alive: Callable[[], bool],

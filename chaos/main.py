@@ -55,6 +55,11 @@ READY_TIMEOUT_S = 60.0
 EXPECTED_EXITS = {0, 1, 4, 137, -9, -15}
 
 
+# The stream of the fault kinds that joined late (faults.LATE_FAULTS), apart from the
+# fault's own stream so that the other kinds' draws stay as they were.
+LATE_FAULT_STREAM = 0x5BA4C
+
+
 def episode_seed(seed: int, episode: int) -> int:
     return seed * 100003 + episode
 
@@ -206,7 +211,7 @@ class Campaign:
                            evolve=lambda: self._add_column(work_rng, episode))
         for _ in range(fault_rng.randint(1, 2)):
             ctx.write()
-        kind = self._fault_kind(fault_rng, episode)
+        kind = self._fault_kind(fault_rng, random.Random(derived ^ LATE_FAULT_STREAM), episode)
         try:
             result = inject(ctx, kind, self.args.seed, episode, self.failpoint_prefixes())
         except (ClusterError, OSError, psycopg2.Error) as exc:
@@ -261,13 +266,13 @@ class Campaign:
         if self.unconverged >= 3:
             self.broken = f"no convergence in three episodes in a row (last {episode})"
 
-    def _fault_kind(self, rng: random.Random, episode: int) -> str:
+    def _fault_kind(self, rng: random.Random, late_rng: random.Random, episode: int) -> str:
         # Every other episode (and every one with --failpoints-only) arms the next
         # failpoint of the rotation; the rest draw a fault kind by weight.
         if self.args.failpoints_only or episode % 2 == 1:
             return "failpoint"
         only = self.args.faults.split(",") if self.args.faults else None
-        return choose_fault(rng, only)
+        return choose_fault(rng, late_rng, only)
 
     def _source(self) -> Any:
         if self.conn is not None and self.conn.closed:
@@ -381,6 +386,7 @@ class Campaign:
                 self.report.failpoint_not_reached[result.failpoint] += 1
         self.report.gc.update(result.gc)
         self.report.sweep.update(result.sweep)
+        self.report.replay.update(result.replay)
         self.report.transactions += result.gc["racing_transactions"]
         for note in result.notes:
             self.report.notes.append(f"episode {episode}: {note}")

@@ -46,14 +46,21 @@ class Report:
     workload: Counter[str] = field(default_factory=Counter)
     # Storage GC (chaos/gc.py): passes, groups, committed, refused_<CODE>, files_replaced,
     # rows_kept, rows_dropped, chain_items, racing_changes, gate_closed, commit_unknown,
-    # task_died, streams_skipped, rolled_back_recovery, rolled_back_in_place, promoted
-    # (the last three from the journals after each episode).
+    # task_died, task_retried (Spark's retry of a dead rewrite task), retry_committed,
+    # retry_refused_<CODE>, streams_skipped, rolled_back_recovery, rolled_back_in_place,
+    # promoted (the last three from the journals after each episode).
     gc: Counter[str] = field(default_factory=Counter)
     # Sweepers, reverts and orphans (chaos/sweep.py): rounds_forced, <pass>_removed,
     # reverts, reverted, revert_refused_<CODE>, revert_nothing, orphans_planted,
     # orphans_removed, temporary_planted; from the storage audit after every episode:
     # regular_objects_checked, retired_swept_seen (RETIRED files seen due, then gone).
     sweep: Counter[str] = field(default_factory=Counter)
+    # The Spark replay job's recoveries with a task retried (chaos/spark_replay.py):
+    # recoveries, task_attempts, tasks_killed, requests_before_kill, tasks_retried,
+    # retries_acknowledged (the retry sent everything its vnode's changelog held),
+    # requests and rows (acknowledged, by attempts that finished), marked_ready,
+    # victim_not_killed (a victim with no request to die after).
+    replay: Counter[str] = field(default_factory=Counter)
     unexpected_exits: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     anomalies: list[Anomaly] = field(default_factory=list)
@@ -103,6 +110,7 @@ class Report:
             f"  storage GC           {self.gc_text()}",
             "  sweepers             " + (", ".join(f"{k}={v}" for k, v in
                                                    sorted(self.sweep.items())) or "-"),
+            f"  Spark replay retries {self.replay_text()}",
             f"  rows compared        {self.rows_compared}",
             f"  lost / duplicated / phantom / mismatched rows  {self.lost} / {self.duplicated} "
             f"/ {self.phantom} / {self.mismatched}",
@@ -134,8 +142,19 @@ class Report:
                 f"unknown (node died mid-commit) {g['commit_unknown']}; rolled back by "
                 f"recovery {g['rolled_back_recovery']}, in place {g['rolled_back_in_place']}; "
                 f"promoted {g['promoted']}; racing source changes {g['racing_changes']}; "
-                f"rewrite tasks killed {g['task_died']}; streams left alone (a file without "
-                f"a place) {g['streams_skipped']}")
+                f"rewrite tasks killed {g['task_died']}, retried {g['task_retried']} "
+                f"(committed {g['retry_committed']}, refused "
+                f"{sum(v for k, v in g.items() if k.startswith('retry_refused_'))}); streams "
+                f"left alone (a file without a place) {g['streams_skipped']}")
+
+    def replay_text(self) -> str:
+        r = self.replay
+        return (f"{r['recoveries']} recoveries by the job ({r['marked_ready']} marked READY), "
+                f"{r['task_attempts']} task attempts: {r['tasks_killed']} killed (after "
+                f"{r['requests_before_kill']} acknowledged requests in all), "
+                f"{r['tasks_retried']} retried, {r['retries_acknowledged']} retries "
+                f"acknowledged in full; {r['requests']} requests, {r['rows']} rows sent by "
+                f"finished attempts")
 
 
 def _mean(values: list[float]) -> float:

@@ -16,6 +16,7 @@ Actions: ``exit(code)`` (``os._exit``: no cleanup, no flush, like a kill),
 ``sleep(seconds)``, ``block`` (see below), ``off``. A suffix ``@K`` lets the first K-1 hits pass
 and acts from the K-th hit on (``exit(137)@2``: crash at the second block);
 ``*N`` acts on N hits only (``sleep(2)*1``: slow down the first hit alone).
+``+once`` acts once across every process that shares ``$RETINA_FAILPOINT_DIR`` (below).
 A name not in the catalogue, or a malformed action, is an error at process
 start, never silently ignored.
 
@@ -23,6 +24,13 @@ start, never silently ignored.
 synchronises on the window itself instead of on a sleep: the point writes
 ``$RETINA_FAILPOINT_DIR/<name>.hit`` and waits until ``<name>.release``
 appears in that directory (:func:`wait_hit` and :func:`release` do both sides).
+
+``+once`` is for work that is run again in a new process, where the hit counter starts
+again: a Spark task retried in a new Python worker, a child process started again with the
+same environment. The process about to act first creates ``<name>.once`` in
+``$RETINA_FAILPOINT_DIR`` (``O_EXCL``: of processes racing, one wins); a process that finds
+it there lets the hit pass. ``exit(137)@3+once``: the first process to reach its third hit
+dies there, and its retry runs through.
 
 The same names appear in the crash-window tables of ``docs/``.
 """
@@ -56,6 +64,7 @@ class Action:
     arg: str = ""
     from_hit: int = 1
     times: int = 0  # 0 = every hit from from_hit on
+    once: bool = False  # across processes: see _claim
 
 
 _CATALOGUE: dict[str, Failpoint] = {}
@@ -88,6 +97,8 @@ class Failpoint:
             _hits[self.name] = hit = _hits.get(self.name, 0) + 1
         if hit < action.from_hit or (action.times and hit >= action.from_hit + action.times):
             return
+        if action.once and not _claim(self.name, hit):
+            return
         if action.kind == "sleep":
             time.sleep(float(action.arg))
         elif action.kind == "block":
@@ -113,6 +124,28 @@ def _park(name: str, hit: int) -> None:
         time.sleep(0.02)
 
 
+def _claim(name: str, hit: int) -> bool:
+    """``+once``: whether this process is the first to act at ``name``. The marker is
+    created exclusively, so of processes racing to the point exactly one acts."""
+    try:
+        fd = os.open(Path(_block_dir) / f"{name}.once", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        return False
+    # Closed before the action runs: an exit(code) that follows loses nothing of it.
+    with os.fdopen(fd, "w") as marker:
+        marker.write(f"{os.getpid()} {hit}")  # who acted, and at which hit (acted_once)
+    return True
+
+
+def acted_once(directory: Path, name: str) -> tuple[int, int] | None:
+    """Test side: (pid, hit) of the process that acted at a ``+once`` point, or None."""
+    marker = directory / f"{name}.once"
+    if not marker.exists():
+        return None
+    pid, hit = marker.read_text().split()
+    return int(pid), int(hit)
+
+
 def wait_hit(directory: Path, name: str, timeout_s: float = 60) -> None:
     """Test side: wait until a ``block`` point named ``name`` has been reached."""
     deadline = time.monotonic() + timeout_s
@@ -127,7 +160,8 @@ def release(directory: Path, name: str) -> None:
     (directory / f"{name}.release").write_text("")
 
 
-_ACTION = re.compile(r"^(exit|raise|sleep|block|off)(?:\((.*?)\))?(?:@(\d+))?(?:\*(\d+))?$")
+_ACTION = re.compile(
+    r"^(exit|raise|sleep|block|off)(?:\((.*?)\))?(?:@(\d+))?(?:\*(\d+))?(\+once)?$")
 
 
 def parse_spec(spec: str) -> dict[str, Action]:
@@ -154,7 +188,8 @@ def parse_spec(spec: str) -> dict[str, Action]:
                 float(arg)
             except ValueError:
                 raise FailpointError(f"{ENV_VAR}: sleep needs seconds ({name})") from None
-        result[name] = Action(kind, arg, from_hit, int(match.group(4) or 0))
+        result[name] = Action(kind, arg, from_hit, int(match.group(4) or 0),
+                              bool(match.group(5)))
     return result
 
 
@@ -163,9 +198,9 @@ def load_from_env(env: Mapping[str, str] | None = None) -> dict[str, Action]:
     global _loaded, _block_dir
     env = os.environ if env is None else env
     actions = parse_spec(env.get(ENV_VAR, ""))
-    blocking = any(a.kind == "block" for a in actions.values())
-    if blocking and (not env.get(DIR_VAR) or not Path(env[DIR_VAR]).is_dir()):
-        raise FailpointError(f"{ENV_VAR}: block needs {DIR_VAR} to name a directory")
+    needs_dir = any(a.kind == "block" or a.once for a in actions.values())
+    if needs_dir and (not env.get(DIR_VAR) or not Path(env[DIR_VAR]).is_dir()):
+        raise FailpointError(f"{ENV_VAR}: block and +once need {DIR_VAR} to name a directory")
     _block_dir = env.get(DIR_VAR, "")
     with _lock:
         _active.clear()

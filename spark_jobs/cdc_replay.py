@@ -48,7 +48,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +61,7 @@ from retina_common.catalog import Catalog, CatalogError, TableRecord
 from retina_common.client import channel
 from retina_common.columnar import min_columnar_rows
 from retina_common.config import Config, ConfigError
+from retina_common.failpoints import CDC_REPLAY_REQUEST_AFTER
 from retina_common.log import token_hash
 from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc
@@ -148,27 +149,36 @@ class _Tables(dict):
 
 
 # --- the task ---------------------------------------------------------------------------------
-def replay_vnode(spec: JobSpec, task: VnodeTask) -> VnodeResult:
-    """Send one virtual node's changelog range to its node; runs inside a Spark task."""
+def task_requests(spec: JobSpec, task: VnodeTask) -> Iterator[pb.UpdateRecordRequest]:
+    """One task's requests, in the order it sends them: its virtual node's changelog rows
+    from its start as it reads them now (the changelog only grows at its end)."""
     changelog = Changelog(spec.changelog_root)
     # Batch records are small JSON; of each batch's segment only this vnode's rows are kept.
     records = [r for r in changelog.records(task.from_ts)
                if task.to_ts is None or r.first_ts <= task.to_ts]
     context = spec.context.message() if spec.context else None
+    return replay_requests(changelog, spec.schema, _Tables(spec.schema, spec.tables),
+                           {task.vnode: task.from_ts}, context, spec.max_rows, task.to_ts,
+                           records, min_columnar_rows=min_columnar_rows(task.accepts_columnar))
+
+
+def replay_vnode(spec: JobSpec, task: VnodeTask) -> VnodeResult:
+    """Send one virtual node's changelog range to its node; runs inside a Spark task."""
     sent_rows = sent = 0
     with channel(task.node) as ch:
         stub = retina_pb2_grpc.RetinaWorkerServiceStub(ch)
         try:
-            for request in replay_requests(changelog, spec.schema,
-                                           _Tables(spec.schema, spec.tables),
-                                           {task.vnode: task.from_ts}, context, spec.max_rows,
-                                           task.to_ts, records, min_columnar_rows=(
-                                               min_columnar_rows(task.accepts_columnar))):
+            for request in task_requests(spec, task):
                 call_with_retry(lambda r=request: stub.UpdateRecord(
                     r, timeout=spec.rpc_timeout_s),
                     f"UpdateRecord of vnode {task.vnode} to {task.node}")
                 sent_rows += changelog_rows(request)
                 sent += 1
+                if spec.context is not None:
+                    # The connector's point after each acknowledged replay request: a
+                    # task dying here has sent part of its range, and Spark runs it
+                    # again from its start (docs/spark.md, "A retried task").
+                    CDC_REPLAY_REQUEST_AFTER.hit()
         except ChangelogGap as exc:  # retention ran under the task: the driver must know
             raise TaskError(f"{REPLAY_GAP_MARK} {exc}") from None
     return VnodeResult(task.vnode, sent_rows, sent)
@@ -265,16 +275,15 @@ class Plan:
     stub: retina_pb2_grpc.RetinaWorkerServiceStub | None = None
 
 
-def plan_recovery(args: argparse.Namespace, topology: Topology,
+def plan_recovery(node: str, mode_name: str, wait_s: float, topology: Topology,
                   changelog: Changelog) -> Plan | int:
     """Wait for the node's replay starts and open its attempt; an int is an exit code."""
-    node = args.recover
     if node not in topology.nodes:
         return fail(PROG, f"{node} is not in the topology ({', '.join(topology.nodes)})",
                     EXIT_USAGE)
     stub = retina_pb2_grpc.RetinaWorkerServiceStub(channel(node))
     try:
-        status = wait_replay_ready(stub, args.wait_s)
+        status = wait_replay_ready(stub, wait_s)
     except grpc.RpcError as exc:
         return fail(PROG, f"{node}: GetRetinaStatus: {short_reason(exc)}", exit_code_of(exc))
     except TimeoutError as exc:
@@ -284,7 +293,7 @@ def plan_recovery(args: argparse.Namespace, topology: Topology,
         return EXIT_OK
     if status.state == pb.FAILED:
         return fail(PROG, f"{node} is FAILED: {status.failure_reason}", EXIT_REFUSED)
-    mode = MODES[args.mode]
+    mode = MODES[mode_name]
     context = ReplayContext(status.recovery_attempt_token, status.checkpoint_id, mode)
     try:
         starts = stub.GetRecoveryReplayTs(pb.GetRecoveryReplayTsRequest(
@@ -300,9 +309,9 @@ def plan_recovery(args: argparse.Namespace, topology: Topology,
     tasks = [VnodeTask(v, node, s, None, status.accepts_columnar)
              for v, s in sorted(vnode_starts.items())]
     print(f"{node}: recovery attempt {token_hash(context.token)}, checkpoint "
-          f"{context.checkpoint_id}, {args.mode} mode: replaying {len(tasks)} virtual nodes "
+          f"{context.checkpoint_id}, {mode_name} mode: replaying {len(tasks)} virtual nodes "
           f"from ts {min(vnode_starts.values(), default=0)}", flush=True)
-    summary = {"node": node, "checkpoint_id": context.checkpoint_id, "replay_mode": args.mode,
+    summary = {"node": node, "checkpoint_id": context.checkpoint_id, "replay_mode": mode_name,
                "starts": {str(v): s for v, s in sorted(vnode_starts.items())}}
     return Plan("recover", tasks, context, summary, stub)
 
@@ -343,13 +352,40 @@ def plan_backfill(args: argparse.Namespace, topology: Topology,
                 {"from_ts": args.from_ts, "to_ts": args.to_ts, "nodes": list(topology.nodes)})
 
 
-def execute(args: argparse.Namespace, config: Config, plan: Plan) -> int:
+def job_spec(config: Config, plan: Plan, max_rows: int | None) -> JobSpec | int:
+    """What every task of the plan gets; an int is an exit code (the catalog away)."""
     try:
         tables = table_records(config)
     except CatalogError as exc:
         return fail(PROG, f"catalog: {exc}", EXIT_UNAVAILABLE)
-    spec = JobSpec(changelog_root(config), config.cdc.schema, tables,
-                   request_rows(config, args.max_rows), plan.context)
+    return JobSpec(changelog_root(config), config.cdc.schema, tables,
+                   request_rows(config, max_rows), plan.context)
+
+
+def complete(plan: Plan, changelog: Changelog, wait_s: float) -> int:
+    """After every task succeeded: the retention low-watermark again, then (--recover)
+    MarkReady. An exit code."""
+    # Retention may have dropped a batch after a task listed the records; the
+    # low-watermark rises before any delete, so checking it again here sees it.
+    gap = replay_gap(changelog, {t.vnode: t.from_ts for t in plan.tasks},
+                     f"{plan.mode} incomplete")
+    if gap is not None:
+        return gap
+    if plan.context is not None and plan.stub is not None:
+        try:
+            plan.stub.MarkReady(pb.MarkReadyRequest(
+                recovery_attempt_token=plan.context.token,
+                checkpoint_id=plan.context.checkpoint_id), timeout=wait_s)
+        except grpc.RpcError as exc:
+            return fail(PROG, f"MarkReady: {short_reason(exc)}", exit_code_of(exc))
+        print(f"{plan.summary['node']} is READY", flush=True)
+    return EXIT_OK
+
+
+def execute(args: argparse.Namespace, config: Config, plan: Plan) -> int:
+    spec = job_spec(config, plan, args.max_rows)
+    if isinstance(spec, int):
+        return spec
     started = time.monotonic()
     spark = spark_session(f"retina-cdc-replay-{plan.mode}", args.master, parse_conf(args.conf))
     try:
@@ -364,20 +400,9 @@ def execute(args: argparse.Namespace, config: Config, plan: Plan) -> int:
         return fail(PROG, f"replay failed: {short_reason(exc)}", code)
     finally:
         spark.stop()
-    # Retention may have dropped a batch after a task listed the records; the
-    # low-watermark rises before any delete, so checking it again here sees it.
-    gap = replay_gap(Changelog(spec.changelog_root),
-                     {t.vnode: t.from_ts for t in plan.tasks}, f"{plan.mode} incomplete")
-    if gap is not None:
-        return gap
-    if plan.context is not None and plan.stub is not None:
-        try:
-            plan.stub.MarkReady(pb.MarkReadyRequest(
-                recovery_attempt_token=plan.context.token,
-                checkpoint_id=plan.context.checkpoint_id), timeout=args.wait_s)
-        except grpc.RpcError as exc:
-            return fail(PROG, f"MarkReady: {short_reason(exc)}", exit_code_of(exc))
-        print(f"{plan.summary['node']} is READY", flush=True)
+    code = complete(plan, Changelog(spec.changelog_root), args.wait_s)
+    if code != EXIT_OK:
+        return code
     rows = sum(r.rows for r in results)
     summary = {
         "mode": plan.mode, **plan.summary, "vnodes": len(results), "rows": rows,
@@ -448,8 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         return fail(PROG, str(exc), EXIT_USAGE)
     changelog = Changelog(changelog_root(config))
-    plan = (plan_recovery(args, topology, changelog) if args.recover
-            else plan_backfill(args, topology, changelog))
+    plan = (plan_recovery(args.recover, args.mode, args.wait_s, topology, changelog)
+            if args.recover else plan_backfill(args, topology, changelog))
     if isinstance(plan, int):
         return plan
     return execute(args, config, plan)

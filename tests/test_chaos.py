@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import subprocess
 import sys
@@ -19,11 +20,12 @@ from pathlib import Path
 import psycopg2
 import pytest
 
-from chaos import faults, gc_task, workload
+from chaos import faults, spark_task, workload
 from chaos import gc as gc_driver
 from chaos.compare import diff_table, lsn, position_lsn, widen
-from chaos.main import episode_seed, parse_args
+from chaos.main import LATE_FAULT_STREAM, episode_seed, parse_args
 from chaos.prober import ReadinessTracker
+from chaos.report import Report
 from chaos.workload import BY_NAME
 from retina_common import failpoints
 from retina_common.pb import retina_pb2 as rpb
@@ -152,16 +154,55 @@ def test_gc_groups_are_consecutive_runs_of_one_stream_in_the_nodes_order() -> No
         assert len({(t, v) for t, v, _ in picked}) == len(picked)  # one group per stream
 
 
-def test_a_gc_task_round_trips_through_its_process_boundary() -> None:
+def test_a_spark_task_runs_in_a_process_of_its_own_and_a_dead_one_has_no_result() -> None:
     from spark_jobs.storage_gc import FileRef, RewriteResult, RewriteTask, TaskSpec
 
     spec = TaskSpec("dbname=x", 5, 42, 40)
     task = RewriteTask(0, "r1", "127.0.0.1:1000", "chaos.tags", 2,
                        (FileRef(7, "a.parquet", "file:///p"),), 0, "n.parquet", 3, "file:///p",
                        99, 12)
-    assert gc_task.decode(gc_task.encode(spec, task)) == (spec, task)
-    result = RewriteResult("r1", 8, 12, 3)
-    assert gc_task.result_of(json.dumps(dataclasses.asdict(result))) == result
+    # The job's task data crosses the boundary as Spark ships it (pickled) and comes back.
+    echoed = spark_task.run(dataclasses.astuple, task)
+    assert echoed.exit_code == 0 and echoed.result == dataclasses.astuple(task)
+    done = spark_task.run(RewriteResult, "r1", 8, 12, 3)
+    assert done.result == RewriteResult("r1", 8, 12, 3)
+    assert spark_task.run(json.dumps, dataclasses.asdict(spec)).result == \
+        json.dumps(dataclasses.asdict(spec))
+    dead = spark_task.run(os._exit, 137)  # a worker killed: no result, its exit code
+    assert dead.exit_code == 137 and dead.result is None
+
+
+def test_the_late_fault_kinds_leave_every_other_episodes_draw_as_it_was() -> None:
+    early = [n for n in faults.FAULTS if n not in faults.LATE_FAULTS]
+    drawn: Counter[str] = Counter()
+    for episode in range(0, 4000, 2):
+        derived = episode_seed(40, episode)
+        before = random.Random(derived)
+        was = before.choices(early, weights=[faults.FAULTS[n][0] for n in early])[0]
+        kind = faults.choose_fault(random.Random(derived),
+                                   random.Random(derived ^ LATE_FAULT_STREAM))
+        assert kind == was or kind in faults.LATE_FAULTS
+        drawn[kind] += 1
+    total = sum(w for w, _ in faults.FAULTS.values())
+    for kind in faults.LATE_FAULTS:  # each with its share of the weights
+        assert abs(drawn[kind] / 2000 - faults.FAULTS[kind][0] / total) < 0.02, drawn
+    # --faults with late kinds alone draws among them.
+    only = list(faults.LATE_FAULTS)
+    assert faults.choose_fault(random.Random(1), random.Random(2), only) in only
+
+
+def test_the_spark_retry_counters_are_in_the_report() -> None:
+    report = Report(1, 1)
+    report.replay.update({"tasks_killed": 3, "tasks_retried": 3, "retries_acknowledged": 2})
+    report.gc.update({"task_died": 4, "task_retried": 2, "retry_committed": 1,
+                      "retry_refused_ABORTED": 1})
+    text = report.text()
+    assert "3 killed" in text and "3 retried, 2 retries acknowledged in full" in text
+    assert "rewrite tasks killed 4, retried 2 (committed 1, refused 1)" in text
+    data = report.to_json()
+    assert data["replay"]["retries_acknowledged"] == 2 and data["gc"]["retry_committed"] == 1
+    for kind in ("spark_replay_retry", "spark_gc_retry"):
+        assert kind in faults.FAULTS
 
 
 def test_failpoint_rotation_is_seeded_and_covers_the_catalogue() -> None:
@@ -296,3 +337,36 @@ def test_fixed_seed_sample_loses_nothing_and_never_serves_outside_ready(tmp_path
     assert any(p.startswith("gc.") for p in report["failpoint_hits"]), output
     assert not report["stopped_early"] or "time budget" in report["stopped_early"], output
     assert result.returncode == 0, f"anomalies ({took:.0f}s):\n{output}"
+
+
+# Seed 25 with the Spark retry kinds alone: a GC rewrite task killed and retried (episode
+# 0), the connector killed during its own replay (episode 1, cdc.replay.request.after),
+# and a node recovered by the replay job's code with a task killed half-way and retried
+# (episode 2).
+SPARK_RETRY_SAMPLE = ["--seed", "25", "--episodes", "3", "--faults",
+                      "spark_replay_retry,spark_gc_retry", "--failpoints",
+                      "gc.rewrite.,cdc.replay.", "--time-budget", "100",
+                      "--converge-timeout", "45"]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(330)
+def test_spark_retry_sample_loses_nothing(tmp_path: Path) -> None:
+    report_path = tmp_path / "chaos.json"
+    result = subprocess.run([sys.executable, "-m", "chaos", *SPARK_RETRY_SAMPLE, "--json",
+                             str(report_path)], capture_output=True, text=True, timeout=320,
+                            check=False)
+    output = result.stdout[-6000:] + result.stderr[-3000:]
+    assert report_path.exists(), output
+    report = json.loads(report_path.read_text())
+    assert report["episodes"] == 3, output
+    assert report["faults"] == {"spark_gc_retry": 1, "failpoint": 1,
+                                "spark_replay_retry": 1}, output
+    assert (report["lost"], report["duplicated"], report["phantom"],
+            report["mismatched"]) == (0, 0, 0, 0), output
+    assert report["rows_compared"] > 0 and report["reads_outside_ready"] == 0, output
+    replay, gc = report["replay"], report["gc"]
+    assert replay["tasks_killed"] == replay["tasks_retried"] == 1, output
+    assert replay["retries_acknowledged"] == replay["marked_ready"] == 1, output
+    assert gc["task_retried"] >= 1 and gc["retry_committed"] >= 1, output
+    assert result.returncode == 0, f"anomalies:\n{output}"

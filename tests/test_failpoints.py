@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +50,7 @@ def test_every_constant_is_its_name() -> None:
     ("catalog.swap.commit.before=exit(x)", "integer code"),
     ("catalog.swap.commit.before=sleep(soon)", "needs seconds"),
     ("catalog.swap.commit.before=exit(1)@0", "K >= 1"),
+    ("catalog.swap.commit.before=exit(1)+twice", "bad action"),
 ])
 def test_malformed_switch_is_refused(spec: str, message: str) -> None:
     with pytest.raises(FailpointError, match=message):
@@ -93,3 +95,39 @@ def test_processes_refuse_to_start_with_a_bad_switch() -> None:
         timeout=60, env={"RETINA_FAILPOINTS": "no.such.point=exit(1)", "PATH": "/usr/bin"})
     assert result.returncode == 2
     assert "unknown failpoint 'no.such.point'" in result.stderr
+
+
+# Dies at its second hit unless another process already acted there; prints what it did.
+ONCE_CHILD = ("from retina_common import failpoints\n"
+              "for _ in range(3):\n"
+              "    failpoints.CDC_REPLAY_REQUEST_AFTER.hit()\n"
+              "print('ran through')\n")
+
+
+def run_once_child(directory: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", ONCE_CHILD], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        env={"RETINA_FAILPOINTS": "cdc.replay.request.after=exit(137)@2+once",
+             "RETINA_FAILPOINT_DIR": str(directory), "PATH": "/usr/bin"})
+
+
+def test_once_acts_in_one_process_only_and_a_retry_runs_through(failpoint_dir: Path) -> None:
+    """A retried task starts its hit counter again in a new process: with +once only the
+    first process to reach the K-th hit acts, even when several race to it."""
+    racing = [run_once_child(failpoint_dir) for _ in range(4)]
+    codes = sorted(p.wait(timeout=60) for p in racing)
+    assert codes == [0, 0, 0, 137]
+    acted = failpoints.acted_once(failpoint_dir, "cdc.replay.request.after")
+    assert acted is not None and acted[1] == 2  # pid of the dead one, at its second hit
+    assert acted[0] in {p.pid for p in racing if p.returncode == 137}
+    retry = run_once_child(failpoint_dir)
+    out, _ = retry.communicate(timeout=60)
+    assert retry.returncode == 0 and "ran through" in out
+
+
+def test_once_needs_the_failpoint_directory() -> None:
+    with pytest.raises(FailpointError, match="need RETINA_FAILPOINT_DIR"):
+        failpoints.load_from_env({failpoints.ENV_VAR: "catalog.swap.commit.before=raise+once"})
+    assert failpoints.parse_spec("catalog.swap.commit.before=raise@2*1+once")[
+        "catalog.swap.commit.before"] == failpoints.Action("raise", "", 2, 1, True)
+    failpoints.load_from_env({})

@@ -23,18 +23,21 @@ import pyarrow.parquet as pq
 import pytest
 
 from cdc_client.changelog import DELETE, REPLACE, Changelog, ChangeRow, LoggedTransaction
+from cdc_client.replay import node_starts
+from retina_common import failpoints
 from retina_common.catalog import Catalog, FileType
 from retina_common.codec import encode_value
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
+from spark_jobs import cdc_replay
 from spark_jobs.cdc_replay import EXIT_REPLAY_GAP
 
 from .dataplane import SCHEMA, DataPlane
 from .support import ROOT, begin_write, eventually
 
-SPARK_ARGS = ("--master", "local[2]", "--conf", "spark.ui.enabled=false",
-              "--conf", "spark.sql.shuffle.partitions=2", "--conf", "spark.driver.memory=1g")
+SPARK_ARGS = ("--conf", "spark.ui.enabled=false", "--conf", "spark.sql.shuffle.partitions=2",
+              "--conf", "spark.driver.memory=1g")
 Changes = Mapping[str, Mapping[str, list[dict[str, Any]]]]
 
 
@@ -109,10 +112,12 @@ def apply_changes(plane: DataPlane, rows: dict[str, dict[bytes, dict]], changes:
             rows[table][writer.key(row)] = dict(row)
 
 
-def run_job(module: str, *args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", module, *map(str, args), *SPARK_ARGS],
+def run_job(module: str, *args: str | Path, master: str = "local[2]",
+            env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", module, *map(str, args), "--master", master,
+                           *SPARK_ARGS],
                           cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYSPARK_PYTHON": sys.executable})
+                          env={**os.environ, "PYSPARK_PYTHON": sys.executable, **(env or {})})
 
 
 def last_json(stdout: str) -> dict[str, Any]:
@@ -166,6 +171,59 @@ def test_recover_replays_a_killed_node_from_the_changelog(logged: LoggedPlane,
         assert summary["per_vnode"][str(vnode)]["rows"] == expected
         assert f"vnode {vnode}: {expected:,} rows," in result.stdout
     assert summary["rows"] > 0 and f"{victim} is READY" in result.stdout
+    assert plane.status(victim).state == rpb.READY
+    eventually(plane.gate_open, 15, "the gate to admit after the Spark replay")
+    for table in ("orders", "events"):
+        assert plane.read(table) == plane.model.rows[table]  # read() also rejects duplicates
+
+
+def test_recover_converges_when_spark_retries_a_task_that_died_after_half_its_requests(
+        logged: LoggedPlane, catalog: Catalog, failpoint_dir: Path) -> None:
+    """A Spark task of the replay dies (its Python worker exits) after it sent half its
+    requests; ``local[2,2]`` lets Spark run it again in a new worker, from its start. The
+    retry sends its whole range again, every other task and MarkReady follow, and the
+    node's snapshot is the model's, whole."""
+    plane = logged.plane
+    rng = random.Random(17)
+    next_id = workload(logged, rng, 10, 0)
+    victim = plane.nodes[0]
+    plane.checkpoint(victim)
+    workload(logged, rng, 30, next_id)  # what the victim must replay
+    plane.retinas[victim].kill9()
+    plane.retinas[victim].start()
+    status = plane.wait_replay_ready(victim)
+    # What each task will send, one replace (two items) per request: the kill lands after
+    # half the requests of the smallest task, so whichever task gets there first dies
+    # with at least as many still to send.
+    starts = plane.retinas[victim].stub.GetRecoveryReplayTs(rpb.GetRecoveryReplayTsRequest(
+        recovery_attempt_token=status.recovery_attempt_token,
+        checkpoint_id=status.checkpoint_id, replay_mode=rpb.VNODE), timeout=10)
+    spec = cdc_replay.JobSpec(str(logged.changelog.root), SCHEMA, plane.tables, 2,
+                              cdc_replay.ReplayContext(status.recovery_attempt_token,
+                                                       status.checkpoint_id, rpb.VNODE))
+    requests = {v: sum(1 for _ in cdc_replay.task_requests(spec, cdc_replay.VnodeTask(
+        v, victim, start, None, status.accepts_columnar)))
+        for v, start in node_starts(victim, plane.topology, starts, rpb.VNODE).items()}
+    kill_at = min(requests.values()) // 2
+    assert kill_at >= 5, requests
+    point = failpoints.CDC_REPLAY_REQUEST_AFTER.name
+
+    # A new Python worker per task attempt: the point's hit counter is per process, and a
+    # reused worker would carry one task's hits into the next.
+    result = run_job("spark_jobs.cdc_replay", "--config", logged.config, "--recover", victim,
+                     "--max-rows", "2", "--json", "--conf", "spark.python.worker.reuse=false",
+                     master="local[2,2]",
+                     env={failpoints.ENV_VAR: f"{point}=exit(137)@{kill_at}+once",
+                          failpoints.DIR_VAR: str(failpoint_dir)})
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    died = failpoints.acted_once(failpoint_dir, point)
+    assert died is not None and died[1] == kill_at  # a task died after kill_at requests
+    assert "Python worker exited unexpectedly" in result.stderr  # Spark saw it die
+    summary = last_json(result.stdout)
+    for vnode, count in requests.items():  # every task, the retried one too, sent it all
+        start = summary["starts"][str(vnode)]
+        rows = sum(1 for _ in logged.changelog.read({vnode: start}))
+        assert summary["per_vnode"][str(vnode)] == {"rows": rows, "requests": count}
     assert plane.status(victim).state == rpb.READY
     eventually(plane.gate_open, 15, "the gate to admit after the Spark replay")
     for table in ("orders", "events"):

@@ -283,8 +283,7 @@ def test_rewrite_tasks_write_one_file_per_group_and_register_it_temporary_gc(
 
 
 # --- the job end to end, against real processes ----------------------------------------------
-SPARK_ARGS = ("--master", "local[2]", "--conf", "spark.ui.enabled=false",
-              "--conf", "spark.driver.memory=1g")
+SPARK_ARGS = ("--conf", "spark.ui.enabled=false", "--conf", "spark.driver.memory=1g")
 SWITCHING = "gc.journal.switching.before"  # the node's commit, before its journal record
 
 
@@ -292,21 +291,26 @@ def order(i: int, note: str = "") -> dict[str, Any]:
     return {"id": i, "customer": f"c{i % 5}", "amount": Decimal(i) / 4, "note": note or None}
 
 
-def job_argv(plane: DataPlane, *args: str, table: str | None = "orders") -> list[str]:
+def job_argv(plane: DataPlane, *args: str, table: str | None = "orders",
+             master: str = "local[2]") -> list[str]:
     which = ["--table", table] if table else ["--all-tables"]
     return [sys.executable, "-m", "spark_jobs.storage_gc", "--config", str(plane.config_path),
-            "--schema", SCHEMA, *which, "--json", *args, *SPARK_ARGS]
+            "--schema", SCHEMA, *which, "--json", *args, "--master", master, *SPARK_ARGS]
 
 
-def run_gc(plane: DataPlane, *args: str, table: str | None = "orders", failpoints: str = ""
+# run_gc's ``failpoints`` argument hides the module inside it.
+FAILPOINTS_ENV, FAILPOINT_DIR_ENV = failpoints.ENV_VAR, failpoints.DIR_VAR
+
+
+def run_gc(plane: DataPlane, *args: str, table: str | None = "orders", failpoints: str = "",
+           master: str = "local[2]", failpoint_dir: Path | None = None,
            ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(job_argv(plane, *args, table=table), cwd=ROOT, capture_output=True,
-                          text=True, timeout=300,
-                          env={**os.environ, "PYSPARK_PYTHON": sys.executable,
-                               failpoints_env: failpoints})
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, FAILPOINTS_ENV: failpoints}
+    if failpoint_dir is not None:
+        env[FAILPOINT_DIR_ENV] = str(failpoint_dir)
+    return subprocess.run(job_argv(plane, *args, table=table, master=master), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=env)
 
-
-failpoints_env = "RETINA_FAILPOINTS"
 
 
 def report_of(stdout: str) -> dict[str, Any]:
@@ -450,6 +454,35 @@ def test_a_task_killed_around_its_write_leaves_the_table_exact_and_a_rerun_finis
     assert plane.read("orders") == model
     assert stored_rows(plane) == len(model), deleted
     assert all(n == 1 for n in streams(plane).values())
+
+
+@pytest.mark.parametrize("point", ["gc.rewrite.write.before", "gc.rewrite.write.after"])
+def test_spark_retries_a_task_killed_around_its_write_and_every_group_commits(
+        point: str, make_plane: Callable[..., DataPlane], failpoint_dir: Path) -> None:
+    """A rewrite task dies after registering its TEMPORARY_GC file, before or after its
+    bytes (its Python worker exits); ``local[2,2]`` lets Spark run it again in a new worker
+    (the point acts once across processes). The retry reuses the row, writes the file,
+    and the group commits like the others: the deleted rows are gone from storage, no
+    TEMPORARY_GC row is left, and both tables read exactly as the model."""
+    plane = make_plane()
+    deleted = load(plane)
+    model = plane.model.snapshot()
+    before = streams(plane)
+    result = run_gc(plane, failpoints=f"{point}=exit(137)@1+once", master="local[2,2]",
+                    failpoint_dir=failpoint_dir)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert failpoints.acted_once(failpoint_dir, point) is not None  # a task died there
+    assert "Python worker exited unexpectedly" in result.stderr  # and Spark saw it
+    report = report_of(result.stdout)
+    assert report["totals"]["groups"] == report["totals"]["committed"] == len(before)
+    assert report["totals"]["rows_dropped"] == deleted
+    new_files = {g["new_file"]["file_id"] for g in report["groups"]}
+    regular = {f.file_id for f in files_of(plane, FileType.REGULAR)}
+    assert new_files == regular  # one file per stream, each the one its task registered
+    assert not files_of(plane, FileType.TEMPORARY_GC)  # the retry reused the dead row
+    for table in ("orders", "events"):
+        assert plane.read(table) == model[table]
+    assert stored_rows(plane) == len(model["orders"])
 
 
 def test_deletes_racing_the_job_are_never_lost(
