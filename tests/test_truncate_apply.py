@@ -9,6 +9,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from decimal import Decimal
 
+import grpc
 import pytest
 
 from retina_common.client import requests_by_node
@@ -16,6 +17,7 @@ from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 
 from .dataplane import SCHEMA, DataPlane, module_plane
+from .support import rpc_error
 
 pytestmark = pytest.mark.integration
 
@@ -59,18 +61,24 @@ def ids(plane: DataPlane) -> list[int]:
 
 
 def test_truncate_applied_again_keeps_everything_written_after_it(plane: DataPlane) -> None:
+    """Applied again while its transaction is open (a retry whose answer was lost, after
+    later transactions wrote: the same index sequence as a replay over them), a TRUNCATE
+    deletes nothing written after it. Once a read has passed its timestamp, applying it
+    again is refused (the write fence) and changes nothing."""
     stub = plane.trans.stub()
     t1 = stub.BeginTrans(tpb.BeginTransRequest(), timeout=10)
     requests = truncate(plane, t1.timestamp)
     assert send(plane, requests) == 40
     assert send(plane, requests) == 0  # a retry of the same request
-    stub.CommitTrans(tpb.CommitTransRequest(trans_id=t1.trans_id), timeout=10)
-    assert ids(plane) == []
     # Later transactions write keys the TRUNCATE deleted, and new ones.
     plane.commit({"orders": {"inserts": [order(5), order(100)]}})
     plane.commit({"orders": {"replaces": [order(5)], "inserts": [order(101)]}})
-    # The TRUNCATE at t1 applied once more (a late retry, a replay over it).
+    # The TRUNCATE at t1 applied once more, over them.
     assert send(plane, requests) == 0
+    stub.CommitTrans(tpb.CommitTransRequest(trans_id=t1.trans_id), timeout=10)
+    assert ids(plane) == [5, 100, 101]
+    late = rpc_error(lambda: send(plane, requests))
+    assert late.code() == grpc.StatusCode.ABORTED and "write fence" in late.details()
     assert ids(plane) == [5, 100, 101]
 
 
@@ -97,14 +105,14 @@ def test_insert_then_truncate_replayed_without_a_rewind_leave_nothing(plane: Dat
     inserted = requests_by_node(SCHEMA, [plane.writers["orders"].updates(
         t1.timestamp, replaces=[order(161)])])
     send(plane, inserted)
-    stub.CommitTrans(tpb.CommitTransRequest(trans_id=t1.trans_id), timeout=10)
     t2 = stub.BeginTrans(tpb.BeginTransRequest(), timeout=10)
     truncated = truncate(plane, t2.timestamp)
     assert send(plane, truncated) >= 1
-    stub.CommitTrans(tpb.CommitTransRequest(trans_id=t2.trans_id), timeout=10)
-    assert ids(plane) == []
-    send(plane, inserted)  # both again, in order, at their own timestamps
+    # Both again, in order, at their own timestamps (the transactions still open: no read
+    # has passed them, as none does during a replay).
+    send(plane, inserted)
     assert send(plane, truncated) == 1  # the replayed copy of 161
-    assert ids(plane) == []
     send(plane, truncated)  # and once more: nothing new to delete
+    stub.CommitTransBatch(tpb.CommitTransBatchRequest(trans_ids=[t1.trans_id, t2.trans_id]),
+                          timeout=10)
     assert ids(plane) == []
