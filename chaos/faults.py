@@ -27,9 +27,11 @@ from retina_common.pb import trans_pb2 as tpb
 from retina_common.tls import open_channel
 from retina_common.topology import load_topology
 
+from . import split_reads, stalls
 from .cluster import CDC, TRANS, ChaosCluster
 from .gc import ROW_GROUP_ROWS, GcDriver, PassResult, maintenance
 from .prober import ReadinessTracker
+from .repeatable_reads import SnapshotBook
 from .sweep import (
     ORPHAN_GRACE_MS,
     Planted,
@@ -45,8 +47,9 @@ from .workload import PROBE_TABLE, SCHEMA
 
 # Which process reaches which failpoints (by name prefix).
 # etcd.txn.*: every compare-and-swap; Retina's checkpoint pointer swap does one constantly.
+# update_record.*: the write fence's points (issue 25), reached by every UpdateRecord.
 RETINA_PREFIXES = ("ingest.", "index.", "checkpoint.", "recovery.", "catalog.", "etcd.", "gc.",
-                   "sweeper.")
+                   "sweeper.", "update_record.")
 # Points of the Spark job's rewrite task (spark_jobs/storage_gc.py, rewrite_group).
 REWRITER_PREFIXES = ("gc.rewrite.",)
 # Schema evolution: only the connector's Catalog.add_column reaches them, when it reads the
@@ -174,6 +177,7 @@ class FaultResult:
     notes: list[str] = field(default_factory=list)
     gc: Counter[str] = field(default_factory=Counter)  # GC pass outcomes (chaos/gc.py)
     sweep: Counter[str] = field(default_factory=Counter)  # sweepers, reverts, orphans
+    reads: Counter[str] = field(default_factory=Counter)  # stalled writes, split reads
 
 
 @dataclass
@@ -187,14 +191,19 @@ class FaultContext:
     # the workload's stream); returns "table.column type", or "" if none was added.
     evolve: Callable[[], str] | None = None
     gc_row_group_rows: tuple[int, ...] = ROW_GROUP_ROWS  # the GC passes' new-file row groups
+    # The episode's snapshots (chaos/repeatable_reads.py): the stall and split-read faults
+    # take and compare their own; GC-driven failpoints end the open ones first.
+    snapshots: SnapshotBook | None = None
 
     def gc_pass(self, node: str, result: FaultResult, max_groups: int = 3,
-                race: float = 0.5, task_failpoints: str = "") -> PassResult:
-        """One GC pass on ``node``; its counts, notes and anomalies go into ``result``."""
+                race: float = 0.5, task_failpoints: str = "",
+                focus: frozenset[int] = frozenset()) -> PassResult:
+        """One GC pass on ``node``; its counts, notes and anomalies go into ``result``.
+        ``focus``: rewrite streams and runs holding these files (GcDriver)."""
         assert self.cluster.state is not None
         state = self.cluster.state
         driver = GcDriver(state.trans_listen, state.postgres.dsn(), self.rng, self.source,
-                          task_failpoints, self.gc_row_group_rows)
+                          task_failpoints, self.gc_row_group_rows, focus)
         done = driver.run_pass(node, lambda: self.cluster.alive(node), max_groups, race)
         done.task_exits = driver.task_exits
         result.gc.update(done.counts)
@@ -353,6 +362,9 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
     sweep_pass = sweep_driving(point)
     spec = f"{point}=exit({EXIT_AT_FAILPOINT})@{hit_k}"
     result = FaultResult("failpoint", f"{spec}", failpoint=point)
+    if (driving or sweep_pass in ("retired", "journal")) and ctx.snapshots is not None:
+        # GC passes after a restart: a held read below the node's new floor would stop them.
+        ctx.snapshots.release(f"before {point}")
     ctx.write()  # leave work in flight, so start-up paths (cleansing) have something to do
     name = TRANS if role == "trans" else CDC if role == "cdc" else ctx.node()
     if sweep_pass in ("retired", "journal") and node_state(name) == rpb.READY:
@@ -774,6 +786,21 @@ def _send(node: str, request: rpb.UpdateRecordRequest) -> str:
     return "OK"
 
 
+# --- SNAPSHOT_IS_IMMUTABLE: stalled writes, split reads (issue 25) ----------------------------
+def stalled_write(ctx: FaultContext) -> FaultResult:
+    """An UpdateRecord parked past its lease (chaos/stalls.py)."""
+    result = FaultResult("stalled_write")
+    stalls.stall(ctx, result)
+    return result
+
+
+def split_read(ctx: FaultContext) -> FaultResult:
+    """A read split across a GC commit or a restart (chaos/split_reads.py)."""
+    result = FaultResult("split_read")
+    split_reads.split_read(ctx, result)
+    return result
+
+
 # --- the fault menu -----------------------------------------------------------------------------
 FAULTS: dict[str, tuple[float, Callable[[FaultContext], FaultResult]]] = {
     "retina_sigkill": (4, lambda c: kill_node(c, signal.SIGKILL)),
@@ -793,6 +820,8 @@ FAULTS: dict[str, tuple[float, Callable[[FaultContext], FaultResult]]] = {
     "sweeper_kill": (3, sweeper_kill),
     "gc_revert": (3, gc_revert),
     "orphan_sweep": (2, orphan_sweep),
+    "stalled_write": (3, stalled_write),
+    "split_read": (3, split_read),
 }
 
 
