@@ -209,17 +209,22 @@ class SnapshotBook:
         own, new = [], []
         for taken in self.open:
             (own if self.rng.random() < 0.5 else new).append(taken)
-        for taken in own:
-            via = self.rng.choice(VIAS)
-            assert taken.trans is not None
-            self.readers.extend(taken.trans.trans_id)
-            self._reread(taken, taken.trans, via, f"re-read {via} in its own transaction "
-                                                  f"in episode {self.episode} {phase}")
+        self.reread_taken(own, phase)
         self._reread_new(new, phase)
         for taken in list(self.open):
             if end_all or taken.until_episode <= self.episode or \
                     time.monotonic() - taken.begun_at > HELD_MAX_S:
                 self._end(taken)
+
+    def reread_taken(self, taken: list[Taken], phase: str) -> None:
+        """``taken`` (still open) read again now, each in its own transaction, left open
+        for the re-reads once healed."""
+        for first in taken:
+            if first.trans is not None:
+                via = self.rng.choice(VIAS)
+                self.readers.extend(first.trans.trans_id)
+                self._reread(first, first.trans, via, f"re-read {via} in its own transaction "
+                                                      f"in episode {self.episode} {phase}")
 
     def release(self, phase: str) -> None:
         """Read every open snapshot again and end its transaction now, and take no

@@ -19,8 +19,10 @@ guessing, and releases it (``<name>.release``) after the drawn stall. The worklo
 writing until the hit; then, while the write is parked, the connector's transactions run
 out (its write lease is 2 s here; polled: the HWM passes the one it was at when the write
 parked) and a snapshot is taken (its S lies above the stalled write's timestamp); the
-write is released at the end of the stall, another snapshot is taken after it, and the
-node is restarted clean. What
+write is released at the end of the stall, another snapshot is taken after it, both are
+read again once the connector has caught up (the parked write answered, its batch done
+again; before the clean restart, whose floor would refuse them), and the process is
+restarted clean. What
 checks the fault: the snapshots' re-reads after healing (SNAPSHOT_IS_IMMUTABLE) and the
 comparison with the source (the connector must redo the expired batch, once).
 """
@@ -35,15 +37,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
+import psycopg2
 
 from devtools.cluster import node_state
 from retina_common import failpoints
 from retina_common.client import channel
+from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.pb import trans_pb2_grpc
 
-from .cluster import CDC
+from . import workload
+from .cluster import CDC, CDC_NAME
+from .compare import committed_lsn
+from .snapshots import VIAS
 
 if TYPE_CHECKING:  # faults.py registers the fault; this module only fills its result
     from .faults import FaultContext, FaultResult
@@ -58,6 +65,7 @@ STALL_S = (3.0, 5.0)
 # above that; a hit while the node is not READY yet is counted apart.
 HIT_K = (2, 5)
 HIT_DEADLINE_S = 20.0
+CAUGHT_UP_S = 30.0
 
 
 def stall_points() -> list[str]:
@@ -142,11 +150,31 @@ def _parked(ctx: FaultContext, name: str, point: str, directory: Path, stall_s: 
         else:
             result.notes.append(f"the HWM stayed at {hwm} during the {stall_s:.1f}s stall")
         ctx.write()  # the source moves on; the connector is stuck in the parked batch
-        if ctx.snapshots is not None:
-            ctx.snapshots.take(ctx.rng.choice(("gated", "spark")), "during a stalled write")
+        book = ctx.snapshots
+        taken = [book.take(ctx.rng.choice(VIAS), "during a stalled write")] if book else []
         release.join()  # the stall's end (a read of a locked stream may have waited for it)
         ctx.write()
-        if ctx.snapshots is not None:
-            ctx.snapshots.take(ctx.rng.choice(("gated", "spark")), "after a stalled write")
+        if book is None:
+            return
+        taken.append(book.take(ctx.rng.choice(VIAS), "after a stalled write"))
+        # Read both again before the clean restart: a node's restart floor would refuse
+        # them after it. Once the connector committed past the source's last write, the
+        # parked write has been answered and its batch done again.
+        if not caught_up(ctx, CAUGHT_UP_S):
+            result.notes.append(f"the connector did not catch up within {CAUGHT_UP_S:.0f}s "
+                                "after the stall")
+        book.reread_taken([t for t in taken if t is not None], "once the stalled batch "
+                          "was done again")
     finally:
         release.cancel()
+
+
+def caught_up(ctx: FaultContext, timeout_s: float) -> bool:
+    """Write the marker and wait until the connector's committed position passes it."""
+    assert ctx.cluster.state is not None and ctx.source is not None
+    try:
+        after = workload.mark(ctx.source(), -1)
+    except psycopg2.Error:
+        return False
+    etcd = EtcdStore([ctx.cluster.state.etcd.endpoint], 5)
+    return wait_until(lambda: committed_lsn(etcd, CDC_NAME) > after, timeout_s)
