@@ -145,7 +145,7 @@ class SnapshotBook:
         return out
 
     def close(self) -> None:
-        for taken in self.open:
+        for taken in list(self.open):
             self._end(taken)
         self.open, self.unpinned = [], []
 

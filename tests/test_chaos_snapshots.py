@@ -4,14 +4,17 @@ faults are put together. The campaign itself runs in tests/test_chaos.py's sampl
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections import Counter
+from collections.abc import Iterator, Sequence
 
 import grpc
 import pyarrow as pa
 
 from chaos import faults, split_reads, stalls
 from chaos import gc as gc_driver
-from chaos.repeatable_reads import EpisodePlan
+from chaos.repeatable_reads import EpisodePlan, SnapshotBook
 from chaos.snapshots import (
     REFUSALS,
     ReadRefused,
@@ -137,3 +140,97 @@ def test_a_focused_gc_pass_rewrites_only_streams_and_runs_holding_the_focus() ->
     a, b = random.Random(9), random.Random(9)
     assert gc_driver.pick_streams(listing, node, a, 2) == \
         gc_driver.pick_streams(listing, node, b, 2, frozenset())
+
+
+class _Readers:
+    """SnapshotReaders' interface over a dict: S -> the rows a read at S returns (or a
+    status code, a refusal), and the transactions begun and ended."""
+
+    def __init__(self) -> None:
+        self.answers: dict[int, dict[str, TableImage] | str] = {}
+        self.hwm = 10
+        self.live: set[int] = set()
+        self.next_id = 100
+
+    def begin(self, lease_ms: int = 0) -> tpb.BeginTransResponse:
+        self.next_id += 1
+        self.live.add(self.next_id)
+        return tpb.BeginTransResponse(trans_id=self.next_id, timestamp=self.hwm)
+
+    def end(self, trans_id: int) -> bool:
+        if trans_id not in self.live:
+            return False
+        self.live.remove(trans_id)
+        return True
+
+    def extend(self, trans_id: int, lease_ms: int = 0) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[tpb.BeginTransResponse]:
+        trans = self.begin()
+        try:
+            yield trans
+        finally:
+            self.end(trans.trans_id)
+
+    def read(self, via: str, trans: tpb.BeginTransResponse,
+             tables: Sequence[str]) -> dict[str, TableImage]:
+        answer = self.answers.get(trans.timestamp, {t: image({"id": 1, "v": "a"})
+                                                    for t in tables})
+        if isinstance(answer, str):
+            raise ReadRefused(answer, "refused")
+        return answer
+
+
+def _book(readers: _Readers) -> SnapshotBook:
+    book = SnapshotBook(readers, Counter())  # type: ignore[arg-type]
+    book.begin_episode(4, random.Random(1))
+    return book
+
+
+def test_an_open_snapshot_read_differently_once_healed_is_snapshot_changed() -> None:
+    readers = _Readers()
+    book = _book(readers)
+    first = book.take("gated", "before the fault")
+    assert first is not None and first.trans is not None and readers.live
+    book.after_fault("stalled_write cdc cdc.batch.begin.after=block@2*1")
+    readers.answers[10] = {t: image({"id": 1, "v": "a"}, {"id": 2, "v": "late"})
+                           for t in first.images}
+    book.reread("after healing")
+    (text,) = book.drain()
+    assert text.startswith("snapshot_changed: SNAPSHOT_IS_IMMUTABLE broken: S=10")
+    assert "1 extra" in text and "between: episode 4: stalled_write cdc" in text
+    assert book.counts["reread_changed"] == 1 and not book.open and not readers.live
+
+
+def test_a_refused_re_read_is_counted_by_code_and_ends_the_pin() -> None:
+    readers = _Readers()
+    book = _book(readers)
+    book.take("spark", "before the fault", hold_episodes=3)
+    readers.answers[10] = "ABORTED"  # a node restarted since: its floor is above S
+    book.reread("after healing")
+    assert book.drain() == []
+    assert book.counts["reread_refused_ABORTED"] == 1 and book.counts["held_ended"] == 1
+    assert not book.open and not readers.live
+    del readers.answers[10]
+    book.take("gated", "before the fault")
+    readers.answers[10] = "INTERNAL"
+    book.reread("after healing")
+    assert book.drain()[0].startswith("snapshot_read_error: a re-read answered INTERNAL")
+
+
+def test_a_held_snapshot_stays_open_until_due_and_close_ends_every_one() -> None:
+    readers = _Readers()
+    book = _book(readers)
+    held = book.take("gated", "before the fault", hold_episodes=2)
+    book.take("gated", "during the fault")
+    book.reread("after healing")
+    assert book.open == [held] and len(readers.live) == 1
+    book.begin_episode(6, random.Random(2))
+    book.reread("after healing")
+    assert not book.open and book.counts["reread_identical"] == 3
+    book.take("gated", "before the fault", hold_episodes=2)
+    book.take("spark", "before the fault")
+    book.close()
+    assert not book.open and not readers.live
