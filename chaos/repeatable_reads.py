@@ -101,7 +101,8 @@ class SnapshotBook:
         self.episode = 0
         self.rng = random.Random(0)
         self.plan = EpisodePlan.draw(self.rng)
-        self._fault_writes = -1  # -1: not inside a fault
+        self._fault_writes = -1  # -1: no mid-fault snapshot to come
+        self._in_fault = False
 
     # --- the episode --------------------------------------------------------------------
     def begin_episode(self, episode: int, rng: random.Random) -> None:
@@ -116,6 +117,7 @@ class SnapshotBook:
         if taken is not None and held:
             self.counts["held_begun"] += 1
         self._fault_writes = 0
+        self._in_fault = True
 
     def during_fault_write(self) -> None:
         """After each workload write of the fault: the planned mid-fault snapshot."""
@@ -128,6 +130,7 @@ class SnapshotBook:
     def after_fault(self, text: str) -> None:
         """What the fault did (told in a snapshot_changed's detail)."""
         self._fault_writes = -1
+        self._in_fault = False
         self._history.append((self.episode, text))
         del self._history[:-HISTORY_MAX]
 
@@ -268,10 +271,16 @@ class SnapshotBook:
                 self._end(first)
             return
         self.counts["rows_reread"] += sum(i.count for i in again.values())
-        found = compare_taken(first, again, how, self.history_since(first.episode))
+        history = self.history_since(first.episode)
+        if self._in_fault:  # read again by the fault itself (a stall)
+            history = "; ".join(filter(None, (history, f"episode {self.episode}: its fault, "
+                                                        "under way")))
+        found = compare_taken(first, again, how, history)
         self.counts["reread_changed" if found else "reread_identical"] += 1
         if found:
             self.anomalies.append(found)
+            if first in self.open:  # found once: later re-reads would only repeat it
+                self._end(first)
 
     def _end(self, taken: Taken) -> None:
         """End ``taken``'s transaction (a refusal: it ended already, e.g. a TransServer
