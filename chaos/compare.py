@@ -39,7 +39,15 @@ class FastSnapshotReader(SnapshotReader):
 
     def read_files(self, files: Sequence[tpb.QueryFile],
                    trans: tpb.BeginTransResponse) -> list[pa.Table]:
-        return list(self._pool.map(lambda f: self.read_file(f, trans), files))
+        futures = [self._pool.submit(self.read_file, f, trans) for f in files]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            # Refused (a folded or restarted node): the reads still queued would only
+            # delay the next read.
+            for f in futures:
+                f.cancel()
+            raise
 
 
 @dataclass

@@ -55,9 +55,9 @@ HELD_EPISODES = (2, 4)
 # Held transactions keep their listed files from the sweepers; the storage audit reports
 # a RETIRED file still there 90 s past its cleanupAt.
 HELD_MAX_S = 60.0
-AFTER_P = 0.5
+AFTER_P = 1 / 3
 # The fault's workload write a mid-fault snapshot follows (0: none).
-DURING_AT = (0, 0, 0, 1, 2, 3)
+DURING_AT = (0, 0, 0, 0, 1, 2)
 # Unpinned snapshots: read again for this many episodes, at most REMEMBER_MAX kept, at
 # most REREAD_UNPINNED of them per episode. A full read of the five tables takes 0.5 to
 # 1 s on the loaded 2-core machine (a refused one much less): an episode does about four.
@@ -219,15 +219,17 @@ class SnapshotBook:
                     time.monotonic() - taken.begun_at > HELD_MAX_S:
                 self._end(taken)
 
-    def reread_taken(self, taken: list[Taken], phase: str) -> None:
-        """``taken`` (still open) read again now, each in its own transaction, left open
-        for the re-reads once healed."""
+    def reread_taken(self, taken: list[Taken], phase: str, end: bool = False) -> None:
+        """``taken`` (still open) read again now, each in its own transaction; then
+        ended (``end``) or left open for the re-reads once healed."""
         for first in taken:
             if first.trans is not None:
                 via = self.rng.choice(VIAS)
                 self.readers.extend(first.trans.trans_id)
                 self._reread(first, first.trans, via, f"re-read {via} in its own transaction "
                                                       f"in episode {self.episode} {phase}")
+            if end:
+                self._end(first)
 
     def release(self, phase: str) -> None:
         """Read every open snapshot again and end its transaction now, and take no

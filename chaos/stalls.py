@@ -157,14 +157,14 @@ def _parked(ctx: FaultContext, name: str, point: str, directory: Path, stall_s: 
         if book is None:
             return
         taken.append(book.take(ctx.rng.choice(VIAS), "after a stalled write"))
-        # Read both again before the clean restart: a node's restart floor would refuse
-        # them after it. Once the connector committed past the source's last write, the
-        # parked write has been answered and its batch done again.
+        # Read both again, and end them, before the clean restart: a node's restart floor
+        # would refuse them after it. Once the connector committed past the source's last
+        # write, the parked write has been answered and its batch done again.
         if not caught_up(ctx, CAUGHT_UP_S):
             result.notes.append(f"the connector did not catch up within {CAUGHT_UP_S:.0f}s "
                                 "after the stall")
         book.reread_taken([t for t in taken if t is not None], "once the stalled batch "
-                          "was done again")
+                          "was done again", end=True)
     finally:
         release.cancel()
 
