@@ -90,7 +90,13 @@ class ReplayGap(ConnectorStopped):
 
 
 class BatchExpired(Exception):
-    """The batch's transactions ended at the TransServer (lease) while waiting."""
+    """The batch's transactions ended at the TransServer (lease) while waiting, or a
+    Retina node's write fence refused its timestamps (ABORTED: a read or the HWM passed
+    them, so they had ended): the batch is done again at new timestamps."""
+
+
+class SendAbandoned(ConnectorStopped):
+    """A send given up because another node's send of the batch failed first."""
 
 
 @dataclass(frozen=True)
@@ -297,8 +303,8 @@ class Connector:
             t2 = time.monotonic()
             self._send([row for t in logged for row in t.rows], ids)
             t3 = time.monotonic()
-        except ConnectorStopped:
-            self._rollback(ids)
+        except (ConnectorStopped, BatchExpired):
+            self._rollback(ids)  # an expired batch's live timestamps would hold the HWM
             raise
         finally:
             self._open_ids = []
@@ -385,7 +391,8 @@ class Connector:
             elif acknowledged < len(futures) and not errors:
                 CDC_SEND_NODE_ACK_AFTER.hit()
         if errors:
-            raise errors[0]
+            # The failure that made the others give up, not their abandonment.
+            raise next((e for e in errors if not isinstance(e, SendAbandoned)), errors[0])
         CDC_SEND_ALL_ACKS_AFTER.hit()
 
     def _send_to_node(self, node: str, rows: list[ChangeRow], ids: list[int],
@@ -401,6 +408,8 @@ class Connector:
                     stub.UpdateRecord(request, timeout=self.settings.rpc_timeout_s)
                 return
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.ABORTED:  # the node's write fence
+                    raise BatchExpired(f"UpdateRecord to {node}: {exc.details()}") from None
                 if exc.code() not in RETRYABLE:
                     raise ConnectorStopped(f"UpdateRecord to {node} refused: "
                                            f"{exc.code().name}: {exc.details()}") from None
@@ -411,7 +420,7 @@ class Connector:
             if self._recover(node):
                 return
             if abort.is_set():
-                raise ConnectorStopped(f"send to {node} abandoned: another node failed")
+                raise SendAbandoned(f"send to {node} abandoned: another node failed")
             backoff.wait()
 
     # --- recovery driver ------------------------------------------------------

@@ -257,6 +257,13 @@ INGEST_CLEANUP_AFTER = Failpoint(
     "ingest.cleanup.after", "the file's blocks are gone from the write buffer; publish complete")
 
 # --- Retina UpdateRecord ---------------------------------------------------------
+UPDATE_RECORD_FENCE_BEFORE = Failpoint(
+    "update_record.fence.before",
+    "an ordinary write validated, not yet admitted by the write fence, no stream lock held "
+    "('sleep' here makes it reach the fence late)")
+UPDATE_RECORD_FENCE_AFTER = Failpoint(
+    "update_record.fence.after",
+    "an ordinary write admitted by the write fence under its stream locks, nothing applied")
 INDEX_PRIMARY_COMMIT_BEFORE = Failpoint(
     "index.primary_commit.before",
     "a request's primary-index writes staged in LMDB, not committed; inserts not visible")

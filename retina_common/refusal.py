@@ -23,6 +23,11 @@ from retina_common.catalog import (
 )
 from retina_common.etcd import EtcdError
 
+# In the details of a CommitGcRewrite refused ABORTED because a live read got rows of an
+# old file from a write buffer (BUFFER_FETCH_HOLDS_FILE): nothing changed, the rewrite
+# stays prepared, and a later commit of it goes through once the reader has ended.
+HELD_BY_BUFFER_READ = "held by a write-buffer read"
+
 
 class Refusal(Exception):
     """A refused call: ``code`` says what the caller should do (retry, stop, fix input)."""

@@ -13,7 +13,9 @@ growing with the history:
    FOLD_SAFE needs ``fold_ts`` below every live read snapshot: safeGcTs is.
    A pending Storage GC rewrite reads visibility at exactly its cutoff, so no
    fold passes the lowest pending cutoff (``gcFloor``; None when none is
-   pending). Files a Storage GC swap retired are frozen and left alone.
+   pending). Files a Storage GC swap retired are frozen and left alone. The
+   write fence rises to ``fold_ts`` first (write_fence.py): a delete at or below
+   it that arrived later would be folded into a base without its timestamp.
 2. **Prune** primary-index versions below the horizon
    (``LocalIndexService.prune_versions``, invariant
    PRUNE_KEEPS_ANSWERS_ABOVE_HORIZON: every resolution at ``T >= horizon``
@@ -231,6 +233,9 @@ class GcScheduler:
 
         folded = chain = 0
         if fold_ts > 0:
+            # LATE_WRITES_FENCED: a delete at or below fold_ts arriving after the fold
+            # would land in a base that no longer tells its timestamp.
+            node.fence.raise_to(fold_ts, f"GC maintenance fold at {fold_ts}")
             folded, chain = self._fold_all(fold_ts)
             FOLDED.inc(folded)
             FOLD_TS.set(fold_ts)
@@ -243,6 +248,8 @@ class GcScheduler:
                 self._since = horizon
             PRUNED.inc(pruned)
             HORIZON_TS.set(horizon)
+        # Reads at or below safeGcTs can list no more files: they hold nothing now.
+        node.forget_buffer_reads_at_or_below(safe)
         versions = node.index.primary_version_count()
         PRIMARY_VERSIONS.set(versions)
         emit = log.info if folded or pruned else log.debug

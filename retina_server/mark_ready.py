@@ -8,17 +8,21 @@
    outside: nothing is written to etcd, so an etcd error cannot strand the
    node here);
 3. in-flight replay requests drain;
-4. the phase moves to READY inside the node: CDC writes are admitted, the
+4. the restart fence (:class:`RestartFence`, SNAPSHOTS_END_AT_RESTART): a fresh
+   timestamp X from the TransServer becomes the read floor, and the write fence
+   rises to the HWM;
+5. the phase moves to READY inside the node: CDC writes are admitted, the
    query gate still refuses, because etcd still says RECOVERING;
-5. the READY hooks run, once: the GC scheduler starts (gc_scheduler.py), table
+6. the READY hooks run, once: the GC scheduler starts (gc_scheduler.py), table
    caches are dropped, the flush timer starts,
    the READY checkpoint is taken (it captures everything replayed), periodic
    checkpoints start;
-6. queries are unblocked last (invariant READY_HOOKS_BEFORE_QUERIES): READY is
+7. queries are unblocked last (invariant READY_HOOKS_BEFORE_QUERIES): READY is
    announced on the lifecycle key; health says SERVING from the moment a put of
    READY succeeds (the lifecycle announcer tells the server).
 
-If step 6 cannot reach etcd, MarkReady answers UNAVAILABLE; the node is READY
+If step 4 cannot reach the TransServer, MarkReady answers UNAVAILABLE and a retry
+finishes the barrier. If step 7 cannot reach etcd, MarkReady answers UNAVAILABLE; the node is READY
 with its hooks run, the heartbeat keeps re-putting the READY record (and health
 turns SERVING when one lands), and a retried MarkReady with the same token
 announces it again. A node is never
@@ -45,6 +49,40 @@ log = get_logger(component="mark_ready")
 # Exported so that the checkpoint-age alert scales with the configured interval.
 CHECKPOINT_INTERVAL = Gauge("retina_checkpoint_interval_seconds",
                             "Configured interval between periodic checkpoints")
+READ_FLOOR = Gauge("retina_read_floor_ts",
+                   "Lowest snapshot this process answers (a timestamp issued at its MarkReady)")
+
+
+class RestartFence:
+    """SNAPSHOTS_END_AT_RESTART: a recovered node answers no snapshot that may have been
+    taken before it started.
+
+    Recovery rebuilds the node's state from the checkpoint and the replay, and the replay
+    may apply what the process before the crash never did (a changelog batch whose
+    transaction was aborted and redone at a new timestamp, a write the fence refused),
+    and its write buffer no longer holds what a read before the crash fetched from it.
+    So a read at a snapshot from before the restart could differ from one taken before
+    it. At MarkReady the node begins a write transaction at the TransServer and ends it
+    at once (TransClient.fresh_timestamp): its timestamp X is above every snapshot granted
+    so far, and becomes the read floor (a read transaction with an older snapshot, and a
+    snapshot read below X: ABORTED, begin a new read transaction). No snapshot at or
+    above X was ever read before this process, so none changes. Reads at X or later are
+    granted as soon as the HWM reaches X (at once in a quiet cluster; once the writes
+    live at this moment end otherwise). The write fence rises to the HWM too: every
+    write transaction at or below it has ended."""
+
+    def __init__(self, node: RetinaNode, fresh_timestamp: Callable[[], tuple[int, int]]
+                 ) -> None:
+        self._node = node
+        self._fresh_timestamp = fresh_timestamp
+
+    def __call__(self) -> None:
+        floor, hwm = self._fresh_timestamp()
+        self._node.fence.raise_to(hwm, f"MarkReady: the HWM was {hwm}")
+        self._node.read_floor_ts = max(self._node.read_floor_ts, floor)
+        READ_FLOOR.set(self._node.read_floor_ts)
+        log.info("restart_fence_set", node=self._node.node_id, read_floor_ts=floor,
+                 write_fence_ts=self._node.fence.floor)
 
 
 class ReadyHooks:
@@ -88,8 +126,10 @@ class ReadyHooks:
 class MarkReadyBarrier:
     def __init__(self, machine: LifecycleStateMachine, entry: ReplayEntry,
                  check_attempt: Callable[[str, int], None], hooks: ReadyHooks,
-                 announce_ready: Callable[[], None]) -> None:
+                 announce_ready: Callable[[], None],
+                 restart_fence: Callable[[], None] = lambda: None) -> None:
         self._machine = machine
+        self._restart_fence = restart_fence
         self._entry = entry
         self._check_attempt = check_attempt
         self._hooks = hooks
@@ -120,6 +160,7 @@ class MarkReadyBarrier:
         fp.RECOVERY_MARK_READY_BARRIER_AFTER.hit()
         self._entry.drain()
         fp.RECOVERY_MARK_READY_DRAIN_AFTER.hit()
+        self._restart_fence()  # before any ordinary write is admitted
         self._machine.transition(Phase.READY, "MarkReady barrier passed")
 
     def _unblock_queries(self) -> None:

@@ -45,6 +45,7 @@ from retina_server.publisher import IngestPipeline, StreamPublisher
 from retina_server.registry import IngestFileMetadataRegistry, RegistryError
 from retina_server.visibility import RGVisibility, VisibilityError, VisibilityIndex
 from retina_server.write_buffer import IngestFile, StreamBuffer
+from retina_server.write_fence import WriteFence
 
 log = get_logger(component="node")
 
@@ -81,8 +82,10 @@ class Stream:
 class RetinaNode:
     def __init__(self, node_id: str, topology: Topology, catalog: Catalog,
                  index: LocalIndexService, storage_root: str, settings: BufferSettings,
-                 clock_ms: Callable[[], int]) -> None:
+                 clock_ms: Callable[[], int], fence: WriteFence | None = None) -> None:
         self.node_id = node_id
+        # LATE_WRITES_FENCED: reads raise it, ordinary writes pass it (write_fence.py).
+        self.fence = fence or WriteFence(node_id)
         self.topology = topology
         self.owned_vnodes = frozenset(topology.vnodes_of(node_id))
         self.catalog = catalog
@@ -97,9 +100,13 @@ class RetinaNode:
         self._lock = threading.Lock()
         self._buffer_files: dict[int, IngestFile] = {}
         self.failure: str | None = None
-        # Snapshots below it cannot be answered exactly: the visibility restored at
-        # start folded every delete up to it into the base (checkpointAppliedTs).
+        # SNAPSHOTS_END_AT_RESTART: snapshots below it are not answered. MarkReady sets it
+        # to a timestamp the TransServer issued after this process started
+        # (mark_ready.py), so no read transaction begun before the restart is answered.
         self.read_floor_ts = 0
+        # BUFFER_FETCH_HOLDS_FILE: file id -> {read transaction: its snapshot} for every
+        # write-buffer file whose rows GetWriteBuffer handed out (storage_gc.py).
+        self._buffer_reads: dict[int, dict[int, int]] = {}
         self._failure_lock = threading.Lock()
         # Called once when the node fails closed (the lifecycle goes FAILED).
         self.on_fail_closed: Callable[[str], None] = lambda _reason: None
@@ -232,14 +239,19 @@ class RetinaNode:
             self._buffer_files[file.file_id] = file
         return file
 
-    def check_snapshot(self, ts: int) -> None:
-        """SNAPSHOT_AT_OR_ABOVE_BASE: refuse a read below the restored visibility base (a
-        read transaction that spans this node's restart); its answer would be wrong."""
-        if ts < self.read_floor_ts:
+    def check_snapshot(self, snapshot: int, ts: int | None = None) -> None:
+        """SNAPSHOTS_END_AT_RESTART: refuse a read transaction whose snapshot is below the
+        read floor (it may have begun before this process started: a read that spans the
+        restart, which the recovered node cannot prove it answers as before), and, when
+        ``ts`` is given (GetWriteBuffer, the first step of every snapshot read), a
+        snapshot read below the floor. QueryVisibility alone may look below it for a
+        transaction begun since (the Storage GC job reads visibility at its cutoff)."""
+        low = snapshot if ts is None else min(snapshot, ts)
+        if low < self.read_floor_ts:
             raise Refusal(grpc.StatusCode.ABORTED,
-                          f"snapshot {ts} is below {self.node_id}'s visibility base "
-                          f"{self.read_floor_ts} (the node restarted after the snapshot was "
-                          "taken); begin a new read transaction")
+                          f"snapshot {low} is below {self.node_id}'s read floor "
+                          f"{self.read_floor_ts} (the node restarted after the snapshot may "
+                          "have been taken); begin a new read transaction")
 
     # --- baseline and visibility lookups ---
     def in_baseline(self, file_id: int) -> bool:
@@ -353,10 +365,14 @@ class RetinaNode:
         self.pipeline.shutdown()
 
     # --- reads ---
-    def write_buffer_rows(self, table: TableRecord, ts: int) -> pa.Table:
-        """Rows of this node's unpublished files visible at ``ts``, with ``_file_id``."""
+    def write_buffer_rows(self, table: TableRecord, ts: int,
+                          reader: tuple[int, int] | None = None) -> pa.Table:
+        """Rows of this node's unpublished files visible at ``ts``, with ``_file_id``.
+        ``reader``: (read transaction id, its snapshot), recorded for every file whose
+        rows are handed out (BUFFER_FETCH_HOLDS_FILE)."""
         schema = table_schema(table).append(pa.field(FILE_ID, pa.int64(), nullable=False))
         parts = []
+        handed_out = []
         for stream in self.streams_of_table(table.table_id):
             with stream.buffer.lock:
                 snapshot = [(f.file_id, b.visibility, list(b.batches), b.visible_size)
@@ -370,7 +386,52 @@ class RetinaNode:
                     rows = rows.append_column(FILE_ID, pa.array([file_id] * rows.num_rows,
                                                                 pa.int64()))
                     parts.append(rows)
+                    handed_out.append(file_id)
+        if reader is not None and handed_out:
+            self._record_buffer_reads(handed_out, *reader)
         return pa.concat_tables(parts) if parts else schema.empty_table()
+
+    # --- BUFFER_FETCH_HOLDS_FILE ---
+    def _record_buffer_reads(self, file_ids: list[int], trans_id: int, snapshot: int) -> None:
+        with self._lock:
+            for file_id in file_ids:
+                self._buffer_reads.setdefault(file_id, {})[trans_id] = snapshot
+
+    def buffer_readers(self, file_ids: list[int]) -> dict[int, int]:
+        """{read transaction: snapshot} of every read that got rows of these files from a
+        write buffer."""
+        with self._lock:
+            return {t: s for f in file_ids for t, s in self._buffer_reads.get(f, {}).items()}
+
+    def forget_buffer_readers(self, trans_ids: set[int]) -> None:
+        """These read transactions have ended: they hold no file any more."""
+        with self._lock:
+            for file_id in list(self._buffer_reads):
+                readers = self._buffer_reads[file_id]
+                for trans_id in trans_ids & readers.keys():
+                    del readers[trans_id]
+                if not readers:
+                    del self._buffer_reads[file_id]
+
+    def forget_buffer_reads_at_or_below(self, safe_ts: int) -> int:
+        """Drop the reads whose snapshot is at or below ``safe_ts`` (safeGcTs: no live,
+        not offloaded read transaction has such a snapshot, and only those may still list
+        files); returns how many were dropped."""
+        dropped = 0
+        with self._lock:
+            for file_id in list(self._buffer_reads):
+                readers = self._buffer_reads[file_id]
+                for trans_id in [t for t, s in readers.items() if s <= safe_ts]:
+                    del readers[trans_id]
+                    dropped += 1
+                if not readers:
+                    del self._buffer_reads[file_id]
+        return dropped
+
+    def forget_buffer_files(self, file_ids: list[int]) -> None:
+        with self._lock:
+            for file_id in file_ids:
+                self._buffer_reads.pop(file_id, None)
 
 
 def visible_mask(rows: pa.Table, deleted: BitMap, ts: int) -> pa.Array:

@@ -8,9 +8,14 @@ the safe GC timestamp, and its snapshot is no longer protected
 for at most ``ttl_s`` (never past the transaction's lease), so a query that
 reads many files costs one TransServer call per node per second.
 
-Refusals: no transaction id → INVALID_ARGUMENT; a write transaction or one
-that is not live → FAILED_PRECONDITION (begin a new read transaction); the
-TransServer unreachable → UNAVAILABLE.
+A read looks at its transaction's snapshot or an older point (the Storage GC job reads
+visibility at its cutoff), never at a newer one: a later timestamp would be a snapshot
+the TransServer never granted, and the read would raise the node's write floor above
+live writes (write_fence.py).
+
+Refusals: no transaction id, or a timestamp above the transaction's snapshot →
+INVALID_ARGUMENT; a write transaction or one that is not live → FAILED_PRECONDITION
+(begin a new read transaction); the TransServer unreachable → UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class TransStatus:
     live: bool
     read_only: bool = False
     lease_expires_at_ms: int = 0
+    timestamp: int = 0  # a read transaction's snapshot
 
 
 class ReadTransactionGuard:
@@ -42,19 +48,30 @@ class ReadTransactionGuard:
         self._lookup = lookup
         self._ttl_s = ttl_s
         self._clock = clock
-        self._live_until: dict[int, float] = {}
+        self._live_until: dict[int, tuple[float, int]] = {}  # id -> (until, snapshot)
         self._lock = threading.Lock()
 
-    def check(self, trans_id: int) -> None:
-        """Return if ``trans_id`` is a live read-only transaction; raise Refusal if not."""
+    def check(self, trans_id: int, ts: int | None = None) -> int:
+        """Return the snapshot of ``trans_id`` if it is a live read-only transaction (and
+        ``ts``, when given, is not above it); raise Refusal if not."""
         if trans_id <= 0:
             REFUSED.labels(reason="no_transaction").inc()
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           "a read needs the trans_id of a live read-only transaction")
+        snapshot = self._live_snapshot(trans_id)
+        if ts is not None and ts > snapshot:
+            REFUSED.labels(reason="after_snapshot").inc()
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"timestamp {ts} is after read transaction {trans_id}'s snapshot "
+                          f"{snapshot}; a read may look at its snapshot or earlier")
+        return snapshot
+
+    def _live_snapshot(self, trans_id: int) -> int:
         now = self._clock()
         with self._lock:
-            if self._live_until.get(trans_id, 0.0) > now:
-                return
+            until, snapshot = self._live_until.get(trans_id, (0.0, 0))
+            if until > now:
+                return snapshot
         status = self._lookup(trans_id)
         if not status.live:
             REFUSED.labels(reason="not_live").inc()
@@ -67,5 +84,6 @@ class ReadTransactionGuard:
         until = min(now + self._ttl_s, status.lease_expires_at_ms / 1000)
         with self._lock:
             if len(self._live_until) > 10_000:  # ended transactions age out
-                self._live_until = {t: u for t, u in self._live_until.items() if u > now}
-            self._live_until[trans_id] = until
+                self._live_until = {t: v for t, v in self._live_until.items() if v[0] > now}
+            self._live_until[trans_id] = (until, status.timestamp)
+        return status.timestamp

@@ -81,8 +81,6 @@ CHECKPOINT_BYTES = Gauge("retina_checkpoint_bytes", "Size of the last checkpoint
 CHECKPOINT_INSTALLED = Gauge("retina_checkpoint_last_success_timestamp_seconds",
                              "Unix time the last checkpoint was installed (0: none yet)")
 REPLAY_START = Gauge("retina_replay_from_ts", "Derived replay start", ["scope"])
-READ_FLOOR = Gauge("retina_read_floor_ts",
-                   "Lowest snapshot this process can answer (restored visibility base)")
 
 
 @dataclass
@@ -214,9 +212,9 @@ class RecoveryCoordinator:
             self.fail(str(exc))
             return
         fp.RECOVERY_REWIND_AFTER.hit()
-        # Kept row groups answer only snapshots at or above their restored base.
+        # Kept row groups answer only snapshots at or above their restored base; MarkReady
+        # raises the floor further (SNAPSHOTS_END_AT_RESTART, mark_ready.py).
         self._node.read_floor_ts = applied
-        READ_FLOOR.set(applied)
         self.attempt.starts = starts
         REPLAY_START.labels(scope="node").set(starts.node_replay_from_ts)
         log.info("replay_ts_ready", node=self._node.node_id,
@@ -281,8 +279,12 @@ class RecoveryCoordinator:
         self._machine.admit(Request.CHECKPOINT)
         with self._checkpoint_lock:
             # HWM - 1 (every write at or below it has been applied), but never
-            # below 0: before the first commit there is nothing to have applied.
-            applied = max(self._hwm() - 1, 0)
+            # below 0: before the first commit there is nothing to have applied. The fence
+            # first: a late write at or below the HWM applied after the cut would be in no
+            # checkpoint and no replay start (LATE_WRITES_FENCED).
+            hwm = self._hwm()
+            self._node.fence.raise_to(hwm, f"checkpoint: the HWM was {hwm}")
+            applied = max(hwm - 1, 0)
             try:
                 body = build_body(self._node, applied,
                                   self._node.index.allocate("checkpoint_id") + 1,

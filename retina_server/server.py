@@ -27,8 +27,6 @@ import time
 from pathlib import Path
 from types import FrameType
 
-import grpc
-
 from retina_common import failpoints, tls
 from retina_common.catalog import Catalog, CatalogError
 from retina_common.checkpoint import CheckpointBody, CheckpointStore
@@ -38,8 +36,7 @@ from retina_common.grpc_server import ServerHandle
 from retina_common.lifecycle_record import LifecycleState
 from retina_common.log import configure_logging
 from retina_common.metrics import serve_metrics
-from retina_common.pb import retina_pb2, retina_pb2_grpc, trans_pb2, trans_pb2_grpc
-from retina_common.refusal import Refusal
+from retina_common.pb import retina_pb2, retina_pb2_grpc, trans_pb2_grpc
 from retina_common.replay_ts import derive
 from retina_common.storage import root_uri
 from retina_common.topology import Topology, load_topology
@@ -49,13 +46,14 @@ from retina_server.gc_scheduler import GcScheduler, ReplayFloor
 from retina_server.index import LocalIndexService
 from retina_server.lifecycle import LifecycleAnnouncer, LifecycleStateMachine, Phase
 from retina_server.lineage import Lineage
-from retina_server.mark_ready import MarkReadyBarrier, ReadyHooks
+from retina_server.mark_ready import MarkReadyBarrier, ReadyHooks, RestartFence
 from retina_server.node import BufferSettings, RetinaNode
-from retina_server.read_guard import ReadTransactionGuard, TransStatus
+from retina_server.read_guard import ReadTransactionGuard
 from retina_server.recovery import RecoveryCoordinator
 from retina_server.service import RetinaService
 from retina_server.storage_gc import GcSettings, StorageGc
-from retina_server.sweeper import ReaderHolds, Sweeper, SweeperSettings
+from retina_server.sweeper import Sweeper, SweeperSettings
+from retina_server.trans_client import TransClient
 
 SERVICE_NAME = retina_pb2.DESCRIPTOR.services_by_name["RetinaWorkerService"].full_name
 SHUTDOWN_DEADLINE_S = 25.0
@@ -93,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     catalog = Catalog(config.catalog.dsn, pool_max=config.catalog.pool_max,
                       connect_timeout_s=config.catalog.connect_timeout_s)
     etcd = EtcdStore.from_config(config.etcd)
-    trans = trans_pb2_grpc.TransServiceStub(tls.open_channel(config.trans.listen, config.tls))
+    trans = TransClient(trans_pb2_grpc.TransServiceStub(
+        tls.open_channel(config.trans.listen, config.tls)))
     try:
         catalog.bootstrap()
         state_dir = Path(rc.state_dir) / f"{host}-{port}"
@@ -113,31 +112,15 @@ def main(argv: list[str] | None = None) -> int:
         etcd, node_id, rc.lifecycle_ttl_s,
         on_put=lambda state: handle.set_serving(state == LifecycleState.READY))
     stop = threading.Event()
-
-    def high_watermark() -> int:
-        try:
-            return trans.GetHighWatermark(trans_pb2.GetHighWatermarkRequest(),
-                                          timeout=10).high_watermark
-        except grpc.RpcError as exc:  # a dependency down: retry later, not a bug
-            raise Refusal(grpc.StatusCode.UNAVAILABLE,
-                          f"TransServer unreachable: {exc.code().name}") from exc
-
-    def safe_gc_ts() -> int:
-        try:
-            return trans.GetSafeGcTimestamp(trans_pb2.GetSafeGcTimestampRequest(),
-                                            timeout=10).safe_gc_ts
-        except grpc.RpcError as exc:
-            raise Refusal(grpc.StatusCode.UNAVAILABLE,
-                          f"TransServer unreachable: {exc.code().name}") from exc
-
     checkpoint_store = CheckpointStore(etcd, node_id, storage, topology.topology_hash)
     recovery = RecoveryCoordinator(
         node, catalog, checkpoint_store,
-        machine, announcer, high_watermark, index.allocate("recovery_epoch") + 1, journal)
+        machine, announcer, trans.high_watermark, index.allocate("recovery_epoch") + 1,
+        journal)
     node.on_fail_closed = recovery.fail
-    gc = StorageGc(node, catalog, journal, safe_gc_ts,
+    gc = StorageGc(node, catalog, journal, trans.safe_gc_ts,
                    GcSettings(rc.gc_retired_retention_ms, rc.gc_prepare_ttl_ms),
-                   trans_live=lambda trans_id: trans_status(trans_id).live)
+                   trans_live=lambda trans_id: trans.trans_status(trans_id).live)
     replay_floor = ReplayFloor()
 
     def observe_checkpoint(body: CheckpointBody) -> None:
@@ -148,33 +131,20 @@ def main(argv: list[str] | None = None) -> int:
     recovery.loaded_listeners.append(gc.observe_loaded)
     recovery.checkpoint_listeners += [
         observe_checkpoint, lambda body: gc.promote({f.file_id for f in body.files})]
-    scheduler = GcScheduler(node, safe_gc_ts, gc.gc_floor, replay_floor.floor,
+    scheduler = GcScheduler(node, trans.safe_gc_ts, gc.gc_floor, replay_floor.floor,
                             rc.gc_interval_ms / 1000, stop,
                             is_ready=lambda: machine.phase == Phase.READY)
     gc.fold_fence = scheduler.fold_fence
     lineage = Lineage(node, catalog, journal, gc, rc.gc_retired_retention_ms)
     recovery.retired_retention_ms = rc.gc_retired_retention_ms
 
-    def read_holds() -> ReaderHolds:
-        reply = trans.GetReadHolds(trans_pb2.GetReadHoldsRequest(), timeout=10)
-        return ReaderHolds(frozenset(reply.file_ids), reply.listings_in_flight)
-
-    sweeper = Sweeper(node, catalog, journal, checkpoint_store, read_holds,
+    sweeper = Sweeper(node, catalog, journal, checkpoint_store, trans.read_holds,
                       gc.pending_file_names, lineage.lock,
                       SweeperSettings(rc.sweeper_interval_ms / 1000, rc.temporary_file_ttl_ms,
                                       rc.orphan_grace_ms, rc.gc_lineage_retention_ms),
                       stop, is_ready=lambda: machine.phase == Phase.READY)
     job = GcJobLauncher(node_id, config_path, rc.gc_job_interval_ms / 1000, rc.gc_job_args,
                         stop, is_ready=lambda: machine.phase == Phase.READY)
-    def trans_status(trans_id: int) -> TransStatus:
-        try:
-            reply = trans.GetTransStatus(trans_pb2.GetTransStatusRequest(trans_id=trans_id),
-                                         timeout=10)
-        except grpc.RpcError as exc:
-            raise Refusal(grpc.StatusCode.UNAVAILABLE,
-                          f"TransServer unreachable: {exc.code().name}") from exc
-        return TransStatus(reply.live, reply.read_only, reply.lease_expires_at_ms)
-
     def start_gc() -> None:
         scheduler.start()
         job.start()
@@ -183,9 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     hooks = ReadyHooks(node, recovery.create_checkpoint, rc.checkpoint_interval_ms / 1000, stop,
                        start_gc=start_gc)
     barrier = MarkReadyBarrier(machine, recovery.entry, recovery.check_attempt, hooks,
-                               recovery.announce_ready)
+                               recovery.announce_ready,
+                               RestartFence(node, trans.fresh_timestamp))
     retina_pb2_grpc.add_RetinaWorkerServiceServicer_to_server(
-        RetinaService(node, recovery, barrier, machine, ReadTransactionGuard(trans_status),
+        RetinaService(node, recovery, barrier, machine,
+                      ReadTransactionGuard(trans.trans_status),
                       rc.max_rows_per_request, gc, scheduler, sweeper, lineage), handle.server)
     metrics_port = serve_metrics(rc.metrics_listen)
 

@@ -3,9 +3,12 @@
 Every RPC asks the lifecycle table (lifecycle.py, ``admit``) whether its kind
 of request is admitted in the current phase; every failure is answered
 through the one mapping of retina_common/refusal.py. Reads also refuse a
-snapshot the node can no longer answer exactly (below the visibility base it
-restored at start: ABORTED, begin a new query), and answer only reads of a
-live read-only transaction (read_guard.py). The Storage GC RPCs
+snapshot the node can no longer answer exactly (below the read floor MarkReady
+set: ABORTED, begin a new query), answer only reads of a live read-only
+transaction at or before its snapshot (read_guard.py), and raise the write
+fence to their timestamp (write_fence.py), so every read at S returns the same
+rows (SNAPSHOT_IS_IMMUTABLE). Ordinary writes pass the fence, recovery replays
+do not. The Storage GC RPCs
 (storage_gc.py) are admitted only while READY. AddVisibility (superseded by
 CommitGcRewrite, which installs the new file's visibility itself) and
 Register/UnregisterOffload (query offload) answer UNIMPLEMENTED.
@@ -104,13 +107,18 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             updates = prepare(self._node, request, self._max_rows)
             applied = replay_admission.to_apply(updates, starts, mode)
             self._node.check_writable()
-            return apply(self._node, applied)
+            return apply(self._node, applied, fenced=False)
 
-    def _admit_read(self, ts: int, trans_id: int) -> None:
-        """READY, a snapshot at or above the restored base, a live read transaction."""
+    def _admit_read(self, ts: int, trans_id: int, snapshot_read: bool) -> int:
+        """READY, a live read transaction whose snapshot is not below ``ts`` and is at or
+        above the read floor (so is ``ts`` for a ``snapshot_read``: GetWriteBuffer); then
+        LATE_WRITES_FENCED at ``ts`` (and every write admitted at or below it has
+        finished). Returns the transaction's snapshot."""
         self._machine.admit(Request.READ)
-        self._node.check_snapshot(ts)
-        self._reads.check(trans_id)
+        snapshot = self._reads.check(trans_id, ts)
+        self._node.check_snapshot(snapshot, ts if snapshot_read else None)
+        self._node.fence.raise_to(ts, f"read transaction {trans_id} at {ts}")
+        return snapshot
 
     def UpdateRecord(self, request: pb.UpdateRecordRequest,
                      context: grpc.ServicerContext) -> pb.UpdateRecordResponse:
@@ -124,9 +132,11 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
     def GetWriteBuffer(self, request: pb.GetWriteBufferRequest,
                        context: grpc.ServicerContext) -> pb.GetWriteBufferResponse:
         def run() -> pb.GetWriteBufferResponse:
-            self._admit_read(request.timestamp, request.trans_id)
+            snapshot = self._admit_read(request.timestamp, request.trans_id,
+                                        snapshot_read=True)
             table = self._node.table(request.schema_name, request.table_name)
-            rows = self._node.write_buffer_rows(table, request.timestamp)
+            rows = self._node.write_buffer_rows(table, request.timestamp,
+                                                reader=(request.trans_id, snapshot))
             sink = pa.BufferOutputStream()
             with pa.ipc.new_stream(sink, rows.schema) as writer:
                 writer.write_table(rows)
@@ -137,7 +147,7 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
     def QueryVisibility(self, request: pb.QueryVisibilityRequest,
                         context: grpc.ServicerContext) -> pb.QueryVisibilityResponse:
         def run() -> pb.QueryVisibilityResponse:
-            self._admit_read(request.timestamp, request.trans_id)
+            self._admit_read(request.timestamp, request.trans_id, snapshot_read=False)
             groups = self._node.query_visibility(request.file_id, list(request.rg_ids),
                                                  request.timestamp)
             return pb.QueryVisibilityResponse(

@@ -8,17 +8,24 @@ cutoff (safeGcTs), registers it TEMPORARY_GC and asks this node to commit it.
 stream, consecutive in firstBlockId order, none in another rewrite; a cutoff
 at or below the TransServer's safeGcTs and at or above every old row group's
 visibility base), pins the cutoff (the GC scheduler folds no visibility
-above a pinned cutoff, so the job can read visibility at exactly it), and
-names the new file with this node's naming scheme. Nothing durable happens.
+above a pinned cutoff, so the job can read visibility at exactly it), raises
+the write fence to the cutoff (write_fence.py: no delete at or below it can
+arrive any more, so the rows it drops are final), and names the new file with
+this node's naming scheme. Nothing durable happens.
 
 **CommitGcRewrite**, in this order, each durable step between two failpoints
 (docs/write-paths/storage-gc.md names every window and recovery's answer):
 
+0. BUFFER_FETCH_HOLDS_FILE: refuse (ABORTED, nothing changed, retry later) while
+   a read transaction that got rows of an old file from its write buffer can
+   still list files: it would find the new file and keep the buffered rows too;
 1. verify the new file against the survivors the node computes itself (row
    count, primary keys and commit timestamps, row by row, in Arrow);
 2. reserve row ids; journal INDEX_SWITCHING (write-ahead: everything below can
    be undone); set the new file's row-id hull (it is still TEMPORARY_GC);
-3. under the stream's publisher and buffer locks (the switch only):
+3. under the stream's publisher and buffer locks (the switch only): check
+   CUTOFF_UNCHANGED_SINCE_PREPARE (the rows deleted at or below the cutoff are
+   those prepare took; otherwise roll back, ABORTED) and step 0 again;
    new-file visibility, ``baseTimestamp = cutoff`` and one chain item per
    delete after the cutoff, including deletes that arrived while Spark
    rewrote; MainIndex ranges of the new file (durable); the primary switch
@@ -68,7 +75,7 @@ from retina_common.catalog import (
 from retina_common.catalog.errors import SwapPreconditionError
 from retina_common.codec import COMMIT_TS, EncodingError, encode_primary_keys
 from retina_common.log import get_logger
-from retina_common.refusal import Refusal
+from retina_common.refusal import HELD_BY_BUFFER_READ, Refusal
 from retina_common.retry import until_deadline
 from retina_common.storage import delete_quietly, object_size, open_parquet
 from retina_server.gc_journal import (
@@ -96,6 +103,9 @@ JOURNAL_ENTRIES = Gauge("retina_gc_journal_entries", "GC journal entries by stat
 JOURNAL_OLDEST_OPEN = Gauge("retina_gc_journal_oldest_open_age_seconds",
                             "Age of the oldest journal entry not CHECKPOINTED or ABORTED")
 PENDING = Gauge("retina_gc_pending_rewrites", "Rewrites prepared, not committed or aborted")
+HELD_BY_READERS = Counter("retina_gc_commits_held_by_readers_total",
+                          "Commits refused because a live read got rows of an old file from "
+                          "a write buffer (BUFFER_FETCH_HOLDS_FILE)")
 # Computed at scrape time (the gauges above change only when the journal does, so an entry
 # that is stuck would look frozen): the "GC journal stuck" alert reads this one.
 JOURNAL_STATE_AGE = Gauge("retina_gc_journal_state_age_seconds",
@@ -303,6 +313,9 @@ class StorageGc:
         stream = node.stream(table, vnode)
         old = self._stream_run(table, vnode, old_ids)
         self._check_cutoff(old, safe_gc_ts)
+        # LATE_WRITES_FENCED: no delete at or below the cutoff can arrive from now on, and
+        # every one admitted before has finished, so the dropped rows read below are final.
+        node.fence.raise_to(safe_gc_ts, f"Storage GC prepare at cutoff {safe_gc_ts}")
         self._drop_orphaned(set(old_ids))
         with self._lock:
             self._expire()
@@ -376,9 +389,11 @@ class StorageGc:
         if cutoff <= 0 or cutoff > safe:
             raise _refuse(grpc.StatusCode.INVALID_ARGUMENT,
                           f"cutoff {cutoff} is not in (0, safeGcTs {safe}]")
-        floor = max([self._node.read_floor_ts] +
-                    [self._node.visibility.get(m.file_id, rg).base_timestamp
-                     for m in old for rg in range(m.num_row_group)])
+        # Visibility answers at or above a row group's base only (a restart restores the
+        # checkpoint's at checkpointAppliedTs). The read floor is no bound here: the cutoff
+        # is below every live snapshot, and a reader older than the restart is refused.
+        floor = max([0] + [self._node.visibility.get(m.file_id, rg).base_timestamp
+                           for m in old for rg in range(m.num_row_group)])
         if cutoff < floor:
             raise _refuse(grpc.StatusCode.ABORTED,
                           f"cutoff {cutoff} is below the visibility base {floor} of these files; "
@@ -509,6 +524,7 @@ class StorageGc:
 
     def _commit(self, pending: PendingRewrite, new_file_id: int) -> CommitResult:
         node = self._node
+        readers = self._check_buffer_holds(pending)
         record, new_counts, plan = self._verify(pending, new_file_id)
         kept = len(plan.keys)
         start = node.index.allocate_row_ids(max(kept, 1))
@@ -541,6 +557,8 @@ class StorageGc:
                                       num_row_group=len(new_counts),
                                       expected_type=FileType.TEMPORARY_GC)
             with stream.publisher.lock, stream.buffer.lock:
+                self._check_cutoff_unchanged(pending)
+                self._check_no_new_buffer_readers(pending, readers)
                 chain_items = self._switch(pending, entry, plan, progress)
         except Exception as exc:
             if progress.swapped:
@@ -549,6 +567,7 @@ class StorageGc:
                 raise
             self._roll_back_live(entry, plan, progress, exc)
             raise GcRolledBack(f"rewrite {pending.rewrite_id} rolled back: {exc}") from exc
+        node.forget_buffer_files(entry.old_file_ids)
         result = CommitResult(pending.rewrite_id, new_file_id, tuple(entry.old_file_ids), kept,
                               sum(len(b) for b in pending.dropped.values()), chain_items,
                               JournalState.SWAPPED_NOT_CHECKPOINTED.value)
@@ -561,6 +580,59 @@ class StorageGc:
                  old_files=entry.old_file_ids, rows_kept=kept, rows_dropped=result.rows_dropped,
                  chain_items=chain_items, cutoff_ts=pending.cutoff)
         return result
+
+    def _check_buffer_holds(self, pending: PendingRewrite) -> frozenset[int]:
+        """BUFFER_FETCH_HOLDS_FILE: a file whose rows GetWriteBuffer handed to a read
+        transaction that can still list files is not replaced. Such a reader lists after
+        the swap, finds the new file and not the old one, and would keep the old file's
+        rows from its buffer fetch while reading them again from the new file. Refused
+        ABORTED (nothing changed; retry later). Returns the readers checked."""
+        old_ids = [m.file_id for m in pending.old]
+        readers = self._node.buffer_readers(old_ids)
+        if not readers:
+            return frozenset()
+        safe = self._safe_gc_ts()  # no live, not offloaded read has a snapshot at or below
+        done = set()  # readers that can list no more files
+        for trans_id, snapshot in sorted(readers.items()):
+            if snapshot <= safe:
+                done.add(trans_id)
+            elif self._trans_live(trans_id):
+                HELD_BY_READERS.inc()
+                raise _refuse(grpc.StatusCode.ABORTED,
+                              f"files {old_ids} are {HELD_BY_BUFFER_READ}: read "
+                              f"transaction {trans_id} (snapshot {snapshot}) got rows of them "
+                              "from a write buffer and may still list the table's files; "
+                              "retry once it has ended")
+            else:
+                done.add(trans_id)
+        self._node.forget_buffer_readers(done)
+        return frozenset(readers)
+
+    def _check_no_new_buffer_readers(self, pending: PendingRewrite,
+                                     checked: frozenset[int]) -> None:
+        """BUFFER_FETCH_HOLDS_FILE under the stream locks: an old file published after the
+        prepare may have been read from its write buffer after the check above."""
+        new = set(self._node.buffer_readers([m.file_id for m in pending.old])) - checked
+        if new:
+            HELD_BY_READERS.inc()
+            raise _refuse(grpc.StatusCode.ABORTED,
+                          f"the old files are {HELD_BY_BUFFER_READ}: read transactions "
+                          f"{sorted(new)} got rows of them from a write buffer while the "
+                          "rewrite committed; retry once they ended")
+
+    def _check_cutoff_unchanged(self, pending: PendingRewrite) -> None:
+        """CUTOFF_UNCHANGED_SINCE_PREPARE, under the stream locks: the rows deleted at or
+        below the cutoff are exactly those the prepare took (and the new file left out).
+        The write fence makes a difference impossible; if one shows, the new file would
+        bring a deleted row back for good, so the commit rolls back."""
+        for meta, counts in zip(pending.old, pending.rg_row_counts, strict=True):
+            for rg in range(len(counts)):
+                now = self._node.visibility.get(meta.file_id, rg).deleted_at(pending.cutoff)
+                if now != pending.dropped[(meta.file_id, rg)]:
+                    raise _refuse(grpc.StatusCode.ABORTED,
+                                  f"rows of file {meta.file_id} row group {rg} were deleted at "
+                                  f"or below the cutoff {pending.cutoff} after the rewrite was "
+                                  "prepared; prepare it again")
 
     def _count_bytes(self, pending: PendingRewrite, record: FileRecord) -> None:
         with contextlib.suppress(OSError, ValueError):  # a metric: never fails a commit

@@ -13,6 +13,12 @@ A TableUpdateData in the columnar form (``retina_common.columnar``: Arrow IPC
 key and row streams) is decoded and validated in full first; its keys are
 computed from the rows' key columns, and every rule above applies to it too.
 
+An ordinary request (no RecoveryReplayContext) is then admitted by the node's write
+fence under its stream locks (write_fence.py, LATE_WRITES_FENCED): if any of its
+timestamps is at or below the write floor (a read at or above it was answered, or the
+HWM passed it), it is refused ABORTED with nothing applied, and the writer redoes the
+batch at a new timestamp.
+
 Apply, per TableUpdateData in request order (section 5, "Unified write order"):
 
 * TRUNCATE (``truncate`` set; a source TRUNCATE, sent to every virtual
@@ -61,6 +67,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from prometheus_client import Counter
 
+from retina_common import failpoints as fp
 from retina_common.catalog import NotFoundError, TableRecord
 from retina_common.codec import (
     EncodingError,
@@ -369,15 +376,26 @@ def _check_no_live_inserts(node: RetinaNode, updates: list[PreparedUpdate]) -> N
             live[(tid, key)] = True
 
 
-def apply(node: RetinaNode, updates: list[PreparedUpdate]) -> pb.UpdateRecordResponse:
+def apply(node: RetinaNode, updates: list[PreparedUpdate], *,
+          fenced: bool = True) -> pb.UpdateRecordResponse:
+    """Apply a validated request. ``fenced``: an ordinary write, admitted only above the
+    write floor (LATE_WRITES_FENCED); a recovery replay passes False."""
     node.check_writable()
     streams = {(u.table.table_id, u.vnode): node.stream(u.table, u.vnode) for u in updates}
     order = [streams[k] for k in sorted(streams)]
     response = pb.UpdateRecordResponse()
     staged: list[tuple[Stream, PreparedUpdate, list[AppendHandle]]] = []
+    if fenced:
+        fp.UPDATE_RECORD_FENCE_BEFORE.hit()
     with contextlib.ExitStack() as stack:
         for stream in order:  # a fixed lock order: no deadlock between requests
             stack.enter_context(stream.buffer.lock)
+        if fenced and updates:
+            # Checked under the stream locks: a write that waited for them behind a GC
+            # commit is refused if a read passed its timestamp meanwhile, and one admitted
+            # here finishes (settle included) before such a read looks.
+            stack.enter_context(node.fence.admit(min(u.ts for u in updates)))
+            fp.UPDATE_RECORD_FENCE_AFTER.hit()
         try:
             with node.index.write_batch():
                 _check_no_live_inserts(node, updates)

@@ -80,6 +80,7 @@ from retina_common.log import configure_logging
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
+from retina_common.refusal import HELD_BY_BUFFER_READ
 from retina_common.schema_evolution import conform, table_schema
 from retina_common.storage import object_size, open_parquet, write_durably
 from retina_common.topology import Topology
@@ -121,8 +122,11 @@ META_PREFIX = "retina."  # the publisher's prefix for our own footer keys
 # Outcomes of a group, as printed and in --json.
 PLANNED, COMMITTED, REFUSED, FAILED = "PLANNED", "COMMITTED", "REFUSED", "FAILED"
 # The node said "not now" (ABORTED: its files are in another rewrite that no checkpoint
-# pair holds yet, or the cutoff is below a fold under way): left for the next run.
+# pair holds yet, or the cutoff is below a fold under way, or a read holds an old file
+# through its write-buffer fetch): left for the next run.
 BUSY = "BUSY"
+# How long a commit held for a write-buffer reader is asked again before the group is BUSY.
+HELD_RETRY_S = 10.0
 # Codes after which a node has said no for a reason of its own: reported, not fatal.
 _NOT_OURS = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
@@ -606,6 +610,10 @@ def _code_exit(code: grpc.StatusCode) -> int:
     return EXIT_REFUSED
 
 
+def _held_by_reader(exc: grpc.RpcError) -> bool:
+    return exc.code() == grpc.StatusCode.ABORTED and HELD_BY_BUFFER_READ in (exc.details() or "")
+
+
 def _rpc(call: Callable[[], T], retry_on: tuple[grpc.StatusCode, ...] = RETRYABLE,
          attempts: int = 5) -> T:
     """``call()``, sent again with backoff on ``retry_on``; the last error propagates."""
@@ -846,14 +854,13 @@ class StorageGcJob:
             return
         started = time.monotonic()
         try:
-            # A repeated commit of a committed rewrite answers the same: a lost answer
-            # (deadline) is simply asked again.
-            reply = _rpc(lambda: self.nodes[task.node].CommitGcRewrite(
-                rpb.CommitGcRewriteRequest(rewrite_id=task.rewrite_id,
-                                           new_file_id=result.new_file_id),
-                timeout=RPC_TIMEOUT_S))
+            reply = self._commit(task, result)
         except grpc.RpcError as exc:
             report.commit_seconds = round(time.monotonic() - started, 3)
+            if _held_by_reader(exc):  # nothing changed; the next run rewrites them
+                self.abort(task)
+                self._settle(report, BUSY, exc.code(), f"CommitGcRewrite: {exc.details()}")
+                return
             if exc.code() in RETRYABLE:
                 # Outcome unknown: the rewrite may have committed. No abort; the node
                 # decides (journal) and the next run plans from what is REGULAR.
@@ -867,6 +874,26 @@ class StorageGcJob:
         report.commit_seconds = round(time.monotonic() - started, 3)
         report.chain_items, report.journal_state = reply.chain_items, reply.journal_state
         self._settle(report, COMMITTED, None, reply.outcome)
+
+    def _commit(self, task: RewriteTask,
+                result: RewriteResult) -> rpb.CommitGcRewriteResponse:
+        """CommitGcRewrite. A repeated commit of a committed rewrite answers the same, so a
+        lost answer (deadline) is simply asked again; a commit held for a reader that got
+        rows of an old file from a write buffer (BUFFER_FETCH_HOLDS_FILE: reads are short)
+        is asked again for up to HELD_RETRY_S before the group is left for the next run."""
+        request = rpb.CommitGcRewriteRequest(rewrite_id=task.rewrite_id,
+                                             new_file_id=result.new_file_id)
+        deadline = time.monotonic() + HELD_RETRY_S
+        delay = 0.2
+        while True:
+            try:
+                return _rpc(lambda: self.nodes[task.node].CommitGcRewrite(
+                    request, timeout=RPC_TIMEOUT_S))
+            except grpc.RpcError as exc:
+                if not _held_by_reader(exc) or time.monotonic() + delay > deadline:
+                    raise
+            time.sleep(delay)  # backoff between attempts, not synchronisation
+            delay = min(delay * 2, 2.0)
 
     def run(self) -> int:
         args = self.args

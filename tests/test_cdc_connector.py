@@ -27,6 +27,7 @@ from retina_common.pb import trans_pb2 as tpb
 from .cdc import CdcPlane, SourceDb
 from .dataplane import DataPlane
 from .support import eventually, now_ms
+from .test_snapshot_immutable import parked
 
 
 @pytest.fixture
@@ -437,3 +438,46 @@ def test_connector_crash_in_retention_never_hides_a_gap(make_cdc: Callable[..., 
     cdc.source.run(10)
     cdc.converged(timeout_s=90)
     assert cdc.all_ready()
+
+
+def test_a_batch_the_write_fence_refuses_is_redone_at_new_timestamps(
+        make_cdc: Callable[..., CdcPlane], failpoint_dir: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch whose send to one node stalls past its lease (parked before that node's write
+    fence) while a read passes its timestamps is refused ABORTED there. The connector takes
+    it for an expired batch: it redoes it at new timestamps and goes on; the tables converge
+    and the connector never stops (issue 25)."""
+    monkeypatch.setenv(failpoints.DIR_VAR, str(failpoint_dir))
+    cdc = make_cdc(write_lease_ms=1000)
+    cdc.cdc.start()
+    eventually(cdc.all_ready, 60, "the connector to drive both nodes to READY")
+    cdc.source.run(10)
+    cdc.converged()
+    node = cdc.plane.nodes[0]
+    cdc.plane.retinas[node].kill9()
+    cdc.plane.retinas[node].start("update_record.fence.before=block*1")
+    eventually(cdc.all_ready, 60, "the connector to recover the node")
+    changelog = Changelog(cdc.cdc.settings["changelog_root"])
+    logged = max((r.last_ts for r in changelog.records(0)), default=0)
+    with cdc.source.background(20), parked(failpoint_dir, "update_record.fence.before"):
+        stalled = eventually(lambda: max(r.last_ts for r in changelog.records(0)) > logged
+                             and max(r.last_ts for r in changelog.records(0)), 30,
+                             "the stalled batch in the changelog")
+        trans = cdc.plane.trans.stub()
+
+        def read_passes_it() -> bool:  # once its lease ran out, a snapshot is above it
+            read = trans.BeginTrans(tpb.BeginTransRequest(read_only=True), timeout=10)
+            try:
+                if read.timestamp < stalled:
+                    return False
+                cdc.plane.retinas[node].stub.GetWriteBuffer(rpb.GetWriteBufferRequest(
+                    schema_name="shop", table_name="orders", timestamp=read.timestamp,
+                    trans_id=read.trans_id), timeout=10)
+                return True
+            finally:
+                trans.CommitTrans(tpb.CommitTransRequest(trans_id=read.trans_id), timeout=10)
+        eventually(read_passes_it, 30, "a read above the stalled batch")
+    cdc.converged()
+    expired = cdc.cdc.logged("cdc_batch_expired")
+    assert any("write fence" in e["reason"] for e in expired), expired
+    assert cdc.cdc.alive()

@@ -45,7 +45,8 @@ def write_buffer_rows(plane: DataPlane, table: str) -> int:
     assert plane.reader is not None
     with plane.reader.transaction() as trans:
         return sum(p.stub.GetWriteBuffer(rpb.GetWriteBufferRequest(
-            schema_name="shop", table_name=table, timestamp=2**62, trans_id=trans.trans_id),
+            schema_name="shop", table_name=table, timestamp=trans.timestamp,
+            trans_id=trans.trans_id),
             timeout=10).row_count for p in plane.retinas.values())
 
 

@@ -86,6 +86,7 @@ def test_files_closing_out_of_order_publish_in_first_block_order(
 
 
 CRASH_POINTS = [
+    "update_record.fence.before", "update_record.fence.after",
     "index.primary_commit.before", "index.primary_commit.after",
     "ingest.alloc.catalog.before", "ingest.alloc.catalog.after",
     "ingest.close.before", "ingest.close.after",

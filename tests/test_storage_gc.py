@@ -205,6 +205,7 @@ def test_a_kill_during_the_commit_recovers_to_the_model(
     prepared = gc.prepare(plane, node, "orders", vnode, files)
     new_file = gc.write_new_file(plane, prepared)
     err = rpc_error(lambda: gc.commit(plane, prepared, new_file))
+    gc.end(plane, prepared.trans_id)  # the job ends its read (its lease would)
     assert err.code() == grpc.StatusCode.UNAVAILABLE
     assert retina.wait_exit() == 137
     retina.start()
@@ -304,6 +305,7 @@ def test_a_kill_during_an_in_place_rollback_is_finished_by_recovery(
     new_file = gc.write_new_file(plane, prepared)
     assert rpc_error(lambda: gc.commit(plane, prepared, new_file)).code() == \
         grpc.StatusCode.UNAVAILABLE
+    gc.end(plane, prepared.trans_id)  # the job ends its read (its lease would)
     assert retina.wait_exit() == 137
     retina.start()
     plane.recover(node)
@@ -327,6 +329,7 @@ def test_a_journal_error_after_its_record_is_durable_closes_the_record(
     prepared = gc.prepare(plane, node, "orders", vnode, files)
     new_file = gc.write_new_file(plane, prepared)
     err = rpc_error(lambda: gc.commit(plane, prepared, new_file))
+    gc.end(plane, prepared.trans_id)  # the job ends its read (its lease would)
     assert err.code() == grpc.StatusCode.ABORTED, err.details()
     assert [e.state for e in gc.journal(plane, node).values()] == ["ABORTED"]
     assert catalog.get_file(new_file) is None
@@ -358,6 +361,7 @@ def test_a_swap_that_failed_before_its_commit_rolls_back_and_changes_nothing(
     prepared = gc.prepare(plane, node, "orders", vnode, files)
     new_file = gc.write_new_file(plane, prepared)
     err = rpc_error(lambda: gc.commit(plane, prepared, new_file))
+    gc.end(plane, prepared.trans_id)  # the job ends its read (its lease would)
     assert err.code() == grpc.StatusCode.ABORTED, err.details()
     assert [e.state for e in gc.journal(plane, node).values()] == ["ABORTED"]
     regular = gc.regular_ids(plane, "orders")
@@ -385,6 +389,7 @@ def test_a_failure_before_the_swap_rolls_back_in_place(
     # A commit of the rolled-back rewrite is refused; a new one succeeds.
     again = rpc_error(lambda: gc.commit(plane, prepared, new_file))
     assert again.code() == grpc.StatusCode.FAILED_PRECONDITION
+    gc.end(plane, prepared.trans_id)  # the job ends its read (its lease would)
     assert gc.rewrite(plane, node, "orders", vnode, files).outcome == "COMMITTED"
     assert plane.read("orders") == plane.model.rows["orders"]
 
@@ -486,6 +491,7 @@ def test_gc_rows_without_a_journal_fail_the_node_closed(
     prepared = gc.prepare(plane, node, "orders", vnode, files)
     new_file = gc.write_new_file(plane, prepared)
     rpc_error(lambda: gc.commit(plane, prepared, new_file))
+    gc.end(plane, prepared.trans_id)  # the job ends its read (its lease would)
     assert retina.wait_exit() == 137
     for record in _journal_dir(plane, node).glob("*.gcj"):
         record.unlink()  # the journal is lost: its switched primary entries are not
