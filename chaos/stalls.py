@@ -114,11 +114,13 @@ def stall(ctx: FaultContext, result: FaultResult) -> None:
     ctx.write()
     ctx.kill(name, signal.SIGKILL)
     ctx.cluster.start(name, spec)
+    started = time.monotonic()
     hit = directory / f"{point}.hit"
     if not wait_until(hit.exists, HIT_DEADLINE_S, ctx.write):
         result.reads["stall_not_reached"] += 1
         result.notes.append(f"{point} not reached within {HIT_DEADLINE_S:.0f}s")
     else:
+        result.detail += f", hit after {time.monotonic() - started:.1f}s"
         _parked(ctx, name, point, directory, stall_s, result)
     failpoints.release(directory, point)  # idempotent; never leave a write parked
     ctx.kill(name, signal.SIGKILL)  # then clean: the point disarmed
@@ -160,7 +162,10 @@ def _parked(ctx: FaultContext, name: str, point: str, directory: Path, stall_s: 
         # Read both again, and end them, before the clean restart: a node's restart floor
         # would refuse them after it. Once the connector committed past the source's last
         # write, the parked write has been answered and its batch done again.
-        if not caught_up(ctx, CAUGHT_UP_S):
+        released_at = time.monotonic()
+        if caught_up(ctx, CAUGHT_UP_S):
+            result.detail += f", caught up {time.monotonic() - released_at:.1f}s later"
+        else:
             result.notes.append(f"the connector did not catch up within {CAUGHT_UP_S:.0f}s "
                                 "after the stall")
         book.reread_taken([t for t in taken if t is not None], "once the stalled batch "
