@@ -212,13 +212,22 @@ class ChaosCluster:
         with open(self.log_path(name), "ab") as log:
             log.write(f"\n--- chaos: start {name} failpoints={failpoints!r}\n".encode())
             log.flush()
+            # RETINA_FAILPOINT_DIR: where a ``block`` point announces its hit and waits
+            # for its release (the stalled-write fault, chaos/stalls.py).
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **env, "RETINA_FAILPOINTS": failpoints},
+                                     env={**os.environ, **env, "RETINA_FAILPOINTS": failpoints,
+                                          "RETINA_FAILPOINT_DIR": str(self.failpoint_dir(name))},
                                      start_new_session=True)
         proc = Proc(popen, failpoints)
         with self.lock:
             self.procs[name] = proc
         return proc
+
+    def failpoint_dir(self, name: str) -> Path:
+        """The process's RETINA_FAILPOINT_DIR (created on first use)."""
+        path = self.state_dir / "failpoints" / name.replace(":", "-")
+        path.mkdir(parents=True, exist_ok=True)
+        return path
 
     def start_node(self, node: str, failpoints: str = "") -> Proc:
         assert self.state is not None

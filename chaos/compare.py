@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +17,7 @@ import pyarrow as pa
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.keys import cdc_position_key
 from retina_common.pb import trans_pb2 as tpb
-from retina_common.reader import Snapshot, SnapshotReader
+from retina_common.reader import SnapshotReader
 from retina_common.topology import Topology
 
 from .workload import SCHEMA, Key, Row, TableSpec, current_tables, normalise, source_rows
@@ -25,46 +25,29 @@ from .workload import SCHEMA, Key, Row, TableSpec, current_tables, normalise, so
 
 class FastSnapshotReader(SnapshotReader):
     """``SnapshotReader`` whose per-file reads (a QueryVisibility call and a Parquet read
-    each) are fetched in parallel first, inside the same gated transaction: with tiny
-    ingest files a table has many. The snapshot itself is still assembled by
-    ``SnapshotReader.read_in``, so its rules stay in one place."""
+    each) run in parallel: with tiny ingest files a table has many. Every other step, and
+    the snapshot's assembly, is ``SnapshotReader``'s own, so its rules stay in one place."""
 
     def __init__(self, trans_address: str, topology: Topology, timeout_s: float = 30,
                  workers: int = 8) -> None:
         super().__init__(trans_address, topology, timeout_s)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="chaos-read")
-        self._cache: dict[int, pa.Table] = {}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         super().close()
 
-    def read_in(self, trans: tpb.BeginTransResponse, schema: str, table: str, *,
-                keep_hidden: bool = False) -> Snapshot:
-        listing = self._trans.ListQueryFiles(tpb.ListQueryFilesRequest(
-            trans_id=trans.trans_id, schema_name=schema, table_name=table), timeout=self._timeout)
-        tables = self._pool.map(lambda f: self._fetch(f, trans), listing.files)
-        self._cache = dict(zip([f.file_id for f in listing.files], tables, strict=True))
+    def read_files(self, files: Sequence[tpb.QueryFile],
+                   trans: tpb.BeginTransResponse) -> list[pa.Table]:
+        futures = [self._pool.submit(self.read_file, f, trans) for f in files]
         try:
-            return super().read_in(trans, schema, table, keep_hidden=keep_hidden)
-        finally:
-            self._cache = {}
-
-    def _fetch(self, f: tpb.QueryFile, trans: tpb.BeginTransResponse) -> pa.Table:
-        base: Any = SnapshotReader
-        if hasattr(base, "read_file"):
-            return base.read_file(self, f, trans)
-        return base._read_file(self, f, trans.timestamp)
-
-    def read_file(self, f: tpb.QueryFile, trans: tpb.BeginTransResponse) -> pa.Table:
-        cached = self._cache.get(f.file_id)
-        return cached if cached is not None else self._fetch(f, trans)
-
-    def _read_file(self, f: tpb.QueryFile, ts: int) -> pa.Table:
-        cached = self._cache.get(f.file_id)
-        if cached is not None:
-            return cached
-        return SnapshotReader._read_file(self, f, ts)  # type: ignore[attr-defined]
+            return [f.result() for f in futures]
+        except BaseException:
+            # Refused (a folded or restarted node): the reads still queued would only
+            # delay the next read.
+            for f in futures:
+                f.cancel()
+            raise
 
 
 @dataclass

@@ -28,10 +28,11 @@ from retina_common.pb import trans_pb2 as tpb
 from retina_common.tls import open_channel
 from retina_common.topology import load_topology
 
-from . import spark_replay
+from . import spark_replay, split_reads, stalls
 from .cluster import CDC, TRANS, ChaosCluster
 from .gc import ROW_GROUP_ROWS, GcDriver, PassResult, maintenance
 from .prober import ReadinessTracker
+from .repeatable_reads import SnapshotBook
 from .sweep import (
     ORPHAN_GRACE_MS,
     Planted,
@@ -47,6 +48,7 @@ from .workload import PROBE_TABLE, SCHEMA
 
 # Which process reaches which failpoints (by name prefix).
 # etcd.txn.*: every compare-and-swap; Retina's checkpoint pointer swap does one constantly.
+# update_record.*: the write fence's points (issue 25), reached by every UpdateRecord.
 RETINA_PREFIXES = ("ingest.", "index.", "checkpoint.", "recovery.", "catalog.", "etcd.", "gc.",
                    "sweeper.", "update_record.")
 # Points of the Spark job's rewrite task (spark_jobs/storage_gc.py, rewrite_group).
@@ -177,6 +179,7 @@ class FaultResult:
     gc: Counter[str] = field(default_factory=Counter)  # GC pass outcomes (chaos/gc.py)
     sweep: Counter[str] = field(default_factory=Counter)  # sweepers, reverts, orphans
     replay: Counter[str] = field(default_factory=Counter)  # chaos/spark_replay.py
+    reads: Counter[str] = field(default_factory=Counter)  # stalled writes, split reads
 
 
 @dataclass
@@ -190,16 +193,21 @@ class FaultContext:
     # the workload's stream); returns "table.column type", or "" if none was added.
     evolve: Callable[[], str] | None = None
     gc_row_group_rows: tuple[int, ...] = ROW_GROUP_ROWS  # the GC passes' new-file row groups
+    # The episode's snapshots (chaos/repeatable_reads.py): the stall and split-read faults
+    # take and compare their own; GC-driven failpoints end the open ones first.
+    snapshots: SnapshotBook | None = None
 
     def gc_pass(self, node: str, result: FaultResult, max_groups: int = 3,
                 race: float = 0.5, task_failpoints: str = "", failpoint_dir: str = "",
-                dead_task_retry: float = 0.5) -> PassResult:
-        """One GC pass on ``node``; its counts, notes and anomalies go into ``result``."""
+                dead_task_retry: float = 0.5, focus: frozenset[int] = frozenset()
+                ) -> PassResult:
+        """One GC pass on ``node``; its counts, notes and anomalies go into ``result``.
+        ``focus``: rewrite streams and runs holding these files (GcDriver)."""
         assert self.cluster.state is not None
         state = self.cluster.state
         driver = GcDriver(state.trans_listen, state.postgres.dsn(), self.rng, self.source,
                           task_failpoints, self.gc_row_group_rows, failpoint_dir,
-                          dead_task_retry)
+                          dead_task_retry, focus)
         done = driver.run_pass(node, lambda: self.cluster.alive(node), max_groups, race)
         done.task_exits = driver.task_exits
         result.gc.update(done.counts)
@@ -365,6 +373,9 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
     sweep_pass = sweep_driving(point)
     spec = f"{point}=exit({EXIT_AT_FAILPOINT})@{hit_k}"
     result = FaultResult("failpoint", f"{spec}", failpoint=point)
+    if (driving or sweep_pass in ("retired", "journal")) and ctx.snapshots is not None:
+        # GC passes after a restart: a held read below the node's new floor would stop them.
+        ctx.snapshots.release(f"before {point}")
     ctx.write()  # leave work in flight, so start-up paths (cleansing) have something to do
     name = TRANS if role == "trans" else CDC if role == "cdc" else ctx.node()
     if sweep_pass in ("retired", "journal") and node_state(name) == rpb.READY:
@@ -441,6 +452,11 @@ def arm_rewriter_failpoint(ctx: FaultContext, point: str, hit_k: int,
     # only (+once: the retry and the other groups' tasks go through, as in a Spark job
     # that lost one task).
     del hit_k
+    if ctx.snapshots is not None:
+        # A held read that fetched the write buffers holds the files published since
+        # (BUFFER_FETCH_HOLDS_FILE: their commit waits for it); the retried task's group
+        # must be able to commit.
+        ctx.snapshots.release(f"before {point}")
     spec = f"{point}=exit({EXIT_AT_FAILPOINT})@1+once"
     directory = ctx.failpoint_dir()
     node = ctx.node()
@@ -846,6 +862,21 @@ def _send(node: str, request: rpb.UpdateRecordRequest) -> str:
     return "OK"
 
 
+# --- SNAPSHOT_IS_IMMUTABLE: stalled writes, split reads (issue 25) ----------------------------
+def stalled_write(ctx: FaultContext) -> FaultResult:
+    """An UpdateRecord parked past its lease (chaos/stalls.py)."""
+    result = FaultResult("stalled_write")
+    stalls.stall(ctx, result)
+    return result
+
+
+def split_read(ctx: FaultContext) -> FaultResult:
+    """A read split across a GC commit or a restart (chaos/split_reads.py)."""
+    result = FaultResult("split_read")
+    split_reads.split_read(ctx, result)
+    return result
+
+
 # --- the fault menu -----------------------------------------------------------------------------
 FAULTS: dict[str, tuple[float, Callable[[FaultContext], FaultResult]]] = {
     "retina_sigkill": (4, lambda c: kill_node(c, signal.SIGKILL)),
@@ -867,6 +898,8 @@ FAULTS: dict[str, tuple[float, Callable[[FaultContext], FaultResult]]] = {
     "orphan_sweep": (2, orphan_sweep),
     "spark_replay_retry": (3, spark_replay_retry),
     "spark_gc_retry": (2, spark_gc_retry),
+    "stalled_write": (3, stalled_write),
+    "split_read": (3, split_read),
 }
 # Kinds that joined the menu after the campaigns of docs/chaos.md: drawn from a stream of
 # their own (``late_rng``), so that every episode they do not take draws exactly the fault

@@ -145,12 +145,21 @@ def cut_runs(files: Sequence[ListedFile], rng: random.Random) -> list[tuple[List
     return runs
 
 
+def focused(runs: list[tuple[ListedFile, ...]], focus: frozenset[int],
+            ) -> list[tuple[ListedFile, ...]]:
+    """The runs holding a ``focus`` file (all runs if none does, or without a focus)."""
+    return [r for r in runs if focus & {f.file_id for f in r}] or runs
+
+
 def pick_streams(listings: dict[str, Sequence[tpb.QueryFile]], node: str,
-                 rng: random.Random, max_groups: int) -> list[tuple[str, int, list[ListedFile]]]:
+                 rng: random.Random, max_groups: int, focus: frozenset[int] = frozenset(),
+                 ) -> list[tuple[str, int, list[ListedFile]]]:
     """Up to ``max_groups`` of ``node``'s streams, at random: one group each, so no two
-    groups of a pass share a file."""
+    groups of a pass share a file. With ``focus``, only streams holding one of those
+    files."""
     streams = [(table, vnode, files) for table in sorted(listings)
-               for vnode, files in sorted(node_streams(listings[table], node).items())]
+               for vnode, files in sorted(node_streams(listings[table], node).items())
+               if not focus or focus & {f.file_id for f in files}]
     rng.shuffle(streams)
     return streams[:max_groups]
 
@@ -189,7 +198,7 @@ class GcDriver:
     def __init__(self, trans_listen: str, catalog_dsn: str, rng: random.Random,
                  source: Callable[[], Any] | None = None, task_failpoints: str = "",
                  row_group_rows: Sequence[int] = ROW_GROUP_ROWS, failpoint_dir: str = "",
-                 dead_task_retry: float = 0.5) -> None:
+                 dead_task_retry: float = 0.5, focus: frozenset[int] = frozenset()) -> None:
         self.trans_listen = trans_listen
         self.catalog_dsn = catalog_dsn
         self.rng = rng
@@ -204,6 +213,9 @@ class GcDriver:
         self.dead_task_retry = dead_task_retry
         self.task_exits: list[int] = []  # exit codes of the task processes
         self.row_group_rows = tuple(row_group_rows)
+        # Files to rewrite if the node lets us (a split read's fetched buffer files): the
+        # pass picks only their streams and runs holding them.
+        self.focus = focus
 
     def run_pass(self, node: str, alive: Callable[[], bool], max_groups: int = 3,
                  race: float = 0.5) -> PassResult:
@@ -253,12 +265,14 @@ class GcDriver:
             timeout=RPC_TIMEOUT_S).files) for t in TABLES}
         row_group_rows = self.rng.choice(self.row_group_rows)  # several row groups, or one
         spec = TaskSpec(self.catalog_dsn, 5, trans_id, row_group_rows)
-        for table, vnode, files in pick_streams(listings, node, self.rng, max_groups):
+        for table, vnode, files in pick_streams(listings, node, self.rng, max_groups,
+                                                self.focus):
             ordered = in_stream_order(files, self._positions(stub, files, safe, trans_id))
             if ordered is None:
                 result.counts["streams_skipped"] += 1
                 continue
-            group = GcGroup(table, vnode, self.rng.choice(cut_runs(ordered, self.rng)))
+            group = GcGroup(table, vnode, self.rng.choice(focused(cut_runs(ordered, self.rng),
+                                                                  self.focus)))
             if not alive():
                 result.stopped = f"{node} exited"
                 return

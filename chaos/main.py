@@ -42,7 +42,9 @@ from .faults import (
 )
 from .gc import ROW_GROUP_ROWS, journal_states
 from .prober import Prober, ReadinessTracker
+from .repeatable_reads import SnapshotBook
 from .report import Anomaly, Report
+from .snapshots import SnapshotReaders
 from .sweep import StorageAudit
 
 # 6: the workload changes the source schema only by nullable ADD COLUMNs, which the
@@ -82,6 +84,7 @@ class Campaign:
         self.conn: Any = None
         self.reader: FastSnapshotReader | None = None
         self.prober: Prober | None = None
+        self.book: SnapshotBook | None = None  # SNAPSHOT_IS_IMMUTABLE's snapshots, per cluster
         self.etcd: EtcdStore | None = None
         self.unconverged = 0  # episodes in a row that did not converge
         self.broken = ""  # set when the cluster cannot go on: stop the campaign
@@ -167,6 +170,8 @@ class Campaign:
         # etcd restarts on the same ports, so one client serves the cluster's lifetime.
         self.etcd = EtcdStore([self.cluster.state.etcd.endpoint], 5)
         self.reader = FastSnapshotReader(self.cluster.state.trans_listen, topology, 10)
+        self.book = SnapshotBook(SnapshotReaders(self.reader, self.cluster.state.trans_listen,
+                                                 topology), self.report.snapshots)
         self.prober = Prober(self.cluster.state.trans_listen, topology, self.args.seed)
         self.prober.start()
         self.audit = StorageAudit(self.cluster.state.postgres.dsn())
@@ -180,6 +185,11 @@ class Campaign:
             self.report.reads_refused += self.prober.refused
             self.report.reads_failed += self.prober.failed
             self.prober = None
+        if self.book is not None:
+            self.book.close()
+            self.book.readers.close()
+            self.report.snapshots.update(self.book.readers.read_ms)
+            self.book = None
         if self.reader is not None:
             self.reader.close()
             self.reader = None
@@ -205,17 +215,24 @@ class Campaign:
         # The workload draws from its own stream, so how many steps a failpoint wait
         # needed does not shift the fault choices.
         work_rng = random.Random(derived ^ 0x5DEECE66D)
+        # The snapshots too (chaos/repeatable_reads.py): adding them moved no other draw.
+        assert self.book is not None
+        book = self.book
+        book.begin_episode(episode, random.Random(derived ^ 0x5A4E5A))
         ctx = FaultContext(self.cluster, self.tracker, fault_rng,
                            lambda: self._write(work_rng, episode), self._source,
                            gc_row_group_rows=self.gc_row_group_rows(),
-                           evolve=lambda: self._add_column(work_rng, episode))
+                           evolve=lambda: self._add_column(work_rng, episode),
+                           snapshots=book)
         for _ in range(fault_rng.randint(1, 2)):
             ctx.write()
+        book.before_fault()
         kind = self._fault_kind(fault_rng, random.Random(derived ^ LATE_FAULT_STREAM), episode)
         try:
             result = inject(ctx, kind, self.args.seed, episode, self.failpoint_prefixes())
         except (ClusterError, OSError, psycopg2.Error) as exc:
             result = FaultResult(kind, notes=[f"fault injection failed: {exc}"])
+        book.after_fault(f"{result.kind} {result.detail}".strip())
         self._record_fault(episode, result)
         t_fault = time.monotonic()
         self._heal(episode)
@@ -240,6 +257,8 @@ class Campaign:
         self._check_gc_journals(episode)
         self._check_storage(episode)
         self._record_breaches(episode)
+        book.after_healing()
+        self._record_snapshots(episode)
         self.report.episodes += 1
         self.report.episode_seconds.append(time.monotonic() - t0)
         self.report.converge_seconds.append(converge_s)
@@ -301,6 +320,8 @@ class Campaign:
             with contextlib.suppress(Exception):
                 self.conn.close()
             self.conn = None
+        if self.book is not None:
+            self.book.during_fault_write()
 
     def _add_column(self, rng: random.Random, episode: int) -> str:
         """An ADD COLUMN and a write of it (the schema failpoints' driver); "" if none."""
@@ -387,12 +408,13 @@ class Campaign:
         self.report.gc.update(result.gc)
         self.report.sweep.update(result.sweep)
         self.report.replay.update(result.replay)
+        self.report.snapshots.update(result.reads)
         self.report.transactions += result.gc["racing_transactions"]
         for note in result.notes:
             self.report.notes.append(f"episode {episode}: {note}")
         for text in result.anomalies:
-            kind = text.split(":", 1)[0]
-            self._anomaly(episode, kind, text, "")
+            kind, _, detail = text.partition(": ")
+            self._anomaly(episode, kind, detail, "")
 
     def _check_gc_journals(self, episode: int) -> None:
         """Every READY node's GC journal once the cluster is healed (and has converged, so
@@ -428,6 +450,13 @@ class Campaign:
                     self.report.gc[f"rolled_back_{how}"] += 1
                 elif entry.state == "CHECKPOINTED":
                     self.report.gc["promoted"] += 1
+
+    def _record_snapshots(self, episode: int) -> None:
+        """SNAPSHOT_IS_IMMUTABLE's findings of the episode (snapshot_changed, ...)."""
+        assert self.book is not None
+        for text in self.book.drain():
+            kind, _, detail = text.partition(": ")
+            self._anomaly(episode, kind, detail, "")
 
     def _check_storage(self, episode: int) -> None:
         """Once healed and converged: no REGULAR file without its object, and no RETIRED

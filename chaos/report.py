@@ -61,6 +61,12 @@ class Report:
     # requests and rows (acknowledged, by attempts that finished), marked_ready,
     # victim_not_killed (a victim with no request to die after).
     replay: Counter[str] = field(default_factory=Counter)
+    # SNAPSHOT_IS_IMMUTABLE (chaos/repeatable_reads.py, stalls.py, split_reads.py):
+    # taken_<via>, take_refused_<CODE>, rows_taken, rereads, reread_identical,
+    # reread_changed, reread_refused_<CODE>, reread_gate_<CODE>, rows_reread, held_begun,
+    # held_ended, held_ended_by_server, ended_by_server, read_ms_<via>; stall_* (stalled
+    # writes) and split_* (split reads).
+    snapshots: Counter[str] = field(default_factory=Counter)
     unexpected_exits: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     anomalies: list[Anomaly] = field(default_factory=list)
@@ -117,6 +123,7 @@ class Report:
             f"  reads served         {self.reads_served} (refused by the gate "
             f"{self.reads_refused}, failed after admission {self.reads_failed})",
             f"  reads outside READY  {self.reads_outside_ready}",
+            *self.snapshot_lines(),
             f"  unexpected exits     {len(self.unexpected_exits)}",
         ]
         lines += [f"    {u}" for u in self.unexpected_exits[:20]]
@@ -131,6 +138,29 @@ class Report:
                 lines += [f"      | {line}" for line in a.log_tail.splitlines()[-8:]]
         return "\n".join(lines)
 
+
+    def snapshot_lines(self) -> list[str]:
+        """SNAPSHOT_IS_IMMUTABLE: what was taken, read again, held, stalled and split."""
+        c = self.snapshots
+        return [
+            f"  snapshots taken      {c['taken_gated'] + c['taken_spark'] + c['taken_split']} "
+            f"(gated {c['taken_gated']}, spark path {c['taken_spark']}, split-read references "
+            f"{c['taken_split']}; {c['rows_taken']} rows), refused: "
+            f"{_by_code(c, 'take_refused_')}",
+            f"  re-reads             {c['rereads']}: identical {c['reread_identical']}, "
+            f"CHANGED {c['reread_changed']}, refused: {_by_code(c, 'reread_refused_')} "
+            f"({c['rows_reread']} rows; none begun, gate: {_by_code(c, 'reread_gate_')})",
+            f"  held transactions    begun {c['held_begun']}, ended {c['held_ended']}, ended "
+            f"by a TransServer restart {c['held_ended_by_server']} (other open snapshots "
+            f"{c['ended_by_server']})",
+            f"  stalled writes       {c['stalls']}: parked {c['stall_parked']} (in a replay "
+            f"{c['stall_in_replay']}), not reached {c['stall_not_reached']}",
+            f"  split reads          {c['split_reads']} (across a GC commit "
+            f"{c['split_gc']}: rewrites of a fetched file committed {c['split_gc_committed']};"
+            f" across a restart {c['split_kill']}): identical {c['split_identical']}, "
+            f"CHANGED {c['split_changed']}, DUPLICATES {c['split_duplicates']}, refused: "
+            f"{_by_code(c, 'split_refused_')}",
+        ]
 
     def gc_text(self) -> str:
         g = self.gc
@@ -155,6 +185,11 @@ class Report:
                 f"{r['tasks_retried']} retried, {r['retries_acknowledged']} retries "
                 f"acknowledged in full; {r['requests']} requests, {r['rows']} rows sent by "
                 f"finished attempts")
+
+
+def _by_code(counts: Counter[str], prefix: str) -> str:
+    return ", ".join(f"{k[len(prefix):]} {v}" for k, v in sorted(counts.items())
+                     if k.startswith(prefix)) or "none"
 
 
 def _mean(values: list[float]) -> float:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -86,17 +86,42 @@ class SnapshotReader:
 
     def read_in(self, trans: tpb.BeginTransResponse, schema: str, table: str, *,
                 keep_hidden: bool = False) -> Snapshot:
-        ts = trans.timestamp
-        buffered = []
-        for stub in self._retina.values():
+        buffered = self.fetch_buffers(trans, schema, table)  # before the file list
+        files = self.list_files(trans, schema, table)
+        return self.assemble(trans, buffered.values(), files, keep_hidden=keep_hidden)
+
+    # The steps of ``read_in``, callable apart (a test or the fault campaign can pause a
+    # read between them); their order is what makes a read exact (module docstring).
+    def fetch_buffers(self, trans: tpb.BeginTransResponse, schema: str,
+                      table: str) -> dict[str, pa.Table]:
+        """Step 2: every node's write-buffer rows visible at ``trans``'s snapshot, with
+        their ``_file_id``, by node."""
+        buffered = {}
+        for node, stub in self._retina.items():
             reply = stub.GetWriteBuffer(rpb.GetWriteBufferRequest(
-                schema_name=schema, table_name=table, timestamp=ts, trans_id=trans.trans_id),
-                timeout=self._timeout)
-            buffered.append(pa.ipc.open_stream(reply.arrow_ipc_stream).read_all())
+                schema_name=schema, table_name=table, timestamp=trans.timestamp,
+                trans_id=trans.trans_id), timeout=self._timeout)
+            buffered[node] = pa.ipc.open_stream(reply.arrow_ipc_stream).read_all()
+        return buffered
+
+    def list_files(self, trans: tpb.BeginTransResponse, schema: str,
+                   table: str) -> list[tpb.QueryFile]:
+        """Step 3: the REGULAR files, listed under the same transaction."""
         listing = self._trans.ListQueryFiles(tpb.ListQueryFilesRequest(
             trans_id=trans.trans_id, schema_name=schema, table_name=table), timeout=self._timeout)
-        regular = {f.file_id for f in listing.files}
-        parts = [self.read_file(f, trans) for f in listing.files]
+        return list(listing.files)
+
+    def read_files(self, files: Sequence[tpb.QueryFile],
+                   trans: tpb.BeginTransResponse) -> list[pa.Table]:
+        """Step 4 for every listed file, in order."""
+        return [self.read_file(f, trans) for f in files]
+
+    def assemble(self, trans: tpb.BeginTransResponse, buffered: Iterable[pa.Table],
+                 files: Sequence[tpb.QueryFile], *, keep_hidden: bool = False) -> Snapshot:
+        """Steps 4 and 5: the listed files at the snapshot, plus the buffered rows whose
+        file is not in the listing."""
+        regular = {f.file_id for f in files}
+        parts = self.read_files(files, trans)
         buffer_rows = 0
         for rows in buffered:
             keep = pc.invert(pc.is_in(rows.column(FILE_ID), pa.array(sorted(regular),
@@ -114,7 +139,7 @@ class SnapshotReader:
             result = conform(result, widest.remove_metadata())
         if not keep_hidden:
             result = result.drop_columns([c for c in HIDDEN if c in result.column_names])
-        return Snapshot(result, ts, len(listing.files), buffer_rows)
+        return Snapshot(result, trans.timestamp, len(files), buffer_rows)
 
     def read_file(self, f: tpb.QueryFile, trans: tpb.BeginTransResponse) -> pa.Table:
         """One file's rows visible at ``trans``'s snapshot (its owner answers the

@@ -144,15 +144,23 @@ def _list_files(trans_address: str, trans: tpb.BeginTransResponse, schema: str,
     return list(listing.files)
 
 
-def snapshot_in(spark: SparkSession, trans: tpb.BeginTransResponse, trans_address: str,
-                topology: Topology, schema: str, table: str,
-                tls: TlsConfig | None = None) -> SparkSnapshot:
-    """Read ``schema.table`` at ``trans``'s snapshot (a live, gated read-only
-    transaction the caller holds until this returns). ``tls``: default the
-    process's settings (retina_common.tls)."""
-    from pyspark.sql.pandas.types import from_arrow_schema
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """The driver's part of a snapshot read, everything but Spark: the file-reading
+    tasks to run (``read_files(spec, ...)``, one per file) and the write-buffer rows to
+    add to their rows."""
 
-    tls = tls_mod.current() if tls is None else tls
+    spec: FileReadSpec
+    refs: tuple[FileRef, ...]
+    buffer_rows: list[tuple[Any, ...]]  # in ``spec.schema``'s column order
+
+
+def plan_snapshot(trans: tpb.BeginTransResponse, trans_address: str, topology: Topology,
+                  schema: str, table: str, tls: TlsConfig) -> SnapshotPlan:
+    """Step 2 and the driver's share of step 4: GetWriteBuffer from every node, *then*
+    ListQueryFiles, under ``trans`` (a live, gated read-only transaction); the buffered
+    rows whose file is not listed. Spark-free: the fault campaign runs it, and the
+    tasks' ``read_files``, in its own process (chaos/snapshots.py)."""
     buffers = _write_buffers(topology.nodes, trans, schema, table, tls)  # before the file list
     files = _list_files(trans_address, trans, schema, table, tls)
     # The widest: a node that has not seen a row since a column was added still answers
@@ -164,13 +172,27 @@ def snapshot_in(spark: SparkSession, trans: tpb.BeginTransResponse, trans_addres
     buffer_rows = [row for b in buffered for row in rows_of(b, columns)]
     spec = FileReadSpec(trans_address, topology.nodes, topology.virtual_nodes,
                         trans.timestamp, trans.trans_id, columns, tls)
-    refs = [FileRef(f.file_id, f.name, f.path_uri) for f in files]
+    refs = tuple(FileRef(f.file_id, f.name, f.path_uri) for f in files)
+    return SnapshotPlan(spec, refs, buffer_rows)
+
+
+def snapshot_in(spark: SparkSession, trans: tpb.BeginTransResponse, trans_address: str,
+                topology: Topology, schema: str, table: str,
+                tls: TlsConfig | None = None) -> SparkSnapshot:
+    """Read ``schema.table`` at ``trans``'s snapshot (a live, gated read-only
+    transaction the caller holds until this returns). ``tls``: default the
+    process's settings (retina_common.tls)."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    tls = tls_mod.current() if tls is None else tls
+    plan = plan_snapshot(trans, trans_address, topology, schema, table, tls)
+    spec, refs = plan.spec, list(plan.refs)  # the tasks' closure: the spec alone
     sc = spark.sparkContext
     file_rows = sc.parallelize(refs, max(1, len(refs))).mapPartitions(
         lambda part: read_files(spec, part))
-    rdd = file_rows.union(sc.parallelize(buffer_rows, 1))
-    frame = spark.createDataFrame(rdd, from_arrow_schema(columns)).localCheckpoint(eager=True)
-    return SparkSnapshot(frame, trans.timestamp, len(refs), len(buffer_rows))
+    rdd = file_rows.union(sc.parallelize(plan.buffer_rows, 1))
+    frame = spark.createDataFrame(rdd, from_arrow_schema(spec.schema)).localCheckpoint(eager=True)
+    return SparkSnapshot(frame, trans.timestamp, len(refs), len(plan.buffer_rows))
 
 
 def snapshot_dataframe(spark: SparkSession, config: Config | str | os.PathLike[str] | None,
