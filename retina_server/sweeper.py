@@ -17,7 +17,9 @@ RunSweeper, ``retina-gc sweep``), runs these passes over this node's files
 * **journal**: final GC journal records (CHECKPOINTED, ABORTED, REVERTED)
   older than the lineage retention whose files are all settled.
 * **orphans** (only when asked; orphans.py): objects no catalog row, journal
-  entry or checkpoint knows, after a grace period; ``dry_run`` reports them.
+  entry or prepared rewrite names, listed before the names are read, after a
+  grace of at least an hour, if the guard lets them go and nothing names them
+  when asked again just before the delete; ``dry_run`` reports them.
 
 Every file removal asks the retention guard (retention.py) first. Holds are
 read *after* the candidates (a hold taken after the candidate listing is
@@ -40,6 +42,7 @@ from retina_common import failpoints as fp
 from retina_common import file_names
 from retina_common.catalog import Catalog, FileRecord, FileType, NotFoundError
 from retina_common.checkpoint import CheckpointStore
+from retina_common.config import orphan_grace_problem
 from retina_common.log import get_logger
 from retina_common.storage import delete_object, object_size
 from retina_server.gc_journal import FINAL_STATES, GcJournal, JournalState
@@ -154,10 +157,10 @@ class Sweeper:
             if "journal" in wanted:
                 out += self.sweep_journal(dry_run)
             if "orphans" in wanted:
-                from retina_server.orphans import reconcile  # the rarely-run pass
+                from retina_server.orphans import Namers, reconcile  # the rarely-run pass
 
-                out += reconcile(self._node, self._catalog, self._journal,
-                                 self._pending_gc_names(), self._clock_ms(),
+                out += reconcile(self._node, Namers(self._catalog, self._journal,
+                                                    self._pending_gc_names), self.holds,
                                  self.settings.orphan_grace_ms if orphan_grace_ms is None
                                  else orphan_grace_ms, dry_run)
         held = Tally(s.reason for s in out if s.action == "held")
@@ -339,6 +342,13 @@ class Sweeper:
                              "would_remove" if dry_run else "removed",
                              f"{e.state.value} past the lineage retention"))
         return out
+
+
+def check_orphan_grace(grace_ms: int) -> None:
+    """ORPHAN_GRACE_ABOVE_ANY_COMMIT (retina_common/config.py); raises ValueError."""
+    problem = orphan_grace_problem(grace_ms)
+    if problem:
+        raise ValueError(problem)
 
 
 def _size(path_uri: str, name: str) -> int:
