@@ -43,8 +43,9 @@ from retina_common.log import get_logger
 from retina_common.storage import StoredObject, delete_object, list_objects
 from retina_server.gc_journal import GcJournal
 from retina_server.node import RetinaNode
+from retina_server.removal_backoff import REMOVAL_FAILED, RemovalBackoff
 from retina_server.retention import Holds, hold_reason
-from retina_server.sweeper import BYTES_REMOVED, REMOVED, Swept, check_orphan_grace
+from retina_server.sweeper import BYTES_REMOVED, REMOVED, Swept, check_orphan_grace, why_held
 
 log = get_logger(component="orphans")
 
@@ -86,38 +87,59 @@ class Namers:
                 or self.catalog.get_file_by_name(path_id, name) is not None)
 
 
+@dataclass(frozen=True)
+class _Pass:
+    node: RetinaNode
+    namers: Namers
+    holds: Holds
+    grace_ms: int
+    dry_run: bool
+    backoff: RemovalBackoff
+
+
 def reconcile(node: RetinaNode, namers: Namers, read_holds: Callable[[], Holds],
-              grace_ms: int, dry_run: bool) -> list[Swept]:
+              grace_ms: int, dry_run: bool, backoff: RemovalBackoff) -> list[Swept]:
     check_orphan_grace(grace_ms)
     # KNOWN_READ_AFTER_LISTING: objects first, then the names, then the holds.
     listed = [(path, list_objects(path.uri)) for path in namers.catalog.list_paths()]
     known = namers.known_now()
-    holds = read_holds()
+    run = _Pass(node, namers, read_holds(), grace_ms, dry_run, backoff)
+    candidates = [(path, obj) for path, objects in listed for obj in objects
+                  if not known(path.path_id, obj.name)]
+    backoff.begin_round((_key(path, obj) for path, obj in candidates), dry_run)
     out: list[Swept] = []
-    for path, objects in listed:
-        for obj in objects:
-            if known(path.path_id, obj.name):
-                continue
-            swept = _candidate(node, namers, holds, path, obj, grace_ms, dry_run)
-            if swept is not None:
-                out.append(swept)
+    for path, obj in candidates:
+        swept = _candidate(run, path, obj)
+        if swept is not None:
+            out.append(swept)
     return out
 
 
-def _candidate(node: RetinaNode, namers: Namers, holds: Holds, path: PathRecord,
-               obj: StoredObject, grace_ms: int, dry_run: bool) -> Swept | None:
+def _key(path: PathRecord, obj: StoredObject) -> str:
+    return f"{path.path_id}/{obj.name}"
+
+
+def _candidate(run: _Pass, path: PathRecord, obj: StoredObject) -> Swept | None:
     """What happens to one object nothing named at the first read (None: not ours)."""
     owner, named_ms = _owner(obj.name)
     if owner is None:
         return Swept("orphans", -1, obj.name, path.uri, "held", "foreign_name", obj.size)
-    if owner != node.node_id:
+    if owner != run.node.node_id:
         return None  # its own node reconciles it
     written = max(t for t in (named_ms, obj.mtime_ms, 0) if t is not None)
-    reason = hold_reason(None, holds, due_at_ms=written + grace_ms)
-    if reason is not None:
-        return Swept("orphans", -1, obj.name, path.uri, "held", reason.value, obj.size)
-    if dry_run:
+    held = why_held(hold_reason(None, run.holds, due_at_ms=written + run.grace_ms),
+                    run.backoff, _key(path, obj))
+    if held:
+        return Swept("orphans", -1, obj.name, path.uri, "held", held, obj.size)
+    if run.dry_run:
         return Swept("orphans", -1, obj.name, path.uri, "would_remove", WHY_REMOVED, obj.size)
+    removed = run.backoff.attempt(_key(path, obj), lambda: _remove(run.namers, path, obj),
+                                  path=path.uri, name=obj.name)
+    return removed or Swept("orphans", -1, obj.name, path.uri, "held", REMOVAL_FAILED,
+                            obj.size)
+
+
+def _remove(namers: Namers, path: PathRecord, obj: StoredObject) -> Swept:
     fp.SWEEPER_ORPHAN_DELETE_BEFORE.hit()
     if namers.names(path.path_id, obj.name):
         log.warning("orphan_named_since_listing", path=path.uri, name=obj.name)

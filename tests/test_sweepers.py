@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from devtools.cluster import free_port
 from retina_common import failpoints, file_names
 from retina_common.catalog import Catalog, FileRecord, FileType
 from retina_common.pb import retina_pb2 as rpb
@@ -31,6 +33,7 @@ from retina_server.retention import HoldReason, Holds, hold_reason
 from . import gc
 from .dataplane import SCHEMA, DataPlane
 from .support import eventually, rpc_error
+from .test_deploy_monitoring import scrape, value
 from .test_recovery_protocol import order
 from .test_recovery_sequences import restart_and_recover
 from .test_storage_gc import all_streams_rewritten, load
@@ -259,6 +262,70 @@ def test_a_kill_at_every_sweeper_step_is_finished_by_the_next_round(
     assert_swept(plane, catalog, node, retired)
     assert plane.read("orders") == plane.model.rows["orders"]
     plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, 5)]}})
+    restart_and_recover(plane, node)
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+def by_file(reply: rpb.RunSweeperResponse) -> dict[int, tuple[str, str]]:
+    return {o.file_id: (o.action, o.reason) for o in reply.objects}
+
+
+def test_a_removal_that_fails_is_skipped_and_retried_after_its_backoff_while_the_rest_go(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    """ONE_FAILURE_NEVER_STALLS_A_SWEEP: a RETIRED file and a TEMPORARY_INGEST leftover
+    whose objects the store refuses to delete (a directory stands in their place), each
+    the first of its pass, are skipped with a metric; every other file goes in the same
+    round; the next round leaves them alone (backoff); once the store lets them go, the
+    round after removes them, and reads equal the model throughout."""
+    plane = make_plane(gc_retired_retention_ms=0, sweeper_interval_ms=0,
+                       gc_prepare_ttl_ms=1_000, temporary_file_ttl_ms=60_000)
+    node = plane.nodes[0]
+    retina = plane.retinas[node]
+    retina.stop()
+    retina.metrics_listen = f"127.0.0.1:{free_port()}"
+    retina.start()
+    plane.recover(node)
+    node, retired = rewritten(plane, catalog)
+    path = catalog.get_paths(plane.tables["orders"].table_id)[0]
+    directory = Path(path.uri.removeprefix("file://"))
+    two_hours_ago = datetime.now(UTC) - timedelta(hours=2)
+    leftovers = {}
+    for seq in (9_200_001, 9_200_002, 9_200_003):
+        name = file_names.make(node, two_hours_ago, seq, 0)
+        leftovers[catalog.add_file(name, FileType.TEMPORARY_INGEST, 0, path.path_id).file_id] = name
+        write_durably(path.uri, name, b"left by a crash")
+    stuck = {min(leftovers): leftovers[min(leftovers)],
+             min(f.file_id for f in retired): min(retired, key=lambda f: f.file_id).name}
+    for name in stuck.values():  # the store refuses: an OSError on every delete
+        (directory / name).unlink()
+        (directory / name).mkdir()
+        (directory / name / "x").write_bytes(b"x")
+    everything = set(leftovers) | {f.file_id for f in retired}
+
+    reply = by_file(sweep(plane, node, "temporary", "retired"))
+    assert {f: reply[f] for f in stuck} == dict.fromkeys(stuck, ("held", "removal_failed"))
+    assert {reply[f][0] for f in everything - set(stuck)} == {"removed"}
+    assert_swept(plane, catalog, node, [f for f in retired if f.file_id not in stuck])
+    left = {f.file_id for f in catalog.get_files_by_type(None, list(FileType))}
+    assert left & everything == set(stuck)
+    page = scrape(retina.metrics_listen)
+    for pass_name in ("temporary", "retired"):
+        assert value(page, "retina_sweeper_removal_failures_total", **{"pass": pass_name}) == 1
+        assert value(page, "retina_sweeper_files_in_backoff", **{"pass": pass_name}) == 1
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+    reply = by_file(sweep(plane, node, "temporary", "retired"))  # backing off
+    assert reply == dict.fromkeys(stuck, ("held", "removal_backoff"))
+    for name in stuck.values():  # the store lets go
+        shutil.rmtree(directory / name)
+    reply = by_file(sweep(plane, node, "temporary", "retired"))
+    assert {reply[f][0] for f in stuck} == {"removed"}
+    assert not {f.file_id for f in catalog.get_files_by_type(None, list(FileType))} & everything
+    assert_swept(plane, catalog, node, retired)
+    page = scrape(retina.metrics_listen)
+    for pass_name in ("temporary", "retired"):
+        assert value(page, "retina_sweeper_files_in_backoff", **{"pass": pass_name}) == 0
+    assert plane.read("orders") == plane.model.rows["orders"]
     restart_and_recover(plane, node)
     assert plane.read("orders") == plane.model.rows["orders"]
 
