@@ -10,12 +10,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import pyarrow as pa
 import pytest
 
 from retina_common.catalog import Catalog, FileType
+from retina_common.codec import COMMIT_TS, GC_REWRITE_ID_KEY
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import HIDDEN
+from spark_jobs.storage_gc import new_file_schema
 
 from . import gc
 from .dataplane import SCHEMA, DataPlane
@@ -492,6 +495,74 @@ def test_gc_rows_without_a_journal_fail_the_node_closed(
     retina.start()
     eventually(lambda: plane.status(node).state == rpb.FAILED, 30, "the node to fail closed")
     assert "GC_ROWS_HAVE_A_JOURNAL" in plane.status(node).failure_reason
+
+
+def _damage_current_checkpoint(plane: DataPlane, node: str, checkpoint_id: int) -> None:
+    body = plane.workdir / "storage" / "_checkpoints" / node.replace(":", "-") / \
+        f"ckpt-{checkpoint_id:020d}.bin"
+    data = bytearray(body.read_bytes())
+    data[100] ^= 0x04
+    body.write_bytes(bytes(data))
+
+
+def test_the_jobs_footer_names_its_rewrite_under_the_key_recovery_reads() -> None:
+    """REWRITE_OUTPUTS_HAVE_A_JOURNAL reads what the Spark job writes (its _rewrite puts
+    ``gc_rewrite_id`` through new_file_schema)."""
+    schema = pa.schema([("id", pa.int64()), (COMMIT_TS, pa.int64())])
+    footer = new_file_schema(schema, {"gc_rewrite_id": "r-1", "node": "n"}).metadata
+    assert footer[GC_REWRITE_ID_KEY] == b"r-1"
+
+
+def test_a_swapped_rewrite_whose_journal_record_is_lost_fails_the_node_closed(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    """REWRITE_OUTPUTS_HAVE_A_JOURNAL. First the healthy cases that look alike: GC outputs
+    whose records were promoted and then swept, loaded from the ``previous`` slot (the
+    ``current`` body damaged), are no sign of a lost record. Then a rewrite is swapped
+    (new file REGULAR, old files RETIRED), its record is lost before any checkpoint
+    holds the new file, and the node restarts: it must fail closed instead of retiring
+    the new file and replaying from 0. With the record restored it rolls back."""
+    plane = make_plane(checkpoint_interval_ms=3_600_000, gc_retired_retention_ms=0,
+                       sweeper_interval_ms=0, gc_lineage_retention_ms=0)
+    load(plane, catalog)
+    node = plane.nodes[0]
+    retina = plane.retinas[node]
+    all_streams_rewritten(plane)
+    plane.checkpoint(node)
+    newest = plane.checkpoint(node).checkpoint_id  # both slots hold the outputs: promoted
+    for kind in ("retired", "journal"):  # the old files, then the final records, go
+        plane.retinas[node].stub.RunSweeper(rpb.RunSweeperRequest(passes=[kind]), timeout=60)
+    assert gc.journal(plane, node) == {}
+    retina.kill9()
+    _damage_current_checkpoint(plane, node, newest)
+    retina.start()
+    plane.recover(node)  # from ``previous``: it holds every output, no record names them
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+    plane.commit({"orders": {"replaces": [order(i) for i in range(200, 260)]}})
+    advance(plane)
+    settle(plane, catalog)
+    node, vnode, files = biggest_stream(plane)
+    reply = gc.rewrite(plane, node, "orders", vnode, files)
+    plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 260, 7)]}})
+    retina.kill9()  # SWAPPED_NOT_CHECKPOINTED; the loaded checkpoint holds the old files
+    (record,) = _journal_dir(plane, node).glob("*.gcj")
+    saved = record.read_bytes()
+    record.unlink()  # lost
+    retina.start()
+    eventually(lambda: plane.status(node).state == rpb.FAILED, 30, "the node to fail closed")
+    reason = plane.status(node).failure_reason
+    assert reason.startswith("GC journal mismatch: REWRITE_OUTPUTS_HAVE_A_JOURNAL"), reason
+    assert str(reply.new_file_id) in reason and reply.new_file_id in gc.regular_ids(plane, "orders")
+    retired = {f.file_id for f in catalog.get_files_by_type(None, [FileType.RETIRED])}
+    assert {f.file_id for f in files} <= retired  # start-up changed nothing before failing
+    assert not plane.gate_open()
+
+    retina.stop()  # the runbook: restore the record, restart
+    record.write_bytes(saved)
+    retina.start()
+    plane.recover(node)
+    assert [e.state for e in gc.journal(plane, node).values()] == ["ABORTED"]
+    assert plane.read("orders") == plane.model.rows["orders"]
 
 
 # --- the GC scheduler inside a real node --------------------------------------------------------
