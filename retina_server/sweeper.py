@@ -7,7 +7,8 @@ RunSweeper, ``retina-gc sweep``), runs these passes over this node's files
 * **temporary** (C08.1): ``listTemporaryFilesDue(ttl)``: TEMPORARY_INGEST and
   TEMPORARY_GC files whose name time + TTL has passed. A TEMPORARY_INGEST file
   still in a write buffer stays; a TEMPORARY_GC file stays while a GC journal
-  entry or a prepared rewrite names it. Removal: object → catalog row.
+  entry or a prepared rewrite names it. Removal: MainIndex ranges (an ingest
+  file's) and object → catalog row.
 * **retired** (C08.2): ``listRetiredFilesDue()``, each file in this order:
   frozen visibility → MainIndex range → object → catalog row
   (``deleteFiles``). Every step is idempotent and sits between two failpoints;
@@ -259,8 +260,14 @@ class Sweeper:
                                 REMOVAL_FAILED, size)
 
     def _delete_temporary(self, f: FileRecord, path_uri: str, size: int) -> Swept:
-        """Object, then catalog row; each step idempotent."""
+        """Data (MainIndex ranges, object), then catalog row; each step idempotent."""
         fp.SWEEPER_TEMPORARY_OBJECT_BEFORE.hit()
+        if f.type == FileType.TEMPORARY_INGEST:
+            # LEFTOVER_RANGES_GO_WITH_THE_FILE: ranges flushed before a crash kept the
+            # file from its REGULAR step go before the row (a failure in between leaves
+            # the row, and the next round deletes again). A TEMPORARY_GC file with
+            # ranges never gets here (held: recovery decides it).
+            self._node.index.delete_main_index_range(f.file_id)
         delete_object(path_uri, f.name)
         fp.SWEEPER_TEMPORARY_OBJECT_AFTER.hit()
         fp.SWEEPER_TEMPORARY_CATALOG_BEFORE.hit()

@@ -356,6 +356,41 @@ def test_temporary_files_past_their_ttl_go_unless_something_names_them(
     assert plane.read("orders") == plane.model.rows["orders"]  # live ingest files untouched
 
 
+def test_an_ingest_leftover_past_its_ttl_goes_with_its_main_index_ranges(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    """LEFTOVER_RANGES_GO_WITH_THE_FILE in the temporary sweeper: a TEMPORARY_INGEST row,
+    its object and its durable MainIndex ranges, in no write buffer (what a kill between
+    ``ingest.index_flush.after`` and the REGULAR step leaves; cleansing normally takes it
+    at the restart, so the state is put in place on the running node) are removed
+    together, the ranges before the row."""
+    plane = make_plane(sweeper_interval_ms=0, gc_prepare_ttl_ms=1_000,
+                       temporary_file_ttl_ms=60_000)
+    node = plane.nodes[0]
+    plane.commit({"orders": {"replaces": [order(i) for i in range(40)]}})
+    path = catalog.get_paths(plane.tables["orders"].table_id)[0]
+    name = file_names.make(node, datetime.now(UTC) - timedelta(hours=2), 9_300_001, 0)
+    leftover = catalog.add_file(name, FileType.TEMPORARY_INGEST, 0, path.path_id).file_id
+    write_durably(path.uri, name, b"left by a crash after its index flush")
+    db = plane.workdir / "state" / node.replace(":", "-") / "index" / "main_index.sqlite"
+    with contextlib.closing(sqlite3.connect(db, timeout=30, isolation_level=None)) as conn:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany("INSERT INTO row_id_ranges VALUES (?, ?, ?, ?, ?)",
+                         [(10**15 + 16 * rg, 16, leftover, rg, 0) for rg in range(2)])
+        conn.execute("INSERT INTO row_id_range_flush_markers VALUES (?, ?)", (leftover, 32))
+        conn.execute("COMMIT")
+    assert leftover in ranged_files(plane, node)
+    reply = sweep(plane, node, "temporary")
+    assert by_file(reply)[leftover] == ("removed", "TEMPORARY_INGEST past its TTL")
+    assert leftover not in ranged_files(plane, node)
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM row_id_range_flush_markers "
+                            "WHERE file_id = ?", (leftover,)).fetchone() == (0,)
+    assert catalog.get_file(leftover) is None and not stored(path.uri, name)
+    assert plane.read("orders") == plane.model.rows["orders"]
+    restart_and_recover(plane, node)
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
 def test_checkpoint_bodies_no_slot_references_are_removed_newer_ones_stay(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(sweeper_interval_ms=0)
