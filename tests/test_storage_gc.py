@@ -6,6 +6,7 @@ reading its snapshot; refusals change nothing."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -515,35 +516,20 @@ def test_the_jobs_footer_names_its_rewrite_under_the_key_recovery_reads() -> Non
 
 def test_a_swapped_rewrite_whose_journal_record_is_lost_fails_the_node_closed(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
-    """REWRITE_OUTPUTS_HAVE_A_JOURNAL. First the healthy cases that look alike: GC outputs
-    whose records were promoted and then swept, loaded from the ``previous`` slot (the
-    ``current`` body damaged), are no sign of a lost record. Then a rewrite is swapped
-    (new file REGULAR, old files RETIRED), its record is lost before any checkpoint
-    holds the new file, and the node restarts: it must fail closed instead of retiring
-    the new file and replaying from 0. With the record restored it rolls back."""
+    """REWRITE_OUTPUTS_HAVE_A_JOURNAL. A rewrite is swapped (new file REGULAR, old files
+    RETIRED), its record is lost before any checkpoint holds the new file, and the node
+    restarts: it must fail closed, the catalog untouched, instead of retiring the new
+    file and replaying from the old files' oldest rows (what it did). With the record
+    restored it rolls back. Then the healthy cases that look alike: GC outputs whose
+    records were promoted and swept, loaded from the ``previous`` slot (``current``
+    damaged), are no sign of a lost record."""
     plane = make_plane(checkpoint_interval_ms=3_600_000, gc_retired_retention_ms=0,
                        sweeper_interval_ms=0, gc_lineage_retention_ms=0)
     load(plane, catalog)
-    node = plane.nodes[0]
-    retina = plane.retinas[node]
-    all_streams_rewritten(plane)
-    plane.checkpoint(node)
-    newest = plane.checkpoint(node).checkpoint_id  # both slots hold the outputs: promoted
-    for kind in ("retired", "journal"):  # the old files, then the final records, go
-        plane.retinas[node].stub.RunSweeper(rpb.RunSweeperRequest(passes=[kind]), timeout=60)
-    assert gc.journal(plane, node) == {}
-    retina.kill9()
-    _damage_current_checkpoint(plane, node, newest)
-    retina.start()
-    plane.recover(node)  # from ``previous``: it holds every output, no record names them
-    assert plane.read("orders") == plane.model.rows["orders"]
-
-    plane.commit({"orders": {"replaces": [order(i) for i in range(200, 260)]}})
-    advance(plane)
-    settle(plane, catalog)
     node, vnode, files = biggest_stream(plane)
+    retina = plane.retinas[node]
     reply = gc.rewrite(plane, node, "orders", vnode, files)
-    plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 260, 7)]}})
+    plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, 7)]}})
     retina.kill9()  # SWAPPED_NOT_CHECKPOINTED; the loaded checkpoint holds the old files
     (record,) = _journal_dir(plane, node).glob("*.gcj")
     saved = record.read_bytes()
@@ -552,16 +538,33 @@ def test_a_swapped_rewrite_whose_journal_record_is_lost_fails_the_node_closed(
     eventually(lambda: plane.status(node).state == rpb.FAILED, 30, "the node to fail closed")
     reason = plane.status(node).failure_reason
     assert reason.startswith("GC journal mismatch: REWRITE_OUTPUTS_HAVE_A_JOURNAL"), reason
-    assert str(reply.new_file_id) in reason and reply.new_file_id in gc.regular_ids(plane, "orders")
+    assert f"file {reply.new_file_id} " in reason
+    assert reply.new_file_id in gc.regular_ids(plane, "orders")  # start-up changed nothing
     retired = {f.file_id for f in catalog.get_files_by_type(None, [FileType.RETIRED])}
-    assert {f.file_id for f in files} <= retired  # start-up changed nothing before failing
+    assert {f.file_id for f in files} <= retired
     assert not plane.gate_open()
-
     retina.stop()  # the runbook: restore the record, restart
     record.write_bytes(saved)
     retina.start()
     plane.recover(node)
     assert [e.state for e in gc.journal(plane, node).values()] == ["ABORTED"]
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+    all_streams_rewritten(plane)
+    plane.checkpoint(node)
+    newest = plane.checkpoint(node).checkpoint_id  # both slots hold the outputs: promoted
+    for kind in ("retired", "journal"):  # the old files, then the final records, go
+        retina.stub.RunSweeper(rpb.RunSweeperRequest(passes=[kind]), timeout=60)
+    assert gc.journal(plane, node) == {}
+    retina.kill9()
+    _damage_current_checkpoint(plane, node, newest)
+    retina.start()
+    plane.recover(node)  # from ``previous``: it holds every output, no record names them
+    started = [json.loads(line) for line in retina.log_path.read_text().splitlines()
+               if '"replay_ts_ready"' in line]
+    assert started[-1]["slot"] == "previous"
+    assert plane.read("orders") == plane.model.rows["orders"]
+    plane.commit({"orders": {"replaces": [order(i, note="2") for i in range(0, 120, 3)]}})
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
