@@ -261,15 +261,24 @@ def test_a_kill_during_promotion_keeps_the_new_file(
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+def swapped_then_killed(plane: DataPlane, catalog: Catalog, delete_every: int
+                        ) -> tuple[str, list, rpb.CommitGcRewriteResponse]:
+    """Load, rewrite the biggest stream, delete every ``delete_every``-th row, kill -9:
+    the rewrite is SWAPPED_NOT_CHECKPOINTED and the loaded checkpoint has the old files
+    (the plane checkpoints only on demand). Returns the node, old files and the reply."""
+    load(plane, catalog)
+    node, vnode, files = biggest_stream(plane)
+    reply = gc.rewrite(plane, node, "orders", vnode, files)
+    plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, delete_every)]}})
+    plane.retinas[node].kill9()
+    return node, files, reply
+
+
 def test_a_swapped_rewrite_without_a_checkpoint_rolls_back_and_a_kill_in_the_rollback_is_finished(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(checkpoint_interval_ms=3_600_000)
-    load(plane, catalog)
-    node, vnode, files = biggest_stream(plane)
+    node, files, reply = swapped_then_killed(plane, catalog, 4)
     retina = plane.retinas[node]
-    reply = gc.rewrite(plane, node, "orders", vnode, files)
-    plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, 4)]}})
-    retina.kill9()  # SWAPPED_NOT_CHECKPOINTED; the loaded checkpoint has the old files
     # Crashes in the middle of recovery's rollback, one start after another; each
     # start redoes the idempotent steps and gets one further.
     for point in ("gc.rollback.primary.after", "catalog.revert_swap.commit.after",
@@ -525,12 +534,8 @@ def test_a_swapped_rewrite_whose_journal_record_is_lost_fails_the_node_closed(
     damaged), are no sign of a lost record."""
     plane = make_plane(checkpoint_interval_ms=3_600_000, gc_retired_retention_ms=0,
                        sweeper_interval_ms=0, gc_lineage_retention_ms=0)
-    load(plane, catalog)
-    node, vnode, files = biggest_stream(plane)
+    node, files, reply = swapped_then_killed(plane, catalog, 7)
     retina = plane.retinas[node]
-    reply = gc.rewrite(plane, node, "orders", vnode, files)
-    plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, 7)]}})
-    retina.kill9()  # SWAPPED_NOT_CHECKPOINTED; the loaded checkpoint holds the old files
     (record,) = _journal_dir(plane, node).glob("*.gcj")
     saved = record.read_bytes()
     record.unlink()  # lost
