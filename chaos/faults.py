@@ -42,6 +42,7 @@ from .sweep import (
     plant_orphans,
     plant_temporary,
     revert,
+    run_orphan_pass,
     run_sweeper,
 )
 from .workload import PROBE_TABLE, SCHEMA
@@ -757,9 +758,10 @@ def orphan_sweep(ctx: FaultContext) -> FaultResult:
         planted = plant_orphans(catalog, node, ctx.rng)
         result.sweep["orphans_planted"] += len(planted.orphans)
         try:
-            dry = run_sweeper(node, ["orphans"], dry_run=True, grace_ms=ORPHAN_GRACE_MS)
+            names = {name for _uri, name in planted.orphans}
+            dry = run_orphan_pass(node, names, dry_run=True)
             ctx.write()
-            real = run_sweeper(node, ["orphans"], grace_ms=ORPHAN_GRACE_MS)
+            real = run_orphan_pass(node, names)
         except grpc.RpcError as exc:
             result.notes.append(f"orphan pass on {node}: {code_of(exc)}")
             planted.remove_held()

@@ -39,6 +39,10 @@ import pyarrow.compute as pc
 COMMIT_TS = "_commit_ts"
 # The codec of every data file (ingest publish and Storage GC rewrites write the same).
 PARQUET_COMPRESSION = "zstd"
+# The footer key under which a Storage GC output names its rewrite (the job writes
+# "gc_rewrite_id" under its "retina." prefix, spark_jobs/storage_gc.py). Ingest files
+# never carry it: recovery tells a rewrite's output from an ingest file by it.
+GC_REWRITE_ID_KEY = b"retina.gc_rewrite_id"
 
 _DECIMAL = re.compile(r"^decimal\((\d+),(\d+)\)$")
 _FIXED = {"boolean": 1, "int32": 4, "date32": 4, "int64": 8, "timestamp_us": 8,

@@ -22,6 +22,15 @@ ENV_PREFIX = "RETINA__"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 CONFIG_ENV = "RETINA_CONFIG"
+# ORPHAN_GRACE_ABOVE_ANY_COMMIT: the orphan pass removes an object nothing names only
+# this long after it was written, at least. Every write path names its object in the
+# catalog before the object exists, so the grace is what still protects an object
+# whose name shows up late: a durable write's ``.tmp`` until its rename, a catalog
+# commit whose outcome is unknown and is re-read (60 s) or retried (the publisher:
+# 300 s). An hour is well above all of them. A smaller grace is refused: as a
+# setting (retina.orphan_grace_ms, a configuration error) and per run (RunSweeper,
+# INVALID_ARGUMENT).
+MIN_ORPHAN_GRACE_MS = 3_600_000
 
 
 class ConfigError(Exception):
@@ -299,6 +308,18 @@ def _check(config: Config) -> None:
                  "gc_retired_retention_ms"):
         if getattr(rc, name) < 0:
             raise ConfigError(f"retina.{name} must not be negative")
+    problem = orphan_grace_problem(rc.orphan_grace_ms)
+    if problem:
+        raise ConfigError(f"retina.orphan_grace_ms: {problem}")
+
+
+def orphan_grace_problem(grace_ms: int) -> str:
+    """Why an orphan grace may not be used ("" if it may): ORPHAN_GRACE_ABOVE_ANY_COMMIT."""
+    if grace_ms >= MIN_ORPHAN_GRACE_MS:
+        return ""
+    return (f"{grace_ms} ms is below the minimum orphan grace {MIN_ORPHAN_GRACE_MS} ms (one "
+            "hour): a shorter grace could take an object whose catalog row is still being "
+            "committed for a crash's leftover")
 
 
 _SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")

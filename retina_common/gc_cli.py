@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     orphans = sub.add_parser("orphans", help="objects nothing knows (after the grace period)")
     orphans.add_argument("--dry-run", action="store_true", help="report, remove nothing")
     orphans.add_argument("--grace-ms", type=int, default=0,
-                         help="keep objects younger than this (default: the node's setting)")
+                         help="keep objects younger than this (default: the node's setting; "
+                              "at least 3600000, one hour)")
     orphans.add_argument("--json", action="store_true")
     lineage = sub.add_parser("lineage", help="every Storage GC rewrite and its status")
     lineage.add_argument("--json", action="store_true")

@@ -9,7 +9,8 @@ re-registered and get their visibility from the body (base =
 checkpointAppliedTs, empty chain). A discarded admitted segment becomes
 PENDING, so its rows are replayed. This node's REGULAR files that no kept
 entry covers, and no open GC journal entry protects, become RETIRED (cleanupAt = now);
-its TEMPORARY_INGEST files are deleted. Write buffers start empty.
+its TEMPORARY_INGEST files are deleted, MainIndex ranges first, then the object,
+then the row (LEFTOVER_RANGES_GO_WITH_THE_FILE). Write buffers start empty.
 
 **The rewind** runs once the replay starts are derived: every primary-index
 version written at or after its scope's start is dropped, and every row of a
@@ -164,10 +165,21 @@ def _retire_leftovers(node: RetinaNode, catalog: Catalog, mine: list[FileRecord]
             retired += 1
             log.info("cleansing_retired", node=node.node_id, file_id=f.file_id)
         elif f.type == FileType.TEMPORARY_INGEST:
-            delete_quietly(paths[f.path_id].uri, f.name)
-            with contextlib.suppress(CatalogError):
-                catalog.delete_files([f.file_id])
+            _delete_ingest_leftover(node, catalog, f, paths[f.path_id].uri)
     return retired
+
+
+def _delete_ingest_leftover(node: RetinaNode, catalog: Catalog, f: FileRecord,
+                            path_uri: str) -> None:
+    """LEFTOVER_RANGES_GO_WITH_THE_FILE: a TEMPORARY_INGEST file killed between its
+    MainIndex flush and its REGULAR step has durable ranges; they go first, then the
+    object, then the row, so a crash anywhere in between leaves the row and the next
+    start deletes again (each step is idempotent). No index version can point into
+    the ranges after the rewind: the file's rows are at or above every replay start."""
+    node.index.delete_main_index_range(f.file_id)
+    delete_quietly(path_uri, f.name)
+    with contextlib.suppress(CatalogError):
+        catalog.delete_files([f.file_id])
 
 
 def _retire(catalog: Catalog, file_id: int, now: int) -> None:

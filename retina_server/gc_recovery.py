@@ -21,6 +21,26 @@ but that has MainIndex ranges means a rewrite whose journal is gone; if any
 primary-index version points into those ranges the node fails closed
 (GC_ROWS_HAVE_A_JOURNAL), otherwise the ranges are dropped.
 
+Lost records of swapped rewrites (REWRITE_OUTPUTS_HAVE_A_JOURNAL): once the
+decisions and the reverts are done, a REGULAR file of this node that the loaded
+checkpoint (as the reverts rebased it) does not hold and that no journal record
+names, old or new, must be an ingest file published after the checkpoint. If its
+footer says it is a Storage GC output (``retina.gc_rewrite_id``), only a swapped
+rewrite whose record is gone explains it: cleansing would retire it and discard
+the RETIRED old files' checkpoint entries, and replay would have to start from
+the oldest of them. The node fails closed instead. The healthy cases never
+match: a kept rewrite's output is in the checkpoint; a promoted one
+(CHECKPOINTED) is in both slots, so also after a fallback to ``previous``, and
+in every later checkpoint, also once its record is swept; a rolled-back or
+reverted output is no longer REGULAR (and named by its record until swept); a
+revert's rebased baseline holds the old files again. A footer that cannot be
+read fails the node only with a second sign in the same stream: a checkpointed
+file that is RETIRED in the catalog and that no record names. A swap leaves
+that sign; its only other source is cleansing, which retires a checkpoint
+entry it discarded at an earlier start, so a healthy node never meets it
+together with an unreadable object; with both, a lost rewrite cannot be ruled
+out and the node fails closed. Otherwise an unreadable footer only warns.
+
 A journal record that does not check (CRC32C, length) fails the node closed:
 it is never read as "no entry".
 """
@@ -39,8 +59,12 @@ from retina_common.catalog import (
     CatalogUnavailable,
     FileRecord,
     FileType,
+    PathRecord,
 )
+from retina_common.checkpoint import CheckpointBody
+from retina_common.codec import GC_REWRITE_ID_KEY
 from retina_common.log import get_logger
+from retina_common.storage import open_parquet
 from retina_server.gc_journal import GcJournal, JournalEntry, JournalState
 from retina_server.node import RetinaNode
 from retina_server.storage_gc import Survivors, entry_survivors, roll_back
@@ -139,3 +163,60 @@ def check_unjournaled(node: RetinaNode, catalog: Catalog, journal: GcJournal,
         node.index.delete_main_index_range(f.file_id)
         log.warning("gc_unjournaled_ranges_dropped", file_id=f.file_id, name=f.name)
     return len(suspects)
+
+
+def check_rewrite_outputs(node: RetinaNode, journal: GcJournal, body: CheckpointBody,
+                          files: list[FileRecord], paths: list[PathRecord]) -> None:
+    """REWRITE_OUTPUTS_HAVE_A_JOURNAL (see the module docstring); ``body``: the loaded
+    baseline after the reverts rebased it; ``files``: the catalog after the decisions."""
+    named = {f for e in journal.entries() for f in (e.new_file_id, *e.old_file_ids)}
+    held = {e.file_id for e in body.files}
+    by_path = {p.path_id: p for p in paths}
+    lost: list[str] = []
+    for f in files:
+        stream = _own_stream(node, f, by_path)
+        if f.type != FileType.REGULAR or f.file_id in held or f.file_id in named or \
+                stream is None:
+            continue
+        rewrite_id, unreadable = _footer_rewrite_id(by_path[f.path_id].uri, f.name)
+        if rewrite_id:
+            lost.append(f"file {f.file_id} ({f.name}) is the output of rewrite {rewrite_id}")
+        elif unreadable and stream in _retired_unnamed_streams(body, files, named):
+            lost.append(f"file {f.file_id} ({f.name}): footer unreadable ({unreadable}) "
+                        "beside checkpointed files RETIRED with no record")
+    if lost:
+        raise GcJournalMismatch(
+            "REWRITE_OUTPUTS_HAVE_A_JOURNAL: REGULAR files that only a swapped Storage GC "
+            "rewrite explains are in no journal record and not in the loaded checkpoint "
+            "(the record is lost; restore it): " + "; ".join(lost[:5]))
+
+
+def _own_stream(node: RetinaNode, f: FileRecord, paths: dict[int, PathRecord]
+                ) -> tuple[int, int] | None:
+    """(table, vnode) of one of this node's files, None for another node's."""
+    try:
+        name = file_names.parse(f.name)
+    except ValueError:
+        return None
+    path = paths.get(f.path_id)
+    if name.node_id != node.node_id or path is None:
+        return None
+    return path.table_id, name.vnode
+
+
+def _footer_rewrite_id(path_uri: str, name: str) -> tuple[str, str]:
+    """(the rewrite id in a file's footer or "", why the footer cannot be read or "")."""
+    try:
+        meta = open_parquet(path_uri, name).metadata.metadata or {}
+    except (OSError, ValueError) as exc:
+        log.warning("gc_recovery_footer_unreadable", name=name, error=str(exc))
+        return "", str(exc) or type(exc).__name__
+    return meta.get(GC_REWRITE_ID_KEY, b"").decode(), ""
+
+
+def _retired_unnamed_streams(body: CheckpointBody, files: list[FileRecord],
+                             named: set[int]) -> set[tuple[int, int]]:
+    """Streams of checkpointed files the catalog says are RETIRED and no record names."""
+    retired = {f.file_id for f in files if f.type == FileType.RETIRED}
+    return {(e.table_id, e.vnode) for e in body.files
+            if e.file_id in retired and e.file_id not in named}

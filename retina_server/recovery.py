@@ -65,7 +65,12 @@ from retina_common.retry import until_deadline
 from retina_server.checkpoint import build_body
 from retina_server.cleansing import RewindFailed, cleanse, my_files, rewind
 from retina_server.gc_journal import CorruptJournal, GcJournal
-from retina_server.gc_recovery import GcJournalMismatch, check_unjournaled, decide
+from retina_server.gc_recovery import (
+    GcJournalMismatch,
+    check_rewrite_outputs,
+    check_unjournaled,
+    decide,
+)
 from retina_server.lifecycle import LifecycleAnnouncer, LifecycleStateMachine, Phase, Request
 from retina_server.lineage import RevertAnchorsGone, recover_reverts
 from retina_server.node import RetinaNode
@@ -246,6 +251,9 @@ class RecoveryCoordinator:
                 lambda: self._catalog.get_files_by_type(None, list(FileType)), "enumerate files")
         self._retry(lambda: check_unjournaled(self._node, self._catalog, self._gc_journal, files),
                     "unjournaled GC files")
+        if loaded is not None:  # no checkpoint: REGULAR files fail the start anyway
+            check_rewrite_outputs(self._node, self._gc_journal, loaded.body, files,
+                                  self._retry(self._catalog.list_paths, "list paths"))
         return files
 
     # --- replay -----------------------------------------------------------------------------

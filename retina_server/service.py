@@ -37,7 +37,7 @@ from retina_server.node import RetinaNode
 from retina_server.read_guard import ReadTransactionGuard
 from retina_server.recovery import RecoveryCoordinator
 from retina_server.storage_gc import StorageGc
-from retina_server.sweeper import PASSES, Sweeper
+from retina_server.sweeper import PASSES, Sweeper, check_orphan_grace
 from retina_server.update_record import apply, prepare
 from retina_server.visibility import bitmap_to_bytes
 
@@ -299,9 +299,12 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             if unknown:
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                               f"unknown sweeper passes {unknown}; known: {list(PASSES)}")
-            if request.orphan_grace_ms < 0:
-                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                              "orphan_grace_ms must not be negative")
+            if request.orphan_grace_ms:  # 0: the configured retina.orphan_grace_ms
+                try:
+                    check_orphan_grace(request.orphan_grace_ms)
+                except ValueError as exc:
+                    raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"orphan_grace_ms: {exc}") from exc
             swept = self._sweeper.run(list(request.passes), request.dry_run,
                                       request.orphan_grace_ms or None)
             removed = [s for s in swept if s.action == "removed"]

@@ -7,7 +7,8 @@ RunSweeper, ``retina-gc sweep``), runs these passes over this node's files
 * **temporary** (C08.1): ``listTemporaryFilesDue(ttl)``: TEMPORARY_INGEST and
   TEMPORARY_GC files whose name time + TTL has passed. A TEMPORARY_INGEST file
   still in a write buffer stays; a TEMPORARY_GC file stays while a GC journal
-  entry or a prepared rewrite names it. Removal: object → catalog row.
+  entry or a prepared rewrite names it. Removal: MainIndex ranges (an ingest
+  file's) and object → catalog row.
 * **retired** (C08.2): ``listRetiredFilesDue()``, each file in this order:
   frozen visibility → MainIndex range → object → catalog row
   (``deleteFiles``). Every step is idempotent and sits between two failpoints;
@@ -17,7 +18,16 @@ RunSweeper, ``retina-gc sweep``), runs these passes over this node's files
 * **journal**: final GC journal records (CHECKPOINTED, ABORTED, REVERTED)
   older than the lineage retention whose files are all settled.
 * **orphans** (only when asked; orphans.py): objects no catalog row, journal
-  entry or checkpoint knows, after a grace period; ``dry_run`` reports them.
+  entry or prepared rewrite names, listed before the names are read, after a
+  grace of at least an hour, if the guard lets them go and nothing names them
+  when asked again just before the delete; ``dry_run`` reports them.
+
+ONE_FAILURE_NEVER_STALLS_A_SWEEP (removal_backoff.py): a temporary, retired or
+orphan removal that raises is skipped (WARN ``sweeper_removal_failed``,
+``retina_sweeper_removal_failures_total``), the pass goes on with the rest, and
+the file sits out 1, 2, 4, ... (at most 64) rounds of its pass before it is
+tried again; every step being idempotent, the retry finishes what the failed
+attempt began.
 
 Every file removal asks the retention guard (retention.py) first. Holds are
 read *after* the candidates (a hold taken after the candidate listing is
@@ -40,10 +50,12 @@ from retina_common import failpoints as fp
 from retina_common import file_names
 from retina_common.catalog import Catalog, FileRecord, FileType, NotFoundError
 from retina_common.checkpoint import CheckpointStore
+from retina_common.config import orphan_grace_problem
 from retina_common.log import get_logger
 from retina_common.storage import delete_object, object_size
 from retina_server.gc_journal import FINAL_STATES, GcJournal, JournalState
 from retina_server.node import RetinaNode
+from retina_server.removal_backoff import REMOVAL_BACKOFF, REMOVAL_FAILED, RemovalBackoff
 from retina_server.retention import HoldReason, Holds, hold_reason
 
 log = get_logger(component="sweeper")
@@ -112,6 +124,9 @@ class Sweeper:
         self._clock_ms = clock_ms
         self._round_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        # ONE_FAILURE_NEVER_STALLS_A_SWEEP (removal_backoff.py), one per removing pass.
+        self.backoff = {name: RemovalBackoff(name) for name in ("temporary", "retired",
+                                                                "orphans")}
 
     # --- the background round ----------------------------------------------------------------
     def start(self) -> None:
@@ -154,12 +169,12 @@ class Sweeper:
             if "journal" in wanted:
                 out += self.sweep_journal(dry_run)
             if "orphans" in wanted:
-                from retina_server.orphans import reconcile  # the rarely-run pass
+                from retina_server.orphans import Namers, reconcile  # the rarely-run pass
 
-                out += reconcile(self._node, self._catalog, self._journal,
-                                 self._pending_gc_names(), self._clock_ms(),
+                out += reconcile(self._node, Namers(self._catalog, self._journal,
+                                                    self._pending_gc_names), self.holds,
                                  self.settings.orphan_grace_ms if orphan_grace_ms is None
-                                 else orphan_grace_ms, dry_run)
+                                 else orphan_grace_ms, dry_run, self.backoff["orphans"])
         held = Tally(s.reason for s in out if s.action == "held")
         for reason in HoldReason:
             HELD.labels(reason=reason.value).set(held.get(reason.value, 0))
@@ -202,6 +217,8 @@ class Sweeper:
     def sweep_temporary(self, dry_run: bool) -> list[Swept]:
         ttl = self.settings.temporary_ttl_ms
         due = self._mine(self._catalog.list_temporary_files_due(ttl, self._clock_ms()))
+        backoff = self.backoff["temporary"]
+        backoff.begin_round((str(f.file_id) for f in due), dry_run)
         if not due:
             return []
         holds = self.holds()
@@ -229,13 +246,28 @@ class Sweeper:
 
     def _remove_temporary(self, f: FileRecord, path_uri: str, reason: HoldReason | None,
                           dry_run: bool) -> Swept:
-        if reason is not None:
-            return Swept("temporary", f.file_id, f.name, path_uri, "held", reason.value)
+        backoff = self.backoff["temporary"]
+        held = why_held(reason, backoff, str(f.file_id))
+        if held:
+            return Swept("temporary", f.file_id, f.name, path_uri, "held", held)
         size = _size(path_uri, f.name)
         if dry_run:
             return Swept("temporary", f.file_id, f.name, path_uri, "would_remove",
                          f"{f.type.name} past its TTL", size)
+        removed = backoff.attempt(str(f.file_id), lambda: self._delete_temporary(f, path_uri, size),
+                                  file_id=f.file_id, name=f.name, type=f.type.name)
+        return removed or Swept("temporary", f.file_id, f.name, path_uri, "held",
+                                REMOVAL_FAILED, size)
+
+    def _delete_temporary(self, f: FileRecord, path_uri: str, size: int) -> Swept:
+        """Data (MainIndex ranges, object), then catalog row; each step idempotent."""
         fp.SWEEPER_TEMPORARY_OBJECT_BEFORE.hit()
+        if f.type == FileType.TEMPORARY_INGEST:
+            # LEFTOVER_RANGES_GO_WITH_THE_FILE: ranges flushed before a crash kept the
+            # file from its REGULAR step go before the row (a failure in between leaves
+            # the row, and the next round deletes again). A TEMPORARY_GC file with
+            # ranges never gets here (held: recovery decides it).
+            self._node.index.delete_main_index_range(f.file_id)
         delete_object(path_uri, f.name)
         fp.SWEEPER_TEMPORARY_OBJECT_AFTER.hit()
         fp.SWEEPER_TEMPORARY_CATALOG_BEFORE.hit()
@@ -254,6 +286,8 @@ class Sweeper:
         RETIRED_DUE.set(len(retired))
         now = self._clock_ms()
         due = [f for f in retired if f.cleanup_at is not None and f.cleanup_at <= now]
+        backoff = self.backoff["retired"]
+        backoff.begin_round((str(f.file_id) for f in due), dry_run)
         if not due:
             return []
         holds = self.holds()
@@ -261,27 +295,37 @@ class Sweeper:
         out = []
         for f in due:
             reason = hold_reason(f, holds)
-            if reason is not None:
+            held = why_held(reason, backoff, str(f.file_id))
+            if held:
                 out.append(Swept("retired", f.file_id, f.name, paths.get(f.path_id, ""),
-                                 "held", reason.value))
+                                 "held", held))
                 continue
             size = _size(paths[f.path_id], f.name)
             if dry_run:
                 out.append(Swept("retired", f.file_id, f.name, paths[f.path_id],
                                  "would_remove", "cleanupAt passed, unheld", size))
                 continue
-            with self._revert_lock:
-                current = self._catalog.get_file(f.file_id)
-                if current is not None and current.type != FileType.RETIRED:
-                    out.append(Swept("retired", f.file_id, f.name, paths[f.path_id], "held",
-                                     f"now {current.type.name}"))
-                    continue
-                self.remove_retired(f, paths[f.path_id])
-            REMOVED.labels("retired").inc()
-            BYTES_REMOVED.labels("retired").inc(size)
-            out.append(Swept("retired", f.file_id, f.name, paths[f.path_id], "removed",
-                             "cleanupAt passed, unheld", size))
+            path_uri = paths[f.path_id]
+            removed = backoff.attempt(
+                str(f.file_id),
+                lambda f=f, uri=path_uri, size=size: self._remove_unless_reverted(f, uri, size),
+                file_id=f.file_id, name=f.name)
+            out.append(removed or Swept("retired", f.file_id, f.name, path_uri, "held",
+                                        REMOVAL_FAILED, size))
         return out
+
+    def _remove_unless_reverted(self, f: FileRecord, path_uri: str, size: int) -> Swept:
+        """One due, unheld RETIRED file, unless a revert made it REGULAR again."""
+        with self._revert_lock:
+            current = self._catalog.get_file(f.file_id)
+            if current is not None and current.type != FileType.RETIRED:
+                return Swept("retired", f.file_id, f.name, path_uri, "held",
+                             f"now {current.type.name}")
+            self.remove_retired(f, path_uri)
+        REMOVED.labels("retired").inc()
+        BYTES_REMOVED.labels("retired").inc(size)
+        return Swept("retired", f.file_id, f.name, path_uri, "removed",
+                     "cleanupAt passed, unheld", size)
 
     def remove_retired(self, f: FileRecord, path_uri: str) -> None:
         """The four steps of C08.2, in order, each idempotent."""
@@ -339,6 +383,20 @@ class Sweeper:
                              "would_remove" if dry_run else "removed",
                              f"{e.state.value} past the lineage retention"))
         return out
+
+
+def why_held(reason: HoldReason | None, backoff: RemovalBackoff, key: str) -> str:
+    """The retention guard's reason first, then a removal backoff ("" if neither)."""
+    if reason is not None:
+        return reason.value
+    return REMOVAL_BACKOFF if backoff.waiting(key) else ""
+
+
+def check_orphan_grace(grace_ms: int) -> None:
+    """ORPHAN_GRACE_ABOVE_ANY_COMMIT (retina_common/config.py); raises ValueError."""
+    problem = orphan_grace_problem(grace_ms)
+    if problem:
+        raise ValueError(problem)
 
 
 def _size(path_uri: str, name: str) -> int:

@@ -1,6 +1,6 @@
 """A Storage GC rewriter for node-side tests: the Spark job's protocol (prepare → read
-visibility at the cutoff → write and register the new file → commit) without Spark,
-so that a test can stop between any two of its steps."""
+visibility at the cutoff → write and register the new file, with the job's footer
+keys → commit) without Spark, so that a test can stop between any two of its steps."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from retina_common.catalog import FileRecord, FileType
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.storage import open_parquet, write_durably
+from spark_jobs.storage_gc import new_file_schema
 
 from .dataplane import SCHEMA, DataPlane
 from .support import eventually
@@ -99,6 +100,12 @@ def write_new_file(dp: DataPlane, p: Prepared, row_group_rows: int = 50) -> int:
     schema = open_parquet(p.reply.path_uri, p.old[0].name).schema_arrow
     table = pa.concat_tables(parts) if parts else schema.empty_table()
     assert table.num_rows == p.reply.expected_rows
+    # The job's own footer keys (spark_jobs/storage_gc.py _rewrite): recovery reads
+    # ``retina.gc_rewrite_id`` to tell a GC output from an ingest file.
+    table = table.cast(new_file_schema(schema, {
+        "node": p.node, "vnode": str(p.vnode), "gc_rewrite_id": p.reply.rewrite_id,
+        "gc_cutoff_ts": str(p.reply.cutoff_ts),
+        "gc_old_file_ids": ",".join(str(f.file_id) for f in p.old)}))
     sink = io.BytesIO()
     pq.write_table(table, sink, row_group_size=row_group_rows)
     record = dp.catalog.add_file(p.reply.file_name, FileType.TEMPORARY_GC,

@@ -32,6 +32,8 @@ def test_config_file_then_environment_overrides(tmp_path: Path) -> None:
     ("[trans]\nts_block_size = 'many'\n", {}, "trans.ts_block_size"),
     ("[gate]\nretina_enabled = 'perhaps'\n", {}, "gate.retina_enabled"),
     ("not toml = = =", {}, "not valid TOML"),
+    ("[retina]\norphan_grace_ms = 1\n", {}, "orphan_grace_ms: 1 ms is below the minimum"),
+    ("", {"RETINA__RETINA__ORPHAN_GRACE_MS": "3599999"}, "below the minimum orphan grace"),
 ])
 def test_config_refuses_unknown_or_malformed_settings(tmp_path: Path, text: str,
                                                       env: dict[str, str], message: str) -> None:

@@ -20,6 +20,7 @@ from retina_common.etcd import EtcdStore
 
 from .dataplane import DataPlane
 from .support import ROOT, eventually
+from .test_sweepers import ranged_files
 
 ONE_FILE_PER_BLOCK = {"block_rows": 8, "blocks_per_file": 1, "flush_interval_ms": 600_000}
 
@@ -97,12 +98,12 @@ CRASH_POINTS = [
 ]
 
 
-@pytest.mark.parametrize("point", CRASH_POINTS)
-def test_kill_at_each_publish_failpoint(make_plane: Callable[..., DataPlane], catalog: Catalog,
-                                        point: str) -> None:
+def killed_at_the_second_file(make_plane: Callable[..., DataPlane], catalog: Catalog,
+                              point: str) -> tuple[DataPlane, str, list[int]]:
+    """Two files of one stream: the first published and checkpointed, the node killed at
+    ``point`` while it publishes the second. Returns the plane, the node and the ids."""
     plane = make_plane(f"{point}=exit(137)@2")  # the first file passes, the second dies
     node = plane.nodes[0]
-    retina = plane.retinas[node]
     ids = ids_in_vnode(plane, 3, 16)
     plane.commit({"orders": {"inserts": [order(i) for i in ids[:8]]}})
     eventually(lambda: list(files(catalog).values()).count(FileType.REGULAR) == 1, 15,
@@ -113,7 +114,15 @@ def test_kill_at_each_publish_failpoint(make_plane: Callable[..., DataPlane], ca
     # rolled back and not in the changelog); either way the model holds.
     with contextlib.suppress(grpc.RpcError):
         plane.commit({"orders": {"inserts": [order(i) for i in ids[8:]]}})
-    assert retina.wait_exit() == 137
+    assert plane.retinas[node].wait_exit() == 137
+    return plane, node, ids
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_kill_at_each_publish_failpoint(make_plane: Callable[..., DataPlane], catalog: Catalog,
+                                        point: str) -> None:
+    plane, node, ids = killed_at_the_second_file(make_plane, catalog, point)
+    retina = plane.retinas[node]
     retina.start()
     eventually(lambda: not plane.gate_open(), 15, "queries refused while RECOVERING")
     plane.recover(node)
@@ -125,6 +134,28 @@ def test_kill_at_each_publish_failpoint(make_plane: Callable[..., DataPlane], ca
     assert leftovers == [], "cleansing drops this node's TEMPORARY_INGEST files"
     # The node takes writes again and they land exactly once.
     plane.commit({"orders": {"replaces": [order(i) for i in ids[:3]]}})
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+@pytest.mark.parametrize("point", ["ingest.index_flush.after", "ingest.catalog_regular.before"])
+def test_an_ingest_file_killed_before_its_regular_step_leaves_no_main_index_ranges(
+        make_plane: Callable[..., DataPlane], catalog: Catalog, point: str) -> None:
+    """LEFTOVER_RANGES_GO_WITH_THE_FILE: the second file dies with its MainIndex ranges
+    durable and its row TEMPORARY_INGEST; the restart's cleansing deletes the ranges
+    with the object and the row (they used to stay forever), and reads equal the model
+    over one more restart."""
+    plane, node, _ids = killed_at_the_second_file(make_plane, catalog, point)
+    retina = plane.retinas[node]
+    killed = {f for f, kind in files(catalog).items() if kind == FileType.TEMPORARY_INGEST}
+    assert killed and killed <= ranged_files(plane, node)  # the kill left durable ranges
+    retina.start()
+    plane.recover(node)
+    assert not killed & ranged_files(plane, node)
+    assert not killed & set(files(catalog))
+    assert plane.read("orders") == plane.model.rows["orders"]
+    retina.kill9()
+    retina.start()
+    plane.recover(node)
     assert plane.read("orders") == plane.model.rows["orders"]
 
 

@@ -6,16 +6,20 @@ reading its snapshot; refusals change nothing."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import pyarrow as pa
 import pytest
 
 from retina_common.catalog import Catalog, FileType
+from retina_common.codec import COMMIT_TS, GC_REWRITE_ID_KEY
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import HIDDEN
+from spark_jobs.storage_gc import new_file_schema
 
 from . import gc
 from .dataplane import SCHEMA, DataPlane
@@ -258,15 +262,24 @@ def test_a_kill_during_promotion_keeps_the_new_file(
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+def swapped_then_killed(plane: DataPlane, catalog: Catalog, delete_every: int
+                        ) -> tuple[str, list, rpb.CommitGcRewriteResponse]:
+    """Load, rewrite the biggest stream, delete every ``delete_every``-th row, kill -9:
+    the rewrite is SWAPPED_NOT_CHECKPOINTED and the loaded checkpoint has the old files
+    (the plane checkpoints only on demand). Returns the node, old files and the reply."""
+    load(plane, catalog)
+    node, vnode, files = biggest_stream(plane)
+    reply = gc.rewrite(plane, node, "orders", vnode, files)
+    plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, delete_every)]}})
+    plane.retinas[node].kill9()
+    return node, files, reply
+
+
 def test_a_swapped_rewrite_without_a_checkpoint_rolls_back_and_a_kill_in_the_rollback_is_finished(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(checkpoint_interval_ms=3_600_000)
-    load(plane, catalog)
-    node, vnode, files = biggest_stream(plane)
+    node, files, reply = swapped_then_killed(plane, catalog, 4)
     retina = plane.retinas[node]
-    reply = gc.rewrite(plane, node, "orders", vnode, files)
-    plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 120, 4)]}})
-    retina.kill9()  # SWAPPED_NOT_CHECKPOINTED; the loaded checkpoint has the old files
     # Crashes in the middle of recovery's rollback, one start after another; each
     # start redoes the idempotent steps and gets one further.
     for point in ("gc.rollback.primary.after", "catalog.revert_swap.commit.after",
@@ -498,6 +511,72 @@ def test_gc_rows_without_a_journal_fail_the_node_closed(
     retina.start()
     eventually(lambda: plane.status(node).state == rpb.FAILED, 30, "the node to fail closed")
     assert "GC_ROWS_HAVE_A_JOURNAL" in plane.status(node).failure_reason
+
+
+def _damage_current_checkpoint(plane: DataPlane, node: str, checkpoint_id: int) -> None:
+    body = plane.workdir / "storage" / "_checkpoints" / node.replace(":", "-") / \
+        f"ckpt-{checkpoint_id:020d}.bin"
+    data = bytearray(body.read_bytes())
+    data[100] ^= 0x04
+    body.write_bytes(bytes(data))
+
+
+def test_the_jobs_footer_names_its_rewrite_under_the_key_recovery_reads() -> None:
+    """REWRITE_OUTPUTS_HAVE_A_JOURNAL reads what the Spark job writes (its _rewrite puts
+    ``gc_rewrite_id`` through new_file_schema)."""
+    schema = pa.schema([("id", pa.int64()), (COMMIT_TS, pa.int64())])
+    footer = new_file_schema(schema, {"gc_rewrite_id": "r-1", "node": "n"}).metadata
+    assert footer[GC_REWRITE_ID_KEY] == b"r-1"
+
+
+def test_a_swapped_rewrite_whose_journal_record_is_lost_fails_the_node_closed(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    """REWRITE_OUTPUTS_HAVE_A_JOURNAL. A rewrite is swapped (new file REGULAR, old files
+    RETIRED), its record is lost before any checkpoint holds the new file, and the node
+    restarts: it must fail closed, the catalog untouched, instead of retiring the new
+    file and replaying from the old files' oldest rows (what it did). With the record
+    restored it rolls back. Then the healthy cases that look alike: GC outputs whose
+    records were promoted and swept, loaded from the ``previous`` slot (``current``
+    damaged), are no sign of a lost record."""
+    plane = make_plane(checkpoint_interval_ms=3_600_000, gc_retired_retention_ms=0,
+                       sweeper_interval_ms=0, gc_lineage_retention_ms=0)
+    node, files, reply = swapped_then_killed(plane, catalog, 7)
+    retina = plane.retinas[node]
+    (record,) = _journal_dir(plane, node).glob("*.gcj")
+    saved = record.read_bytes()
+    record.unlink()  # lost
+    retina.start()
+    eventually(lambda: plane.status(node).state == rpb.FAILED, 30, "the node to fail closed")
+    reason = plane.status(node).failure_reason
+    assert reason.startswith("GC journal mismatch: REWRITE_OUTPUTS_HAVE_A_JOURNAL"), reason
+    assert f"file {reply.new_file_id} " in reason
+    assert reply.new_file_id in gc.regular_ids(plane, "orders")  # start-up changed nothing
+    retired = {f.file_id for f in catalog.get_files_by_type(None, [FileType.RETIRED])}
+    assert {f.file_id for f in files} <= retired
+    assert not plane.gate_open()
+    retina.stop()  # the runbook: restore the record, restart
+    record.write_bytes(saved)
+    retina.start()
+    plane.recover(node)
+    assert [e.state for e in gc.journal(plane, node).values()] == ["ABORTED"]
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+    all_streams_rewritten(plane)
+    plane.checkpoint(node)
+    newest = plane.checkpoint(node).checkpoint_id  # both slots hold the outputs: promoted
+    for kind in ("retired", "journal"):  # the old files, then the final records, go
+        retina.stub.RunSweeper(rpb.RunSweeperRequest(passes=[kind]), timeout=60)
+    assert gc.journal(plane, node) == {}
+    retina.kill9()
+    _damage_current_checkpoint(plane, node, newest)
+    retina.start()
+    plane.recover(node)  # from ``previous``: it holds every output, no record names them
+    started = [json.loads(line) for line in retina.log_path.read_text().splitlines()
+               if '"replay_ts_ready"' in line]
+    assert started[-1]["slot"] == "previous"
+    assert plane.read("orders") == plane.model.rows["orders"]
+    plane.commit({"orders": {"replaces": [order(i, note="2") for i in range(0, 120, 3)]}})
+    assert plane.read("orders") == plane.model.rows["orders"]
 
 
 # --- the GC scheduler inside a real node --------------------------------------------------------

@@ -8,17 +8,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import grpc
 import pytest
 
-from retina_common import file_names
+from devtools.cluster import free_port
+from retina_common import failpoints, file_names
 from retina_common.catalog import Catalog, FileRecord, FileType
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
@@ -29,12 +32,14 @@ from retina_server.retention import HoldReason, Holds, hold_reason
 
 from . import gc
 from .dataplane import SCHEMA, DataPlane
-from .support import rpc_error
+from .support import eventually, rpc_error
+from .test_deploy_monitoring import scrape, value
 from .test_recovery_protocol import order
 from .test_recovery_sequences import restart_and_recover
 from .test_storage_gc import all_streams_rewritten, load
 
 NOW = 1_000_000
+ORPHAN_REMOVED = "no catalog row, journal entry or rewrite names it"
 
 
 # --- the retention guard: one test per reason ------------------------------------------------
@@ -88,6 +93,23 @@ def test_guard_holds_a_file_a_checkpoint_slot_names_or_when_slots_are_unreadable
 def test_guard_holds_a_rollback_anchor_of_an_open_journal_entry() -> None:
     assert hold_reason(_retired(), _holds(journal_anchors=frozenset({7}))) == \
         HoldReason.JOURNAL_ANCHOR
+
+
+def test_guard_holds_an_orphan_candidate_by_its_grace_and_by_the_holds_on_every_file() -> None:
+    """``file=None``: an object no catalog row names. It has no id for a reader, slot or
+    journal entry to name, but its grace and every hold that covers all files apply."""
+    assert hold_reason(None, _holds(), due_at_ms=NOW + 1) == HoldReason.GRACE_NOT_PASSED
+    assert hold_reason(None, _holds(), due_at_ms=None) == HoldReason.GRACE_NOT_PASSED
+    assert hold_reason(None, _holds(), due_at_ms=NOW) is None
+    assert hold_reason(None, _holds(reader_files=None), due_at_ms=NOW) == \
+        HoldReason.READ_HOLDS_UNKNOWN
+    assert hold_reason(None, _holds(listings_in_flight=2), due_at_ms=NOW) == \
+        HoldReason.LISTING_IN_FLIGHT
+    assert hold_reason(None, _holds(checkpoint_files=None), due_at_ms=NOW) == \
+        HoldReason.CHECKPOINT_SLOT
+    everything = _holds(reader_files=frozenset({7}), checkpoint_files=frozenset({7}),
+                        journal_anchors=frozenset({7}))
+    assert hold_reason(None, everything, due_at_ms=NOW) is None
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -244,6 +266,70 @@ def test_a_kill_at_every_sweeper_step_is_finished_by_the_next_round(
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+def by_file(reply: rpb.RunSweeperResponse) -> dict[int, tuple[str, str]]:
+    return {o.file_id: (o.action, o.reason) for o in reply.objects}
+
+
+def test_a_removal_that_fails_is_skipped_and_retried_after_its_backoff_while_the_rest_go(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    """ONE_FAILURE_NEVER_STALLS_A_SWEEP: a RETIRED file and a TEMPORARY_INGEST leftover
+    whose objects the store refuses to delete (a directory stands in their place), each
+    the first of its pass, are skipped with a metric; every other file goes in the same
+    round; the next round leaves them alone (backoff); once the store lets them go, the
+    round after removes them, and reads equal the model throughout."""
+    plane = make_plane(gc_retired_retention_ms=0, sweeper_interval_ms=0,
+                       gc_prepare_ttl_ms=1_000, temporary_file_ttl_ms=60_000)
+    node = plane.nodes[0]
+    retina = plane.retinas[node]
+    retina.stop()
+    retina.metrics_listen = f"127.0.0.1:{free_port()}"
+    retina.start()
+    plane.recover(node)
+    node, retired = rewritten(plane, catalog)
+    path = catalog.get_paths(plane.tables["orders"].table_id)[0]
+    directory = Path(path.uri.removeprefix("file://"))
+    two_hours_ago = datetime.now(UTC) - timedelta(hours=2)
+    leftovers = {}
+    for seq in (9_200_001, 9_200_002, 9_200_003):
+        name = file_names.make(node, two_hours_ago, seq, 0)
+        leftovers[catalog.add_file(name, FileType.TEMPORARY_INGEST, 0, path.path_id).file_id] = name
+        write_durably(path.uri, name, b"left by a crash")
+    stuck = {min(leftovers): leftovers[min(leftovers)],
+             min(f.file_id for f in retired): min(retired, key=lambda f: f.file_id).name}
+    for name in stuck.values():  # the store refuses: an OSError on every delete
+        (directory / name).unlink()
+        (directory / name).mkdir()
+        (directory / name / "x").write_bytes(b"x")
+    everything = set(leftovers) | {f.file_id for f in retired}
+
+    reply = by_file(sweep(plane, node, "temporary", "retired"))
+    assert {f: reply[f] for f in stuck} == dict.fromkeys(stuck, ("held", "removal_failed"))
+    assert {reply[f][0] for f in everything - set(stuck)} == {"removed"}
+    assert_swept(plane, catalog, node, [f for f in retired if f.file_id not in stuck])
+    left = {f.file_id for f in catalog.get_files_by_type(None, list(FileType))}
+    assert left & everything == set(stuck)
+    page = scrape(retina.metrics_listen)
+    for pass_name in ("temporary", "retired"):
+        assert value(page, "retina_sweeper_removal_failures_total", **{"pass": pass_name}) == 1
+        assert value(page, "retina_sweeper_files_in_backoff", **{"pass": pass_name}) == 1
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+    reply = by_file(sweep(plane, node, "temporary", "retired"))  # backing off
+    assert reply == dict.fromkeys(stuck, ("held", "removal_backoff"))
+    for name in stuck.values():  # the store lets go
+        shutil.rmtree(directory / name)
+    reply = by_file(sweep(plane, node, "temporary", "retired"))
+    assert {reply[f][0] for f in stuck} == {"removed"}
+    assert not {f.file_id for f in catalog.get_files_by_type(None, list(FileType))} & everything
+    assert_swept(plane, catalog, node, retired)
+    page = scrape(retina.metrics_listen)
+    for pass_name in ("temporary", "retired"):
+        assert value(page, "retina_sweeper_files_in_backoff", **{"pass": pass_name}) == 0
+    assert plane.read("orders") == plane.model.rows["orders"]
+    restart_and_recover(plane, node)
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
 # --- temporary files, checkpoint bodies, orphans -----------------------------------------------
 def test_temporary_files_past_their_ttl_go_unless_something_names_them(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
@@ -268,6 +354,41 @@ def test_temporary_files_past_their_ttl_go_unless_something_names_them(
     assert not left & set(planted) and {young_id, odd} <= left  # young, or not parseable
     assert not any(stored(path.uri, n) for n in planted.values())
     assert plane.read("orders") == plane.model.rows["orders"]  # live ingest files untouched
+
+
+def test_an_ingest_leftover_past_its_ttl_goes_with_its_main_index_ranges(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    """LEFTOVER_RANGES_GO_WITH_THE_FILE in the temporary sweeper: a TEMPORARY_INGEST row,
+    its object and its durable MainIndex ranges, in no write buffer (what a kill between
+    ``ingest.index_flush.after`` and the REGULAR step leaves; cleansing normally takes it
+    at the restart, so the state is put in place on the running node) are removed
+    together, the ranges before the row."""
+    plane = make_plane(sweeper_interval_ms=0, gc_prepare_ttl_ms=1_000,
+                       temporary_file_ttl_ms=60_000)
+    node = plane.nodes[0]
+    plane.commit({"orders": {"replaces": [order(i) for i in range(40)]}})
+    path = catalog.get_paths(plane.tables["orders"].table_id)[0]
+    name = file_names.make(node, datetime.now(UTC) - timedelta(hours=2), 9_300_001, 0)
+    leftover = catalog.add_file(name, FileType.TEMPORARY_INGEST, 0, path.path_id).file_id
+    write_durably(path.uri, name, b"left by a crash after its index flush")
+    db = plane.workdir / "state" / node.replace(":", "-") / "index" / "main_index.sqlite"
+    with contextlib.closing(sqlite3.connect(db, timeout=30, isolation_level=None)) as conn:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany("INSERT INTO row_id_ranges VALUES (?, ?, ?, ?, ?)",
+                         [(10**15 + 16 * rg, 16, leftover, rg, 0) for rg in range(2)])
+        conn.execute("INSERT INTO row_id_range_flush_markers VALUES (?, ?)", (leftover, 32))
+        conn.execute("COMMIT")
+    assert leftover in ranged_files(plane, node)
+    reply = sweep(plane, node, "temporary")
+    assert by_file(reply)[leftover] == ("removed", "TEMPORARY_INGEST past its TTL")
+    assert leftover not in ranged_files(plane, node)
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM row_id_range_flush_markers "
+                            "WHERE file_id = ?", (leftover,)).fetchone() == (0,)
+    assert catalog.get_file(leftover) is None and not stored(path.uri, name)
+    assert plane.read("orders") == plane.model.rows["orders"]
+    restart_and_recover(plane, node)
+    assert plane.read("orders") == plane.model.rows["orders"]
 
 
 def test_checkpoint_bodies_no_slot_references_are_removed_newer_ones_stay(
@@ -323,6 +444,85 @@ def test_orphans_are_reported_by_a_dry_run_and_removed_after_their_grace(
     assert {o.name for o in reply.objects if o.action == "removed"} == {orphan, tmp_orphan}
     assert not (directory / orphan).exists() and (directory / fresh).exists()
     assert {f.file_id for f in catalog.get_files_by_type(None, list(FileType))} == before
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+def _plant_orphan(plane: DataPlane, catalog: Catalog, node: str, seq: int) -> tuple[Path, str]:
+    """An object of this node's name format, named and written two days ago, that nothing
+    names: what a crash between an object's write and its catalog row leaves."""
+    path = catalog.get_paths(plane.tables["orders"].table_id)[0]
+    directory = Path(path.uri.removeprefix("file://"))
+    directory.mkdir(parents=True, exist_ok=True)
+    two_days_ago = datetime.now(UTC) - timedelta(days=2)
+    name = file_names.make(node, two_days_ago, seq, 1)
+    (directory / name).write_bytes(b"nobody knows me")
+    os.utime(directory / name, (two_days_ago.timestamp(), two_days_ago.timestamp()))
+    return directory, name
+
+
+def outcome(reply: rpb.RunSweeperResponse, name: str) -> tuple[str, str] | None:
+    """(action, reason) of one object in a sweep's answer (None: not reported). An
+    ingest file's ``.tmp`` being written may be reported too (held by its grace)."""
+    found = [(o.action, o.reason) for o in reply.objects if o.name == name]
+    assert len(found) <= 1, found
+    return found[0] if found else None
+
+
+def test_the_orphan_pass_refuses_a_grace_below_an_hour_and_asks_the_retention_guard(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    """ORPHAN_GRACE_ABOVE_ANY_COMMIT and the guard: a grace below the minimum is refused
+    (nothing removed), and while the TransServer cannot say which files readers hold,
+    an orphan candidate is held like every other file."""
+    plane = make_plane(sweeper_interval_ms=0)
+    node = plane.nodes[0]
+    plane.commit({"orders": {"replaces": [order(i) for i in range(30)]}})
+    directory, orphan = _plant_orphan(plane, catalog, node, 8_100_001)
+    for grace_ms in (1, 3_599_999):
+        for dry_run in (True, False):
+            err = rpc_error(lambda g=grace_ms, d=dry_run: sweep(plane, node, "orphans",
+                                                                 dry_run=d, grace_ms=g))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+            assert "below the minimum orphan grace 3600000" in err.details()
+    assert (directory / orphan).exists()
+    plane.trans.stop()
+    reply = sweep(plane, node, "orphans", grace_ms=3_600_000)
+    assert outcome(reply, orphan) == ("held", "read_holds_unknown")
+    assert (directory / orphan).exists()
+    plane.trans.start()
+
+    def removed() -> bool:  # held until the node's channel to the TransServer is back
+        action = outcome(sweep(plane, node, "orphans", grace_ms=3_600_000), orphan)
+        assert action is not None and action[0] in ("held", "removed"), action
+        assert action[1] in ("read_holds_unknown", ORPHAN_REMOVED), action
+        return action[0] == "removed"
+    eventually(removed, 30, "the orphan to be removed once read holds are known")
+    assert not (directory / orphan).exists()
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+def test_an_orphan_candidate_named_before_its_delete_is_kept(
+        make_plane: Callable[..., DataPlane], catalog: Catalog, failpoint_dir: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """RECHECKED_BEFORE_DELETE: a catalog row committed after the pass read the names (a
+    GC task registering its file) keeps the object; the pass asks again by path and
+    name just before the delete."""
+    monkeypatch.setenv(failpoints.DIR_VAR, str(failpoint_dir))
+    plane = make_plane(sweeper_interval_ms=0, failpoints="sweeper.orphan.delete.before=block")
+    node = plane.nodes[0]
+    plane.commit({"orders": {"replaces": [order(i) for i in range(30)]}})
+    directory, name = _plant_orphan(plane, catalog, node, 8_100_002)
+    path = catalog.get_paths(plane.tables["orders"].table_id)[0]
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(sweep, plane, node, "orphans", grace_ms=3_600_000)
+        failpoints.wait_hit(failpoint_dir, "sweeper.orphan.delete.before")
+        row = catalog.add_file(name, FileType.TEMPORARY_GC, 0, path.path_id)
+        failpoints.release(failpoint_dir, "sweeper.orphan.delete.before")
+        reply = pending.result(timeout=60)
+    assert outcome(reply, name) == ("held", "named_since_listing")
+    assert (directory / name).exists()
+    assert catalog.get_file(row.file_id) == row
+    reply = sweep(plane, node, "orphans", grace_ms=3_600_000)  # known now: not a candidate
+    assert outcome(reply, name) is None and (directory / name).exists()
     assert plane.read("orders") == plane.model.rows["orders"]
 
 

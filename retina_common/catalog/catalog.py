@@ -604,6 +604,17 @@ class Catalog:
 
         return self._read(body)
 
+    def get_file_by_name(self, path_id: int, name: str) -> FileRecord | None:
+        """The file of any type named ``name`` in a path, if there is one (names are
+        unique per path). The orphan pass asks it just before each delete."""
+        def body(cur: Any) -> FileRecord | None:
+            cur.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE path_id = %s AND name = %s",
+                        (path_id, name))
+            row = cur.fetchone()
+            return None if row is None else _file(row)
+
+        return self._read(body)
+
     def get_files_by_type(self, path_id: int | None, types: Iterable[FileType]) -> list[FileRecord]:
         """getFilesByType: THE single SQL enumeration of FILES.
 
