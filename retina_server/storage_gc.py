@@ -73,7 +73,7 @@ from retina_common.catalog import (
     TableRecord,
 )
 from retina_common.catalog.errors import SwapPreconditionError
-from retina_common.codec import COMMIT_TS, EncodingError, encode_primary_keys
+from retina_common.codec import COMMIT_TS, GC_REWRITE_ID_KEY, EncodingError, encode_primary_keys
 from retina_common.log import get_logger
 from retina_common.refusal import HELD_BY_BUFFER_READ, Refusal
 from retina_common.retry import until_deadline
@@ -659,6 +659,13 @@ class StorageGc:
             if parquet.schema_arrow.names != expected.names:
                 raise _refuse(bad, f"new file columns {parquet.schema_arrow.names} are not the "
                                    f"table's {expected.names}")
+            # REWRITE_OUTPUTS_HAVE_A_JOURNAL (gc_recovery.py) finds a committed output whose
+            # journal record is lost by this footer key: every committed file carries it.
+            named = (parquet.metadata.metadata or {}).get(GC_REWRITE_ID_KEY, b"").decode()
+            if named != pending.rewrite_id:
+                raise _refuse(bad, f"new file {record.name} names rewrite {named or 'none'} in "
+                                   f"its footer ({GC_REWRITE_ID_KEY.decode()}), not "
+                                   f"{pending.rewrite_id}")
             counts = [parquet.metadata.row_group(i).num_rows
                       for i in range(parquet.metadata.num_row_groups)]
             if sum(counts) != pending.expected_rows:

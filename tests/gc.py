@@ -83,9 +83,11 @@ def prepare(dp: DataPlane, node: str, table: str, vnode: int, old: list[FileReco
     return Prepared(node, table, vnode, old, reply, trans_id)
 
 
-def write_new_file(dp: DataPlane, p: Prepared, row_group_rows: int = 50) -> int:
+def write_new_file(dp: DataPlane, p: Prepared, row_group_rows: int = 50,
+                   footer_rewrite_id: str | None = None) -> int:
     """Read the old files, drop rows deleted at the cutoff, write and register the new
-    file (TEMPORARY_GC); returns its file id."""
+    file (TEMPORARY_GC); returns its file id. ``footer_rewrite_id``: the rewrite its footer
+    names (default: its own)."""
     stub = dp.retinas[p.node].stub
     parts = []
     for f in p.old:
@@ -103,7 +105,8 @@ def write_new_file(dp: DataPlane, p: Prepared, row_group_rows: int = 50) -> int:
     # The job's own footer keys (spark_jobs/storage_gc.py _rewrite): recovery reads
     # ``retina.gc_rewrite_id`` to tell a GC output from an ingest file.
     table = table.cast(new_file_schema(schema, {
-        "node": p.node, "vnode": str(p.vnode), "gc_rewrite_id": p.reply.rewrite_id,
+        "node": p.node, "vnode": str(p.vnode),
+        "gc_rewrite_id": p.reply.rewrite_id if footer_rewrite_id is None else footer_rewrite_id,
         "gc_cutoff_ts": str(p.reply.cutoff_ts),
         "gc_old_file_ids": ",".join(str(f.file_id) for f in p.old)}))
     sink = io.BytesIO()

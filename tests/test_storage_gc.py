@@ -450,6 +450,12 @@ def test_malformed_and_out_of_protocol_rewrites_are_refused_and_change_nothing(
     wrong = gc.write_new_file(plane, other)  # the survivors of another file
     err = rpc_error(lambda: gc.commit(plane, prepared, wrong))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    # The right rows, but a footer that names another rewrite (recovery finds a committed
+    # output whose journal record is lost by that key): refused too.
+    unnamed = gc.write_new_file(plane, prepared, footer_rewrite_id="another")
+    err = rpc_error(lambda: gc.commit(plane, prepared, unnamed))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert "names rewrite another in its footer" in err.details()
     assert gc.journal(plane, node) == {}
     assert {f.file_id for f in gc.streams(plane, "orders")[(node, vnode)]} == set(ids)
     assert plane.read("orders") == plane.model.rows["orders"]
