@@ -24,7 +24,6 @@ from typing import Any
 
 import grpc
 import pyarrow as pa
-import pyarrow.compute as pc
 import pytest
 
 from retina_common import failpoints
@@ -32,7 +31,6 @@ from retina_common.catalog import Catalog, FileType
 from retina_common.client import requests_by_node
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
-from retina_common.reader import FILE_ID, HIDDEN
 from retina_common.storage import open_parquet
 
 from . import gc
@@ -58,13 +56,8 @@ def keyed(plane: DataPlane, table: str, rows: pa.Table) -> Rows:
 
 def fetch_buffers(plane: DataPlane, trans: tpb.BeginTransResponse, table: str) -> list[pa.Table]:
     """The reader's step 2: GetWriteBuffer from every node."""
-    out = []
-    for node in plane.nodes:
-        reply = plane.retinas[node].stub.GetWriteBuffer(rpb.GetWriteBufferRequest(
-            schema_name=SCHEMA, table_name=table, timestamp=trans.timestamp,
-            trans_id=trans.trans_id), timeout=60)
-        out.append(pa.ipc.open_stream(reply.arrow_ipc_stream).read_all())
-    return out
+    assert plane.reader is not None
+    return list(plane.reader.fetch_buffers(trans, SCHEMA, table).values())
 
 
 def list_and_read(plane: DataPlane, trans: tpb.BeginTransResponse, table: str,
@@ -72,15 +65,8 @@ def list_and_read(plane: DataPlane, trans: tpb.BeginTransResponse, table: str,
     """The reader's steps 3 to 5: ListQueryFiles, every file at the snapshot, and the
     buffered rows of files not listed."""
     assert plane.reader is not None
-    listing = plane.trans.stub().ListQueryFiles(tpb.ListQueryFilesRequest(
-        trans_id=trans.trans_id, schema_name=SCHEMA, table_name=table), timeout=30)
-    regular = pa.array(sorted(f.file_id for f in listing.files), pa.int64())
-    parts = [plane.reader.read_file(f, trans) for f in listing.files]
-    parts += [b.filter(pc.invert(pc.is_in(b.column(FILE_ID), regular))).drop_columns([FILE_ID])
-              for b in buffers]
-    rows = pa.concat_tables([p.select([c for c in p.column_names if c not in HIDDEN])
-                             for p in parts], promote_options="default")
-    return keyed(plane, table, rows)
+    files = plane.reader.list_files(trans, SCHEMA, table)
+    return keyed(plane, table, plane.reader.assemble(trans, buffers, files).table)
 
 
 def read_in(plane: DataPlane, trans: tpb.BeginTransResponse, table: str = "orders") -> Rows:
