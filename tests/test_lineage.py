@@ -19,7 +19,7 @@ from retina_common.pb import trans_pb2 as tpb
 
 from . import gc
 from .dataplane import SCHEMA, DataPlane
-from .support import rpc_error
+from .support import eventually, rpc_error
 from .test_recovery_protocol import order
 from .test_recovery_sequences import restart_and_recover
 from .test_storage_gc import advance, biggest_stream, load
@@ -196,10 +196,12 @@ def test_queries_list_the_old_or_the_new_files_never_a_mix(
     lister = threading.Thread(target=list_files)
     lister.start()
     try:
+        # The first listing before the revert (the test once saw the revert finish
+        # first: then no listing showed the new files).
+        eventually(lambda: seen, 30, "a listing before the revert")
         revert(plane, node, reply.rewrite_id)
         n = len(seen)
-        while len(seen) < n + 5:  # a few listings after the revert
-            stop.wait(0.05)
+        eventually(lambda: len(seen) >= n + 5, 30, "a few listings after the revert")
     finally:
         stop.set()
         lister.join(30)
