@@ -64,6 +64,7 @@ class WriteFence:
         self._why = "nothing read yet"
         # Lowest timestamp of each admitted request still applying (a multiset).
         self._admitted: Counter[int] = Counter()
+        self._waiters = 0  # risers waiting for admitted writes: only then is anyone woken
 
     @property
     def floor(self) -> int:
@@ -83,8 +84,12 @@ class WriteFence:
             FENCE_WAITS.inc()
             log.info("write_fence_waiting", node=self._node_id, ts=ts, why=why,
                      admitted=sorted(self._admitted))
-            done = self._cond.wait_for(lambda: not self._pending_at_or_below(ts),
-                                       self._wait_s)
+            self._waiters += 1
+            try:
+                done = self._cond.wait_for(lambda: not self._pending_at_or_below(ts),
+                                           self._wait_s)
+            finally:
+                self._waiters -= 1
         if not done:
             raise Refusal(grpc.StatusCode.UNAVAILABLE,
                           f"a write at or below {ts} is still being applied on "
@@ -116,4 +121,5 @@ class WriteFence:
                 self._admitted[ts] -= 1
                 if not self._admitted[ts]:
                     del self._admitted[ts]
-                self._cond.notify_all()
+                if self._waiters:
+                    self._cond.notify_all()
