@@ -369,14 +369,17 @@ class RetinaNode:
                           reader: tuple[int, int] | None = None) -> pa.Table:
         """Rows of this node's unpublished files visible at ``ts``, with ``_file_id``.
         ``reader``: (read transaction id, its snapshot), recorded for every file whose
-        rows are handed out (BUFFER_FETCH_HOLDS_FILE)."""
+        rows are taken (BUFFER_FETCH_HOLDS_FILE)."""
         schema = table_schema(table).append(pa.field(FILE_ID, pa.int64(), nullable=False))
         parts = []
-        handed_out = []
         for stream in self.streams_of_table(table.table_id):
             with stream.buffer.lock:
                 snapshot = [(f.file_id, b.visibility, list(b.batches), b.visible_size)
                             for f in stream.buffer.files for b in f.blocks if b.visible_size]
+                if reader is not None and snapshot:
+                    # Under the buffer lock a Storage GC commit's switch also takes: the
+                    # commit either sees this read or runs after the files left the buffer.
+                    self._record_buffer_reads({s[0] for s in snapshot}, *reader)
             for file_id, visibility, batches, visible in snapshot:
                 rows = pa.Table.from_batches(batches).slice(0, visible)
                 keep = visible_mask(rows, visibility.deleted_at(ts), ts)
@@ -386,13 +389,10 @@ class RetinaNode:
                     rows = rows.append_column(FILE_ID, pa.array([file_id] * rows.num_rows,
                                                                 pa.int64()))
                     parts.append(rows)
-                    handed_out.append(file_id)
-        if reader is not None and handed_out:
-            self._record_buffer_reads(handed_out, *reader)
         return pa.concat_tables(parts) if parts else schema.empty_table()
 
     # --- BUFFER_FETCH_HOLDS_FILE ---
-    def _record_buffer_reads(self, file_ids: list[int], trans_id: int, snapshot: int) -> None:
+    def _record_buffer_reads(self, file_ids: set[int], trans_id: int, snapshot: int) -> None:
         with self._lock:
             for file_id in file_ids:
                 self._buffer_reads.setdefault(file_id, {})[trans_id] = snapshot
