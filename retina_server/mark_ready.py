@@ -22,10 +22,10 @@
    READY succeeds (the lifecycle announcer tells the server).
 
 If step 4 cannot reach the TransServer, MarkReady answers UNAVAILABLE and a retry
-finishes the barrier. If step 7 cannot reach etcd, MarkReady answers UNAVAILABLE; the node is READY
-with its hooks run, the heartbeat keeps re-putting the READY record (and health
-turns SERVING when one lands), and a retried MarkReady with the same token
-announces it again. A node is never
+finishes the barrier. If step 7 cannot reach etcd, MarkReady answers UNAVAILABLE;
+the node is READY with its hooks run, the heartbeat keeps re-putting the READY
+record (and health turns SERVING when one lands), and a retried MarkReady with the
+same token announces it again. A node is never
 READY without its hooks, and a transient etcd error never wedges it.
 """
 
