@@ -105,7 +105,7 @@ class RetinaNode:
         # (mark_ready.py), so no read transaction begun before the restart is answered.
         self.read_floor_ts = 0
         # BUFFER_FETCH_HOLDS_FILE: file id -> {read transaction: its snapshot} for every
-        # write-buffer file whose rows GetWriteBuffer handed out (storage_gc.py).
+        # write-buffer file a GetWriteBuffer read (storage_gc.py).
         self._buffer_reads: dict[int, dict[int, int]] = {}
         self._failure_lock = threading.Lock()
         # Called once when the node fails closed (the lifecycle goes FAILED).
