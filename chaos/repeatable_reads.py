@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from retina_common.pb import trans_pb2 as tpb
 
 from .snapshots import (
-    REFUSALS,
     VIAS,
     ReadRefused,
     SnapshotReaders,
@@ -46,6 +45,7 @@ from .snapshots import (
     at_timestamp,
     compare_taken,
     duplicates_in,
+    is_refusal,
     tables_taken,
 )
 
@@ -201,7 +201,7 @@ class SnapshotBook:
 
     def _refused(self, what: str, exc: ReadRefused) -> None:
         self.counts[f"{what}_refused_{exc.code}"] += 1
-        if exc.code not in REFUSALS:
+        if not is_refusal(exc):
             self.anomalies.append(f"snapshot_read_error: a {what} answered {exc.code}: "
                                   f"{exc.detail}")
 
@@ -266,7 +266,7 @@ class SnapshotBook:
             again = self.readers.read(via, trans, list(first.images))
         except ReadRefused as exc:
             self.counts[f"reread_refused_{exc.code}"] += 1
-            if exc.code not in REFUSALS:
+            if not is_refusal(exc):
                 self.anomalies.append(f"snapshot_read_error: a re-read answered "
                                       f"{exc.code}: {exc.detail}")
             if first in self.open:  # S is no longer readable: do not pin it

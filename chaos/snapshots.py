@@ -18,8 +18,9 @@ older point, never a newer one). A snapshot is kept as each key's row digests ov
 column (``TableImage``); a second read of the same S must hold exactly the same rows
 (``diff_images``, ``compare_taken``): a difference is the anomaly ``snapshot_changed``,
 a key read more often than before (or twice in one read) ``snapshot_duplicates``. A read
-refused with one of ``REFUSALS`` is counted by code, never an anomaly; any other answer
-is ``snapshot_read_error``. chaos/repeatable_reads.py decides when snapshots are taken
+refused with one of ``REFUSALS`` (``is_refusal``: a NOT_FOUND only for a forgotten
+transaction) is counted by code, never an anomaly; any other answer is
+``snapshot_read_error``. chaos/repeatable_reads.py decides when snapshots are taken
 and read again; chaos/split_reads.py and chaos/stalls.py take their own.
 """
 
@@ -52,10 +53,13 @@ from .workload import BY_NAME, SCHEMA, TABLES, Key
 SNAPSHOT_IS_IMMUTABLE = "SNAPSHOT_IS_IMMUTABLE"
 # Codes that refuse a read: S is no longer readable exactly (ABORTED: below a node's
 # restart floor or a visibility base), the transaction ended (FAILED_PRECONDITION, and
-# NOT_FOUND once a TransServer restart forgot it), a node or the gate away (UNAVAILABLE,
-# DEADLINE_EXCEEDED, CANCELLED). Counted by code; any other answer is an anomaly.
+# NOT_FOUND once a TransServer restart forgot it: see is_refusal), a node or the gate away
+# (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED). Counted by code; any other answer is an
+# anomaly.
 REFUSALS = frozenset({"ABORTED", "UNAVAILABLE", "FAILED_PRECONDITION", "NOT_FOUND",
                       "DEADLINE_EXCEEDED", "CANCELLED"})
+# The TransServer's NOT_FOUND for a transaction it does not know (trans_gate).
+_UNKNOWN_TRANSACTION = re.compile(r"transaction \d+ does not exist")
 VIAS = ("gated", "spark")
 # Spark tasks run at once by the in-process Spark path.
 TASKS = 8
@@ -144,6 +148,16 @@ class ReadRefused(Exception):
         super().__init__(f"{code}: {detail}")
         self.code = code
         self.detail = detail
+
+
+def is_refusal(exc: ReadRefused) -> bool:
+    """Whether ``exc`` refuses the read (S no longer readable) rather than answering it
+    wrongly. A NOT_FOUND counts only for a transaction a TransServer restart forgot: a
+    node's NOT_FOUND for a file or its visibility, under a live reader, means a file was
+    removed while a snapshot could still read it, which is a defect."""
+    if exc.code == "NOT_FOUND":
+        return bool(_UNKNOWN_TRANSACTION.search(exc.detail))
+    return exc.code in REFUSALS
 
 
 def refusal_of(exc: BaseException) -> ReadRefused:

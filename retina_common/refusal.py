@@ -27,6 +27,10 @@ from retina_common.etcd import EtcdError
 # old file from a write buffer (BUFFER_FETCH_HOLDS_FILE): nothing changed, the rewrite
 # stays prepared, and a later commit of it goes through once the reader has ended.
 HELD_BY_BUFFER_READ = "held by a write-buffer read"
+# The same hold found only under the stream locks, after the commit had journaled: the
+# rewrite was rolled back in place (nothing changed, the files stay as they were) and is
+# gone; the job leaves the group for its next run, which prepares it again.
+ROLLED_BACK_FOR_BUFFER_READ = "rolled back for a write-buffer read"
 
 
 class Refusal(Exception):

@@ -208,6 +208,9 @@ class GcScheduler:
         except Exception as exc:
             return self._skip("safe_gc_ts_unavailable", error=str(exc),
                               error_type=type(exc).__name__)
+        # Reads at or below safeGcTs can list no more files: they hold nothing now. First,
+        # so a round that fails later (a floor, the fence, a prune) still lets them go.
+        node.forget_buffer_reads_at_or_below(safe)
         with self._state_lock:  # FOLD_FENCE: announce before reading the pins
             self._fold_intent = safe
         fold_ts = 0  # set once folding may start
@@ -248,8 +251,6 @@ class GcScheduler:
                 self._since = horizon
             PRUNED.inc(pruned)
             HORIZON_TS.set(horizon)
-        # Reads at or below safeGcTs can list no more files: they hold nothing now.
-        node.forget_buffer_reads_at_or_below(safe)
         versions = node.index.primary_version_count()
         PRIMARY_VERSIONS.set(versions)
         emit = log.info if folded or pruned else log.debug

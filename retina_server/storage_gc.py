@@ -75,7 +75,7 @@ from retina_common.catalog import (
 from retina_common.catalog.errors import SwapPreconditionError
 from retina_common.codec import COMMIT_TS, GC_REWRITE_ID_KEY, EncodingError, encode_primary_keys
 from retina_common.log import get_logger
-from retina_common.refusal import HELD_BY_BUFFER_READ, Refusal
+from retina_common.refusal import HELD_BY_BUFFER_READ, ROLLED_BACK_FOR_BUFFER_READ, Refusal
 from retina_common.retry import until_deadline
 from retina_common.storage import delete_quietly, object_size, open_parquet
 from retina_server.gc_journal import (
@@ -611,14 +611,17 @@ class StorageGc:
     def _check_no_new_buffer_readers(self, pending: PendingRewrite,
                                      checked: frozenset[int]) -> None:
         """BUFFER_FETCH_HOLDS_FILE under the stream locks: an old file published after the
-        prepare may have been read from its write buffer after the check above."""
+        prepare may have been read from its write buffer after the check above. The commit
+        has journaled by now, so it rolls back (the caller's rollback) and the rewrite is
+        gone: the answer says so, and is not the hold above, whose rewrite stays prepared."""
         new = set(self._node.buffer_readers([m.file_id for m in pending.old])) - checked
         if new:
             HELD_BY_READERS.inc()
             raise _refuse(grpc.StatusCode.ABORTED,
-                          f"the old files are {HELD_BY_BUFFER_READ}: read transactions "
-                          f"{sorted(new)} got rows of them from a write buffer while the "
-                          "rewrite committed; retry once they ended")
+                          f"rewrite {pending.rewrite_id} {ROLLED_BACK_FOR_BUFFER_READ}: read "
+                          f"transactions {sorted(new)} got rows of the old files from a write "
+                          "buffer while the rewrite committed; nothing changed, prepare it "
+                          "again once they ended")
 
     def _check_cutoff_unchanged(self, pending: PendingRewrite) -> None:
         """CUTOFF_UNCHANGED_SINCE_PREPARE, under the stream locks: the rows deleted at or

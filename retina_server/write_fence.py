@@ -8,7 +8,7 @@ taken after it would differ, and a Storage GC rewrite prepared in between would 
 difference permanent. The rule is the timestamp cache of serializable MVCC stores
 (CockroachDB's timestamp cache, Spanner's safe time): reads raise a per-node write floor.
 
-Invariants (docs/write-paths/update-record.md):
+Invariants (docs/write-paths/ingest-publish.md, "The write fence"):
 
 * LATE_WRITES_FENCED: once this node has answered a read at S, or has learned that every
   write transaction at or below S has ended (the HWM, a safe GC timestamp), it refuses

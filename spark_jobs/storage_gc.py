@@ -80,7 +80,7 @@ from retina_common.log import configure_logging
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
-from retina_common.refusal import HELD_BY_BUFFER_READ
+from retina_common.refusal import HELD_BY_BUFFER_READ, ROLLED_BACK_FOR_BUFFER_READ
 from retina_common.schema_evolution import conform, table_schema
 from retina_common.storage import object_size, open_parquet, write_durably
 from retina_common.topology import Topology
@@ -611,7 +611,14 @@ def _code_exit(code: grpc.StatusCode) -> int:
 
 
 def _held_by_reader(exc: grpc.RpcError) -> bool:
+    """The commit waits for a reader; the rewrite stays prepared (ask again)."""
     return exc.code() == grpc.StatusCode.ABORTED and HELD_BY_BUFFER_READ in (exc.details() or "")
+
+
+def _rolled_back_for_reader(exc: grpc.RpcError) -> bool:
+    """The commit met a reader too late and rolled back: the group is for the next run."""
+    return (exc.code() == grpc.StatusCode.ABORTED
+            and ROLLED_BACK_FOR_BUFFER_READ in (exc.details() or ""))
 
 
 def _rpc(call: Callable[[], T], retry_on: tuple[grpc.StatusCode, ...] = RETRYABLE,
@@ -857,9 +864,11 @@ class StorageGcJob:
             reply = self._commit(task, result)
         except grpc.RpcError as exc:
             report.commit_seconds = round(time.monotonic() - started, 3)
-            if _held_by_reader(exc):  # nothing changed; the next run rewrites them
+            if _held_by_reader(exc) or _rolled_back_for_reader(exc):
+                # Nothing changed; the next run rewrites them.
                 self.abort(task)
-                self._settle(report, BUSY, exc.code(), f"CommitGcRewrite: {exc.details()}")
+                self._settle(report, BUSY, exc.code(), f"CommitGcRewrite: {exc.details()}",
+                             exit_code=EXIT_OK)
                 return
             if exc.code() in RETRYABLE:
                 # Outcome unknown: the rewrite may have committed. No abort; the node

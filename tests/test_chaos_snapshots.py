@@ -23,6 +23,7 @@ from chaos.snapshots import (
     compare_taken,
     diff_images,
     duplicates_in,
+    is_refusal,
     refusal_of,
     row_digest,
 )
@@ -89,6 +90,16 @@ def test_refusals_are_counted_by_their_code_whichever_reader_got_them() -> None:
     assert refusal_of(ReadRefused("NOT_FOUND", "x")).code == "NOT_FOUND"
     assert {"ABORTED", "UNAVAILABLE", "FAILED_PRECONDITION"} <= REFUSALS
     assert "INTERNAL" not in REFUSALS and "INVALID_ARGUMENT" not in REFUSALS
+
+
+def test_a_not_found_refuses_only_for_a_forgotten_transaction() -> None:
+    """A TransServer restart forgets transactions (NOT_FOUND): a refusal. A node's NOT_FOUND
+    for a file or its visibility under a live reader is a file removed under a snapshot."""
+    assert is_refusal(ReadRefused("NOT_FOUND", "transaction 41 does not exist"))
+    assert not is_refusal(ReadRefused("NOT_FOUND", "file 12 is not served by node-0"))
+    assert not is_refusal(ReadRefused("NOT_FOUND", "no visibility for file 12 row group 0"))
+    assert is_refusal(ReadRefused("ABORTED", "snapshot 5 is below node-0's read floor 9"))
+    assert not is_refusal(ReadRefused("INTERNAL", "boom"))
 
 
 def test_an_episodes_snapshots_are_drawn_up_front_from_their_own_stream() -> None:

@@ -31,6 +31,7 @@ from retina_common.catalog import Catalog, FileType
 from retina_common.client import requests_by_node
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
+from retina_common.reader import FILE_ID
 from retina_common.storage import open_parquet
 
 from . import gc
@@ -320,6 +321,59 @@ def test_a_rewrite_between_a_buffer_fetch_and_its_listing_waits_for_the_reader(
     # The reader has ended: the same prepared rewrite commits now, and reads stay exact.
     assert gc.commit(plane, prepared, new_file).outcome == "COMMITTED"
     gc.end(plane, prepared.trans_id)
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+def test_a_buffer_read_met_only_under_the_commits_locks_rolls_the_rewrite_back(
+        make_plane: Callable[..., DataPlane], catalog: Catalog, failpoint_dir: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last window of BUFFER_FETCH_HOLDS_FILE: an old file already REGULAR but not yet
+    out of its write buffer (its publish between the registry and the cleanup) is read from
+    the buffer after the commit's first check and journal record. The check under the
+    stream locks finds the reader: the commit rolls back in place (journal ABORTED), the
+    answer says the rewrite is gone, the reader's answer stays exact, and a new rewrite of
+    the same files commits once the reader has ended."""
+    monkeypatch.setenv(failpoints.DIR_VAR, str(failpoint_dir))
+    plane = make_plane(failpoints="ingest.cleanup.before=block;"
+                                  "gc.journal.switching.after=block")
+    node = plane.nodes[0]
+    tick(plane)
+    plane.commit({"orders": {"replaces": [order(i) for i in range(40)]}})
+    path = catalog.get_paths(plane.tables["orders"].table_id)[0]
+    # A publish parks with its stream's locks held (and the files behind it wait).
+    failpoints.wait_hit(failpoint_dir, "ingest.cleanup.before")
+    eventually(lambda: catalog.get_regular_files(path.path_id), 30,
+               "the parked file to be REGULAR (and still buffered)")
+    advance(plane)
+    node_, vnode, files = biggest_stream(plane)  # a stream whose publish is parked
+    assert node_ == node
+    prepared = gc.prepare(plane, node, "orders", vnode, files)
+    new_file = gc.write_new_file(plane, prepared)
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            committing: Future = pool.submit(gc.commit, plane, prepared, new_file)
+            failpoints.wait_hit(failpoint_dir, "gc.journal.switching.after")
+            trans = gated_read(plane)  # after the first check: it saw no reader
+            buffers = fetch_buffers(plane, trans, "orders")
+            assert sum(b.num_rows for b in buffers) == 40  # from the buffers, every one
+            fetched = {i for b in buffers for i in b.column(FILE_ID).to_pylist()}
+            assert {f.file_id for f in files} <= fetched  # the old files among them
+        finally:
+            failpoints.release(failpoint_dir, "gc.journal.switching.after")
+            failpoints.release(failpoint_dir, "ingest.cleanup.before")
+        refused = rpc_error(lambda: committing.result(timeout=60))
+    assert refused.code() == grpc.StatusCode.ABORTED, refused.details()
+    assert "rolled back for a write-buffer read" in refused.details()
+    assert "held by a write-buffer read" not in refused.details()  # nothing to ask again
+    assert gc.journal(plane, node)[prepared.reply.rewrite_id].state == "ABORTED"
+    assert {f.file_id for f in gc.streams(plane, "orders")[(node, vnode)]} == \
+        {f.file_id for f in files}  # the old files stay, as they were
+    assert list_and_read(plane, trans, "orders", buffers) == model_rows(plane)
+    again = rpc_error(lambda: gc.commit(plane, prepared, new_file))
+    assert again.code() == grpc.StatusCode.FAILED_PRECONDITION  # the rewrite is gone
+    gc.end(plane, prepared.trans_id)
+    end(plane, trans)
+    assert gc.rewrite(plane, node, "orders", vnode, files).outcome == "COMMITTED"
     assert plane.read("orders") == plane.model.rows["orders"]
 
 

@@ -676,3 +676,45 @@ def test_a_node_runs_the_job_for_its_own_streams_when_configured(
                "the node's own GC job to reclaim the deleted rows")
     assert plane.read("orders") == model
     assert all(n == 1 for n in streams(plane).values())
+
+
+def test_a_commit_held_by_a_write_buffer_read_leaves_its_group_busy_and_the_run_succeeds(
+        make_plane: Callable[..., DataPlane], failpoint_dir: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """BUFFER_FETCH_HOLDS_FILE as the job sees it: a live read got rows of a file from its
+    write buffer before the file was published. The commit of that file's group is refused
+    ABORTED (held), asked again for HELD_RETRY_S, then the group is left BUSY for the next
+    run: the run exits 0, nothing changed, reads exact. Once the reader has ended, the next
+    run commits every group."""
+    monkeypatch.setenv(failpoints.DIR_VAR, str(failpoint_dir))
+    plane = make_plane(failpoints="ingest.close.before=block")  # files stay in the buffers
+    assert plane.reader is not None
+    plane.commit({"orders": {"inserts": [order(i) for i in range(20)]}})
+    failpoints.wait_hit(failpoint_dir, "ingest.close.before")
+    stub = plane.trans.stub()
+    reader = stub.BeginTrans(tpb.BeginTransRequest(read_only=True), timeout=10)
+    try:
+        buffered = plane.reader.fetch_buffers(reader, SCHEMA, "orders")
+        assert sum(t.num_rows for t in buffered.values()) == 20
+        failpoints.release(failpoint_dir, "ingest.close.before")
+        settle(plane)
+        for first in range(100, 220, 20):  # more small files behind the held ones
+            plane.commit({"orders": {"inserts": [order(i) for i in range(first, first + 20)]}})
+            settle(plane)
+        advance(plane)
+        held = run_gc(plane)
+        assert held.returncode == 0, held.stdout[-3000:] + held.stderr[-3000:]
+        groups = report_of(held.stdout)["groups"]
+        assert {g["outcome"] for g in groups} <= {"BUSY", "COMMITTED"}
+        busy = [g for g in groups if g["outcome"] == "BUSY"]
+        assert busy and all("write-buffer read" in g["reason"] for g in busy)
+        assert plane.read("orders") == plane.model.rows["orders"]
+        regular = {f.file_id for f in files_of(plane, FileType.REGULAR)}
+        assert all(f["file_id"] in regular for g in busy for f in g["old_files"])
+    finally:
+        stub.CommitTrans(tpb.CommitTransRequest(trans_id=reader.trans_id), timeout=10)
+    done = run_gc(plane)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert {g["outcome"] for g in report_of(done.stdout)["groups"]} == {"COMMITTED"}
+    assert plane.read("orders") == plane.model.rows["orders"]
+    assert all(n == 1 for n in streams(plane).values())
