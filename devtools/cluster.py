@@ -303,6 +303,11 @@ def write_config(path: Path, *, etcd_endpoint: str, dsn: str, topology_file: Pat
     path.write_text("\n".join(lines))
 
 
+def started_count(log_path: Path, event: str) -> int:
+    """How many times a process logged its start event ``event`` in ``log_path``."""
+    return len(logged_events(log_path, event))
+
+
 def start_process(argv: list[str], log_path: Path, env: Mapping[str, str] | None = None) -> int:
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
@@ -420,12 +425,18 @@ def _start_rest(state_dir: Path, etcd: EtcdInstance, pg_dir: Path, *, nodes: lis
 def start_trans_server(state: ClusterState, env: Mapping[str, str] | None = None,
                        timeout_s: float = 30) -> int:
     log_path = Path(state.state_dir, "logs", "trans.log")
+    before = started_count(log_path, "trans_server_started")
     pid = start_process(trans_server_argv(Path(state.config_path)), log_path, env)
     state.trans_pid = pid
     state.save()
+
+    def serving() -> bool:
+        # Its own start event first: another cluster's server that drew the same free
+        # port would answer the health check too (then this one exits: cannot listen).
+        return (pid_alive(pid) and started_count(log_path, "trans_server_started") > before
+                and grpc_serving(state.trans_listen))
     try:
-        wait_for(lambda: pid_alive(pid) and grpc_serving(state.trans_listen), timeout_s,
-                 f"the TransServer on {state.trans_listen}")
+        wait_for(serving, timeout_s, f"the TransServer on {state.trans_listen}")
     except ClusterError:
         tail = log_path.read_text()[-2000:] if log_path.exists() else ""
         raise ClusterError(f"TransServer did not become SERVING; log tail:\n{tail}") from None
@@ -452,6 +463,7 @@ def start_retina_server(state: ClusterState, node: str, env: Mapping[str, str] |
 
     host, port = node.rsplit(":", 1)
     log_path = Path(state.state_dir, "logs", f"retina-{host}-{port}.log")
+    before = started_count(log_path, "retina_server_started")
     pid = start_process(retina_server_argv(Path(state.config_path)), log_path, {
         "RETINA__RETINA__LISTEN": node, "RETINA__RETINA__METRICS_LISTEN": "off",
         "RETINA__RETINA__STATE_DIR": str(Path(state.state_dir, "retina-state")),
@@ -462,6 +474,8 @@ def start_retina_server(state: ClusterState, node: str, env: Mapping[str, str] |
     def listening() -> bool:
         if not pid_alive(pid):
             raise ClusterError(f"retina-server {node} exited; see {log_path}")
+        if started_count(log_path, "retina_server_started") <= before:
+            return False  # not bound yet: whatever answers on the port is not this one
         with open_channel(node) as channel:
             future = grpc.channel_ready_future(channel)
             try:

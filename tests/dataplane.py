@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from devtools.cluster import PostgresInstance, free_ports, write_config
+from devtools.cluster import PostgresInstance, free_ports, started_count, write_config
 from retina_common.catalog import Catalog, ColumnSpec, TableRecord
 from retina_common.client import CHANNEL_OPTIONS, TableWriter, requests_by_node
 from retina_common.etcd import EtcdStore
@@ -61,6 +61,7 @@ class RetinaProcess(ChildProcess):
         self.metrics_listen = "off"
 
     def start(self, failpoints: str = "", wait: bool = True) -> RetinaProcess:
+        before = started_count(self.log_path, "retina_server_started")
         self.spawn(failpoints, {"RETINA__RETINA__LISTEN": self.node,
                                 "RETINA__RETINA__METRICS_LISTEN": self.metrics_listen})
         if self.channel is not None:
@@ -74,6 +75,10 @@ class RetinaProcess(ChildProcess):
             def up() -> bool:
                 if not self.alive():
                     raise AssertionError(f"retina {self.node} exited: {self.log_tail()}")
+                if started_count(self.log_path, "retina_server_started") <= before:
+                    # Not bound yet: a server of another cluster on this machine that drew
+                    # the same free port would answer (then this one exits, cannot listen).
+                    return False
                 future = grpc.channel_ready_future(self.channel)
                 try:
                     future.result(timeout=1)

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from devtools.cluster import free_port, grpc_serving, write_config
+from devtools.cluster import free_port, grpc_serving, started_count, write_config
 from retina_common.etcd import EtcdStore
 from retina_common.keys import lifecycle_key
 from retina_common.lifecycle_record import LifecycleRecord, LifecycleState
@@ -125,10 +125,13 @@ class TransServerProcess(ChildProcess):
         self._channel: grpc.Channel | None = None
 
     def start(self, failpoints: str = "", wait: bool = True) -> TransServerProcess:
+        before = started_count(self.log_path, "trans_server_started")
         self.spawn(failpoints)
         if wait:
-            eventually(lambda: self.alive() and grpc_serving(self.address), 30,
-                       f"TransServer SERVING ({self.log_tail()})")
+            # Its own start event first: see RetinaProcess.start (tests/dataplane.py).
+            eventually(lambda: self.alive() and grpc_serving(self.address)
+                       and started_count(self.log_path, "trans_server_started") > before,
+                       30, f"TransServer SERVING ({self.log_tail()})")
         return self
 
     def stop(self) -> None:
