@@ -43,15 +43,29 @@ class PositionStore:
         return CommittedPosition(str(d["position"]), int(d["ts"]), str(d["source"]))
 
     def store(self, committed: CommittedPosition) -> None:
+        """Compare-and-swap the position at the revision this connector last wrote or read.
+
+        A failed compare is not yet a second connector: the write may be our own. An
+        earlier attempt of this same store can have landed with its answer lost (etcd
+        restarting under it: an unknown outcome, then a re-read that failed, so the caller
+        sent the same store again with the revision from before it). The value names the
+        batch's commit timestamp, which no other connector writes, so finding it is
+        finding our own write. A key still at our revision means the attempt did not land:
+        it is sent again. Anything else is another connector of the same name."""
         value = json.dumps({"position": committed.position, "ts": committed.ts,
                             "source": committed.source}, separators=(",", ":"))
-        try:
-            revision = self._etcd.compare_and_put(self._key, value, self._revision)
-        except EtcdOutcomeUnknown:
-            # Re-read before deciding: our own write may have landed.
-            kv = self._etcd.get(self._key)
-            revision = kv.mod_revision if kv is not None and kv.value == value.encode() else None
-        if revision is None:
-            raise ConnectorFenced(f"{self._key} changed under this connector: "
-                                  "another connector of the same name is running")
+        while True:
+            try:
+                revision = self._etcd.compare_and_put(self._key, value, self._revision)
+            except EtcdOutcomeUnknown:
+                revision = None  # decided by the re-read below
+            if revision is not None:
+                break
+            kv = self._etcd.get(self._key)  # EtcdUnavailable: the caller sends it again
+            if kv is not None and kv.value == value.encode():
+                revision = kv.mod_revision  # our own write, its answer lost
+                break
+            if (kv.mod_revision if kv is not None else 0) != self._revision:
+                raise ConnectorFenced(f"{self._key} changed under this connector: "
+                                      "another connector of the same name is running")
         self._revision = revision
