@@ -16,12 +16,14 @@ import hashlib
 import json
 import os
 import pwd
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -44,14 +46,52 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free loopback ports: every socket stays bound until all are
-    chosen, so the same port is never handed out twice in one call."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+# Ports are drawn below the kernel's ephemeral range: a node keeps its address across
+# restarts (it is its identity), and while it is down any outgoing connection of any
+# process could take an ephemeral port as its local port, so the restart would fail
+# with "address already in use" (seen in CI: a node restarted by a recovery test). A
+# port is never handed out twice by one process.
+_PORT_FLOOR = 20000
+_handed_out: set[int] = set()
+_ports_lock = threading.Lock()
+_random = random.SystemRandom()
+
+
+def _ephemeral_low() -> int:
     try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports outside the ephemeral range: every socket
+    stays bound until all are chosen, so the same port is never handed out twice."""
+    high = _ephemeral_low()
+    socks: list[socket.socket] = []
+    chosen: list[int] = []
+    try:
+        with _ports_lock:
+            for _ in range(count * 200):
+                if len(chosen) == count:
+                    break
+                port = (_random.randrange(_PORT_FLOOR, high) if high - _PORT_FLOOR > 1000
+                        else 0)  # an odd range: let the kernel choose
+                if port in _handed_out:
+                    continue
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    sock.close()
+                    continue
+                socks.append(sock)
+                chosen.append(int(sock.getsockname()[1]))
+            if len(chosen) < count:
+                raise ClusterError(f"no {count} free loopback ports in "
+                                   f"[{_PORT_FLOOR}, {high})")
+            _handed_out.update(chosen)
+        return chosen
     finally:
         for sock in socks:
             sock.close()
