@@ -45,7 +45,7 @@ from retina_server.gc_journal import GcJournal
 from retina_server.node import RetinaNode
 from retina_server.removal_backoff import REMOVAL_FAILED, RemovalBackoff
 from retina_server.retention import Holds, hold_reason
-from retina_server.sweeper import BYTES_REMOVED, REMOVED, Swept, check_orphan_grace, why_held
+from retina_server.swept import BYTES_REMOVED, REMOVED, Swept, check_orphan_grace, why_held
 
 log = get_logger(component="orphans")
 

@@ -50,19 +50,23 @@ from retina_common import failpoints as fp
 from retina_common import file_names
 from retina_common.catalog import Catalog, FileRecord, FileType, NotFoundError
 from retina_common.checkpoint import CheckpointStore
-from retina_common.config import orphan_grace_problem
 from retina_common.log import get_logger
 from retina_common.storage import delete_object, object_size
 from retina_server.gc_journal import FINAL_STATES, GcJournal, JournalState
 from retina_server.node import RetinaNode
-from retina_server.removal_backoff import REMOVAL_BACKOFF, REMOVAL_FAILED, RemovalBackoff
+from retina_server.orphans import Namers, reconcile
+from retina_server.removal_backoff import REMOVAL_FAILED, RemovalBackoff
 from retina_server.retention import HoldReason, Holds, hold_reason
+from retina_server.swept import (  # noqa: F401  (check_orphan_grace: service.py)
+    BYTES_REMOVED,
+    REMOVED,
+    Swept,
+    check_orphan_grace,
+    why_held,
+)
 
 log = get_logger(component="sweeper")
 
-REMOVED = Counter("retina_sweeper_files_removed_total", "Files and objects removed by pass",
-                  ["pass"])
-BYTES_REMOVED = Counter("retina_sweeper_bytes_removed_total", "Bytes removed by pass", ["pass"])
 HELD = Gauge("retina_sweeper_held_files", "Files due but held back in the last round, by reason",
              ["reason"])
 ROUNDS = Counter("retina_sweeper_rounds_total", "Sweeper rounds by outcome", ["outcome"])
@@ -85,17 +89,6 @@ class SweeperSettings:
     orphan_grace_ms: int = 86_400_000
     # Final GC journal records (the lineage) are kept this long.
     lineage_retention_ms: int = 604_800_000
-
-
-@dataclass(frozen=True)
-class Swept:
-    pass_name: str
-    file_id: int
-    name: str
-    path_uri: str
-    action: str  # "removed" | "would_remove" | "held"
-    reason: str
-    bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,8 +162,6 @@ class Sweeper:
             if "journal" in wanted:
                 out += self.sweep_journal(dry_run)
             if "orphans" in wanted:
-                from retina_server.orphans import Namers, reconcile  # the rarely-run pass
-
                 out += reconcile(self._node, Namers(self._catalog, self._journal,
                                                     self._pending_gc_names), self.holds,
                                  self.settings.orphan_grace_ms if orphan_grace_ms is None
@@ -383,20 +374,6 @@ class Sweeper:
                              "would_remove" if dry_run else "removed",
                              f"{e.state.value} past the lineage retention"))
         return out
-
-
-def why_held(reason: HoldReason | None, backoff: RemovalBackoff, key: str) -> str:
-    """The retention guard's reason first, then a removal backoff ("" if neither)."""
-    if reason is not None:
-        return reason.value
-    return REMOVAL_BACKOFF if backoff.waiting(key) else ""
-
-
-def check_orphan_grace(grace_ms: int) -> None:
-    """ORPHAN_GRACE_ABOVE_ANY_COMMIT (retina_common/config.py); raises ValueError."""
-    problem = orphan_grace_problem(grace_ms)
-    if problem:
-        raise ValueError(problem)
 
 
 def _size(path_uri: str, name: str) -> int:
