@@ -57,13 +57,13 @@ import grpc
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cdc_client.changelog import Changelog
 from cdc_client.connector import Connector
 from cdc_client.main import settings_of, table_map
 from cdc_client.positions import CommittedPosition, PositionStore
 from cdc_client.source import RowChange, SourceTransaction
 from devtools.cluster import free_port, start_cluster, start_retina_server, stop_cluster
 from retina_common.catalog import Catalog, ColumnSpec
+from retina_common.changelog import Changelog
 from retina_common.client import TableWriter, requests_by_node
 from retina_common.config import load_config
 from retina_common.etcd import EtcdStore

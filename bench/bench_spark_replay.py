@@ -42,8 +42,6 @@ from pathlib import Path
 import grpc
 import pyspark
 
-from cdc_client.changelog import DELETE, REPLACE, Changelog, ChangeRow, LoggedTransaction
-from cdc_client.replay import changelog_rows, node_starts, requests
 from devtools.cluster import (
     ClusterState,
     free_port,
@@ -52,6 +50,8 @@ from devtools.cluster import (
     stop_cluster,
 )
 from retina_common.catalog import Catalog, ColumnSpec, TableRecord
+from retina_common.changelog import DELETE, REPLACE, Changelog, ChangeRow, LoggedTransaction
+from retina_common.changelog_replay import changelog_rows, node_starts, requests
 from retina_common.client import TableWriter
 from retina_common.codec import encode_value
 from retina_common.config import CdcConfig

@@ -42,15 +42,23 @@ import grpc
 import structlog
 
 from cdc_client import metrics as m
-from cdc_client.changelog import Changelog, ChangelogGap, ChangeRow, LoggedTransaction
 from cdc_client.intake import Intake
 from cdc_client.positions import CommittedPosition, PositionStore
-from cdc_client.replay import by_node, changelog_rows, node_starts, replay_requests, requests
 from cdc_client.source import Source, SourceTransaction
 from cdc_client.translate import TableMap
 from retina_common.catalog import TableRecord
+from retina_common.changelog import Changelog, ChangelogGap, ChangeRow, LoggedTransaction
+from retina_common.changelog_replay import (
+    ReplayLog,
+    by_node,
+    changelog_rows,
+    check_retained,
+    merged_replay_requests,
+    node_starts,
+    requests,
+)
 from retina_common.columnar import ROW_FORM_ONLY, min_columnar_rows
-from retina_common.etcd import EtcdUnavailable
+from retina_common.etcd import EtcdError, EtcdUnavailable
 from retina_common.failpoints import (
     CDC_BATCH_BEGIN_AFTER,
     CDC_COMMIT_AFTER,
@@ -64,6 +72,7 @@ from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.recovery_driver import RecoveryFailed, drive_recovery
+from retina_common.refusal import SOURCES_NOT_REPLAYED
 from retina_common.topology import Topology
 
 log = structlog.get_logger("cdc")
@@ -112,6 +121,10 @@ class Settings:
     request_max_rows: int = 10_000
     backoff_max_s: float = 2.0
     node_check_interval_s: float = 1.0
+    # The replay source this connector registered (cdc.name): every UpdateRecord names
+    # it (WRITES_HAVE_A_REPLAY_SOURCE). Empty only against nodes that allow anonymous
+    # writes (tests of the connector alone).
+    writer_id: str = ""
     rpc_timeout_s: float = 30.0
 
 
@@ -139,7 +152,8 @@ class Connector:
                  trans: trans_pb2_grpc.TransServiceStub,
                  nodes: Mapping[str, retina_pb2_grpc.RetinaWorkerServiceStub],
                  tables: TableMap, topology: Topology, settings: Settings,
-                 clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> None:
+                 clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+                 other_logs: Callable[[], list[ReplayLog]] = list) -> None:
         self.source = source
         self.intake = Intake(source, tables, topology)
         self.changelog = changelog
@@ -150,6 +164,9 @@ class Connector:
         self.topology = topology
         self.settings = settings
         self._clock_ms = clock_ms
+        # The changelogs of the other registered replay sources (application writers,
+        # Spark jobs), read afresh for every recovery: a recovering node replays them all.
+        self._other_logs = other_logs
         self._stop = threading.Event()
         self._nodes_changed = threading.Event()
         self._committed: CommittedPosition | None = None
@@ -404,7 +421,8 @@ class Connector:
             try:
                 for request in requests(self.settings.schema, tables, rows,
                                         self.settings.request_max_rows,
-                                        self._min_columnar.get(node, ROW_FORM_ONLY)):
+                                        self._min_columnar.get(node, ROW_FORM_ONLY),
+                                        writer_id=self.settings.writer_id):
                     stub.UpdateRecord(request, timeout=self.settings.rpc_timeout_s)
                 return
             except grpc.RpcError as exc:
@@ -457,23 +475,24 @@ class Connector:
                epoch: int) -> bool:
         started = time.monotonic()
         counter = {"rows": 0, "requests": 0}
+        replayed: list[str] = []
 
         def replay(starts: pb.GetRecoveryReplayTsResponse,
                    context: pb.RecoveryReplayContext) -> Iterator[pb.UpdateRecordRequest]:
             vnode_starts = node_starts(node, self.topology, starts, self.settings.replay_mode)
+            logs = self._replay_logs()
             # Before the first request: a node that needs dropped batches gets
             # nothing, so it stays RECOVERING at its attempt, untouched.
-            self._check_retained(node, vnode_starts)
+            self._check_retained(node, vnode_starts, logs)
             log.info("cdc_replay_start", node=node, checkpoint_id=context.checkpoint_id,
                      mode=pb.ReplayMode.Name(self.settings.replay_mode),
                      node_replay_from_ts=starts.node_replay_from_ts,
-                     vnode_starts={str(v): ts for v, ts in sorted(vnode_starts.items())})
+                     vnode_starts={str(v): ts for v, ts in sorted(vnode_starts.items())},
+                     writers=[log_.writer_id for log_ in logs])
             try:
-                for request in replay_requests(self.changelog, self.settings.schema,
-                                               self._table_records(), vnode_starts, context,
-                                               self.settings.request_max_rows,
-                                               min_columnar_rows=self._min_columnar.get(
-                                                   node, ROW_FORM_ONLY)):
+                for request in merged_replay_requests(
+                        logs, vnode_starts, context, self.settings.request_max_rows,
+                        min_columnar_rows=self._min_columnar.get(node, ROW_FORM_ONLY)):
                     n = changelog_rows(request)
                     yield request
                     counter["rows"] += n
@@ -486,22 +505,34 @@ class Connector:
                 raise self._replay_gap(node, gap) from None
             # Retention may have dropped a batch after it was listed: the
             # low-watermark rises before any delete, so this sees it.
-            self._check_retained(node, vnode_starts)
+            self._check_retained(node, vnode_starts, logs)
+            replayed[:] = [log_.writer_id for log_ in logs if log_.writer_id]
             # drive_recovery sends MarkReady as soon as this generator is done:
             # every request above has been acknowledged by now.
             CDC_REPLAY_MARK_READY_BEFORE.hit()
 
         m.REPLAY_IN_PROGRESS.labels(node=node).set(1)
         try:
-            drive_recovery(stub, replay=replay, mode=self.settings.replay_mode)
+            drive_recovery(stub, replay=replay, mode=self.settings.replay_mode,
+                           replayed_writers=lambda: replayed)
         except RecoveryFailed as exc:
             raise ConnectorStopped(str(exc)) from None
         except TimeoutError as exc:
             log.warning("cdc_replay_not_ready", node=node, error=str(exc))
             return False
+        except EtcdError as exc:  # the replay-source registry, read for every recovery
+            log.warning("cdc_replay_interrupted", node=node, error=str(exc),
+                        reason="the replay-source registry is unreadable")
+            return False
         except grpc.RpcError as exc:
             if exc.code() in RETRYABLE:  # the node went away again: start over later
                 log.warning("cdc_replay_interrupted", node=node, error=exc.details())
+                return False
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and \
+                    SOURCES_NOT_REPLAYED in (exc.details() or ""):
+                # A writer registered while we replayed: replay again with it.
+                log.warning("cdc_replay_interrupted", node=node, error=exc.details(),
+                            reason="a replay source registered during the replay")
                 return False
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and \
                     self._restarted_since(stub, epoch):
@@ -519,9 +550,19 @@ class Connector:
                  requests=counter["requests"], seconds=round(seconds, 3))
         return True
 
-    def _check_retained(self, node: str, vnode_starts: Mapping[int, int]) -> None:
+    def _replay_logs(self) -> list[ReplayLog]:
+        """This connector's changelog, then every other ACTIVE replay source's."""
+        own = ReplayLog(self.settings.writer_id, self.settings.schema, self.changelog,
+                        self._table_records())
+        others = [log_ for log_ in self._other_logs()
+                  if log_.writer_id != self.settings.writer_id]
+        return [own, *others]
+
+    def _check_retained(self, node: str, vnode_starts: Mapping[int, int],
+                        logs: list[ReplayLog]) -> None:
         try:
             m.RETAINED_FROM_TS.set(self.changelog.check_retained(vnode_starts))
+            check_retained(logs[1:], vnode_starts)
         except ChangelogGap as gap:
             raise self._replay_gap(node, gap) from None
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import structlog
 
-from cdc_client.changelog import ChangeRow
 from cdc_client.schema_change import UnsupportedSchemaChange
 from cdc_client.source import Source, SourceError, SourceTransaction
 from cdc_client.translate import MalformedChange, TableMap, translate
+from retina_common.changelog import ChangeRow
 from retina_common.topology import Topology
 
 log = structlog.get_logger("cdc")

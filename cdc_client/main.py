@@ -33,14 +33,13 @@ from types import FrameType
 
 import structlog
 
-from cdc_client.changelog import Changelog, CorruptChangelog, changelog_root
 from cdc_client.connector import Connector, ConnectorStopped, ReplayGap, Settings
 from cdc_client.positions import ConnectorFenced, PositionStore
 from cdc_client.retention import run_retention
 from cdc_client.schema_change import UnsupportedSchemaChange
 from cdc_client.source import Source, SourceError
 from cdc_client.translate import MalformedChange, TableMap
-from retina_common import failpoints, tls
+from retina_common import failpoints, replay_sources, tls
 from retina_common.catalog import (
     Catalog,
     CatalogOutcomeUnknown,
@@ -48,6 +47,8 @@ from retina_common.catalog import (
     NotFoundError,
     TableRecord,
 )
+from retina_common.changelog import Changelog, CorruptChangelog, changelog_root
+from retina_common.changelog_replay import registered_logs
 from retina_common.client import channel
 from retina_common.config import CdcConfig, ConfigError, load_config
 from retina_common.etcd import EtcdError, EtcdStore
@@ -56,6 +57,7 @@ from retina_common.log import configure_logging
 from retina_common.metrics import serve_metrics
 from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
+from retina_common.replay_sources import ReplaySourceError
 from retina_common.retry import until_deadline
 from retina_common.topology import Topology, load_topology
 
@@ -76,7 +78,8 @@ def settings_of(cdc: CdcConfig, retina_max_rows: int) -> Settings:
                     write_lease_ms=cdc.write_lease_ms, replay_mode=modes[cdc.replay_mode],
                     request_max_rows=min(cdc.request_max_rows, retina_max_rows),
                     drive_recovery=cdc.drive_recovery,
-                    node_check_interval_s=cdc.node_check_interval_ms / 1000)
+                    node_check_interval_s=cdc.node_check_interval_ms / 1000,
+                    writer_id=cdc.name)
 
 
 def check_source(cdc: CdcConfig) -> None:
@@ -209,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         topology = load_topology(config.topology_file)
         settings = settings_of(config.cdc, config.retina.max_rows_per_request)
         check_source(config.cdc)
-    except (ConfigError, failpoints.FailpointError) as exc:
+        replay_sources.check_writer_id(config.cdc.name)
+    except (ConfigError, failpoints.FailpointError, ReplaySourceError) as exc:
         print(f"retina-cdc: {exc}", file=sys.stderr)
         return 2
     configure_logging("cdc", config.log_level, connector=config.cdc.name)
@@ -220,9 +224,13 @@ def main(argv: list[str] | None = None) -> int:
         committed = positions.load()
         catalog = Catalog(config.catalog.dsn, pool_max=2,
                           connect_timeout_s=config.catalog.connect_timeout_s)
+        # WRITES_HAVE_A_REPLAY_SOURCE: the nodes take this connector's writes only once
+        # its changelog is registered for every recovery driver to replay.
+        replay_sources.register(etcd, config.cdc.name, kind="cdc",
+                                changelog_root=changelog_root(config), schema=config.cdc.schema)
         tables = table_map(catalog, config.cdc.schema)
         source = open_source(config.cdc, committed.position if committed else None, tables)
-    except ConfigError as exc:
+    except (ConfigError, ReplaySourceError) as exc:
         print(f"retina-cdc: {exc}", file=sys.stderr)
         return 2
     except SourceError as exc:  # the source is reachable but not usable as it is (a slot)
@@ -237,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     trans = trans_pb2_grpc.TransServiceStub(channel(config.trans.listen))
     connector = Connector(source=source, changelog=changelog, positions=positions, trans=trans,
                           nodes=node_stubs(topology), tables=tables,
-                          topology=topology, settings=settings)
+                          topology=topology, settings=settings,
+                          other_logs=lambda: registered_logs(
+                              replay_sources.load(etcd).values(), catalog))
     try:
         serve_metrics(config.cdc.metrics_listen)
     except (ConfigError, OSError) as exc:

@@ -22,10 +22,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cdc_client.changelog import DELETE, REPLACE, TRUNCATE, ChangeRow
 from cdc_client.schema_change import SourceSchema, UnsupportedSchemaChange, evolve, plan
 from cdc_client.source import RowChange, SourceTransaction
 from retina_common.catalog import TableRecord
+from retina_common.changelog import DELETE, REPLACE, TRUNCATE, ChangeRow
 from retina_common.codec import EncodingError, encode_primary_key, value_encoder
 from retina_common.topology import Topology
 

@@ -31,10 +31,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cdc_client.changelog import Changelog, changelog_root
-from cdc_client.replay import changelog_rows
 from devtools.cluster import node_state
 from retina_common import failpoints
+from retina_common.changelog import Changelog, changelog_root
+from retina_common.changelog_replay import changelog_rows
 from spark_jobs.cdc_replay import (
     JobSpec,
     Plan,
@@ -139,7 +139,7 @@ class ReplayRecovery:
         if not (self._run_all(spec, others[:at]) and self._victim(spec, victim)
                 and self._run_all(spec, others[at:])):
             return self.out  # no MarkReady: the node stays RECOVERING for the connector
-        code, text = _quietly(lambda: complete(plan, changelog, WAIT_S))
+        code, text = _quietly(lambda: complete(plan, spec, WAIT_S))
         if code != EXIT_OK:
             self._failed(f"after the tasks: exit {code}: {text}")
             return self.out

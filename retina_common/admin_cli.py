@@ -8,6 +8,8 @@
     retina-admin gc status
     retina-admin gc run [--sweep [--dry-run]]
     retina-admin lineage
+    retina-admin writers list | writers gone WRITER --reason R
+    retina-admin recover [--mode vnode|node] [--wait S]
 
 Every command takes ``--json`` (one JSON document on stdout instead of tables),
 ``--node host:port`` (repeatable: only these nodes) and ``--no-progress``.
@@ -37,7 +39,7 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from retina_common import file_names, progress
+from retina_common import admin_writers, file_names, progress
 from retina_common.catalog import Catalog, CatalogError, FileType
 from retina_common.catalog.cli import parse_file_type
 from retina_common.checkpoint import CorruptCheckpoint, Pointer
@@ -360,7 +362,8 @@ def cmd_mark_ready(cluster: Cluster, args: argparse.Namespace) -> int:
                         f"{s.checkpoint_id}, not {args.checkpoint_id}; nothing changed")
     try:
         reply = stub.MarkReady(pb.MarkReadyRequest(
-            recovery_attempt_token=s.recovery_attempt_token, checkpoint_id=s.checkpoint_id),
+            recovery_attempt_token=s.recovery_attempt_token, checkpoint_id=s.checkpoint_id,
+            replayed_writers=args.replayed_writer),
             timeout=cluster.timeout_s)
     except grpc.RpcError as exc:
         return _refused(args, node, f"MarkReady failed: {exc.code().name}: {exc.details()}")
@@ -564,6 +567,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--token", required=True,
                    help="the recovery attempt token, or its 8-hex-digit tokenHash")
     s.add_argument("--checkpoint-id", type=int, help="also require this checkpoint id")
+    s.add_argument("--replayed-writer", action="append", default=[], metavar="WRITER",
+                   help="a registered writer whose changelog you replayed; the node refuses "
+                        "unless every ACTIVE writer is named (repeatable)")
     sub.add_parser("checkpoint", parents=[common], help="take a checkpoint now (READY nodes)")
     s = sub.add_parser("files", parents=[common], help="a table's catalog files by type")
     s.add_argument("table", metavar="SCHEMA.TABLE")
@@ -577,6 +583,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true",
                    help="with --sweep: only the sweep, removing nothing (no fold/prune round)")
     sub.add_parser("lineage", parents=[common], help="every Storage GC rewrite")
+    admin_writers.add_parsers(sub, common)
     return p
 
 
@@ -584,6 +591,8 @@ COMMANDS: dict[str, Callable[[Cluster, argparse.Namespace], int]] = {
     "status": cmd_status, "replay-ts": cmd_replay_ts, "mark-ready": cmd_mark_ready,
     "checkpoint": cmd_checkpoint, "files": cmd_files, "gc status": cmd_gc_status,
     "gc run": cmd_gc_run, "lineage": cmd_lineage,
+    "writers list": admin_writers.cmd_writers_list,
+    "writers gone": admin_writers.cmd_writers_gone, "recover": admin_writers.cmd_recover,
 }
 
 
@@ -594,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, default)
     if args.command == "gc":
         args.command = f"gc {args.gc_command}"
+    if args.command == "writers":
+        args.command = f"writers {args.writers_command}"
     try:
         cluster = open_cluster(args)
         try:

@@ -17,7 +17,7 @@ columnar fields, so use ``columnar=False`` while such nodes run.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,9 +65,17 @@ class TableWriter:
         self.min_columnar_rows = min_columnar_rows
         self._types = {c.name: c.type for c in table.columns}
         self._pk = table.primary_key
+        self._encoders: list[tuple[str, Callable[[Any], bytes]]] | None = None
 
     def key(self, row: Row) -> bytes:
         return encode_primary_key([self._types[c] for c in self._pk], [row[c] for c in self._pk])
+
+    def values(self, row: Row) -> tuple[bytes, ...]:
+        """A full row's column values in the row form's encoding (NULL: empty)."""
+        if self._encoders is None:
+            self._encoders = [(c.name, value_encoder(c.type)) for c in self.table.columns]
+        return tuple(b"" if (v := row.get(name)) is None else encode(v)
+                     for name, encode in self._encoders)
 
     def updates(self, ts: int, *, deletes: Iterable[Row] = (), inserts: Iterable[Row] = (),
                 replaces: Iterable[Row] = ()) -> dict[str, list[pb.TableUpdateData]]:
@@ -99,13 +107,11 @@ class TableWriter:
             key = self.key(row)
             replaced_keys.append(key)
             stream(key).deletes.append(key)
-        encoders = [(c.name, value_encoder(c.type)) for c in self.table.columns]
 
         def insert(key: bytes, row: Row) -> None:
             s = stream(key)
             s.insert_keys.append(key)
-            s.insert_values.append([b"" if (v := row.get(name)) is None else encode(v)
-                                    for name, encode in encoders])
+            s.insert_values.append(list(self.values(row)))
 
         for row in inserts:
             insert(self.key(row), row)

@@ -132,6 +132,10 @@ class RetinaConfig:
     temporary_file_ttl_ms: int = 86_400_000
     orphan_grace_ms: int = 86_400_000
     gc_lineage_retention_ms: int = 604_800_000
+    # Development only, NOT crash-safe: apply an UpdateRecord that names no registered
+    # writer (retina_common/replay_sources.py). Its rows live only in the node's memory
+    # until the next checkpoint, and no recovery can replay them.
+    anonymous_writes: bool = False
 
 
 @dataclass(frozen=True)

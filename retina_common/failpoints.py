@@ -339,6 +339,13 @@ RECOVERY_REWIND_BEFORE = Failpoint(
 RECOVERY_REWIND_AFTER = Failpoint(
     "recovery.rewind.after", "index versions dropped and kept rows hidden; replay entry closed")
 
+# --- Application writers (retina_common/writer.py; docs/write-paths/application-writes.md)
+WRITER_APPEND_AFTER = Failpoint(
+    "writer.append.after", "a transaction durable in the writer's changelog, nothing sent")
+WRITER_COMMIT_BEFORE = Failpoint(
+    "writer.commit.before", "every node applied the transaction, not committed at the "
+    "TransServer")
+
 # --- CDC connector (docs/write-paths/cdc-changelog.md) ------------------------------
 CDC_BATCH_BEGIN_AFTER = Failpoint(
     "cdc.batch.begin.after", "timestamps allocated for a batch, nothing in the changelog")

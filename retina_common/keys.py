@@ -36,3 +36,12 @@ def cdc_position_key(connector: str) -> str:
     """``/pixels/cdc/<connector>/position``: the last committed source position
     and timestamp, CAS-fenced so two connectors of one name cannot interleave."""
     return f"{CDC_PREFIX}{quote(connector, safe='')}/position"
+
+
+REPLAY_SOURCE_PREFIX = "/pixels/retina/writers/"
+
+
+def replay_source_key(writer_id: str) -> str:
+    """``/pixels/retina/writers/<url-encoded writer id>``: a registered replay source
+    (retina_common/replay_sources.py), not leased: it outlives its writer's process."""
+    return REPLAY_SOURCE_PREFIX + quote(writer_id, safe="")

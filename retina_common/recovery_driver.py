@@ -13,7 +13,7 @@ from its durable changelog (``cdc_client/connector.py``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from retina_common.client import TableWriter, requests_by_node
@@ -67,10 +67,13 @@ def replay_requests(node: str, schema: str, writers: Mapping[str, TableWriter],
 def drive_recovery(stub: retina_pb2_grpc.RetinaWorkerServiceStub, *,
                    replay: Callable[[pb.GetRecoveryReplayTsResponse, pb.RecoveryReplayContext],
                                     Iterable[pb.UpdateRecordRequest]] | None = None,
-                   mode: int = pb.VNODE, timeout_s: float = 60
+                   mode: int = pb.VNODE, timeout_s: float = 60,
+                   replayed_writers: Sequence[str] | Callable[[], Sequence[str]] = ()
                    ) -> pb.GetRecoveryReplayTsResponse | None:
     """Take one node from RECOVERING to READY; returns the replay starts used
-    (None if it was READY already)."""
+    (None if it was READY already). ``replayed_writers``: the replay sources whose
+    changelogs ``replay`` sent (EVERY_SOURCE_REPLAYED; a callable is asked once the
+    replay is done, when the driver knows which it read)."""
     status = wait_replay_ready(stub, timeout_s)
     if status.state == pb.READY:
         return None
@@ -83,6 +86,8 @@ def drive_recovery(stub: retina_pb2_grpc.RetinaWorkerServiceStub, *,
                                        checkpoint_id=checkpoint_id, replay_mode=mode)
     for request in (replay(starts, context) if replay else ()):
         stub.UpdateRecord(request, timeout=60)
+    writers = replayed_writers() if callable(replayed_writers) else replayed_writers
     stub.MarkReady(pb.MarkReadyRequest(recovery_attempt_token=token,
-                                       checkpoint_id=checkpoint_id), timeout=timeout_s)
+                                       checkpoint_id=checkpoint_id,
+                                       replayed_writers=list(writers)), timeout=timeout_s)
     return starts

@@ -31,6 +31,10 @@ HELD_BY_BUFFER_READ = "held by a write-buffer read"
 # rewrite was rolled back in place (nothing changed, the files stay as they were) and is
 # gone; the job leaves the group for its next run, which prepares it again.
 ROLLED_BACK_FOR_BUFFER_READ = "rolled back for a write-buffer read"
+# In the details of a MarkReady refused FAILED_PRECONDITION because a registered replay
+# source was not replayed (a writer registered during the replay, say): nothing changed,
+# the node stays AWAITING_REPLAY, and a driver replays again with every source.
+SOURCES_NOT_REPLAYED = "EVERY_SOURCE_REPLAYED: replay sources not replayed"
 
 
 class Refusal(Exception):

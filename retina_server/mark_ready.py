@@ -3,7 +3,9 @@
 ``MarkReadyBarrier.mark_ready(token, checkpointId)``:
 
 1. the lifecycle admits MARK_READY (AWAITING_REPLAY; READY for a repeat) and
-   the token and checkpointId are this attempt's;
+   the token and checkpointId are this attempt's; from AWAITING_REPLAY, the
+   request names every ACTIVE replay source (EVERY_SOURCE_REPLAYED,
+   registered_writers.py), else FAILED_PRECONDITION and nothing changes;
 2. the replay entry closes and the phase moves to BARRIER (still RECOVERING
    outside: nothing is written to etcd, so an etcd error cannot strand the
    node here);
@@ -32,7 +34,7 @@ READY without its hooks, and a transient etcd error never wedges it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import grpc
 from prometheus_client import Gauge
@@ -127,8 +129,11 @@ class MarkReadyBarrier:
     def __init__(self, machine: LifecycleStateMachine, entry: ReplayEntry,
                  check_attempt: Callable[[str, int], None], hooks: ReadyHooks,
                  announce_ready: Callable[[], None],
-                 restart_fence: Callable[[], None] = lambda: None) -> None:
+                 restart_fence: Callable[[], None] = lambda: None,
+                 check_sources: Callable[[Iterable[str]], None] = lambda _replayed: None
+                 ) -> None:
         self._machine = machine
+        self._check_sources = check_sources
         self._restart_fence = restart_fence
         self._entry = entry
         self._check_attempt = check_attempt
@@ -136,12 +141,17 @@ class MarkReadyBarrier:
         self._announce_ready = announce_ready
         self._lock = threading.Lock()  # one MarkReady at a time
 
-    def mark_ready(self, token: str, checkpoint_id: int) -> None:
+    def mark_ready(self, token: str, checkpoint_id: int,
+                   replayed_writers: Iterable[str] = ()) -> None:
         if not self._lock.acquire(blocking=False):
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "MarkReady is in progress; retry")
         try:
             phase = self._machine.admit(Request.MARK_READY)
             self._check_attempt(token, checkpoint_id)
+            if phase == Phase.AWAITING_REPLAY:
+                # EVERY_SOURCE_REPLAYED, before the entry closes: a refusal leaves the
+                # node AWAITING_REPLAY, so the missing replays can still be sent.
+                self._check_sources(replayed_writers)
             if phase in (Phase.AWAITING_REPLAY, Phase.BARRIER):
                 # BARRIER with the lock free: an earlier MarkReady was interrupted
                 # after closing the entry; finish its barrier instead of wedging.

@@ -50,6 +50,7 @@ from retina_server.mark_ready import MarkReadyBarrier, ReadyHooks, RestartFence
 from retina_server.node import BufferSettings, RetinaNode
 from retina_server.read_guard import ReadTransactionGuard
 from retina_server.recovery import RecoveryCoordinator
+from retina_server.registered_writers import RegisteredWriters
 from retina_server.service import RetinaService
 from retina_server.storage_gc import GcSettings, StorageGc
 from retina_server.sweeper import Sweeper, SweeperSettings
@@ -152,13 +153,16 @@ def main(argv: list[str] | None = None) -> int:
 
     hooks = ReadyHooks(node, recovery.create_checkpoint, rc.checkpoint_interval_ms / 1000, stop,
                        start_gc=start_gc)
+    writers = RegisteredWriters(etcd, anonymous_writes=rc.anonymous_writes)
     barrier = MarkReadyBarrier(machine, recovery.entry, recovery.check_attempt, hooks,
                                recovery.announce_ready,
-                               RestartFence(node, trans.fresh_timestamp))
+                               RestartFence(node, trans.fresh_timestamp),
+                               check_sources=writers.check_replayed)
     retina_pb2_grpc.add_RetinaWorkerServiceServicer_to_server(
         RetinaService(node, recovery, barrier, machine,
                       ReadTransactionGuard(trans.trans_status),
-                      rc.max_rows_per_request, gc, scheduler, sweeper, lineage), handle.server)
+                      rc.max_rows_per_request, gc, scheduler, sweeper, lineage, writers),
+        handle.server)
     metrics_port = serve_metrics(rc.metrics_listen)
 
     received: list[str] = []

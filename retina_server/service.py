@@ -36,6 +36,7 @@ from retina_server.mark_ready import MarkReadyBarrier
 from retina_server.node import RetinaNode
 from retina_server.read_guard import ReadTransactionGuard
 from retina_server.recovery import RecoveryCoordinator
+from retina_server.registered_writers import RegisteredWriters
 from retina_server.storage_gc import StorageGc
 from retina_server.sweeper import PASSES, Sweeper, check_orphan_grace
 from retina_server.update_record import apply, prepare
@@ -56,8 +57,9 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
                  barrier: MarkReadyBarrier, machine: LifecycleStateMachine,
                  reads: ReadTransactionGuard, max_rows_per_request: int,
                  gc: StorageGc, scheduler: GcScheduler, sweeper: Sweeper,
-                 lineage: Lineage) -> None:
+                 lineage: Lineage, writers: RegisteredWriters) -> None:
         self._node = node
+        self._writers = writers
         self._gc = gc
         self._sweeper = sweeper
         self._lineage = lineage
@@ -86,8 +88,11 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             response = self._replay(request)
         else:
             self._machine.admit(Request.WRITE)
+            # Validation first: a malformed request is INVALID_ARGUMENT whoever sent it.
+            updates = prepare(self._node, request, self._max_rows)
+            self._writers.admit(request.writer_id)  # WRITES_HAVE_A_REPLAY_SOURCE
             self._node.check_writable()
-            response = apply(self._node, prepare(self._node, request, self._max_rows))
+            response = apply(self._node, updates)
         response.request_id = request.request_id
         APPLIED_ROWS.labels(op="delete").inc(response.deleted_rows)
         APPLIED_ROWS.labels(op="insert").inc(response.inserted_rows)
@@ -211,7 +216,8 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
     def MarkReady(self, request: pb.MarkReadyRequest,
                   context: grpc.ServicerContext) -> pb.MarkReadyResponse:
         def run() -> pb.MarkReadyResponse:
-            self._barrier.mark_ready(request.recovery_attempt_token, request.checkpoint_id)
+            self._barrier.mark_ready(request.recovery_attempt_token, request.checkpoint_id,
+                                     request.replayed_writers)
             return pb.MarkReadyResponse(state=pb.READY)
         return self._guard(context, run)
 

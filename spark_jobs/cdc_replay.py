@@ -54,18 +54,26 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from cdc_client.changelog import Changelog, ChangelogGap, CorruptChangelog, changelog_root
-from cdc_client.replay import changelog_rows, node_starts, replay_requests
-from retina_common import progress
+from retina_common import progress, replay_sources
 from retina_common.catalog import Catalog, CatalogError, TableRecord
+from retina_common.changelog import Changelog, ChangelogGap, CorruptChangelog, changelog_root
+from retina_common.changelog_replay import (
+    ReplayLog,
+    changelog_rows,
+    merged_replay_requests,
+    node_starts,
+    replay_requests,
+)
 from retina_common.client import channel
 from retina_common.columnar import min_columnar_rows
 from retina_common.config import Config, ConfigError
+from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.failpoints import CDC_REPLAY_REQUEST_AFTER
 from retina_common.log import token_hash
 from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc
 from retina_common.recovery_driver import wait_replay_ready
+from retina_common.replay_sources import ReplaySourceError
 from retina_common.topology import Topology
 from spark_jobs.common import (
     EXIT_FAILED,
@@ -111,6 +119,17 @@ class ReplayContext:
 
 
 @dataclass(frozen=True)
+class OtherSource:
+    """Another registered replay source (an application writer, retina_common/writer.py):
+    a recovery replays its changelog too, merged in timestamp order with the connector's."""
+
+    writer_id: str
+    changelog_root: str
+    schema: str
+    tables: Mapping[str, TableRecord]
+
+
+@dataclass(frozen=True)
 class JobSpec:
     changelog_root: str
     schema: str
@@ -118,6 +137,10 @@ class JobSpec:
     max_rows: int
     context: ReplayContext | None  # None: ordinary writes (backfill)
     rpc_timeout_s: float = RPC_TIMEOUT_S
+    # The connector's replay-source id (cdc.name): backfill writes name it, since the rows
+    # are in its changelog (WRITES_HAVE_A_REPLAY_SOURCE).
+    writer_id: str = ""
+    others: tuple[OtherSource, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -157,9 +180,26 @@ def task_requests(spec: JobSpec, task: VnodeTask) -> Iterator[pb.UpdateRecordReq
     records = [r for r in changelog.records(task.from_ts)
                if task.to_ts is None or r.first_ts <= task.to_ts]
     context = spec.context.message() if spec.context else None
-    return replay_requests(changelog, spec.schema, _Tables(spec.schema, spec.tables),
-                           {task.vnode: task.from_ts}, context, spec.max_rows, task.to_ts,
-                           records, min_columnar_rows=min_columnar_rows(task.accepts_columnar))
+    columnar = min_columnar_rows(task.accepts_columnar)
+    if context is not None and spec.others:
+        # Every replay source's rows of this virtual node, in timestamp order.
+        logs = [ReplayLog(spec.writer_id, spec.schema, changelog,
+                          _Tables(spec.schema, spec.tables)),
+                *(ReplayLog(o.writer_id, o.schema, Changelog(o.changelog_root),
+                            _Tables(o.schema, o.tables)) for o in spec.others)]
+        return merged_replay_requests(logs, {task.vnode: task.from_ts}, context,
+                                      spec.max_rows, min_columnar_rows=columnar)
+    requests = replay_requests(changelog, spec.schema, _Tables(spec.schema, spec.tables),
+                               {task.vnode: task.from_ts}, context, spec.max_rows, task.to_ts,
+                               records, min_columnar_rows=columnar)
+    return requests if context is not None else _named(requests, spec.writer_id)
+
+
+def _named(requests: Iterator[pb.UpdateRecordRequest], writer_id: str
+           ) -> Iterator[pb.UpdateRecordRequest]:
+    for request in requests:
+        request.writer_id = writer_id
+        yield request
 
 
 def replay_vnode(spec: JobSpec, task: VnodeTask) -> VnodeResult:
@@ -244,11 +284,14 @@ def replay_gap(changelog: Changelog, starts: Mapping[int, int], what: str) -> in
 
 
 def table_records(config: Config) -> dict[str, TableRecord]:
+    return schema_tables(config, config.cdc.schema)
+
+
+def schema_tables(config: Config, schema: str) -> dict[str, TableRecord]:
     catalog = Catalog(config.catalog.dsn, pool_max=1,
                       connect_timeout_s=config.catalog.connect_timeout_s)
     try:
-        return {name: catalog.get_table(config.cdc.schema, name)
-                for name in catalog.list_tables(config.cdc.schema)}
+        return {name: catalog.get_table(schema, name) for name in catalog.list_tables(schema)}
     finally:
         catalog.close()
 
@@ -358,24 +401,37 @@ def job_spec(config: Config, plan: Plan, max_rows: int | None) -> JobSpec | int:
         tables = table_records(config)
     except CatalogError as exc:
         return fail(PROG, f"catalog: {exc}", EXIT_UNAVAILABLE)
+    others = replay_source_plan(config, plan)
+    if isinstance(others, int):
+        return others
     return JobSpec(changelog_root(config), config.cdc.schema, tables,
-                   request_rows(config, max_rows), plan.context)
+                   request_rows(config, max_rows), plan.context, writer_id=config.cdc.name,
+                   others=others)
 
 
-def complete(plan: Plan, changelog: Changelog, wait_s: float) -> int:
-    """After every task succeeded: the retention low-watermark again, then (--recover)
-    MarkReady. An exit code."""
+def complete(plan: Plan, spec: JobSpec, wait_s: float) -> int:
+    """After every task succeeded: the retention low-watermarks again, then (--recover)
+    MarkReady, naming every replay source replayed. An exit code."""
+    changelog = Changelog(spec.changelog_root)
     # Retention may have dropped a batch after a task listed the records; the
     # low-watermark rises before any delete, so checking it again here sees it.
     gap = replay_gap(changelog, {t.vnode: t.from_ts for t in plan.tasks},
                      f"{plan.mode} incomplete")
     if gap is not None:
         return gap
+    for other in spec.others:
+        gap = replay_gap(Changelog(other.changelog_root),
+                         {t.vnode: t.from_ts for t in plan.tasks},
+                         f"{plan.mode} incomplete (writer {other.writer_id})")
+        if gap is not None:
+            return gap
     if plan.context is not None and plan.stub is not None:
         try:
             plan.stub.MarkReady(pb.MarkReadyRequest(
                 recovery_attempt_token=plan.context.token,
-                checkpoint_id=plan.context.checkpoint_id), timeout=wait_s)
+                checkpoint_id=plan.context.checkpoint_id,
+                replayed_writers=[spec.writer_id, *(o.writer_id for o in spec.others)]),
+                timeout=wait_s)
         except grpc.RpcError as exc:
             return fail(PROG, f"MarkReady: {short_reason(exc)}", exit_code_of(exc))
         print(f"{plan.summary['node']} is READY", flush=True)
@@ -400,7 +456,7 @@ def execute(args: argparse.Namespace, config: Config, plan: Plan) -> int:
         return fail(PROG, f"replay failed: {short_reason(exc)}", code)
     finally:
         spark.stop()
-    code = complete(plan, Changelog(spec.changelog_root), args.wait_s)
+    code = complete(plan, spec, args.wait_s)
     if code != EXIT_OK:
         return code
     rows = sum(r.rows for r in results)
@@ -478,6 +534,39 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(plan, int):
         return plan
     return execute(args, config, plan)
+
+
+def replay_source_plan(config: Config, plan: Plan) -> tuple[OtherSource, ...] | int:
+    """Backfill: register the connector's changelog as its replay source (its rows are
+    durable there) if the connector never ran. Recover: every other ACTIVE replay source,
+    whose changelog the tasks replay too (EVERY_SOURCE_REPLAYED). An int is an exit code."""
+    try:
+        etcd = EtcdStore.from_config(config.etcd)
+        if plan.context is None:
+            replay_sources.register(etcd, config.cdc.name, kind="cdc",
+                                    changelog_root=changelog_root(config),
+                                    schema=config.cdc.schema)
+            return ()
+        sources = [s for s in replay_sources.load(etcd).values()
+                   if s.active and s.writer_id != config.cdc.name]
+    except (EtcdError, ReplaySourceError) as exc:
+        return fail(PROG, f"replay sources: {exc}", EXIT_UNAVAILABLE
+                    if isinstance(exc, EtcdError) else EXIT_USAGE)
+    try:
+        others = tuple(OtherSource(s.writer_id, s.changelog_root, s.schema,
+                                   schema_tables(config, s.schema)) for s in sources)
+    except CatalogError as exc:
+        return fail(PROG, f"catalog: {exc}", EXIT_UNAVAILABLE)
+    starts = {t.vnode: t.from_ts for t in plan.tasks}
+    for other in others:
+        gap = replay_gap(Changelog(other.changelog_root), starts,
+                         f"{plan.summary.get('node')} stays RECOVERING (writer {other.writer_id})")
+        if gap is not None:
+            return gap
+    if others:
+        print(f"also replaying the changelogs of {', '.join(o.writer_id for o in others)}",
+              flush=True)
+    return others
 
 
 if __name__ == "__main__":

@@ -123,8 +123,12 @@ class DataPlane:
                                         gate={"stale_after_ms": 5000})
         self.trans.workdir.joinpath("topology.toml").write_text(self.topology.to_toml())
         self.config_path = workdir / "retina.toml"
+        # anonymous_writes: the plane is its own replay source (self.changelog, an
+        # in-memory model it replays through drive_recovery) and writes without a
+        # registered writer id; tests of WRITES_HAVE_A_REPLAY_SOURCE turn it off.
         settings = {"state_dir": str(workdir / "state"), "block_rows": 64, "blocks_per_file": 2,
-                    "flush_interval_ms": 300, "max_rows_per_request": 500, **(retina or {})}
+                    "flush_interval_ms": 300, "max_rows_per_request": 500,
+                    "anonymous_writes": True, **(retina or {})}
         write_config(self.config_path, etcd_endpoint=etcd.endpoint, dsn=dsn,
                      topology_file=self.trans.workdir / "topology.toml",
                      storage_root=workdir / "storage", trans_listen=self.trans.address,
@@ -209,12 +213,13 @@ class DataPlane:
         self.trans.stop()
 
     # --- writing -------------------------------------------------------------------
-    def commit(self, changes: Mapping[str, Mapping[str, Iterable[Mapping[str, Any]]]]
-               ) -> tuple[int, dict[str, rpb.UpdateRecordResponse]]:
+    def commit(self, changes: Mapping[str, Mapping[str, Iterable[Mapping[str, Any]]]],
+               writer_id: str = "") -> tuple[int, dict[str, rpb.UpdateRecordResponse]]:
         """One source transaction: ``{table: {"deletes"|"inserts"|"replaces": rows}}``.
 
-        Sends one request per node, commits after every node acknowledged,
-        and updates the model. Returns the timestamp and the responses.
+        Sends one request per node (naming ``writer_id``; none: an anonymous write),
+        commits after every node acknowledged, and updates the model. Returns the
+        timestamp and the responses.
         """
         stub = self.trans.stub()
         trans = stub.BeginTrans(tpb.BeginTransRequest(), timeout=10)
@@ -226,6 +231,7 @@ class DataPlane:
         responses = {}
         try:
             for node, request in requests_by_node(SCHEMA, per_table).items():
+                request.writer_id = writer_id
                 responses[node] = self.retinas[node].stub.UpdateRecord(request, timeout=30)
         except grpc.RpcError:
             stub.RollbackTrans(tpb.RollbackTransRequest(trans_id=trans.trans_id), timeout=10)

@@ -7,7 +7,7 @@ from pathlib import Path
 import crc32c
 import pytest
 
-from cdc_client.changelog import (
+from retina_common.changelog import (
     DELETE,
     REPLACE,
     WATERMARK_NAME,

@@ -13,9 +13,9 @@ from decimal import Decimal
 import pyarrow as pa
 import pytest
 
-from cdc_client.changelog import DELETE, REPLACE, ChangeRow
-from cdc_client.replay import changelog_rows, requests
 from retina_common.catalog.model import ColumnRecord, TableRecord
+from retina_common.changelog import DELETE, REPLACE, ChangeRow
+from retina_common.changelog_replay import changelog_rows, requests
 from retina_common.client import TableWriter
 from retina_common.codec import (
     decode_column,

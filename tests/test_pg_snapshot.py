@@ -18,8 +18,6 @@ from typing import Any
 import psycopg2
 import pytest
 
-from cdc_client.changelog import REPLACE, TRUNCATE, Changelog
-from cdc_client.replay import requests
 from cdc_client.schema_change import UnsupportedSchemaChange
 from cdc_client.source import RowChange, SourceError, SourceTransaction
 from cdc_client.sources.pg_snapshot import (
@@ -32,6 +30,8 @@ from cdc_client.translate import TableMap, translate
 from devtools.cluster import PostgresInstance
 from retina_common.catalog import Catalog, ColumnSpec
 from retina_common.catalog.model import ColumnRecord, TableRecord
+from retina_common.changelog import REPLACE, TRUNCATE, Changelog
+from retina_common.changelog_replay import requests
 from retina_common.codec import encode_value
 from retina_common.columnar import row_count
 from retina_common.etcd import EtcdStore

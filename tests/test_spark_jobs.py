@@ -22,10 +22,10 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from cdc_client.changelog import DELETE, REPLACE, Changelog, ChangeRow, LoggedTransaction
-from cdc_client.replay import node_starts
 from retina_common import failpoints
 from retina_common.catalog import Catalog, FileType
+from retina_common.changelog import DELETE, REPLACE, Changelog, ChangeRow, LoggedTransaction
+from retina_common.changelog_replay import node_starts
 from retina_common.codec import encode_value
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb

@@ -307,7 +307,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory, pki: Pki, etcd_server: EtcdI
                  topology_file=trans.workdir / "topology.toml", storage_root=workdir / "storage",
                  trans_listen=trans.address, trans_metrics="off",
                  extra={"retina": {"state_dir": str(workdir / "state"),
-                                   "flush_interval_ms": 300}})
+                                   "flush_interval_ms": 300, "anonymous_writes": True}})
     with open(config, "a") as f:
         f.write(section(tls))
     retina = RetinaProcess(node, config, workdir)

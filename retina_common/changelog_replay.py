@@ -21,14 +21,24 @@ re-reads its catalog, or refuses the row with the same message as ever.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import heapq
+import itertools
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from cdc_client.changelog import REPLACE, TRUNCATE, BatchRecord, Changelog, ChangeRow
-from retina_common.catalog import TableRecord
+from retina_common.catalog import Catalog, TableRecord
+from retina_common.changelog import (
+    REPLACE,
+    TRUNCATE,
+    BatchRecord,
+    Changelog,
+    ChangelogGap,
+    ChangeRow,
+)
 from retina_common.client import fill_update
 from retina_common.columnar import COLUMNAR_MIN_ROWS, row_count
 from retina_common.pb import retina_pb2 as pb
+from retina_common.replay_sources import ReplaySource
 from retina_common.topology import Topology
 
 
@@ -60,12 +70,13 @@ REQUEST_MAX_BYTES = 16 * 1024 * 1024
 
 
 def requests(schema: str, tables: Mapping[str, TableRecord], rows: Iterable[ChangeRow],
-             max_rows: int = 5000, min_columnar_rows: int = COLUMNAR_MIN_ROWS
-             ) -> Iterator[pb.UpdateRecordRequest]:
+             max_rows: int = 5000, min_columnar_rows: int = COLUMNAR_MIN_ROWS, *,
+             writer_id: str = "") -> Iterator[pb.UpdateRecordRequest]:
     """Rows (already in (ts, seq) order, all for one node) as requests of at
     most ``max_rows`` delete/insert items each, as Retina counts them (a
     replace is two), and about ``REQUEST_MAX_BYTES`` of values; an update of
-    ``min_columnar_rows`` items or more in the columnar form."""
+    ``min_columnar_rows`` items or more in the columnar form. ``writer_id``: the
+    registered replay source whose changelog holds the rows (ordinary writes)."""
     current: dict[tuple[int, str, int], _Update] = {}
     count = size = 0
     for row in rows:
@@ -73,7 +84,7 @@ def requests(schema: str, tables: Mapping[str, TableRecord], rows: Iterable[Chan
         # Values' bytes, a key twice (the delete and the insert) and a per-row margin.
         row_bytes = 2 * len(row.key) + 16 + (sum(map(len, row.values)) if row.values else 0)
         if count and (count + weight > max_rows or size + row_bytes > REQUEST_MAX_BYTES):
-            yield _request(schema, current)
+            yield _request(schema, current, writer_id)
             current, count, size = {}, 0, 0
         slot = (row.ts, row.table, row.vnode)
         update = current.get(slot)
@@ -87,11 +98,12 @@ def requests(schema: str, tables: Mapping[str, TableRecord], rows: Iterable[Chan
         count += weight
         size += row_bytes
     if count:
-        yield _request(schema, current)
+        yield _request(schema, current, writer_id)
 
 
-def _request(schema: str, updates: Mapping[object, _Update]) -> pb.UpdateRecordRequest:
-    return pb.UpdateRecordRequest(schema_name=schema,
+def _request(schema: str, updates: Mapping[object, _Update],
+             writer_id: str) -> pb.UpdateRecordRequest:
+    return pb.UpdateRecordRequest(schema_name=schema, writer_id=writer_id,
                                   table_update_data=[u.message() for u in updates.values()])
 
 
@@ -135,3 +147,81 @@ def node_starts(node: str, topology: Topology, starts: pb.GetRecoveryReplayTsRes
     # replaying more is safe, replaying less is not.
     return {v: starts.vnode_replay_from_ts.get(v, starts.node_replay_from_ts)
             for v in topology.vnodes_of(node)}
+
+
+# --- every replay source at once (EVERY_SOURCE_REPLAYED) -----------------------------------
+@dataclass(frozen=True)
+class ReplayLog:
+    """One registered replay source's changelog, as a recovery driver reads it."""
+
+    writer_id: str
+    schema: str
+    changelog: Changelog
+    tables: Mapping[str, TableRecord]
+
+
+class CatalogTables(dict):
+    """Table records of one schema by name, read from the catalog on first use."""
+
+    def __init__(self, catalog: Catalog, schema: str) -> None:
+        super().__init__()
+        self._catalog = catalog
+        self._schema = schema
+
+    def __missing__(self, name: str) -> TableRecord:
+        record = self._catalog.get_table(self._schema, name)
+        self[name] = record
+        return record
+
+
+def registered_logs(sources: Iterable[ReplaySource], catalog: Catalog) -> list[ReplayLog]:
+    """The changelog of every ACTIVE source, in writer-id order."""
+    return [ReplayLog(s.writer_id, s.schema, Changelog(s.changelog_root),
+                      CatalogTables(catalog, s.schema))
+            for s in sorted(sources, key=lambda s: s.writer_id) if s.active]
+
+
+def check_retained(logs: Sequence[ReplayLog], starts: Mapping[int, int]) -> int:
+    """The lowest low-watermark of ``logs``; raises :class:`SourceGap` for the first
+    log that no longer holds a start."""
+    low = 0
+    for log in logs:
+        try:
+            retained = log.changelog.check_retained(starts)
+        except ChangelogGap as gap:
+            raise SourceGap(log.writer_id, gap) from None
+        low = retained if not low else min(low, retained)
+    return low
+
+
+class SourceGap(ChangelogGap):
+    """A :class:`ChangelogGap` in a named writer's changelog."""
+
+    def __init__(self, writer_id: str, gap: ChangelogGap) -> None:
+        super().__init__(gap.short, gap.retained_from_ts)
+        self.writer_id = writer_id
+        self.args = (f"writer {writer_id}: {gap}",)
+
+
+def merged_replay_requests(logs: Sequence[ReplayLog], starts: Mapping[int, int],
+                           context: pb.RecoveryReplayContext, max_rows: int, *,
+                           min_columnar_rows: int = COLUMNAR_MIN_ROWS
+                           ) -> Iterator[pb.UpdateRecordRequest]:
+    """Every log's rows of the virtual nodes in ``starts`` (inclusive), merged in
+    timestamp order (timestamps are unique across writers: one TransServer issues them),
+    as replay requests carrying ``context``. A request holds one writer's rows: the
+    schema is per writer."""
+    def tagged(index: int, log: ReplayLog) -> Iterator[tuple[int, int, int, int, ChangeRow]]:
+        try:
+            for row in log.changelog.read(starts):
+                yield row.ts, index, row.vnode, row.seq, row
+        except ChangelogGap as gap:
+            raise SourceGap(log.writer_id, gap) from None
+
+    merged = heapq.merge(*(tagged(i, log) for i, log in enumerate(logs)))
+    for index, run in itertools.groupby(merged, key=lambda item: item[1]):
+        log = logs[index]
+        for request in requests(log.schema, log.tables, (item[4] for item in run), max_rows,
+                                min_columnar_rows):
+            request.recovery_replay_context.CopyFrom(context)
+            yield request

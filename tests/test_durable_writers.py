@@ -1,0 +1,306 @@
+"""Every acknowledged write survives a crash, whoever wrote it (issue 26).
+
+Real processes throughout: etcd, PostgreSQL (catalog and CDC source), a TransServer,
+two Retina nodes that refuse anonymous writes, ``retina-cdc``, and application
+writers (``retina_common.writer.DurableWriter`` in the test, ``retina-write`` as a
+process of its own where it must die at a failpoint). A model of every table is kept
+beside the system and whole snapshots are compared after every crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from retina_common import replay_sources
+from retina_common.catalog import Catalog
+from retina_common.client import channel
+from retina_common.etcd import EtcdStore
+from retina_common.pb import retina_pb2 as rpb
+from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
+from retina_common.refusal import SOURCES_NOT_REPLAYED
+from retina_common.writer import DurableWriter
+from retina_server.registered_writers import REFRESH_S
+
+from .cdc import CdcPlane, normalise
+from .dataplane import SCHEMA, DataPlane
+from .support import ROOT, eventually
+from .test_cdc_connector import make_cdc  # noqa: F401  (a fixture)
+
+STRICT = {"anonymous_writes": False, "checkpoint_interval_ms": 3_600_000}
+
+
+class Writers:
+    """Application writers of one plane, with their own channels (a node restarted by a
+    test gets a new channel in the plane; a writer must keep working across it)."""
+
+    def __init__(self, plane: DataPlane, etcd: EtcdStore, catalog: Catalog,
+                 root: Path) -> None:
+        self.plane = plane
+        self.etcd = etcd
+        self.catalog = catalog
+        self.root = root
+        self._channels: list[grpc.Channel] = []
+
+    def open(self, writer_id: str) -> DurableWriter:
+        nodes = {}
+        for node in self.plane.nodes:
+            ch = channel(node)
+            self._channels.append(ch)
+            nodes[node] = retina_pb2_grpc.RetinaWorkerServiceStub(ch)
+        trans = channel(self.plane.trans.address)
+        self._channels.append(trans)
+        return DurableWriter(writer_id, SCHEMA, etcd=self.etcd, catalog=self.catalog,
+                             topology=self.plane.topology,
+                             trans=trans_pb2_grpc.TransServiceStub(trans), nodes=nodes,
+                             changelog_root=str(self.root / writer_id)).open()
+
+    def close(self) -> None:
+        for ch in self._channels:
+            ch.close()
+
+
+@pytest.fixture
+def writers(tmp_path: Path, etcd: EtcdStore, catalog: Catalog
+            ) -> Iterator[Callable[[DataPlane], Writers]]:
+    made: list[Writers] = []
+
+    def make(plane: DataPlane) -> Writers:
+        made.append(Writers(plane, etcd, catalog, tmp_path / "writers"))
+        return made[-1]
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def event(tenant: int, seq: int, payload: bytes = b"p", ok: bool = True) -> dict[str, Any]:
+    return {"tenant": tenant, "seq": seq, "payload": payload, "ok": ok}
+
+
+def keyed(plane: DataPlane, table: str, rows: Mapping[Any, Mapping[str, Any]] | list
+          ) -> dict[bytes, dict[str, Any]]:
+    items = rows.values() if isinstance(rows, Mapping) else rows
+    return {plane.writers[table].key(r): normalise(table, dict(r)) for r in items}
+
+
+def read(plane: DataPlane, table: str) -> dict[bytes, dict[str, Any]]:
+    """One gated snapshot of ``table``. After a restart, a snapshot below the node's read
+    floor is refused ABORTED until the HWM passes it: a writer killed with its transaction
+    open holds the HWM for that transaction's lease (15 s). Begin again until admitted."""
+    def attempt() -> dict[bytes, dict[str, Any]] | None:
+        try:
+            return plane.read(table)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.ABORTED:
+                raise
+            return None
+    return eventually(attempt, 40, f"a read of {table} above the read floor", 0.2)
+
+
+def fullest_node(plane: DataPlane, table: str, rows: list[dict[str, Any]]) -> str:
+    """The node that owns most of ``rows``."""
+    owners = [plane.topology.node_of_vnode(plane.topology.vnode_of_key(
+        plane.writers[table].key(r))) for r in rows]
+    return max(plane.nodes, key=owners.count)
+
+
+def crash_and_restart(plane: DataPlane, node: str) -> None:
+    proc = plane.retinas[node]
+    proc.kill9()
+    proc.start()
+
+
+def test_application_rows_survive_a_node_crash_with_the_connector_and_two_writers(
+        make_cdc: Callable[..., CdcPlane],  # noqa: F811  (the fixture imported above)
+        writers: Callable[[DataPlane], Writers]) -> None:
+    """The issue's scenario: the connector owns shop.orders; two programs write
+    shop.events through the client library (committed, acknowledged); SIGKILL of the
+    node holding most of them; the connector drives its recovery. Before issue 26 the
+    node's replay covered the connector's changelog only and 4 of 5 rows vanished."""
+    cdc = make_cdc(retina=STRICT, source_tables="public.orders")
+    assert cdc.source is not None
+    cdc.cdc.start()
+    eventually(cdc.all_ready, 60, "the connector to drive both nodes to READY")
+    cdc.source.run(20)
+    w = writers(cdc.plane)
+    first, second = w.open("orders-app"), w.open("audit-app")
+    model: dict[tuple[int, int], dict[str, Any]] = {}
+    batch = [event(1, s, bytes([s])) for s in range(5)]
+    first.write("events", upserts=batch)
+    model.update({(r["tenant"], r["seq"]): r for r in batch})
+    more = [event(2, s, ok=False) for s in range(4)]
+    second.write("events", upserts=more)
+    model.update({(r["tenant"], r["seq"]): r for r in more})
+    first.write("events", deletes=[event(1, 0)])  # a delete must stay deleted, too
+    del model[(1, 0)]
+    expected = {"orders": keyed(cdc.plane, "orders", cdc.source.rows("orders")),
+                "events": keyed(cdc.plane, "events", model)}
+    cdc.converged(expected)
+
+    victim = fullest_node(cdc.plane, "events", list(model.values()))
+    crash_and_restart(cdc.plane, victim)
+    eventually(cdc.all_ready, 90, f"the connector to replay {victim} to READY")
+    cdc.converged(expected)
+    done = cdc.cdc.logged("cdc_replay_start")
+    assert {"orders-app", "audit-app", cdc.cdc.settings["name"]} <= set(done[-1]["writers"])
+
+    # A second crash in a row, with more writes in between, replays again exactly.
+    cdc.source.run(10)
+    first.write("events", upserts=[event(3, 1)])
+    model[(3, 1)] = event(3, 1)
+    crash_and_restart(cdc.plane, victim)
+    eventually(cdc.all_ready, 90, f"the connector to replay {victim} again")
+    cdc.converged({"orders": keyed(cdc.plane, "orders", cdc.source.rows("orders")),
+                   "events": keyed(cdc.plane, "events", model)})
+
+
+def strict_plane(tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str
+                 ) -> DataPlane:
+    plane = DataPlane(tmp_path / "plane", etcd, catalog, catalog_dsn, nodes=2, retina=STRICT)
+    plane.start(recover=False)
+    return plane
+
+
+def admin(plane: DataPlane, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "retina_common.admin_cli", "--config",
+                           str(plane.config_path), *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+def test_writes_without_a_registered_writer_are_refused_and_change_nothing(
+        tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str,
+        writers: Callable[[DataPlane], Writers]) -> None:
+    plane = strict_plane(tmp_path, etcd, catalog, catalog_dsn)
+    try:
+        assert admin(plane, "recover").returncode == 0  # fresh nodes, nothing to replay
+        w = writers(plane).open("app")
+        w.write("events", upserts=[event(1, 1)])
+        # The documented low-level path, with no writer id: refused before anything.
+        with pytest.raises(grpc.RpcError) as refused:
+            plane.commit({"events": {"inserts": [event(1, 2)]}})
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "writer_id" in (refused.value.details() or "")
+        # A writer id nobody registered, and one declared GONE: refused the same way.
+        for writer_id in ("nobody", "app"):
+            if writer_id == "app":
+                replay_sources.declare_gone(etcd, "app", "test: changelog deleted")
+            # A node re-reads the registry at most REFRESH_S after it last did.
+            refused = eventually(lambda w=writer_id: _refused(plane, w), REFRESH_S + 10,
+                                 f"writes of {writer_id} to be refused")
+            assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION, writer_id
+            assert writer_id in (refused.details() or "")
+        assert read(plane, "events") == keyed(plane, "events", [event(1, 1)])
+    finally:
+        plane.stop()
+
+
+def _refused(plane: DataPlane, writer_id: str) -> grpc.RpcError | None:
+    """The refusal of a one-row write as ``writer_id``; None if it was applied (then the
+    row is deleted again, so that the model stays one row)."""
+    row = event(1, 3)
+    try:
+        plane.commit({"events": {"inserts": [row]}}, writer_id=writer_id)
+    except grpc.RpcError as exc:
+        return exc
+    plane.commit({"events": {"deletes": [row]}}, writer_id=writer_id)
+    return None
+
+
+def test_a_node_waits_for_every_writer_then_for_an_operator_who_declares_one_gone(
+        tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str,
+        writers: Callable[[DataPlane], Writers]) -> None:
+    plane = strict_plane(tmp_path, etcd, catalog, catalog_dsn)
+    try:
+        assert admin(plane, "recover").returncode == 0
+        w = writers(plane)
+        kept, lost = w.open("kept"), w.open("lost")
+        kept_rows = [event(1, s) for s in range(6)]
+        lost_rows = [event(2, s) for s in range(6)]
+        kept.write("events", upserts=kept_rows)
+        lost.write("events", upserts=lost_rows)
+        victim = fullest_node(plane, "events", kept_rows + lost_rows)
+        crash_and_restart(plane, victim)
+        stub = plane.retinas[victim].stub
+        status = plane.wait_replay_ready(victim)
+        # A driver that replays one writer only is refused, and the node waits.
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.MarkReady(rpb.MarkReadyRequest(
+                recovery_attempt_token=status.recovery_attempt_token,
+                checkpoint_id=status.checkpoint_id, replayed_writers=["kept"]), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert SOURCES_NOT_REPLAYED in (refused.value.details() or "")
+        assert "lost" in (refused.value.details() or "")
+        assert plane.status(victim).phase == "AWAITING_REPLAY"
+        # The operator deletes a changelog and says so; then recover replays the rest.
+        listing = json.loads(admin(plane, "writers", "list", "--json").stdout)
+        lost_root = next(x["changelog_root"] for x in listing["writers"]
+                         if x["writer_id"] == "lost")
+        assert lost_root.endswith("/lost")
+        gone = admin(plane, "writers", "gone", "lost", "--reason", "disk of the app lost")
+        assert gone.returncode == 0, gone.stderr
+        done = admin(plane, "recover", "--node", victim)
+        assert done.returncode == 0, done.stdout + done.stderr
+        survivors = kept_rows + [r for r in lost_rows if plane.topology.node_of_vnode(
+            plane.topology.vnode_of_key(plane.writers["events"].key(r))) != victim]
+        assert read(plane, "events") == keyed(plane, "events", survivors)
+    finally:
+        plane.stop()
+
+
+def run_write(plane: DataPlane, writer_id: str, rows: list[dict[str, Any]],
+              failpoint: str = "") -> subprocess.CompletedProcess[str]:
+    """``retina-write`` in a process of its own (JSON rows: payload as text)."""
+    text = json.dumps([{**r, "payload": r["payload"].decode()} for r in rows])
+    return subprocess.run(
+        [sys.executable, "-m", "retina_common.write_cli", "--config", str(plane.config_path),
+         "--writer", writer_id, f"{SCHEMA}.events", "--rows", text],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env={**os.environ, "RETINA_FAILPOINTS": failpoint})
+
+
+@pytest.mark.parametrize("point", ["writer.append.after", "writer.commit.before"])
+def test_a_writer_killed_after_its_log_append_loses_nothing_acknowledged_and_finishes_on_reopen(
+        tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str,
+        point: str) -> None:
+    """The writer dies with its transaction logged (not sent, or sent and not committed):
+    it is in doubt, never acknowledged. A node crash then loses nothing acknowledged, and
+    each in-doubt row is either absent or exactly as logged (the node that replayed has
+    it, the other may not yet); the writer's next run applies it everywhere at a new
+    timestamp; a crash after that replays every copy and still converges."""
+    plane = strict_plane(tmp_path, etcd, catalog, catalog_dsn)
+    try:
+        assert admin(plane, "recover").returncode == 0
+        done = run_write(plane, "batch-job", [event(1, 1)])
+        assert done.returncode == 0, done.stderr
+        acknowledged = keyed(plane, "events", [event(1, 1)])
+        in_doubt = keyed(plane, "events", [event(1, s, b"doubt") for s in range(2, 8)])
+        died = run_write(plane, "batch-job", list(in_doubt.values()), f"{point}=exit(137)")
+        assert died.returncode == 137, died.stdout + died.stderr
+        victim = fullest_node(plane, "events", list(in_doubt.values()))
+        crash_and_restart(plane, victim)
+        recovered = admin(plane, "recover")
+        assert recovered.returncode == 0, recovered.stdout + recovered.stderr
+        got = read(plane, "events")
+        assert {k: v for k, v in got.items() if k in acknowledged} == acknowledged
+        assert all(k in in_doubt and v == in_doubt[k] for k, v in got.items()
+                   if k not in acknowledged), got
+        # The writer's next run finishes what it logged, then writes its new row.
+        again = run_write(plane, "batch-job", [event(1, 9)])
+        assert again.returncode == 0, again.stderr
+        model = {**acknowledged, **in_doubt, **keyed(plane, "events", [event(1, 9)])}
+        assert read(plane, "events") == model
+        # And once more across a crash: the log holds every copy, replay converges.
+        crash_and_restart(plane, victim)
+        assert admin(plane, "recover").returncode == 0
+        assert read(plane, "events") == model
+    finally:
+        plane.stop()
