@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STATE ?= .retina-cluster
 
-.PHONY: setup demo test test-fast lint bench chaos gc proto cluster-up cluster-down cluster-status clean
+.PHONY: setup demo test test-fast lint bench chaos gc proto cluster-up cluster-down cluster-status cluster-restart-node clean
 
 setup:
 	@bash scripts/setup.sh
@@ -79,14 +79,26 @@ bench-peers: setup
 	@$(PY) bench/bench_peers.py --peers-python $(PEERS_VENV)/bin/python --json peers.json $(PEERS_ARGS)
 	@$(PEERS_VENV)/bin/python bench/peers/plot.py peers.json peers.png && echo "bench-peers: figures in peers.json, plot in peers.png"
 
+# The local cluster under $(STATE) (docs/operations.md, "A local cluster"): etcd, PostgreSQL,
+# the TransServer and, with RETINA=N, a topology of N Retina nodes started with it
+# (`retina-cluster start --retina N`); e.g. `make cluster-up RETINA=2`.
+RETINA ?= 0
+
 cluster-up: setup
-	@$(VENV)/bin/retina-cluster start --state-dir $(STATE)
+	@$(VENV)/bin/retina-cluster start --state-dir $(STATE) \
+		$(if $(filter-out 0,$(RETINA)),--retina $(RETINA))
 
 cluster-down: setup
 	@$(VENV)/bin/retina-cluster stop --state-dir $(STATE)
 
 cluster-status: setup
 	@$(VENV)/bin/retina-cluster status --state-dir $(STATE)
+
+# Stop (SIGTERM) and start one Retina node at its address, metrics address and state
+# directory; e.g. `make cluster-restart-node NODE=127.0.0.1:24001` (`make cluster-status`
+# lists the nodes).
+cluster-restart-node: setup
+	@$(VENV)/bin/retina-cluster restart-node $(NODE) --state-dir $(STATE)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache retina_common/pb/*_pb2*.py retina_common/pb/*_pb2*.pyi

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg2
 import requests
@@ -36,6 +37,9 @@ from retina_common.config import TlsConfig
 from retina_common.log import logged_events
 from retina_common.tls import open_channel
 from retina_common.topology import Topology
+
+if TYPE_CHECKING:
+    from retina_common.pb.retina_pb2 import GetRetinaStatusResponse
 
 
 class ClusterError(Exception):
@@ -382,6 +386,9 @@ class ClusterState:
     trans_pid: int = 0
     nodes: list[str] = field(default_factory=list)
     retina_pids: dict[str, int] = field(default_factory=dict)
+    # Each node's Prometheus endpoint, drawn at its first start and kept across restarts
+    # (like its listen address), so a scrape target stays valid.
+    retina_metrics: dict[str, str] = field(default_factory=dict)
     cdc_pid: int = 0
 
     def save(self) -> None:
@@ -497,15 +504,35 @@ def start_retina_servers(state: ClusterState, env: Mapping[str, str] | None = No
         start_retina_server(state, node, env, timeout_s)
 
 
+def retina_log_path(state: ClusterState, node: str) -> Path:
+    host, port = node.rsplit(":", 1)
+    return Path(state.state_dir, "logs", f"retina-{host}-{port}.log")
+
+
+def retina_state_dir(state: ClusterState, node: str) -> Path:
+    """The node's own state directory: every node of the cluster is given
+    ``retina-state`` and the server keeps its files under ``<host>-<port>`` there."""
+    host, port = node.rsplit(":", 1)
+    return Path(state.state_dir, "retina-state", f"{host}-{port}")
+
+
+def retina_metrics_listen(state: ClusterState, node: str) -> str:
+    """The node's metrics address: drawn once, then the same at every restart."""
+    if node not in state.retina_metrics:
+        state.retina_metrics[node] = f"127.0.0.1:{free_port()}"
+        state.save()
+    return state.retina_metrics[node]
+
+
 def start_retina_server(state: ClusterState, node: str, env: Mapping[str, str] | None = None,
                         timeout_s: float = 60) -> None:
     import grpc
 
-    host, port = node.rsplit(":", 1)
-    log_path = Path(state.state_dir, "logs", f"retina-{host}-{port}.log")
+    log_path = retina_log_path(state, node)
     before = started_count(log_path, "retina_server_started")
     pid = start_process(retina_server_argv(Path(state.config_path)), log_path, {
-        "RETINA__RETINA__LISTEN": node, "RETINA__RETINA__METRICS_LISTEN": "off",
+        "RETINA__RETINA__LISTEN": node,
+        "RETINA__RETINA__METRICS_LISTEN": retina_metrics_listen(state, node),
         "RETINA__RETINA__STATE_DIR": str(Path(state.state_dir, "retina-state")),
         **(env or {})})
     state.retina_pids[node] = pid
@@ -527,6 +554,19 @@ def start_retina_server(state: ClusterState, node: str, env: Mapping[str, str] |
     wait_for(listening, timeout_s, f"retina-server {node}")
 
 
+def stop_retina_server(state: ClusterState, node: str, sig: int = signal.SIGTERM,
+                       timeout_s: float = 60) -> bool:
+    """Send ``sig`` to the node's process and wait until it is gone (SIGKILL after
+    ``timeout_s``); forget its pid. False if no process of it was running."""
+    pid = state.retina_pids.pop(node, 0)
+    state.save()
+    # A pid of 0 would signal our own process group.
+    if not pid or not pid_alive(pid):
+        return False
+    terminate(pid, timeout_s=timeout_s, sig=sig)
+    return True
+
+
 def start_cdc(state: ClusterState, env: Mapping[str, str], timeout_s: float = 30) -> int:
     """Start ``retina-cdc`` (settings as ``RETINA__CDC__*`` overrides in ``env``)."""
     log_path = Path(state.state_dir, "logs", "cdc.log")
@@ -541,8 +581,8 @@ def start_cdc(state: ClusterState, env: Mapping[str, str], timeout_s: float = 30
     return pid
 
 
-def node_state(node: str) -> int | None:
-    """A Retina node's lifecycle state (GetRetinaStatus), or None if it does not answer."""
+def node_status(node: str) -> GetRetinaStatusResponse | None:
+    """A Retina node's GetRetinaStatus answer, or None if it does not answer."""
     import grpc
 
     from retina_common.pb import retina_pb2, retina_pb2_grpc
@@ -550,9 +590,15 @@ def node_state(node: str) -> int | None:
     with open_channel(node) as channel:
         try:
             return retina_pb2_grpc.RetinaWorkerServiceStub(channel).GetRetinaStatus(
-                retina_pb2.GetRetinaStatusRequest(), timeout=2).state
+                retina_pb2.GetRetinaStatusRequest(), timeout=2)
         except grpc.RpcError:
             return None
+
+
+def node_state(node: str) -> int | None:
+    """A Retina node's lifecycle state (GetRetinaStatus), or None if it does not answer."""
+    status = node_status(node)
+    return None if status is None else status.state
 
 
 def stop_cluster(state: ClusterState, log: Callable[[str], None] = print) -> None:
@@ -560,10 +606,9 @@ def stop_cluster(state: ClusterState, log: Callable[[str], None] = print) -> Non
         terminate(state.cdc_pid)
         log("cdc         stopped")
         state.cdc_pid = 0
-    for node, pid in list(state.retina_pids.items()):
-        terminate(pid, timeout_s=60)
-        log(f"retina      {node} stopped")
-    state.retina_pids.clear()
+    for node in list(state.retina_pids):
+        if stop_retina_server(state, node):
+            log(f"retina      {node} stopped")
     if state.trans_pid:
         terminate(state.trans_pid)
         log("transserver stopped")
