@@ -41,7 +41,7 @@ from retina_common.catalog.cli import parse_file_type
 from retina_common.checkpoint import CorruptCheckpoint, Pointer
 from retina_common.cli_json import message_dict
 from retina_common.client import channel
-from retina_common.config import Config, ConfigError, load_config
+from retina_common.config import Config, ConfigError
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.gc_cli import print_table, show_lineage, show_sweep, sweep_view, when
 from retina_common.keys import LIFECYCLE_PREFIX, checkpoint_slot_key, node_of_lifecycle_key
@@ -50,7 +50,7 @@ from retina_common.log import token_hash
 from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc, trans_pb2, trans_pb2_grpc
 from retina_common.replay_ts import PLUS_INF
-from retina_common.topology import Topology, load_topology
+from retina_common.topology import Topology, load_config_and_topology
 
 PROG = "retina-admin"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -121,8 +121,7 @@ class Cluster:
 
 def open_cluster(args: argparse.Namespace) -> Cluster:
     try:
-        config = load_config(args.config)
-        topology = load_topology(config.topology_file)
+        config, topology = load_config_and_topology(args.config)
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
     nodes = list(args.node) or list(topology.nodes)

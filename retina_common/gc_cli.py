@@ -28,10 +28,10 @@ import grpc
 
 from retina_common.cli_json import message_dict
 from retina_common.client import channel
-from retina_common.config import ConfigError, load_config
+from retina_common.config import ConfigError
 from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc
-from retina_common.topology import load_topology
+from retina_common.topology import load_config_and_topology
 
 PROG = "retina-gc"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -200,8 +200,7 @@ def _view(command: str, stub: retina_pb2_grpc.RetinaWorkerServiceStub,
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        config = load_config(args.config)
-        topology = load_topology(config.topology_file)
+        config, topology = load_config_and_topology(args.config)
     except ConfigError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -34,13 +34,13 @@ import pyarrow.parquet as pq
 from retina_common import file_names
 from retina_common.client import channel
 from retina_common.codec import COMMIT_TS
-from retina_common.config import ConfigError, TlsConfig, load_config
+from retina_common.config import ConfigError, TlsConfig
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.schema_evolution import conform
 from retina_common.storage import read_bytes
-from retina_common.topology import Topology, load_topology
+from retina_common.topology import Topology, load_config_and_topology
 
 FILE_ID = "_file_id"
 HIDDEN = (COMMIT_TS, FILE_ID)
@@ -194,8 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if not dot:
         parser.error("give the table as schema.table")
     try:
-        config = load_config(args.config)
-        topology = load_topology(config.topology_file)
+        config, topology = load_config_and_topology(args.config)
     except ConfigError as exc:
         print(f"retina-query: {exc}", file=sys.stderr)
         return 2

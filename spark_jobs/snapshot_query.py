@@ -40,13 +40,13 @@ import pyarrow.compute as pc
 
 from retina_common import tls as tls_mod
 from retina_common.client import CHANNEL_OPTIONS
-from retina_common.config import Config, ConfigError, TlsConfig, load_config
+from retina_common.config import Config, ConfigError, TlsConfig
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import FILE_ID, HIDDEN, SnapshotReader
 from retina_common.schema_evolution import conform
-from retina_common.topology import Topology, load_topology
+from retina_common.topology import Topology, load_config_and_topology, load_topology
 from spark_jobs.common import (
     EXIT_OK,
     EXIT_UNAVAILABLE,
@@ -200,9 +200,10 @@ def snapshot_dataframe(spark: SparkSession, config: Config | str | os.PathLike[s
     """A gated snapshot of ``schema.table`` as a materialised DataFrame, with its
     timestamp. ``config`` is a loaded Config or a path to retina.toml. Raises
     grpc.RpcError (UNAVAILABLE) when the gate refuses: a node is not READY."""
-    if not isinstance(config, Config):
-        config = load_config(config)
-    topology = load_topology(config.topology_file)
+    if isinstance(config, Config):
+        topology = load_topology(config.topology_file)
+    else:
+        config, topology = load_config_and_topology(config)
     reader = SnapshotReader(config.trans.listen, topology, tls=config.tls)
     try:
         with reader.transaction() as trans:
