@@ -45,6 +45,7 @@ from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import FILE_ID, HIDDEN, SnapshotReader
+from retina_common.refusal import Unreachable, reaching_node, reaching_trans_server
 from retina_common.schema_evolution import conform
 from retina_common.topology import Topology, load_config_and_topology, load_topology
 from spark_jobs.common import (
@@ -126,7 +127,7 @@ def _write_buffers(nodes: Iterable[str], trans: tpb.BeginTransResponse, schema: 
                    table: str, tls: TlsConfig) -> list[pa.Table]:
     out = []
     for node in nodes:
-        with tls_mod.open_channel(node, tls, CHANNEL_OPTIONS) as channel:
+        with tls_mod.open_channel(node, tls, CHANNEL_OPTIONS) as channel, reaching_node(node):
             reply = retina_pb2_grpc.RetinaWorkerServiceStub(channel).GetWriteBuffer(
                 rpb.GetWriteBufferRequest(schema_name=schema, table_name=table,
                                           timestamp=trans.timestamp, trans_id=trans.trans_id),
@@ -137,7 +138,8 @@ def _write_buffers(nodes: Iterable[str], trans: tpb.BeginTransResponse, schema: 
 
 def _list_files(trans_address: str, trans: tpb.BeginTransResponse, schema: str,
                 table: str, tls: TlsConfig) -> list[tpb.QueryFile]:
-    with tls_mod.open_channel(trans_address, tls, CHANNEL_OPTIONS) as channel:
+    with tls_mod.open_channel(trans_address, tls, CHANNEL_OPTIONS) as channel, \
+            reaching_trans_server(trans_address):
         listing = trans_pb2_grpc.TransServiceStub(channel).ListQueryFiles(
             tpb.ListQueryFilesRequest(trans_id=trans.trans_id, schema_name=schema,
                                       table_name=table), timeout=RPC_TIMEOUT_S)
@@ -268,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 # Through the gate first: a refusal must not even start Spark.
                 trans = stack.enter_context(reader.transaction())
+            except Unreachable as exc:  # not the gate: nothing answered at all
+                return fail(PROG, exc.details(), EXIT_UNAVAILABLE)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     return fail(PROG, "the query gate refused a snapshot (a Retina node is not "
