@@ -43,7 +43,14 @@ from retina_common.cli_json import message_dict
 from retina_common.client import channel
 from retina_common.config import Config, ConfigError
 from retina_common.etcd import EtcdError, EtcdStore
-from retina_common.gc_cli import print_table, show_lineage, show_sweep, sweep_view, when
+from retina_common.gc_cli import (
+    SHOWN_ID_DIGITS,
+    print_table,
+    show_lineage,
+    show_sweep,
+    sweep_view,
+    when,
+)
 from retina_common.keys import LIFECYCLE_PREFIX, checkpoint_slot_key, node_of_lifecycle_key
 from retina_common.lifecycle_record import LifecycleRecord, MalformedLifecycleValue
 from retina_common.log import token_hash
@@ -429,7 +436,7 @@ def _print_gc_status(node: str, v: dict[str, Any]) -> None:
           f"{'-' if floor < 0 else floor}  last fold {v['last_fold_ts']}  "
           f"last prune horizon {v['last_prune_horizon_ts']}")
     if v["entries"]:
-        print_table([[e["rewrite_id"][:12], e["state"],
+        print_table([[e["rewrite_id"][:SHOWN_ID_DIGITS], e["state"],
                       f"{e['table_id']}/{e['virtual_node_id']}", e["new_file_id"],
                       ",".join(map(str, e["old_file_ids"])), e["cutoff_ts"], e["rows_kept"],
                       when(int(e["updated_at_ms"])), e["reason"]] for e in v["entries"]],
