@@ -36,24 +36,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
 
 from retina_common import admin_writers, file_names, progress
 from retina_common.catalog import Catalog, CatalogError, FileType
 from retina_common.catalog.cli import parse_file_type
 from retina_common.checkpoint import CorruptCheckpoint, Pointer
+from retina_common.cli_json import message_dict
 from retina_common.client import channel
-from retina_common.config import Config, ConfigError, load_config
+from retina_common.config import Config, ConfigError
 from retina_common.etcd import EtcdError, EtcdStore
-from retina_common.gc_cli import print_table, show_lineage, show_sweep, when
+from retina_common.gc_cli import (
+    SHOWN_ID_DIGITS,
+    print_table,
+    show_lineage,
+    show_sweep,
+    sweep_view,
+    when,
+)
 from retina_common.keys import LIFECYCLE_PREFIX, checkpoint_slot_key, node_of_lifecycle_key
 from retina_common.lifecycle_record import LifecycleRecord, MalformedLifecycleValue
 from retina_common.log import token_hash
 from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc, trans_pb2, trans_pb2_grpc
 from retina_common.replay_ts import PLUS_INF
-from retina_common.topology import Topology, load_topology
+from retina_common.topology import Topology, load_config_and_topology
 
 PROG = "retina-admin"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -86,29 +92,6 @@ def _err(message: str) -> None:
 
 def _rpc_error(exc: grpc.RpcError) -> dict[str, str]:
     return {"error": exc.code().name, "detail": exc.details() or ""}
-
-
-def _dict(message: Message) -> dict[str, Any]:
-    """Every field by its proto name, integers as integers (MessageToDict writes int64 as
-    strings, which a script would have to convert) and enums by name."""
-    out: dict[str, Any] = {}
-    for f in message.DESCRIPTOR.fields:
-        value = getattr(message, f.name)
-        if f.message_type is not None and f.message_type.GetOptions().map_entry:
-            out[f.name] = {k: _value(f, v) for k, v in sorted(value.items())}
-        elif f.is_repeated:
-            out[f.name] = [_value(f, v) for v in value]
-        else:
-            out[f.name] = _value(f, value)
-    return out
-
-
-def _value(f: FieldDescriptor, value: Any) -> Any:
-    if isinstance(value, Message):
-        return _dict(value)
-    if f.enum_type is not None and isinstance(value, int):
-        return f.enum_type.values_by_number[value].name
-    return value
 
 
 # --- the cluster the config names --------------------------------------------------------
@@ -147,8 +130,7 @@ class Cluster:
 
 def open_cluster(args: argparse.Namespace) -> Cluster:
     try:
-        config = load_config(args.config)
-        topology = load_topology(config.topology_file)
+        config, topology = load_config_and_topology(args.config)
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
     nodes = list(args.node) or list(topology.nodes)
@@ -212,7 +194,7 @@ def _node_view(cluster: Cluster, node: str) -> dict[str, Any]:
                                                timeout=cluster.timeout_s)
     except grpc.RpcError as exc:
         return _rpc_error(exc)
-    view = _dict(s)
+    view = message_dict(s)
     # The token itself stays on the node; operators name the attempt by its hash.
     token = view.pop("recovery_attempt_token", "")
     view["token_hash"] = token_hash(token) if token else ""
@@ -388,7 +370,7 @@ def cmd_checkpoint(cluster: Cluster, args: argparse.Namespace) -> int:
     def run(node: str) -> dict[str, Any]:
         r = cluster.node(node).CreateCheckpoint(pb.CreateCheckpointRequest(),
                                                 timeout=cluster.timeout_s)
-        return _dict(r)
+        return message_dict(r)
 
     rows: list[list[Any]] = []
     code = _per_node(cluster, args, run, lambda n, v: rows.append(
@@ -457,7 +439,7 @@ def _print_gc_status(node: str, v: dict[str, Any]) -> None:
           f"{'-' if floor < 0 else floor}  last fold {v['last_fold_ts']}  "
           f"last prune horizon {v['last_prune_horizon_ts']}")
     if v["entries"]:
-        print_table([[e["rewrite_id"][:12], e["state"],
+        print_table([[e["rewrite_id"][:SHOWN_ID_DIGITS], e["state"],
                       f"{e['table_id']}/{e['virtual_node_id']}", e["new_file_id"],
                       ",".join(map(str, e["old_file_ids"])), e["cutoff_ts"], e["rows_kept"],
                       when(int(e["updated_at_ms"])), e["reason"]] for e in v["entries"]],
@@ -466,7 +448,7 @@ def _print_gc_status(node: str, v: dict[str, Any]) -> None:
 
 
 def cmd_gc_status(cluster: Cluster, args: argparse.Namespace) -> int:
-    return _per_node(cluster, args, lambda n: _dict(cluster.node(n).GetGcStatus(
+    return _per_node(cluster, args, lambda n: message_dict(cluster.node(n).GetGcStatus(
         pb.GetGcStatusRequest(), timeout=cluster.timeout_s)), _print_gc_status)
 
 
@@ -474,13 +456,11 @@ def _gc_round(cluster: Cluster, args: argparse.Namespace, node: str) -> dict[str
     stub = cluster.node(node)
     out: dict[str, Any] = {}
     if not args.dry_run:  # a fold/prune round has no dry run: it is left out of one
-        out["maintenance"] = _dict(stub.RunGcMaintenance(pb.RunGcMaintenanceRequest(),
-                                                         timeout=cluster.timeout_s))
+        out["maintenance"] = message_dict(stub.RunGcMaintenance(
+            pb.RunGcMaintenanceRequest(), timeout=cluster.timeout_s))
     if args.sweep:
-        sweep = stub.RunSweeper(pb.RunSweeperRequest(dry_run=args.dry_run),
-                                timeout=cluster.timeout_s)
-        out["sweep"] = _dict(sweep)
-        out["_sweep_reply"] = sweep
+        out["sweep"] = sweep_view(stub.RunSweeper(pb.RunSweeperRequest(dry_run=args.dry_run),
+                                                  timeout=cluster.timeout_s), args.dry_run)
     return out
 
 
@@ -489,8 +469,8 @@ def _print_gc_round(node: str, v: dict[str, Any]) -> None:
         m = v["maintenance"]
         print(f"{node}: folded {m['folded_items']} items at {m['fold_ts']}, pruned "
               f"{m['pruned_versions']} versions below {m['prune_horizon_ts']}")
-    if "_sweep_reply" in v:
-        show_sweep(node, v["_sweep_reply"])
+    if "sweep" in v:
+        show_sweep(node, v["sweep"])
 
 
 def cmd_gc_run(cluster: Cluster, args: argparse.Namespace) -> int:
@@ -501,12 +481,9 @@ def cmd_gc_run(cluster: Cluster, args: argparse.Namespace) -> int:
 
 
 def cmd_lineage(cluster: Cluster, args: argparse.Namespace) -> int:
-    def run(node: str) -> dict[str, Any]:
-        reply = cluster.node(node).ListGcLineage(pb.ListGcLineageRequest(),
-                                                 timeout=cluster.timeout_s)
-        return {**_dict(reply), "_reply": reply}
-
-    return _per_node(cluster, args, run, lambda n, v: show_lineage(n, list(v["_reply"].records)))
+    return _per_node(cluster, args, lambda n: message_dict(cluster.node(n).ListGcLineage(
+        pb.ListGcLineageRequest(), timeout=cluster.timeout_s)),
+        lambda n, v: show_lineage(n, v["records"]))
 
 
 # --- shared per-node loop ---------------------------------------------------------------
@@ -525,7 +502,7 @@ def _per_node(cluster: Cluster, args: argparse.Namespace, call: Callable[[str], 
             out[node] = _rpc_error(exc)
             _err(f"{node}: {exc.code().name}: {exc.details()}")
             continue
-        out[node] = {k: v for k, v in view.items() if not k.startswith("_")}
+        out[node] = view  # the table shows the same view: one shape for both
         if not args.json:
             show(node, view)
     if args.json:

@@ -33,6 +33,13 @@ CONFIG_ENV = "RETINA_CONFIG"
 MIN_ORPHAN_GRACE_MS = 3_600_000
 
 
+# What a client of the cluster says when nothing names a config: the defaults alone
+# point at a topology.toml in the working directory, and "topology file ... does not
+# exist" would send a newcomer looking for the wrong file.
+NO_CONFIG_GIVEN = (f"no config given: pass --config FILE or set {CONFIG_ENV}=FILE (the local "
+                   f"cluster's is .retina-cluster/retina.toml)")
+
+
 class ConfigError(Exception):
     """The configuration cannot be used; the message names the offending setting."""
 
@@ -299,6 +306,12 @@ def load_config(path: str | os.PathLike[str] | None = None,
     if not topo.is_absolute():
         config = dataclasses.replace(config, topology_file=str(base_dir / topo))
     return config
+
+
+def config_named(path: str | os.PathLike[str] | None, env: Mapping[str, str]) -> bool:
+    """Whether a config file (``path`` or ``$RETINA_CONFIG``) or a topology override names
+    where the cluster is; with neither, only the built-in defaults do."""
+    return bool(path or env.get(CONFIG_ENV) or f"{ENV_PREFIX}TOPOLOGY_FILE" in env)
 
 
 def _check(config: Config) -> None:

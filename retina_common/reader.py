@@ -34,13 +34,14 @@ import pyarrow.parquet as pq
 from retina_common import file_names
 from retina_common.client import channel
 from retina_common.codec import COMMIT_TS
-from retina_common.config import ConfigError, TlsConfig, load_config
+from retina_common.config import ConfigError, TlsConfig
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
+from retina_common.refusal import reaching_node, reaching_trans_server
 from retina_common.schema_evolution import conform
 from retina_common.storage import read_bytes
-from retina_common.topology import Topology, load_topology
+from retina_common.topology import Topology, load_config_and_topology
 
 FILE_ID = "_file_id"
 HIDDEN = (COMMIT_TS, FILE_ID)
@@ -58,6 +59,7 @@ class SnapshotReader:
     def __init__(self, trans_address: str, topology: Topology, timeout_s: float = 30, *,
                  tls: TlsConfig | None = None) -> None:
         self._timeout = timeout_s
+        self._trans_address = trans_address
         self._trans_channel = channel(trans_address, tls)
         self._trans = trans_pb2_grpc.TransServiceStub(self._trans_channel)
         self._channels = {n: channel(n, tls) for n in topology.nodes}
@@ -72,13 +74,15 @@ class SnapshotReader:
     @contextmanager
     def transaction(self) -> Iterator[tpb.BeginTransResponse]:
         """A gated read-only transaction, ended when the block exits."""
-        trans = self._trans.BeginTrans(tpb.BeginTransRequest(read_only=True),
-                                       timeout=self._timeout)
+        with reaching_trans_server(self._trans_address):
+            trans = self._trans.BeginTrans(tpb.BeginTransRequest(read_only=True),
+                                           timeout=self._timeout)
         try:
             yield trans
         finally:
-            self._trans.CommitTrans(tpb.CommitTransRequest(trans_id=trans.trans_id),
-                                    timeout=self._timeout)
+            with reaching_trans_server(self._trans_address):
+                self._trans.CommitTrans(tpb.CommitTransRequest(trans_id=trans.trans_id),
+                                        timeout=self._timeout)
 
     def read(self, schema: str, table: str, *, keep_hidden: bool = False) -> Snapshot:
         with self.transaction() as trans:
@@ -98,17 +102,20 @@ class SnapshotReader:
         their ``_file_id``, by node."""
         buffered = {}
         for node, stub in self._retina.items():
-            reply = stub.GetWriteBuffer(rpb.GetWriteBufferRequest(
-                schema_name=schema, table_name=table, timestamp=trans.timestamp,
-                trans_id=trans.trans_id), timeout=self._timeout)
+            with reaching_node(node):
+                reply = stub.GetWriteBuffer(rpb.GetWriteBufferRequest(
+                    schema_name=schema, table_name=table, timestamp=trans.timestamp,
+                    trans_id=trans.trans_id), timeout=self._timeout)
             buffered[node] = pa.ipc.open_stream(reply.arrow_ipc_stream).read_all()
         return buffered
 
     def list_files(self, trans: tpb.BeginTransResponse, schema: str,
                    table: str) -> list[tpb.QueryFile]:
         """Step 3: the REGULAR files, listed under the same transaction."""
-        listing = self._trans.ListQueryFiles(tpb.ListQueryFilesRequest(
-            trans_id=trans.trans_id, schema_name=schema, table_name=table), timeout=self._timeout)
+        with reaching_trans_server(self._trans_address):
+            listing = self._trans.ListQueryFiles(tpb.ListQueryFilesRequest(
+                trans_id=trans.trans_id, schema_name=schema, table_name=table),
+                timeout=self._timeout)
         return list(listing.files)
 
     def read_files(self, files: Sequence[tpb.QueryFile],
@@ -149,8 +156,10 @@ class SnapshotReader:
         stub = self._retina.get(node)
         if stub is None:
             raise RuntimeError(f"file {f.name} belongs to {node}, which is not in the topology")
-        visibility = stub.QueryVisibility(rpb.QueryVisibilityRequest(
-            file_id=f.file_id, timestamp=ts, trans_id=trans.trans_id), timeout=self._timeout)
+        with reaching_node(node):
+            visibility = stub.QueryVisibility(rpb.QueryVisibilityRequest(
+                file_id=f.file_id, timestamp=ts, trans_id=trans.trans_id),
+                timeout=self._timeout)
         deleted = {g.rg_id: g for g in visibility.row_groups}
         parquet = pq.ParquetFile(pa.BufferReader(read_bytes(f.path_uri, f.name)))
         groups = []
@@ -183,7 +192,11 @@ def format_rows(rows: pa.Table) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``retina-query SCHEMA.TABLE``: print a gated snapshot of a table."""
-    parser = argparse.ArgumentParser(prog="retina-query", description=main.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="retina-query", description=main.__doc__,
+        epilog="Exit codes: 0 printed; 1 not answered: refused (e.g. the query gate is "
+               "closed) or a node or the TransServer unreachable (e.g. restarting); "
+               "2 configuration.")
     parser.add_argument("table", help="schema.table")
     parser.add_argument("--config", help="TOML config file (default: $RETINA_CONFIG)")
     parser.add_argument("--format", choices=["table", "json", "count"], default="table")
@@ -194,8 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if not dot:
         parser.error("give the table as schema.table")
     try:
-        config = load_config(args.config)
-        topology = load_topology(config.topology_file)
+        config, topology = load_config_and_topology(args.config)
     except ConfigError as exc:
         print(f"retina-query: {exc}", file=sys.stderr)
         return 2

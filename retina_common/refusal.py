@@ -7,10 +7,18 @@ nothing. Other exception types say which status they stand for with a
 fenced writer FAILED_PRECONDITION, ...), so that this module needs to know
 none of them. :func:`status_of` is the single mapping both gRPC services use;
 anything it does not recognise is a bug and answers INTERNAL (fail closed).
+
+The client side of the same convention: :func:`reaching_node` and
+:func:`reaching_trans_server` turn gRPC's transport
+failure (a server that is down or restarting) into :class:`Unreachable`, which
+declares its status the same way and says in our words which server did not
+answer and when to retry.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import NoReturn
 
 import grpc
@@ -46,6 +54,65 @@ class Refusal(Exception):
 
     def __repr__(self) -> str:
         return f"Refusal({self.code.name}, {str(self)!r})"
+
+
+# What gRPC's transport says when a call never reached a server, or lost it mid-call (the
+# process died or is restarting): UNAVAILABLE with these words, never a refusal of ours.
+_TRANSPORT_SIGNS = ("failed to connect", "Socket closed", "Connection reset")
+
+
+def transport_lost(exc: grpc.RpcError) -> bool:
+    """UNAVAILABLE from gRPC's transport (no connection), not a server's own refusal."""
+    if isinstance(exc, Unreachable):
+        return True
+    details = exc.details() or ""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and any(
+        sign in details for sign in _TRANSPORT_SIGNS)
+
+
+class Unreachable(grpc.RpcError):
+    """A query's call found no server at ``address``: our words instead of gRPC's
+    ("failed to connect to all addresses; last error: ..."). It stays an RpcError whose
+    code is its ``grpc_status`` (UNAVAILABLE), so every caller that retries or maps a
+    status to an exit code treats it exactly as the transport error it replaces."""
+
+    grpc_status = grpc.StatusCode.UNAVAILABLE
+
+    def __init__(self, what: str, address: str, ready_when: str) -> None:
+        super().__init__(f"{what} {address} is unreachable (it may be restarting); the "
+                         f"query was not answered; retry when `retina-admin status` shows "
+                         f"{ready_when}")
+        self.address = address
+
+    def code(self) -> grpc.StatusCode:
+        return self.grpc_status
+
+    def details(self) -> str:
+        return str(self)
+
+
+def reaching_node(address: str) -> AbstractContextManager[None]:
+    """Calls to the Retina node at ``address`` inside the block (see :func:`_reaching`)."""
+    return _reaching("node", address, "it READY")
+
+
+def reaching_trans_server(address: str) -> AbstractContextManager[None]:
+    """Calls to the TransServer at ``address`` inside the block."""
+    return _reaching("TransServer", address, "it answering")
+
+
+@contextmanager
+def _reaching(what: str, address: str, ready_when: str) -> Iterator[None]:
+    """A transport failure inside the block becomes Unreachable naming ``what`` and when
+    to retry; any other status, a refusal, passes unchanged."""
+    try:
+        yield
+    except Unreachable:
+        raise
+    except grpc.RpcError as exc:
+        if transport_lost(exc):
+            raise Unreachable(what, address, ready_when) from exc
+        raise
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:

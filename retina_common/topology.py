@@ -20,11 +20,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from retina_common.config import ConfigError, read_toml, split_host_port
+from retina_common.config import (
+    NO_CONFIG_GIVEN,
+    Config,
+    ConfigError,
+    config_named,
+    load_config,
+    read_toml,
+    split_host_port,
+)
 
 
 class TopologyError(ConfigError):
@@ -96,3 +106,20 @@ def load_topology(path: str | Path) -> Topology:
     if not isinstance(vnodes, int) or isinstance(vnodes, bool):
         raise TopologyError(f"topology file {p}: 'virtual_nodes' must be an integer")
     return Topology(nodes=tuple(nodes), virtual_nodes=vnodes)
+
+
+def load_config_and_topology(path: str | os.PathLike[str] | None = None,
+                             env: Mapping[str, str] | None = None) -> tuple[Config, Topology]:
+    """The config (``path`` or ``$RETINA_CONFIG``, with environment overrides) and its
+    topology, as every client of the cluster loads them. When nothing named a config and
+    the default topology file is absent, the error says that no config was given (the
+    missing file is only a consequence); a named config whose topology file is missing
+    keeps the topology file's message."""
+    env = os.environ if env is None else env
+    config = load_config(path, env)
+    try:
+        return config, load_topology(config.topology_file)
+    except TopologyError:
+        if not config_named(path, env) and not Path(config.topology_file).exists():
+            raise ConfigError(NO_CONFIG_GIVEN) from None
+        raise

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 
 from retina_common import tls
-from retina_common.config import Config, ConfigError, load_config
-from retina_common.topology import Topology, load_topology
+from retina_common.config import Config, ConfigError
+from retina_common.topology import Topology, load_config_and_topology
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -114,10 +114,10 @@ def call_with_retry(call: Callable[[], T], what: str, attempts: int = 6,
 
 def load(config_path: str | None) -> tuple[Config, Topology]:
     """The config (``--config`` or ``$RETINA_CONFIG``) and its topology; ConfigError if bad."""
-    config = load_config(config_path)
+    config, topology = load_config_and_topology(config_path)
     # Channels of the driver, and (through spark_session) of its tasks, use it.
     tls.configure(config.tls)
-    return config, load_topology(config.topology_file)
+    return config, topology
 
 
 def add_spark_arguments(parser: argparse.ArgumentParser) -> None:

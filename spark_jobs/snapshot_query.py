@@ -40,13 +40,14 @@ import pyarrow.compute as pc
 
 from retina_common import tls as tls_mod
 from retina_common.client import CHANNEL_OPTIONS
-from retina_common.config import Config, ConfigError, TlsConfig, load_config
+from retina_common.config import Config, ConfigError, TlsConfig
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import FILE_ID, HIDDEN, SnapshotReader
+from retina_common.refusal import Unreachable, reaching_node, reaching_trans_server
 from retina_common.schema_evolution import conform
-from retina_common.topology import Topology, load_topology
+from retina_common.topology import Topology, load_config_and_topology, load_topology
 from spark_jobs.common import (
     EXIT_OK,
     EXIT_UNAVAILABLE,
@@ -126,7 +127,7 @@ def _write_buffers(nodes: Iterable[str], trans: tpb.BeginTransResponse, schema: 
                    table: str, tls: TlsConfig) -> list[pa.Table]:
     out = []
     for node in nodes:
-        with tls_mod.open_channel(node, tls, CHANNEL_OPTIONS) as channel:
+        with tls_mod.open_channel(node, tls, CHANNEL_OPTIONS) as channel, reaching_node(node):
             reply = retina_pb2_grpc.RetinaWorkerServiceStub(channel).GetWriteBuffer(
                 rpb.GetWriteBufferRequest(schema_name=schema, table_name=table,
                                           timestamp=trans.timestamp, trans_id=trans.trans_id),
@@ -137,7 +138,8 @@ def _write_buffers(nodes: Iterable[str], trans: tpb.BeginTransResponse, schema: 
 
 def _list_files(trans_address: str, trans: tpb.BeginTransResponse, schema: str,
                 table: str, tls: TlsConfig) -> list[tpb.QueryFile]:
-    with tls_mod.open_channel(trans_address, tls, CHANNEL_OPTIONS) as channel:
+    with tls_mod.open_channel(trans_address, tls, CHANNEL_OPTIONS) as channel, \
+            reaching_trans_server(trans_address):
         listing = trans_pb2_grpc.TransServiceStub(channel).ListQueryFiles(
             tpb.ListQueryFilesRequest(trans_id=trans.trans_id, schema_name=schema,
                                       table_name=table), timeout=RPC_TIMEOUT_S)
@@ -200,9 +202,10 @@ def snapshot_dataframe(spark: SparkSession, config: Config | str | os.PathLike[s
     """A gated snapshot of ``schema.table`` as a materialised DataFrame, with its
     timestamp. ``config`` is a loaded Config or a path to retina.toml. Raises
     grpc.RpcError (UNAVAILABLE) when the gate refuses: a node is not READY."""
-    if not isinstance(config, Config):
-        config = load_config(config)
-    topology = load_topology(config.topology_file)
+    if isinstance(config, Config):
+        topology = load_topology(config.topology_file)
+    else:
+        config, topology = load_config_and_topology(config)
     reader = SnapshotReader(config.trans.listen, topology, tls=config.tls)
     try:
         with reader.transaction() as trans:
@@ -267,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 # Through the gate first: a refusal must not even start Spark.
                 trans = stack.enter_context(reader.transaction())
+            except Unreachable as exc:  # not the gate: nothing answered at all
+                return fail(PROG, exc.details(), EXIT_UNAVAILABLE)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     return fail(PROG, "the query gate refused a snapshot (a Retina node is not "

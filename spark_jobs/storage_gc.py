@@ -36,8 +36,9 @@ The job never makes a file REGULAR and never touches an index or visibility. Per
 A killed driver leaves at most prepared rewrites (the node forgets them when they expire)
 and TEMPORARY_GC files (the sweeper removes them); a second run plans from what is REGULAR
 then. Exit codes (spark_jobs.common): 0 every group committed, or nothing to do; 1 a group
-failed otherwise; 3 a group was refused; 4 unavailable (gate closed, a node or the catalog
-away). Per-group failures never stop the other groups.
+failed otherwise; 2 bad arguments or configuration, a schema or table the catalog does not
+know; 3 a group was refused; 4 unavailable (gate closed, a node or the catalog away).
+Per-group failures never stop the other groups.
 
     python -m spark_jobs.storage_gc --config retina.toml --schema shop --table orders
     spark-submit spark_jobs/storage_gc.py --config retina.toml --schema shop --all-tables --json
@@ -693,6 +694,14 @@ class JobState:
         return EXIT_OK
 
 
+class UnknownSchema(Exception):
+    """--schema names no schema of the catalog: a usage error (exit 2)."""
+
+    def __init__(self, schema: str, known: Sequence[str]) -> None:
+        super().__init__(f"schema {schema!r} is not in the catalog (its schemas: "
+                         f"{', '.join(known) or 'none'}); nothing done")
+
+
 class StorageGcJob:
     def __init__(self, args: argparse.Namespace, config: Config, topology: Topology,
                  log: Any) -> None:
@@ -930,12 +939,20 @@ class StorageGcJob:
                                  status=exc.code().name, reason=exc.details())
 
     def _tables(self) -> list[str]:
+        """--all-tables: the schema's tables. A schema the catalog does not know is an
+        error (UnknownSchema), not an empty run: a typo must not look like 'nothing to
+        do' (an existing schema without tables is one)."""
         if not self.args.all_tables:
             return [self.args.table]
         catalog = Catalog(self.config.catalog.dsn, pool_max=1,
                           connect_timeout_s=self.config.catalog.connect_timeout_s)
         try:
-            return catalog.list_tables(self.args.schema)
+            tables = catalog.list_tables(self.args.schema)
+            if not tables:
+                schemas = catalog.list_schemas()
+                if self.args.schema not in schemas:
+                    raise UnknownSchema(self.args.schema, schemas)
+            return tables
         finally:
             catalog.close()
 
@@ -956,8 +973,11 @@ class StorageGcJob:
                 groups.extend(self.plan(trans, args.schema, name.split(".", 1)[1]))
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:  # a table that does not exist
-                return fail(PROG, f"planning: {short_reason(exc)}", EXIT_USAGE)
+                return fail(PROG, f"{exc.details()}; nothing done (check --schema and "
+                                  "--table)", EXIT_USAGE)
             return fail(PROG, f"planning: {short_reason(exc)}", _code_exit(exc.code()))
+        except UnknownSchema as exc:
+            return fail(PROG, str(exc), EXIT_USAGE)
         except CatalogError as exc:
             return fail(PROG, f"catalog: {exc}", EXIT_UNAVAILABLE)
         if args.max_groups:
@@ -1091,7 +1111,8 @@ def parser() -> argparse.ArgumentParser:
                     "and merge small files, one task per group; the owning Retina node "
                     "commits each rewrite.",
         epilog="Exit codes: 0 every group committed (or nothing to do), 1 a group failed "
-               "otherwise, 2 bad arguments or configuration, 3 a group was refused by its "
+               "otherwise, 2 bad arguments or configuration (also a schema or table the "
+               "catalog does not know), 3 a group was refused by its "
                "node, 4 unavailable (the query gate refused, a node or the catalog away).")
     p.add_argument("--config", help="TOML config file (default: $RETINA_CONFIG)")
     p.add_argument("--schema", help="the schema (default: cdc.schema of the config)")

@@ -28,6 +28,7 @@ from retina_common.pb import retina_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import SnapshotReader
 from retina_common.recovery_driver import drive_recovery, replay_requests, wait_replay_ready
+from retina_common.refusal import transport_lost
 from retina_common.retry import until_deadline
 from retina_common.topology import Topology
 
@@ -40,13 +41,6 @@ TABLES: dict[str, tuple[list[ColumnSpec], list[str]]] = {
     "events": ([ColumnSpec("tenant", "int32"), ColumnSpec("seq", "int64"),
                 ColumnSpec("payload", "binary"), ColumnSpec("ok", "boolean")], ["tenant", "seq"]),
 }
-
-
-def transport_lost(exc: grpc.RpcError) -> bool:
-    """UNAVAILABLE from gRPC's transport (no connection), not a node's own refusal."""
-    details = exc.details() or ""
-    return exc.code() == grpc.StatusCode.UNAVAILABLE and any(
-        sign in details for sign in ("failed to connect", "Socket closed", "Connection reset"))
 
 
 class RetinaProcess(ChildProcess):

@@ -520,6 +520,20 @@ def test_cli_refusals_use_exit_code_1(catalog: Catalog, path_id: int, cli_config
     assert catalog.get_file(f.file_id) == f
 
 
+@pytest.mark.parametrize("column", ["id:int46", "id"])
+def test_cli_a_bad_column_lists_the_valid_types(catalog: Catalog, cli_config: Path,
+                                                column: str) -> None:
+    catalog.create_schema("typos")
+    result = _cli(cli_config, "", "create-table", "typos", "t", "--column", column,
+                  "--primary-key", "id")
+    assert result.returncode == 1, result.stderr
+    assert ("unknown column type 'int46'; valid types: " if ":" in column
+            else "--column 'id' is not name:type (types: ") in result.stderr
+    assert ("boolean, int32, int64, float32, float64, string, binary, date32, timestamp_us, "
+            "decimal(P,S) with 1 <= P <= 38 and S <= P") in result.stderr
+    assert catalog.list_tables("typos") == []
+
+
 def test_unreachable_catalog_is_reported_as_unavailable() -> None:
     from devtools.cluster import free_port
     from retina_common.catalog import CatalogUnavailable

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -9,7 +12,14 @@ import pytest
 
 from retina_common import file_names
 from retina_common.config import ConfigError, load_config
-from retina_common.topology import Topology, TopologyError, load_topology
+from retina_common.topology import (
+    Topology,
+    TopologyError,
+    load_config_and_topology,
+    load_topology,
+)
+
+from .support import ROOT
 
 
 def test_config_file_then_environment_overrides(tmp_path: Path) -> None:
@@ -46,6 +56,45 @@ def test_config_refuses_unknown_or_malformed_settings(tmp_path: Path, text: str,
 def test_missing_config_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "absent.toml", {})
+
+
+def test_no_config_at_all_says_so_before_any_default_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # no topology.toml here: the defaults name nothing real
+    with pytest.raises(ConfigError, match=r"^no config given: pass --config FILE or set "
+                                          r"RETINA_CONFIG=FILE"):
+        load_config_and_topology(None, {})
+
+
+def test_a_named_config_whose_topology_is_missing_names_the_topology_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "retina.toml"
+    config.write_text('topology_file = "topo.toml"\n')
+    for path, env in ((config, {}), (None, {"RETINA_CONFIG": str(config)}),
+                      (None, {"RETINA__TOPOLOGY_FILE": str(tmp_path / "topo.toml")})):
+        with pytest.raises(TopologyError, match=f"topology file {tmp_path / 'topo.toml'} "
+                                                "does not exist"):
+            load_config_and_topology(path, env)
+
+
+@pytest.mark.parametrize("prog, module, args", [
+    ("retina-gc", "retina_common.gc_cli", ["lineage"]),
+    ("retina-admin", "retina_common.admin_cli", ["status"]),
+    ("retina-query", "retina_common.reader", ["shop.orders"]),
+    ("storage_gc", "spark_jobs.storage_gc", ["--schema", "shop", "--all-tables"]),
+    ("snapshot_query", "spark_jobs.snapshot_query", ["--table", "shop.orders"]),
+])
+def test_every_cluster_cli_without_a_config_says_no_config_given(
+        tmp_path: Path, prog: str, module: str, args: list[str]) -> None:
+    env = {k: v for k, v in os.environ.items()
+           if k != "RETINA_CONFIG" and not k.startswith("RETINA__")}
+    env["PYTHONPATH"] = str(ROOT)  # run from an empty directory, as a newcomer might
+    done = subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[0].startswith(
+        f"{prog}: no config given: pass --config FILE or set RETINA_CONFIG=FILE"), done.stderr
 
 
 def test_routing_is_deterministic_and_covers_every_vnode() -> None:

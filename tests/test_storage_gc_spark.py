@@ -292,10 +292,10 @@ def order(i: int, note: str = "") -> dict[str, Any]:
 
 
 def job_argv(plane: DataPlane, *args: str, table: str | None = "orders",
-             master: str = "local[2]") -> list[str]:
+             master: str = "local[2]", schema: str = SCHEMA) -> list[str]:
     which = ["--table", table] if table else ["--all-tables"]
     return [sys.executable, "-m", "spark_jobs.storage_gc", "--config", str(plane.config_path),
-            "--schema", SCHEMA, *which, "--json", *args, "--master", master, *SPARK_ARGS]
+            "--schema", schema, *which, "--json", *args, "--master", master, *SPARK_ARGS]
 
 
 # run_gc's ``failpoints`` argument hides the module inside it.
@@ -303,13 +303,13 @@ FAILPOINTS_ENV, FAILPOINT_DIR_ENV = failpoints.ENV_VAR, failpoints.DIR_VAR
 
 
 def run_gc(plane: DataPlane, *args: str, table: str | None = "orders", failpoints: str = "",
-           master: str = "local[2]", failpoint_dir: Path | None = None,
+           master: str = "local[2]", failpoint_dir: Path | None = None, schema: str = SCHEMA,
            ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, FAILPOINTS_ENV: failpoints}
     if failpoint_dir is not None:
         env[FAILPOINT_DIR_ENV] = str(failpoint_dir)
-    return subprocess.run(job_argv(plane, *args, table=table, master=master), cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(job_argv(plane, *args, table=table, master=master, schema=schema),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
 
 
 
@@ -633,7 +633,13 @@ def test_the_job_decides_without_spark_when_it_cannot_run(
     plane = make_plane()
     load(plane, rows=40)
     unknown = run_gc(plane, table="nope")
-    assert unknown.returncode == 2 and "nope" in unknown.stderr, unknown.stdout + unknown.stderr
+    assert unknown.returncode == 2, unknown.stdout + unknown.stderr
+    assert f"table {SCHEMA}.nope does not exist; nothing done" in unknown.stderr
+    # A typo in the schema is an error, not "0 tables, nothing to do" (issue 26).
+    typo = run_gc(plane, table=None, schema=SCHEMA + "p")
+    assert typo.returncode == 2, typo.stdout + typo.stderr
+    assert f"schema '{SCHEMA}p' is not in the catalog (its schemas: " in typo.stderr
+    assert SCHEMA in typo.stderr.rsplit("its schemas: ", 1)[1]
     node = plane.nodes[0]
     plane.retinas[node].kill9()
     plane.retinas[node].start()  # RECOVERING: the gate refuses the job's transaction

@@ -373,6 +373,13 @@ class Catalog:
 
         return self._read(body)
 
+    def list_schemas(self) -> list[str]:
+        def body(cur: Any) -> list[str]:
+            cur.execute("SELECT name FROM schemas ORDER BY name")
+            return [r[0] for r in cur.fetchall()]
+
+        return self._read(body)
+
     def add_path(self, table_id: int, uri: str) -> PathRecord:
         if not uri:
             raise InvalidCatalogArgument("a path needs a URI")

@@ -36,6 +36,7 @@ from retina_common.catalog import (
     ColumnSpec,
     FileType,
 )
+from retina_common.catalog.model import VALID_COLUMN_TYPES
 from retina_common.config import ConfigError, load_config
 
 
@@ -122,7 +123,8 @@ def _run(catalog: Catalog, args: argparse.Namespace) -> Any:
         for spec in args.column:
             name, sep, type_name = spec.partition(":")
             if not sep:
-                raise argparse.ArgumentTypeError(f"--column {spec!r} is not name:type")
+                raise argparse.ArgumentTypeError(f"--column {spec!r} is not name:type "
+                                                 f"(types: {VALID_COLUMN_TYPES})")
             columns.append(ColumnSpec(name, type_name))
         return catalog.create_table(args.schema, args.table, columns, args.primary_key.split(","))
     if cmd == "show-table":

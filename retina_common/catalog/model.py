@@ -47,6 +47,8 @@ COLUMN_TYPES = {
     "timestamp_us": "timestamp[us]",
 }
 _DECIMAL = re.compile(r"^decimal\((\d{1,2}),(\d{1,2})\)$")
+# Named in every refusal of a type: "unknown column type" alone leaves the operator guessing.
+VALID_COLUMN_TYPES = ", ".join([*COLUMN_TYPES, "decimal(P,S) with 1 <= P <= 38 and S <= P"])
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
 
@@ -63,7 +65,8 @@ def check_column_type(type_name: str) -> str:
     match = _DECIMAL.match(normalized)
     if match and 0 < int(match.group(1)) <= 38 and int(match.group(2)) <= int(match.group(1)):
         return normalized
-    raise InvalidCatalogArgument(f"unknown column type {type_name!r}")
+    raise InvalidCatalogArgument(f"unknown column type {type_name!r}; valid types: "
+                                 f"{VALID_COLUMN_TYPES}")
 
 
 @dataclass(frozen=True)
