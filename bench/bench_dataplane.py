@@ -27,6 +27,7 @@ from pathlib import Path
 import grpc
 
 from devtools.cluster import (
+    ANONYMOUS_WRITES_ENV,
     free_port,
     start_cluster,
     start_retina_server,
@@ -75,7 +76,7 @@ def main() -> None:
         ColumnSpec("id", "int64"), ColumnSpec("customer", "string"),
         ColumnSpec("amount", "decimal(12,2)"), ColumnSpec("note", "string")], ["id"])
     try:
-        start_retina_server(state, node)
+        start_retina_server(state, node, ANONYMOUS_WRITES_ENV)  # the apply path alone
         channel = grpc.insecure_channel(node)
         grpc.channel_ready_future(channel).result(timeout=60)
         stub = retina_pb2_grpc.RetinaWorkerServiceStub(channel)

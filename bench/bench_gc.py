@@ -40,6 +40,7 @@ import grpc
 import pyspark
 
 from devtools.cluster import (
+    ANONYMOUS_WRITES_ENV,
     ClusterState,
     free_port,
     start_cluster,
@@ -171,7 +172,8 @@ def main() -> None:
     configure_logging("bench", "warning")
     rows_per_file = max(1, args.rows // args.files)
     # One block per file: a file is sealed as soon as its stream has that many rows.
-    node_env = {"RETINA__RETINA__BLOCK_ROWS": str(rows_per_file),
+    node_env = {**ANONYMOUS_WRITES_ENV,  # rows sent straight with TableWriter
+                "RETINA__RETINA__BLOCK_ROWS": str(rows_per_file),
                 "RETINA__RETINA__BLOCKS_PER_FILE": "1",
                 "RETINA__RETINA__FLUSH_INTERVAL_MS": "1000",
                 "RETINA__RETINA__CHECKPOINT_INTERVAL_MS": "3600000",

@@ -61,7 +61,13 @@ from cdc_client.connector import Connector
 from cdc_client.main import settings_of, table_map
 from cdc_client.positions import CommittedPosition, PositionStore
 from cdc_client.source import RowChange, SourceTransaction
-from devtools.cluster import free_port, start_cluster, start_retina_server, stop_cluster
+from devtools.cluster import (
+    ANONYMOUS_WRITES_ENV,
+    free_port,
+    start_cluster,
+    start_retina_server,
+    stop_cluster,
+)
 from retina_common.catalog import Catalog, ColumnSpec
 from retina_common.changelog import Changelog
 from retina_common.client import TableWriter, requests_by_node
@@ -320,7 +326,9 @@ class RetinaCluster:
 def start_retina(work: Path) -> RetinaCluster:
     node = f"127.0.0.1:{free_port()}"
     state = start_cluster(work, nodes=[node], virtual_nodes=8, log=lambda _m: None)
-    start_retina_server(state, node)
+    # retina-direct writes without a changelog (the apply path alone, not crash-safe):
+    # the node's development mode lets those writes through.
+    start_retina_server(state, node, ANONYMOUS_WRITES_ENV)
     channel = grpc.insecure_channel(node)
     grpc.channel_ready_future(channel).result(timeout=60)
     stub = retina_pb2_grpc.RetinaWorkerServiceStub(channel)

@@ -490,6 +490,13 @@ def start_trans_server(state: ClusterState, env: Mapping[str, str] | None = None
     return pid
 
 
+# For benchmarks of the node's own apply path, which send UpdateRecord straight from a
+# client (TableWriter) with no writer id: the development mode (retina.anonymous_writes),
+# not the crash-safe write path (retina_common/writer.py). Pass as ``env`` of
+# start_retina_server.
+ANONYMOUS_WRITES_ENV = {"RETINA__RETINA__ANONYMOUS_WRITES": "true"}
+
+
 def retina_server_argv(config_path: Path) -> list[str]:
     return [sys.executable, "-m", "retina_server", "--config", str(config_path)]
 

@@ -39,7 +39,6 @@ from devtools.cluster import (
     stop_retina_server,
     wait_for,
 )
-from retina_common.log import token_hash
 
 if TYPE_CHECKING:
     from retina_common.pb.retina_pb2 import GetRetinaStatusResponse
@@ -112,14 +111,12 @@ def _wait_settled(node: str, timeout_s: float = 60) -> None:
         wait_for(settled, timeout_s, f"{node} to finish starting")
 
 
-def _mark_ready_command(state: ClusterState, node: str) -> str | None:
-    """The ``retina-admin mark-ready`` line for a node waiting for replay, else None."""
+def _recover_command(state: ClusterState, node: str) -> str | None:
+    """The ``retina-admin recover`` line for a node waiting for replay, else None."""
     status = node_status(node)
     if status is None or status.phase not in ("AWAITING_REPLAY", "BARRIER"):
         return None
-    token = token_hash(status.recovery_attempt_token) if status.recovery_attempt_token \
-        else "<token_hash of `retina-admin status`>"
-    return f"  retina-admin --config {state.config_path} mark-ready {node} --token {token}"
+    return f"  retina-admin --config {state.config_path} recover --node {node}"
 
 
 def print_replay_hint(state: ClusterState, nodes: list[str]) -> None:
@@ -128,12 +125,13 @@ def print_replay_hint(state: ClusterState, nodes: list[str]) -> None:
         print(f"note        the CDC connector (pid {state.cdc_pid}) replays recovering nodes "
               "and brings them READY")
         return
-    commands = [c for c in (_mark_ready_command(state, n) for n in nodes) if c]
+    commands = [c for c in (_recover_command(state, n) for n in nodes) if c]
     if not commands:
         return
     print("note        no replay driver runs here: a node stays RECOVERING (AWAITING_REPLAY) "
           "until the CDC connector (retina-cdc, docs/cdc.md) replays it and calls MarkReady; "
-          "a node with nothing to replay (a fresh one) is brought READY by:")
+          "without a connector, this replays every registered writer's changelog into it "
+          "(nothing, for a fresh node) and brings it READY:")
     for command in commands:
         print(command)
 

@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
 
@@ -20,14 +20,17 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
            "error": logging.ERROR}
 
 
-def configure_logging(process: str, level: str = "info", **bound: Any) -> structlog.BoundLogger:
-    """Configure JSON logging for this process and return its root logger."""
+def configure_logging(process: str, level: str = "info", *, file: TextIO | None = None,
+                      **bound: Any) -> structlog.BoundLogger:
+    """Configure JSON logging for this process (to ``file``, default standard output)
+    and return its root logger."""
     if level.lower() not in _LEVELS:
         raise ValueError(f"unknown log level {level!r}")
     # One line at a time even into a file or a pipe: a crash must not eat the
     # last lines, which are the ones an operator needs.
-    if hasattr(sys.stdout, "reconfigure"):
-        sys.stdout.reconfigure(line_buffering=True)
+    out = file or sys.stdout
+    if hasattr(out, "reconfigure"):
+        out.reconfigure(line_buffering=True)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -37,7 +40,7 @@ def configure_logging(process: str, level: str = "info", **bound: Any) -> struct
             structlog.processors.JSONRenderer(sort_keys=False),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level.lower()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stdout),
+        logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=True,
     )
     return structlog.get_logger().bind(process=process, **bound)

@@ -31,6 +31,7 @@ from retina_common.catalog import CatalogError, NotFoundError, TableRecord
 from retina_common.codec import EncodingError
 from retina_common.config import ConfigError, load_config
 from retina_common.etcd import EtcdError
+from retina_common.log import configure_logging
 from retina_common.replay_sources import ReplaySourceError
 from retina_common.writer import DurableWriter, TableChanges, WriteInDoubt, WriteRefused
 
@@ -97,13 +98,18 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, ConfigError, failpoints.FailpointError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    # The writer's warnings (a node unavailable, an in-doubt transaction sent again) go
+    # to stderr, as JSON lines; stdout carries the result alone.
+    configure_logging("retina-write", "warning", file=sys.stderr, writer=args.writer)
     try:
         writer = DurableWriter.connect(config, args.writer, schema)
     except (ReplaySourceError, ConfigError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    with writer:
+    try:
         return _write(writer, schema, table, rows, args.delete)
+    finally:
+        writer.close()
 
 
 def _write(writer: DurableWriter, schema: str, table: str, rows: list[dict[str, Any]],

@@ -1,6 +1,8 @@
 """The demo's main act: a source PostgreSQL database → ``retina-cdc`` → two
-Retina nodes, a SIGKILL of one node mid-stream, replay and MarkReady driven by
-the connector, and a gated snapshot of every table compared with the source."""
+Retina nodes, beside them an application writing a table of its own through
+``DurableWriter``, a SIGKILL of one node mid-stream, replay (the connector's
+changelog and the application's) and MarkReady driven by the connector, and a gated
+snapshot of every table compared with the source and the application's model."""
 
 from __future__ import annotations
 
@@ -29,10 +31,12 @@ from devtools.cluster import (
 )
 from retina_common.catalog import Catalog, ColumnSpec
 from retina_common.client import TableWriter
+from retina_common.config import load_config
 from retina_common.log import logged_events
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.reader import SnapshotReader
 from retina_common.topology import load_topology
+from retina_common.writer import DurableWriter
 
 SOURCE_DB = "shop_source"
 SCHEMA = "retail"
@@ -141,6 +145,9 @@ def cdc_pipeline(state: ClusterState, check: Callable[[bool, str], None],
              "the connector to take both nodes through MarkReady")
     check(True, f"retina-cdc reads {SOURCE_DB} by logical replication (pgoutput) and took "
                 f"{len(state.nodes)} fresh Retina nodes through MarkReady")
+    points = application_writes(state, catalog)
+    check(True, f"application writer {APP_WRITER} committed {len(points)} rows of "
+                f"{SCHEMA}.{APP_TABLE} through DurableWriter (logged before sent)")
     workload = Workload(dsn)
     victim = state.nodes[1]
     crash: dict[str, float] = {}
@@ -178,6 +185,9 @@ def cdc_pipeline(state: ClusterState, check: Callable[[bool, str], None],
     caught_up_s = time.monotonic() - workload.last_commit
     for name, (rows, same) in result.items():
         check(same, f"{SCHEMA}.{name}: gated snapshot = source table ({rows} rows)")
+    check(application_rows(state) == points,
+          f"{SCHEMA}.{APP_TABLE}: gated snapshot = the application's {len(points)} "
+          f"acknowledged rows after {victim}'s crash (replayed from its changelog)")
     catalog.close()
     return {"transactions": transactions, "workload_s": workload_s, "ready_s": ready_s,
             "caught_up_s": caught_up_s, "replay": replay, "replay_start": replay_start,
@@ -185,6 +195,35 @@ def cdc_pipeline(state: ClusterState, check: Callable[[bool, str], None],
             # For the acts that follow on the same cluster (demo_gc.py).
             "more_writes": lambda n: workload.run(n, rate_per_s, lambda _c: None),
             "converged": converged}
+
+
+APP_WRITER = "loyalty-app"
+APP_TABLE = "points"
+
+
+def application_writes(state: ClusterState, catalog: Catalog) -> dict[int, dict[str, Any]]:
+    """Four transactions of a program of its own (upserts, then a delete) through the
+    durable client library; returns the rows it was acknowledged."""
+    catalog.create_table(SCHEMA, APP_TABLE, [ColumnSpec("customer", "int64"),
+                                             ColumnSpec("points", "int64")], ["customer"])
+    model: dict[int, dict[str, Any]] = {}
+    with DurableWriter.connect(load_config(state.config_path), APP_WRITER, SCHEMA) as writer:
+        for start in range(0, 40, 10):
+            rows = [{"customer": c, "points": c * 10 + start} for c in range(start, start + 10)]
+            writer.write(APP_TABLE, upserts=rows)
+            model.update({r["customer"]: r for r in rows})
+        writer.write(APP_TABLE, deletes=[{"customer": 0}, {"customer": 17}])
+        for customer in (0, 17):
+            del model[customer]
+    return model
+
+
+def application_rows(state: ClusterState) -> dict[int, dict[str, Any]]:
+    reader = SnapshotReader(state.trans_listen, load_topology(state.topology_path))
+    try:
+        return {r["customer"]: r for r in reader.read(SCHEMA, APP_TABLE).table.to_pylist()}
+    finally:
+        reader.close()
 
 
 def snapshot_equals_source(state: ClusterState, writers: dict[str, TableWriter],

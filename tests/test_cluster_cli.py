@@ -99,7 +99,7 @@ def test_cluster_up_starts_nodes_and_says_how_they_become_ready(base_dir: Path) 
                     if line.strip().startswith("retina-admin ")]
         assert len(commands) == 2
         first, second = state.nodes
-        marked = run_printed(next(c for c in commands if f" {first} " in c))
+        marked = run_printed(next(c for c in commands if c.endswith(f" {first}")))
         assert marked.returncode == 0, marked.stderr
         assert node_status(first).state == rpb.READY
 
@@ -150,7 +150,7 @@ def test_one_node_is_stopped_killed_and_restarted_in_place(base_dir: Path) -> No
         assert restarted.returncode == 0, restarted.stdout + restarted.stderr
         assert "RECOVERING/AWAITING_REPLAY" in node_line(restarted.stdout, node)
         assert f"metrics http://{metrics}/metrics" in node_line(restarted.stdout, node)
-        assert f"mark-ready {node} --token" in restarted.stdout
+        assert f"recover --node {node}" in restarted.stdout
         # The same state directory (its recovery epoch counts on) and the same log file.
         assert node_status(node).recovery_epoch > first_epoch
         assert started_count(log, "retina_server_started") == 2
