@@ -121,6 +121,10 @@ class DurableWriter:
         self._tables: dict[str, TableWriter] = {}
         self._commits = 0
         self._opened = False
+        # A transaction of this process was logged and then not acknowledged (its
+        # commit() raised): it is finished before the next one, or the acknowledged mark
+        # would pass over it and no open() would ever send it again.
+        self._in_doubt = False
         self._lock = threading.Lock()  # one transaction at a time: the log is in ts order
         self._closers: list[Callable[[], None]] = []
 
@@ -186,6 +190,8 @@ class DurableWriter:
             rows = self._encode(changes)
             if not rows:
                 raise ValueError("a transaction with no rows")
+            if self._in_doubt:
+                self._finish_in_doubt()
             return self._apply(rows)
 
     def _encode(self, changes: Mapping[str, TableChanges]) -> list[ChangeRow]:
@@ -226,6 +232,7 @@ class DurableWriter:
                 timeout=self.settings.rpc_timeout_s)
             stamped = [ChangeRow(begun.timestamp, seq, r.vnode, r.table, r.op, r.key, r.values)
                        for seq, r in enumerate(rows)]
+            self._in_doubt = True  # until acknowledged: see __init__
             try:
                 self.changelog.append([LoggedTransaction(
                     begun.timestamp, f"{self.writer_id}:{begun.trans_id}",
@@ -240,6 +247,7 @@ class DurableWriter:
                 self._rollback(begun.trans_id)
                 continue
             self._acknowledge(begun.timestamp)
+            self._in_doubt = False
             return int(begun.timestamp)
 
     def _send(self, rows: Sequence[ChangeRow], trans_id: int) -> None:

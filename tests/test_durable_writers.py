@@ -27,7 +27,7 @@ from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.refusal import SOURCES_NOT_REPLAYED
-from retina_common.writer import DurableWriter
+from retina_common.writer import DurableWriter, WriteInDoubt, WriterSettings
 from retina_server.registered_writers import REFRESH_S
 
 from .cdc import CdcPlane, normalise
@@ -50,7 +50,7 @@ class Writers:
         self.root = root
         self._channels: list[grpc.Channel] = []
 
-    def open(self, writer_id: str) -> DurableWriter:
+    def open(self, writer_id: str, settings: WriterSettings | None = None) -> DurableWriter:
         nodes = {}
         for node in self.plane.nodes:
             ch = channel(node)
@@ -61,7 +61,8 @@ class Writers:
         return DurableWriter(writer_id, SCHEMA, etcd=self.etcd, catalog=self.catalog,
                              topology=self.plane.topology,
                              trans=trans_pb2_grpc.TransServiceStub(trans), nodes=nodes,
-                             changelog_root=str(self.root / writer_id)).open()
+                             changelog_root=str(self.root / writer_id),
+                             settings=settings).open()
 
     def close(self) -> None:
         for ch in self._channels:
@@ -299,6 +300,38 @@ def test_a_writer_killed_after_its_log_append_loses_nothing_acknowledged_and_fin
         model = {**acknowledged, **in_doubt, **keyed(plane, "events", [event(1, 9)])}
         assert read(plane, "events") == model
         # And once more across a crash: the log holds every copy, replay converges.
+        crash_and_restart(plane, victim)
+        assert admin(plane, "recover").returncode == 0
+        assert read(plane, "events") == model
+    finally:
+        plane.stop()
+
+
+def test_a_transaction_left_in_doubt_by_a_down_node_is_finished_before_the_next_one(
+        tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str,
+        writers: Callable[[DataPlane], Writers]) -> None:
+    """A node stays down past the writer's send deadline: commit() raises WriteInDoubt
+    (logged, applied on the other node only, lease running out). The same process's next
+    commit first sends it again, so the acknowledged mark never passes over it; after the
+    node's recovery and that commit, every row is there exactly once, across one more
+    crash too."""
+    plane = strict_plane(tmp_path, etcd, catalog, catalog_dsn)
+    try:
+        assert admin(plane, "recover").returncode == 0
+        w = writers(plane).open("impatient", WriterSettings(send_deadline_s=2, lease_ms=3000))
+        first = [event(1, s) for s in range(8)]
+        w.write("events", upserts=first)
+        victim = fullest_node(plane, "events", first)
+        plane.retinas[victim].kill9()
+        stalled = [event(2, s) for s in range(8)]
+        with pytest.raises(WriteInDoubt):
+            w.write("events", upserts=stalled)
+        plane.retinas[victim].start()
+        assert admin(plane, "recover").returncode == 0
+        last = [event(3, 1)]
+        w.write("events", upserts=last)
+        model = keyed(plane, "events", first + stalled + last)
+        assert read(plane, "events") == model
         crash_and_restart(plane, victim)
         assert admin(plane, "recover").returncode == 0
         assert read(plane, "events") == model
