@@ -29,10 +29,11 @@ import grpc
 from retina_common import failpoints
 from retina_common.catalog import CatalogError, NotFoundError, TableRecord
 from retina_common.codec import EncodingError
-from retina_common.config import ConfigError, load_config
+from retina_common.config import ConfigError
 from retina_common.etcd import EtcdError
 from retina_common.log import configure_logging
 from retina_common.replay_sources import ReplaySourceError
+from retina_common.topology import load_config_and_topology
 from retina_common.writer import DurableWriter, TableChanges, WriteInDoubt, WriteRefused
 
 PROG = "retina-write"
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         failpoints.load_from_env()
-        config = load_config(args.config)
+        config, _topology = load_config_and_topology(args.config)
         schema, _, table = args.table.partition(".")
         if not schema or not table:
             raise UsageError(f"table {args.table!r}: expected SCHEMA.TABLE")

@@ -84,6 +84,8 @@ def test_a_named_config_whose_topology_is_missing_names_the_topology_file(
     ("retina-query", "retina_common.reader", ["shop.orders"]),
     ("storage_gc", "spark_jobs.storage_gc", ["--schema", "shop", "--all-tables"]),
     ("snapshot_query", "spark_jobs.snapshot_query", ["--table", "shop.orders"]),
+    ("retina-write", "retina_common.write_cli", ["--writer", "w", "shop.orders", "--rows",
+                                                 '[{"id": 1}]']),
 ])
 def test_every_cluster_cli_without_a_config_says_no_config_given(
         tmp_path: Path, prog: str, module: str, args: list[str]) -> None:
