@@ -24,13 +24,14 @@ from retina_common.catalog import Catalog, ColumnSpec, TableRecord
 from retina_common.client import CHANNEL_OPTIONS, TableWriter, requests_by_node
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
-from retina_common.pb import retina_pb2_grpc
+from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import SnapshotReader
 from retina_common.recovery_driver import drive_recovery, replay_requests, wait_replay_ready
 from retina_common.refusal import transport_lost
 from retina_common.retry import until_deadline
 from retina_common.topology import Topology
+from retina_common.writer import DurableWriter, WriterSettings
 
 from .support import ChildProcess, TransServerProcess, eventually
 
@@ -137,6 +138,7 @@ class DataPlane:
                         for n, t in self.tables.items()}
         self.retinas = {n: RetinaProcess(n, self.config_path, workdir) for n in self.nodes}
         self.reader: SnapshotReader | None = None
+        self._writer_channels: list[grpc.Channel] = []
         self.model = Model({name: {} for name in self.tables})
         # Every committed source transaction: (timestamp, changes), in commit order.
         self.changelog: list[tuple[int, dict]] = []
@@ -199,7 +201,25 @@ class DataPlane:
         stub.CommitTrans(tpb.CommitTransRequest(trans_id=r.trans_id), timeout=5)
         return True
 
+    def durable_writer(self, writer_id: str, root: Path,
+                       settings: WriterSettings | None = None) -> DurableWriter:
+        """An application writer (retina_common/writer.py), opened, with channels of its
+        own: a node restarted by a test gets a new channel in the plane, and the writer
+        must keep working across that. Its changelog is ``root / writer_id``."""
+        nodes = {}
+        for node in self.nodes:
+            self._writer_channels.append(grpc.insecure_channel(node, options=CHANNEL_OPTIONS))
+            nodes[node] = retina_pb2_grpc.RetinaWorkerServiceStub(self._writer_channels[-1])
+        self._writer_channels.append(grpc.insecure_channel(self.trans.address))
+        return DurableWriter(writer_id, SCHEMA, etcd=self.etcd, catalog=self.catalog,
+                             topology=self.topology,
+                             trans=trans_pb2_grpc.TransServiceStub(self._writer_channels[-1]),
+                             nodes=nodes, changelog_root=str(root / writer_id),
+                             settings=settings).open()
+
     def stop(self) -> None:
+        for channel in self._writer_channels:
+            channel.close()
         if self.reader is not None:
             self.reader.close()
         for proc in self.retinas.values():

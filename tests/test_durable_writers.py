@@ -13,7 +13,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +22,10 @@ import pytest
 
 from retina_common import replay_sources
 from retina_common.catalog import Catalog
-from retina_common.client import channel
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
-from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.refusal import SOURCES_NOT_REPLAYED
-from retina_common.writer import DurableWriter, WriteInDoubt, WriterSettings
+from retina_common.writer import WriteInDoubt, WriterSettings
 from retina_server.registered_writers import REFRESH_S
 
 from .cdc import CdcPlane, normalise
@@ -36,51 +34,6 @@ from .support import ROOT, eventually
 from .test_cdc_connector import make_cdc  # noqa: F401  (a fixture)
 
 STRICT = {"anonymous_writes": False, "checkpoint_interval_ms": 3_600_000}
-
-
-class Writers:
-    """Application writers of one plane, with their own channels (a node restarted by a
-    test gets a new channel in the plane; a writer must keep working across it)."""
-
-    def __init__(self, plane: DataPlane, etcd: EtcdStore, catalog: Catalog,
-                 root: Path) -> None:
-        self.plane = plane
-        self.etcd = etcd
-        self.catalog = catalog
-        self.root = root
-        self._channels: list[grpc.Channel] = []
-
-    def open(self, writer_id: str, settings: WriterSettings | None = None) -> DurableWriter:
-        nodes = {}
-        for node in self.plane.nodes:
-            ch = channel(node)
-            self._channels.append(ch)
-            nodes[node] = retina_pb2_grpc.RetinaWorkerServiceStub(ch)
-        trans = channel(self.plane.trans.address)
-        self._channels.append(trans)
-        return DurableWriter(writer_id, SCHEMA, etcd=self.etcd, catalog=self.catalog,
-                             topology=self.plane.topology,
-                             trans=trans_pb2_grpc.TransServiceStub(trans), nodes=nodes,
-                             changelog_root=str(self.root / writer_id),
-                             settings=settings).open()
-
-    def close(self) -> None:
-        for ch in self._channels:
-            ch.close()
-
-
-@pytest.fixture
-def writers(tmp_path: Path, etcd: EtcdStore, catalog: Catalog
-            ) -> Iterator[Callable[[DataPlane], Writers]]:
-    made: list[Writers] = []
-
-    def make(plane: DataPlane) -> Writers:
-        made.append(Writers(plane, etcd, catalog, tmp_path / "writers"))
-        return made[-1]
-
-    yield make
-    for w in made:
-        w.close()
 
 
 def event(tenant: int, seq: int, payload: bytes = b"p", ok: bool = True) -> dict[str, Any]:
@@ -122,7 +75,7 @@ def crash_and_restart(plane: DataPlane, node: str) -> None:
 
 def test_application_rows_survive_a_node_crash_with_the_connector_and_two_writers(
         make_cdc: Callable[..., CdcPlane],  # noqa: F811  (the fixture imported above)
-        writers: Callable[[DataPlane], Writers]) -> None:
+        tmp_path: Path) -> None:
     """The issue's scenario: the connector owns shop.orders; two programs write
     shop.events through the client library (committed, acknowledged); SIGKILL of the
     node holding most of them; the connector drives its recovery. Before issue 26 the
@@ -132,8 +85,8 @@ def test_application_rows_survive_a_node_crash_with_the_connector_and_two_writer
     cdc.cdc.start()
     eventually(cdc.all_ready, 60, "the connector to drive both nodes to READY")
     cdc.source.run(20)
-    w = writers(cdc.plane)
-    first, second = w.open("orders-app"), w.open("audit-app")
+    first = cdc.plane.durable_writer("orders-app", tmp_path / "writers")
+    second = cdc.plane.durable_writer("audit-app", tmp_path / "writers")
     model: dict[tuple[int, int], dict[str, Any]] = {}
     batch = [event(1, s, bytes([s])) for s in range(5)]
     first.write("events", upserts=batch)
@@ -178,12 +131,11 @@ def admin(plane: DataPlane, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_writes_without_a_registered_writer_are_refused_and_change_nothing(
-        tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str,
-        writers: Callable[[DataPlane], Writers]) -> None:
+        tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str) -> None:
     plane = strict_plane(tmp_path, etcd, catalog, catalog_dsn)
     try:
         assert admin(plane, "recover").returncode == 0  # fresh nodes, nothing to replay
-        w = writers(plane).open("app")
+        w = plane.durable_writer("app", tmp_path / "writers")
         w.write("events", upserts=[event(1, 1)])
         # The documented low-level path, with no writer id: refused before anything.
         with pytest.raises(grpc.RpcError) as refused:
@@ -217,13 +169,12 @@ def _refused(plane: DataPlane, writer_id: str) -> grpc.RpcError | None:
 
 
 def test_a_node_waits_for_every_writer_then_for_an_operator_who_declares_one_gone(
-        tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str,
-        writers: Callable[[DataPlane], Writers]) -> None:
+        tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str) -> None:
     plane = strict_plane(tmp_path, etcd, catalog, catalog_dsn)
     try:
         assert admin(plane, "recover").returncode == 0
-        w = writers(plane)
-        kept, lost = w.open("kept"), w.open("lost")
+        kept = plane.durable_writer("kept", tmp_path / "writers")
+        lost = plane.durable_writer("lost", tmp_path / "writers")
         kept_rows = [event(1, s) for s in range(6)]
         lost_rows = [event(2, s) for s in range(6)]
         kept.write("events", upserts=kept_rows)
@@ -308,8 +259,7 @@ def test_a_writer_killed_after_its_log_append_loses_nothing_acknowledged_and_fin
 
 
 def test_a_transaction_left_in_doubt_by_a_down_node_is_finished_before_the_next_one(
-        tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str,
-        writers: Callable[[DataPlane], Writers]) -> None:
+        tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str) -> None:
     """A node stays down past the writer's send deadline: commit() raises WriteInDoubt
     (logged, applied on the other node only, lease running out). The same process's next
     commit first sends it again, so the acknowledged mark never passes over it; after the
@@ -318,7 +268,8 @@ def test_a_transaction_left_in_doubt_by_a_down_node_is_finished_before_the_next_
     plane = strict_plane(tmp_path, etcd, catalog, catalog_dsn)
     try:
         assert admin(plane, "recover").returncode == 0
-        w = writers(plane).open("impatient", WriterSettings(send_deadline_s=2, lease_ms=3000))
+        w = plane.durable_writer("impatient", tmp_path / "writers",
+                                 WriterSettings(send_deadline_s=2, lease_ms=3000))
         first = [event(1, s) for s in range(8)]
         w.write("events", upserts=first)
         victim = fullest_node(plane, "events", first)

@@ -22,11 +22,12 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from retina_common import failpoints
+from retina_common import failpoints, replay_sources
 from retina_common.catalog import Catalog, FileType
 from retina_common.changelog import DELETE, REPLACE, Changelog, ChangeRow, LoggedTransaction
 from retina_common.changelog_replay import node_starts
 from retina_common.codec import encode_value
+from retina_common.config import CdcConfig
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
@@ -144,7 +145,10 @@ def logged(tmp_path: Path, etcd: EtcdStore, catalog: Catalog,
 
 # --- cdc_replay --recover ---------------------------------------------------------------------
 def test_recover_replays_a_killed_node_from_the_changelog(logged: LoggedPlane,
-                                                          catalog: Catalog) -> None:
+                                                          catalog: Catalog,
+                                                          tmp_path: Path) -> None:
+    """Also the changelog of an application writer (a registered replay source of its
+    own, retina_common/writer.py), merged with the connector's: EVERY_SOURCE_REPLAYED."""
     plane = logged.plane
     rng = random.Random(7)
     next_id = workload(logged, rng, 20, 0)
@@ -155,6 +159,12 @@ def test_recover_replays_a_killed_node_from_the_changelog(logged: LoggedPlane,
     next_id = workload(logged, rng, 20, next_id)
     eventually(lambda: regular_files(catalog) > before, 20, "files published after it")
     workload(logged, rng, 4, next_id)  # and rows still in write buffers
+    app_rows = [event(i) for i in range(10_000, 10_016)]
+    plane.durable_writer("side-app", tmp_path / "writers").write("events", upserts=app_rows)
+    for row in app_rows:
+        plane.model.rows["events"][plane.writers["events"].key(row)] = row
+    app_vnodes = [plane.topology.vnode_of_key(plane.writers["events"].key(r))
+                  for r in app_rows]
     plane.retinas[victim].kill9()
     plane.retinas[victim].start()
     assert plane.status(victim).state == rpb.RECOVERING
@@ -167,10 +177,12 @@ def test_recover_replays_a_killed_node_from_the_changelog(logged: LoggedPlane,
     assert sorted(int(v) for v in summary["per_vnode"]) == sorted(owned)
     for vnode in owned:  # exactly the changelog rows from each vnode's start, one line each
         start = summary["starts"][str(vnode)]
-        expected = sum(1 for _ in logged.changelog.read({vnode: start}))
+        expected = sum(1 for _ in logged.changelog.read({vnode: start})) + \
+            app_vnodes.count(vnode)  # written after the checkpoint: above every start
         assert summary["per_vnode"][str(vnode)]["rows"] == expected
         assert f"vnode {vnode}: {expected:,} rows," in result.stdout
     assert summary["rows"] > 0 and f"{victim} is READY" in result.stdout
+    assert "also replaying the changelogs of side-app" in result.stdout
     assert plane.status(victim).state == rpb.READY
     eventually(plane.gate_open, 15, "the gate to admit after the Spark replay")
     for table in ("orders", "events"):
@@ -248,7 +260,7 @@ def test_cdc_replay_decides_without_spark_when_there_is_nothing_to_run(
 
 # --- cdc_replay --backfill --------------------------------------------------------------------
 def test_backfill_sends_a_logged_range_under_open_write_transactions(
-        logged: LoggedPlane) -> None:
+        logged: LoggedPlane, etcd: EtcdStore) -> None:
     plane = logged.plane
     workload(logged, random.Random(3), 8, 0)  # committed, sent and logged as usual
     stub = plane.trans.stub()
@@ -283,6 +295,11 @@ def test_backfill_sends_a_logged_range_under_open_write_transactions(
     eventually(plane.gate_open, 15, "the gate to admit")
     for table in ("orders", "events"):
         assert plane.read(table) == expected[table]
+    # Its writes named the connector's replay source, whose changelog holds the rows; the
+    # job registered it, since no connector ran here (WRITES_HAVE_A_REPLAY_SOURCE).
+    source = replay_sources.get(etcd, CdcConfig().name)
+    assert source is not None and source.active and source.kind == "cdc"
+    assert source.changelog_root == logged.changelog.root
 
 
 # --- snapshot_query ---------------------------------------------------------------------------
