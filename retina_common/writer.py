@@ -246,6 +246,12 @@ class DurableWriter:
                             ts=begun.timestamp, reason=str(exc))
                 self._rollback(begun.trans_id)
                 continue
+            except BaseException:
+                # Whatever it was (a refusal, a node away past the deadline, the log's
+                # storage failing), the open transaction would hold the HWM, and so every
+                # snapshot, for its whole lease. What was logged stays in doubt.
+                self._rollback(begun.trans_id)
+                raise
             self._acknowledge(begun.timestamp)
             self._in_doubt = False
             return int(begun.timestamp)
