@@ -130,14 +130,28 @@ def private_etcd(tmp_path: Path) -> Iterator[tuple[EtcdInstance, Path]]:
 
 
 def test_mark_ready_survives_an_etcd_outage(private_etcd: tuple[EtcdInstance, Path],
-                                            catalog: Catalog, catalog_dsn: str) -> None:
+                                            catalog: Catalog, catalog_dsn: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """etcd away at MarkReady's first step (the replay-source registry,
+    EVERY_SOURCE_REPLAYED): nothing changes, a retry passes. etcd away at its last
+    (announcing READY): the node is READY inside with its hooks run, the heartbeat
+    announces it once etcd is back, a retried MarkReady is harmless."""
     inst, workdir = private_etcd
+    gate_dir = workdir / "failpoints"
+    gate_dir.mkdir()
+    monkeypatch.setenv(failpoints.DIR_VAR, str(gate_dir))
+    point = "recovery.mark_ready.announce.before"
     store = EtcdStore([inst.endpoint], timeout_s=3)
     plane = DataPlane(workdir / "plane", store, catalog, catalog_dsn, nodes=1,
                       retina={"flush_interval_ms": 200, "lifecycle_ttl_s": 3})
+
+    def restart_etcd() -> None:
+        inst.pid = start_etcd(Path(inst.data_dir), workdir / "etcd.log",
+                              ports=(inst.client_port, inst.peer_port)).pid
+
     try:
-        plane.start(recover=False)
         node = plane.nodes[0]
+        plane.start(failpoints={node: f"{point}=block*1"}, recover=False)
         status = plane.wait_replay_ready(node)
         request = rpb.MarkReadyRequest(recovery_attempt_token=status.recovery_attempt_token,
                                        checkpoint_id=status.checkpoint_id)
@@ -145,11 +159,22 @@ def test_mark_ready_survives_an_etcd_outage(private_etcd: tuple[EtcdInstance, Pa
         terminate(inst.pid)  # etcd goes away just as MarkReady arrives
         err = rpc_error(lambda: stub.MarkReady(request, timeout=60))
         assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
+        assert "replay-source registry" in (err.details() or "")
+        assert plane.status(node).phase == "AWAITING_REPLAY"  # nothing changed
+        restart_etcd()
+        answered: list[grpc.RpcError | None] = []
+        retried = threading.Thread(target=lambda: answered.append(
+            rpc_error(lambda: stub.MarkReady(request, timeout=60))), daemon=True)
+        retried.start()
+        failpoints.wait_hit(gate_dir, point)
+        terminate(inst.pid)  # and again, just before READY is announced
+        failpoints.release(gate_dir, point)
+        retried.join(60)
+        assert answered and answered[0] is not None
+        assert answered[0].code() == grpc.StatusCode.UNAVAILABLE, answered[0].details()
         assert plane.status(node).state == rpb.READY  # READY inside, hooks done
         assert health(node) == health_pb2.HealthCheckResponse.NOT_SERVING
-        restarted = start_etcd(Path(inst.data_dir), workdir / "etcd.log",
-                               ports=(inst.client_port, inst.peer_port))
-        inst.pid = restarted.pid
+        restart_etcd()
         # The heartbeat announces READY by itself; a retried MarkReady is harmless.
         eventually(lambda: lifecycle_state(store, node) == "READY", 30, "READY in etcd")
         eventually(lambda: health(node) == health_pb2.HealthCheckResponse.SERVING, 10,
