@@ -138,7 +138,7 @@ def _write(writer: DurableWriter, schema: str, table: str, rows: list[dict[str, 
         return EXIT_FAILED
     except grpc.RpcError as exc:
         print(f"{PROG}: the TransServer answered {exc.code().name}: {exc.details()}; nothing "
-              "was committed", file=sys.stderr)
+              "of this transaction was logged or sent", file=sys.stderr)
         return EXIT_FAILED
     except (WriteRefused, WriteInDoubt, EtcdError, CatalogError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)

@@ -226,10 +226,18 @@ class DurableWriter:
     def _apply(self, rows: Sequence[ChangeRow]) -> int:
         """Log, send and commit ``rows`` as one transaction; again at a new timestamp
         when the first one ended under it."""
+        logged = False
         while True:
-            begun = self._trans.BeginTrans(tpb.BeginTransRequest(
-                read_only=False, lease_ms=self.settings.lease_ms),
-                timeout=self.settings.rpc_timeout_s)
+            try:
+                begun = self._trans.BeginTrans(tpb.BeginTransRequest(
+                    read_only=False, lease_ms=self.settings.lease_ms),
+                    timeout=self.settings.rpc_timeout_s)
+            except grpc.RpcError as exc:
+                if not logged:
+                    raise  # nothing of this transaction exists anywhere
+                raise WriteInDoubt(f"BeginTrans for a redo: {exc.code().name}: "
+                                   f"{exc.details()}; an earlier attempt is logged and will "
+                                   "be applied") from None
             stamped = [ChangeRow(begun.timestamp, seq, r.vnode, r.table, r.op, r.key, r.values)
                        for seq, r in enumerate(rows)]
             self._in_doubt = True  # until acknowledged: see __init__
@@ -237,6 +245,7 @@ class DurableWriter:
                 self.changelog.append([LoggedTransaction(
                     begun.timestamp, f"{self.writer_id}:{begun.trans_id}",
                     str(begun.trans_id), int(time.time() * 1000), stamped)])
+                logged = True
                 WRITER_APPEND_AFTER.hit()
                 self._send(stamped, begun.trans_id)
                 WRITER_COMMIT_BEFORE.hit()
