@@ -58,6 +58,10 @@ class TableDiff:
     duplicated: int = 0  # extra copies of a key in the snapshot
     phantom: int = 0  # in the snapshot, not in the source
     mismatched: int = 0  # same key, other values
+    # Keys that may hold any one of several values (a model's undecided transactions), and
+    # of them those found holding a value other than the expected one (undecided applied).
+    undecided: int = 0
+    undecided_applied: int = 0
     examples: list[str] = field(default_factory=list)
 
     @property
@@ -110,6 +114,8 @@ def diff_table(table: TableSpec, want: dict[Key, Row], got_rows: list[Row],
         _example(diff, f"phantom {key}")
     for key, allowed in either.items():
         _diff_either(diff, key, allowed, got.get(key))
+        diff.undecided += 1
+        diff.undecided_applied += got.get(key) != want.get(key)
     for key, c in counts.items():
         if c > 1:
             _example(diff, f"duplicate {key} x{c}")

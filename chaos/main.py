@@ -512,7 +512,10 @@ class Campaign:
     def _record_comparison(self, episode: int, comparison: Comparison) -> None:
         self.report.rows_compared += comparison.total("rows")
         app_table = comparison.tables.get(workload.APP_TABLE.name)
-        self.report.app["rows_compared"] += app_table.rows if app_table else 0
+        if app_table is not None:
+            self.report.app["rows_compared"] += app_table.rows
+            self.report.app["undecided_keys"] += app_table.undecided
+            self.report.app["undecided_applied"] += app_table.undecided_applied
         for attr in ("lost", "duplicated", "phantom", "mismatched"):
             count = comparison.total(attr)
             setattr(self.report, attr, getattr(self.report, attr) + count)

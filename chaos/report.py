@@ -74,7 +74,9 @@ class Report:
     # exit_<code>, stop_killed, node_kills, node_kills_with_rows_to_replay (acknowledged
     # rows of the writer above the killed node's checkpoint), rows_to_replay,
     # cdc_replays, cdc_replays_with_writer (the connector's recoveries that replayed its
-    # changelog), rows_compared (its table's expected rows, per comparison).
+    # changelog), rows_compared (its table's expected rows, per comparison),
+    # undecided_keys (keys of transactions in doubt or unknown at a comparison) and
+    # undecided_applied (of them, those found holding the transaction's value).
     app: Counter[str] = field(default_factory=Counter)
     unexpected_exits: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -198,7 +200,8 @@ class Report:
                 f"{a['node_kills']}, {a['node_kills_with_rows_to_replay']} with acknowledged "
                 f"rows above the checkpoint ({a['rows_to_replay']} rows); connector replays "
                 f"{a['cdc_replays']}, {a['cdc_replays_with_writer']} naming the writer; "
-                f"{a['rows_compared']} rows compared")
+                f"{a['rows_compared']} rows compared, {a['undecided_keys']} keys in doubt "
+                f"at a comparison ({a['undecided_applied']} holding the in-doubt value)")
 
     def replay_text(self) -> str:
         r = self.replay

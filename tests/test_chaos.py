@@ -185,8 +185,10 @@ def test_keys_that_may_hold_either_value_are_compared_with_every_value_allowed()
     either = {(1, 1): frozenset({old, new}), (2, 2): frozenset({None, _row(2, 2, "n")}),
               (3, 3): frozenset({None})}
     want = {(1, 1): old, (4, 4): _row(4, 4, "k")}
-    for got in ([old, _row(4, 4, "k")], [new, _row(2, 2, "n"), _row(4, 4, "k")]):
-        assert diff_table(table, want, got, either).clean, got
+    for got, applied in (([old, _row(4, 4, "k")], 0),
+                         ([new, _row(2, 2, "n"), _row(4, 4, "k")], 2)):
+        diff = diff_table(table, want, got, either)
+        assert diff.clean and (diff.undecided, diff.undecided_applied) == (3, applied), got
     diff = diff_table(table, want, [_row(1, 1, "other"), _row(3, 3, "x"), _row(4, 4, "k")],
                       either)
     assert (diff.rows, diff.lost, diff.phantom, diff.mismatched) == (2, 0, 1, 1)
