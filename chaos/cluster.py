@@ -1,5 +1,6 @@
 """The campaign's long-lived cluster: etcd, PostgreSQL (source + catalog), TransServer,
-Retina nodes and ``retina-cdc``, each process supervised through its own ``Popen``.
+Retina nodes, ``retina-cdc`` and the application writer (``chaos/app_writer.py``), each
+process supervised through its own ``Popen``.
 
 ``devtools.cluster`` starts the infrastructure; the Retina, TransServer and
 connector processes are spawned here instead of through ``start_process`` because the
@@ -44,11 +45,14 @@ from retina_common.catalog import Catalog
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.topology import load_topology
 
-from .workload import REPLICATED, SCHEMA, SOURCE_DB, create_source, create_tables
+from .workload import APP_TABLE, REPLICATED, SCHEMA, SOURCE_DB, create_source, create_tables
 
 TRANS = "trans"
 CDC = "cdc"
 CDC_NAME = "chaos-cdc"
+# The application writer: its process name here, and its writer id (a replay source).
+WRITER = "writer"
+APP_WRITER_ID = "chaos-app"
 # Few virtual nodes: every (table, vnode) stream written in an episode makes its own
 # small file, and the comparison reads every file of every table.
 VIRTUAL_NODES = 4
@@ -208,13 +212,18 @@ class ChaosCluster:
         file = name.replace(":", "-").replace(".", "_")
         return self.state_dir / "logs" / f"{file}.log"
 
-    def _spawn(self, name: str, argv: list[str], env: Mapping[str, str], failpoints: str) -> Proc:
+    def _spawn(self, name: str, argv: list[str], env: Mapping[str, str], failpoints: str,
+               pipes: bool = False) -> Proc:
+        """Start ``name``, its output into its log file; with ``pipes``, its standard input
+        and output are pipes to the campaign instead (its standard error is the log)."""
         with open(self.log_path(name), "ab") as log:
             log.write(f"\n--- chaos: start {name} failpoints={failpoints!r}\n".encode())
             log.flush()
             # RETINA_FAILPOINT_DIR: where a ``block`` point announces its hit and waits
             # for its release (the stalled-write fault, chaos/stalls.py).
-            popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+            popen = subprocess.Popen(argv, stdin=subprocess.PIPE if pipes else None,
+                                     stdout=subprocess.PIPE if pipes else log,
+                                     stderr=log if pipes else subprocess.STDOUT,
                                      env={**os.environ, **env, "RETINA_FAILPOINTS": failpoints,
                                           "RETINA_FAILPOINT_DIR": str(self.failpoint_dir(name))},
                                      start_new_session=True)
@@ -258,6 +267,14 @@ class ChaosCluster:
         env = {"RETINA__CDC__SOURCE_DSN": self.source_dsn,
                "RETINA__CDC__DRIVE_RECOVERY": str(drive_recovery).lower()}
         return self._spawn(CDC, argv, env, failpoints)
+
+    def start_writer(self, failpoints: str = "") -> Proc:
+        """The application writer (``chaos/app_writer.py``), its standard input and output
+        pipes to the campaign (``chaos/app_workload.py`` drives it)."""
+        assert self.state is not None
+        argv = [sys.executable, "-m", "chaos.app_writer", "--config", self.state.config_path,
+                "--writer", APP_WRITER_ID, "--table", f"{SCHEMA}.{APP_TABLE.name}"]
+        return self._spawn(WRITER, argv, {}, failpoints, pipes=True)
 
     def start(self, name: str, failpoints: str = "") -> Proc:
         """(Re)start the process ``name`` (a node id, ``trans`` or ``cdc``)."""
@@ -376,4 +393,5 @@ class ChaosCluster:
             stop_postgres(self.state.postgres.data_dir)
 
 
-__all__ = ["CDC", "CDC_NAME", "SOURCE_DB", "TRANS", "ChaosCluster", "Proc"]
+__all__ = ["APP_WRITER_ID", "CDC", "CDC_NAME", "SOURCE_DB", "TRANS", "WRITER", "ChaosCluster",
+           "Proc"]

@@ -1,14 +1,15 @@
-"""Compare every table's gated snapshot with the source tables."""
+"""Compare every table's gated snapshot with the source tables, and the application
+writer's table with its model (``chaos/app_model.py``)."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import psycopg2
@@ -57,6 +58,10 @@ class TableDiff:
     duplicated: int = 0  # extra copies of a key in the snapshot
     phantom: int = 0  # in the snapshot, not in the source
     mismatched: int = 0  # same key, other values
+    # Keys that may hold any one of several values (a model's undecided transactions), and
+    # of them those found holding a value other than the expected one (undecided applied).
+    undecided: int = 0
+    undecided_applied: int = 0
     examples: list[str] = field(default_factory=list)
 
     @property
@@ -77,26 +82,60 @@ class Comparison:
         return sum(getattr(d, attr) for d in self.tables.values())
 
 
-def diff_table(table: TableSpec, want: dict[Key, Row], got_rows: list[Row]) -> TableDiff:
+class ModelTable(Protocol):
+    """A table compared with a model kept by the campaign instead of the source."""
+
+    table: TableSpec
+
+    def expected(self) -> tuple[dict[Key, Row], dict[Key, frozenset[Row | None]]]: ...
+
+
+def diff_table(table: TableSpec, want: dict[Key, Row], got_rows: list[Row],
+               either: Mapping[Key, frozenset[Row | None]] | None = None) -> TableDiff:
+    """``got_rows`` against ``want``; a key of ``either`` may instead hold any one of its
+    values (None: absent), whatever ``want`` says of it."""
+    either = either or {}
     width = len(table.pk)
     counts = Counter(r[:width] for r in got_rows)
     got = {r[:width]: r for r in got_rows}
     diff = TableDiff(rows=len(want))
     diff.duplicated = sum(c - 1 for c in counts.values() if c > 1)
     for key, row in want.items():
+        if key in either:
+            continue
         if key not in got:
             diff.lost += 1
             _example(diff, f"lost {key}")
         elif got[key] != row:
             diff.mismatched += 1
             _example(diff, f"mismatch {key}: source {row} snapshot {got[key]}")
-    for key in got.keys() - want.keys():
+    for key in got.keys() - want.keys() - either.keys():
         diff.phantom += 1
         _example(diff, f"phantom {key}")
+    for key, allowed in either.items():
+        _diff_either(diff, key, allowed, got.get(key))
+        diff.undecided += 1
+        diff.undecided_applied += got.get(key) != want.get(key)
     for key, c in counts.items():
         if c > 1:
             _example(diff, f"duplicate {key} x{c}")
     return diff
+
+
+def _diff_either(diff: TableDiff, key: Key, allowed: frozenset[Row | None],
+                 have: Row | None) -> None:
+    if have in allowed:
+        return
+    if have is None:
+        diff.lost += 1
+        _example(diff, f"lost {key} (one of {sorted(map(str, allowed))})")
+    elif allowed == {None}:
+        diff.phantom += 1
+        _example(diff, f"phantom {key}")
+    else:
+        diff.mismatched += 1
+        _example(diff, f"mismatch {key}: one of {sorted(map(str, allowed))} expected, "
+                       f"snapshot {have}")
 
 
 def _example(diff: TableDiff, text: str) -> None:
@@ -122,7 +161,9 @@ def widen(records: list[dict[str, Any]], cols: tuple[str, ...]) -> list[Row]:
     return [normalise(tuple(r.get(c) for c in cols)) for r in records]
 
 
-def compare_once(reader: SnapshotReader, source: Callable[[], Any]) -> Comparison:
+def compare_once(reader: SnapshotReader, source: Callable[[], Any],
+                 models: Sequence[ModelTable] = ()) -> Comparison:
+    """Every source table, then every table ``models`` keep, against a gated snapshot."""
     tables: dict[str, TableDiff] = {}
     try:
         current = current_tables(source())
@@ -138,6 +179,14 @@ def compare_once(reader: SnapshotReader, source: Callable[[], Any]) -> Compariso
         except grpc.RpcError as exc:
             return Comparison(tables, f"{table.name}: {exc.code().name}: {exc.details()}")
         tables[table.name] = diff_table(table, want, got)
+    for model in models:
+        want, either = model.expected()
+        try:
+            got = snapshot_rows(reader, model.table)
+        except grpc.RpcError as exc:
+            return Comparison(tables, f"{model.table.name}: {exc.code().name}: "
+                                      f"{exc.details()}")
+        tables[model.table.name] = diff_table(model.table, want, got, either)
     return Comparison(tables)
 
 
@@ -189,16 +238,17 @@ def wait_caught_up(etcd: EtcdStore, connector: str, after_lsn: int, deadline: fl
 
 def converge(reader: SnapshotReader, source: Callable[[], Any], timeout_s: float,
              etcd: EtcdStore, connector: str, after_lsn: int, alive: Callable[[], bool],
-             interval_s: float = 0.2) -> tuple[Comparison, float, bool]:
-    """Wait for the connector to commit the last source transaction, then compare; poll
-    the comparison until equal or the deadline (a difference is only an anomaly if it
-    persists). Returns the last comparison, the seconds taken and whether the connector's
-    committed position caught up."""
+             interval_s: float = 0.2, models: Sequence[ModelTable] = ()
+             ) -> tuple[Comparison, float, bool]:
+    """Wait for the connector to commit the last source transaction, then compare (the
+    ``models``' tables too); poll the comparison until equal or the deadline (a
+    difference is only an anomaly if it persists). Returns the last comparison, the
+    seconds taken and whether the connector's committed position caught up."""
     started = time.monotonic()
     deadline = started + timeout_s
     caught_up = wait_caught_up(etcd, connector, after_lsn, deadline, alive)
     while True:
-        result = compare_once(reader, source)
+        result = compare_once(reader, source, models)
         if result.clean or time.monotonic() >= deadline or not alive():
             return result, time.monotonic() - started, caught_up
         time.sleep(interval_s)  # polling interval, bounded by the deadline

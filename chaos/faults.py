@@ -29,6 +29,7 @@ from retina_common.tls import open_channel
 from retina_common.topology import load_topology
 
 from . import spark_replay, split_reads, stalls
+from .app_workload import AppWriter
 from .cluster import CDC, TRANS, ChaosCluster
 from .gc import ROW_GROUP_ROWS, GcDriver, PassResult, maintenance
 from .prober import ReadinessTracker
@@ -61,6 +62,10 @@ REWRITER_PREFIXES = ("gc.rewrite.",)
 # restarted connector must add the column or find it there (the comparison checks the
 # rows; tests/test_schema_evolution.py checks the catalog too).
 SCHEMA_POINTS = ("catalog.add_column.",)
+# The application writer's points (retina_common/writer.py): armed in the campaign's own
+# writer process (chaos/app_writer.py), which writes between workload steps; it dies with
+# its transaction in doubt (logged, not acknowledged) and is started again.
+WRITER_PREFIXES = ("writer.",)
 # Points no process of this topology reaches, with the reason (reported, never hidden).
 # Empty since the campaign runs Storage GC (chaos/gc.py): atomicSwapFiles, the only
 # caller of catalog.swap.commit.*, is reached by every GC commit; and since the workload
@@ -118,11 +123,13 @@ EXIT_AT_FAILPOINT = 137
 
 
 def process_of(point: str) -> str:
-    """``retina``, ``cdc``, ``trans`` or ``rewriter`` (a GC rewrite task, which the
-    campaign runs as a child process when one of its points is armed): the process a
-    failpoint is armed in."""
+    """``retina``, ``cdc``, ``trans``, ``rewriter`` (a GC rewrite task, which the
+    campaign runs as a child process when one of its points is armed) or ``writer`` (the
+    application writer, chaos/app_writer.py): the process a failpoint is armed in."""
     if point.startswith(REWRITER_PREFIXES):
         return "rewriter"
+    if point.startswith(WRITER_PREFIXES):
+        return "writer"
     if point.startswith(("cdc.", *SCHEMA_POINTS)):
         return "cdc"
     if point.startswith("trans."):
@@ -197,6 +204,9 @@ class FaultContext:
     # The episode's snapshots (chaos/repeatable_reads.py): the stall and split-read faults
     # take and compare their own; GC-driven failpoints end the open ones first.
     snapshots: SnapshotBook | None = None
+    # The application writer (chaos/app_workload.py): ``write`` also hands it a
+    # transaction; its failpoints are armed in it; node kills are counted against it.
+    app: AppWriter | None = None
 
     def gc_pass(self, node: str, result: FaultResult, max_groups: int = 3,
                 race: float = 0.5, task_failpoints: str = "", failpoint_dir: str = "",
@@ -226,6 +236,8 @@ class FaultContext:
         self.cluster.kill(name, sig)
         if name in self.cluster.nodes:
             self.tracker.down(name)
+            if self.app is not None:
+                self.app.node_killed(name)
 
     def node(self) -> str:
         return self.rng.choice(self.cluster.nodes)
@@ -370,6 +382,8 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
     role = process_of(point)
     if role == "rewriter":
         return arm_rewriter_failpoint(ctx, point, hit_k)
+    if role == "writer":
+        return arm_writer_failpoint(ctx, point, hit_k)
     driving = gc_driving(point)
     sweep_pass = sweep_driving(point)
     spec = f"{point}=exit({EXIT_AT_FAILPOINT})@{hit_k}"
@@ -480,6 +494,45 @@ def arm_rewriter_failpoint(ctx: FaultContext, point: str, hit_k: int,
     retried = "retried" if result.gc["task_retried"] else "not retried"
     rerun = ctx.gc_pass(node, result, max_groups=3, race=0.3)
     result.detail += f", {retried}, then a clean pass: {rerun.counts['committed']} committed"
+    return result
+
+
+def arm_writer_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
+    """The application writer restarted with ``point=exit(137)@K`` and written through
+    until it dies there, its transaction in doubt (``writer.append.after``: logged,
+    nothing sent; ``writer.commit.before``: every node applied it, not committed). Then,
+    drawn 1 : 1, it is started again at once (its open applies the transaction), or left
+    down through the episode's comparison with a node killed and recovered meanwhile
+    (the recovery replays the in-doubt transaction on that node only: each of its rows
+    present or absent, never another value), and started again in the next episode."""
+    spec = f"{point}=exit({EXIT_AT_FAILPOINT})@{hit_k}"
+    result = FaultResult("failpoint", spec, failpoint=point, failpoint_hit=False)
+    app = ctx.app
+    if app is None:
+        result.notes.append(f"{point}: no application writer in this campaign")
+        return result
+    ctx.write()
+    app.hold()  # the armed process only: none started again behind the wait's back
+    app.restart(spec)
+    app.wait_opened()
+    deadline = time.monotonic() + FAILPOINT_DEADLINE_S
+    while app.running() and time.monotonic() < deadline:
+        ctx.write()
+    code = None if app.running() else app.exit_code
+    result.failpoint_hit = code == EXIT_AT_FAILPOINT
+    if code is None:
+        result.notes.append(f"{point} not reached within {FAILPOINT_DEADLINE_S:.0f}s")
+        app.stop()
+    elif code != EXIT_AT_FAILPOINT:
+        result.notes.append(f"the application writer exited {code} instead of at {point}")
+    if result.failpoint_hit and ctx.rng.random() < 0.5:
+        node = ctx.node()
+        ctx.kill(node, signal.SIGKILL)
+        ctx.cluster.start_node(node)
+        result.detail += f" (writer left down; {node} killed)"
+        return result  # released after the comparison (Campaign.run_episode)
+    app.release()
+    app.start()
     return result
 
 

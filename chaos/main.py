@@ -1,7 +1,9 @@
 """``retina-chaos``: a seeded, reproducible fault campaign against a real local cluster.
 
-Each episode: a few random source transactions, one fault, recovery of every process,
-convergence, and a comparison of every table's gated snapshot with the source. Episode
+Each episode: a few random source transactions (and transactions of the application
+writer, chaos/app_workload.py), one fault, recovery of every process, convergence, and a
+comparison of every table's gated snapshot with the source (the application writer's
+table with its model). Episode
 ``k`` of seed ``S`` draws from ``random.Random(S * 100003 + k)``, so ``--seed S --episode
 k`` replays it alone on a fresh cluster (same workload statements and fault; the history
 of earlier episodes, e.g. what the cold tables hold, is not replayed).
@@ -29,7 +31,8 @@ from retina_common.pb import retina_pb2 as rpb
 from retina_common.topology import load_topology
 
 from . import workload
-from .cluster import CDC, CDC_NAME, TRANS, ChaosCluster
+from .app_workload import APP_STREAM, AppWriter
+from .cluster import CDC, CDC_NAME, TRANS, WRITER, ChaosCluster
 from .compare import Comparison, FastSnapshotReader, converge
 from .faults import (
     FAULTS,
@@ -95,6 +98,7 @@ class Campaign:
         self._gc_seen: dict[str, str] = {}
         self._gc_unpromoted: dict[str, int] = {}
         self.audit: StorageAudit | None = None  # per cluster
+        self.app: AppWriter | None = None  # the application writer, per cluster
 
     def episode_numbers(self) -> list[int]:
         if self.args.episode is not None:
@@ -175,10 +179,17 @@ class Campaign:
         self.prober = Prober(self.cluster.state.trans_listen, topology, self.args.seed)
         self.prober.start()
         self.audit = StorageAudit(self.cluster.state.postgres.dsn())
+        self.app = AppWriter(self.cluster, topology, self.etcd)
+        self.app.start()
         self.log(f"chaos: cluster {generation} READY in {time.monotonic() - t0:.1f}s "
                  f"({self.cluster.state_dir}); seed {self.args.seed}")
 
     def _close_cluster(self) -> None:
+        if self.app is not None:
+            with contextlib.suppress(Exception):
+                self.app.close()
+            self.report.app.update(self.app.counts)
+            self.app = None
         if self.prober is not None:
             self.prober.stop()
             self.report.reads_served += self.prober.served
@@ -215,15 +226,17 @@ class Campaign:
         # The workload draws from its own stream, so how many steps a failpoint wait
         # needed does not shift the fault choices.
         work_rng = random.Random(derived ^ 0x5DEECE66D)
+        # The application writer's transactions: a stream of their own again.
+        app_rng = random.Random(derived ^ APP_STREAM)
         # The snapshots too (chaos/repeatable_reads.py): adding them moved no other draw.
         assert self.book is not None
         book = self.book
         book.begin_episode(episode, random.Random(derived ^ 0x5A4E5A))
         ctx = FaultContext(self.cluster, self.tracker, fault_rng,
-                           lambda: self._write(work_rng, episode), self._source,
+                           lambda: self._write(work_rng, app_rng, episode), self._source,
                            gc_row_group_rows=self.gc_row_group_rows(),
                            evolve=lambda: self._add_column(work_rng, episode),
-                           snapshots=book)
+                           snapshots=book, app=self.app)
         for _ in range(fault_rng.randint(1, 2)):
             ctx.write()
         book.before_fault()
@@ -240,20 +253,23 @@ class Campaign:
         if self.broken:
             self.report.episodes += 1
             return
-        assert self.reader is not None and self.etcd is not None
+        assert self.reader is not None and self.etcd is not None and self.app is not None
         etcd = self.etcd
+        self._settle_app(episode)
         mark_lsn = self._mark(episode)
         converge_s = 0.0
         for _attempt in range(3):  # the connector may die while catching up: heal, go on
             comparison, took, caught_up = converge(
                 self.reader, self._source, self.args.converge_timeout, etcd, CDC_NAME,
-                mark_lsn, lambda: self.cluster.alive(CDC))
+                mark_lsn, lambda: self.cluster.alive(CDC), models=[self.app])
             converge_s += took
             if self.cluster.alive(CDC) or self.broken:
                 break
             self._heal(episode)
         self._check_progress(episode, caught_up, comparison.clean)
         self._record_comparison(episode, comparison)
+        self.app.release()  # a writer left down by its failpoint starts at the next step
+        self._record_app(episode)
         self._check_gc_journals(episode)
         self._check_storage(episode)
         self._record_breaches(episode)
@@ -311,8 +327,14 @@ class Campaign:
                 time.sleep(0.5)  # back-off before reconnecting
         return 0
 
-    def _write(self, rng: random.Random, episode: int) -> None:
-        """One workload step; a source outage (the PostgreSQL fault) skips it."""
+    def _write(self, rng: random.Random, app_rng: random.Random, episode: int) -> None:
+        """The application writer's transactions, then one workload step; a source outage
+        (the PostgreSQL fault) skips the source's part. The writer goes first: its wait
+        for answers would otherwise shift what every fault does right after a step (a
+        kill lands while the step's rows are on their way, a snapshot fetches them from
+        the write buffers...)."""
+        if self.app is not None:
+            self.app.step(app_rng)
         try:
             self.report.transactions += workload.step(self._source(), rng, episode,
                                                       self.report.workload)
@@ -471,8 +493,29 @@ class Campaign:
             self._anomaly(episode, kind, text, CDC if kind != "retired_not_swept" else
                           next(iter(sorted(ready)), ""))
 
+    def _settle_app(self, episode: int) -> None:
+        """The application writer open and idle before the comparison (its open applies
+        what an earlier process left in doubt), unless its failpoint left it down."""
+        assert self.app is not None
+        problem = self.app.settle()
+        if problem:
+            self._anomaly(episode, "app_writer_stuck", problem, WRITER)
+
+    def _record_app(self, episode: int) -> None:
+        """The application writer's anomalies (an unexpected exit) and notes."""
+        assert self.app is not None
+        findings, notes = self.app.drain()
+        self.report.notes.extend(f"episode {episode}: {n}" for n in notes)
+        for kind, detail in findings:
+            self._anomaly(episode, kind, detail, WRITER)
+
     def _record_comparison(self, episode: int, comparison: Comparison) -> None:
         self.report.rows_compared += comparison.total("rows")
+        app_table = comparison.tables.get(workload.APP_TABLE.name)
+        if app_table is not None:
+            self.report.app["rows_compared"] += app_table.rows
+            self.report.app["undecided_keys"] += app_table.undecided
+            self.report.app["undecided_applied"] += app_table.undecided_applied
         for attr in ("lost", "duplicated", "phantom", "mismatched"):
             count = comparison.total(attr)
             setattr(self.report, attr, getattr(self.report, attr) + count)

@@ -67,6 +67,17 @@ class Report:
     # held_ended, held_ended_by_server, ended_by_server, read_ms_<via>; stall_* (stalled
     # writes) and split_* (split reads).
     snapshots: Counter[str] = field(default_factory=Counter)
+    # The application writer (chaos/app_workload.py): sent, acknowledged, not_sent (failed
+    # before its log append), in_doubt_killed (died in the call at a writer.* point),
+    # in_doubt_error (failed after its log append), unknown, in_doubt_resolved (applied
+    # by a later open), rows_upserted, rows_deleted, starts, opens, open_failed,
+    # exit_<code>, stop_killed, node_kills, node_kills_with_rows_to_replay (acknowledged
+    # rows of the writer above the killed node's checkpoint), rows_to_replay,
+    # cdc_replays, cdc_replays_with_writer (the connector's recoveries that replayed its
+    # changelog), rows_compared (its table's expected rows, per comparison),
+    # undecided_keys (keys of transactions in doubt or unknown at a comparison) and
+    # undecided_applied (of them, those found holding the transaction's value).
+    app: Counter[str] = field(default_factory=Counter)
     unexpected_exits: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     anomalies: list[Anomaly] = field(default_factory=list)
@@ -117,6 +128,7 @@ class Report:
             "  sweepers             " + (", ".join(f"{k}={v}" for k, v in
                                                    sorted(self.sweep.items())) or "-"),
             f"  Spark replay retries {self.replay_text()}",
+            f"  application writer   {self.app_text()}",
             f"  rows compared        {self.rows_compared}",
             f"  lost / duplicated / phantom / mismatched rows  {self.lost} / {self.duplicated} "
             f"/ {self.phantom} / {self.mismatched}",
@@ -176,6 +188,20 @@ class Report:
                 f"(committed {g['retry_committed']}, refused "
                 f"{sum(v for k, v in g.items() if k.startswith('retry_refused_'))}); streams "
                 f"left alone (a file without a place) {g['streams_skipped']}")
+
+    def app_text(self) -> str:
+        a = self.app
+        exits = _by_code(a, "exit_")
+        return (f"{a['sent']} transactions ({a['rows_upserted']} upserts, {a['rows_deleted']} "
+                f"deletes): {a['acknowledged']} acknowledged, {a['not_sent']} not sent, in "
+                f"doubt {a['in_doubt_killed']} killed + {a['in_doubt_error']} failed "
+                f"({a['in_doubt_resolved']} resolved by a later open), unknown {a['unknown']}; "
+                f"{a['starts']} starts, {a['opens']} opens, exits {exits}; node kills "
+                f"{a['node_kills']}, {a['node_kills_with_rows_to_replay']} with acknowledged "
+                f"rows above the checkpoint ({a['rows_to_replay']} rows); connector replays "
+                f"{a['cdc_replays']}, {a['cdc_replays_with_writer']} naming the writer; "
+                f"{a['rows_compared']} rows compared, {a['undecided_keys']} keys in doubt "
+                f"at a comparison ({a['undecided_applied']} holding the in-doubt value)")
 
     def replay_text(self) -> str:
         r = self.replay

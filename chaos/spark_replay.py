@@ -12,6 +12,12 @@ new process with the same input and environment: Spark's task retry (``+once`` l
 retry through, as the Spark test's retried worker). The tasks before the victim, the
 victim twice, the tasks after it, then MarkReady.
 
+The tasks replay every registered replay source, not the connector's changelog alone:
+``job_spec`` lists the other ACTIVE writers (the campaign's application writer,
+chaos/app_workload.py), each task merges their changelogs with the connector's in
+timestamp order, and ``complete`` names them all at MarkReady (EVERY_SOURCE_REPLAYED);
+``other_writers`` counts them.
+
 What counts: the retry must exit 0 having sent at least every request the changelog held
 for its virtual node when it started (acknowledged in full: ``replay_vnode`` raises on
 any request it could not get acknowledged); every other task must exit 0 and MarkReady
@@ -130,6 +136,9 @@ class ReplayRecovery:
         if not isinstance(spec, JobSpec):
             self._failed(f"job spec: exit {spec}: {text}")
             return self.out
+        # The other registered replay sources (the application writer): their changelogs
+        # are replayed by the same tasks, merged in timestamp order, and named at MarkReady.
+        self.out.counts["other_writers"] += len(spec.others)
         victim = choose_victim(spec, plan.tasks, self.rng)
         if victim.requests < FEW_REQUESTS and spec.max_rows > 2:
             spec = dataclasses.replace(spec, max_rows=2)
@@ -144,9 +153,10 @@ class ReplayRecovery:
             self._failed(f"after the tasks: exit {code}: {text}")
             return self.out
         self.out.counts["marked_ready"] += 1
-        self.out.detail = (f"{self.node}: {len(plan.tasks)} tasks, vnode {victim.task.vnode} "
-                           f"killed after {victim.kill_at}/{victim.requests} requests, "
-                           f"retried, READY")
+        others = "".join(f" + {o.writer_id}" for o in spec.others)
+        self.out.detail = (f"{self.node}: {len(plan.tasks)} tasks (cdc{others}), vnode "
+                           f"{victim.task.vnode} killed after {victim.kill_at}/"
+                           f"{victim.requests} requests, retried, READY")
         return self.out
 
     def _plan(self, changelog: Changelog) -> Plan | None:

@@ -156,6 +156,16 @@ TABLES: tuple[TableSpec, ...] = (
               cold_period=11),
 )
 BY_NAME = {t.name: t for t in TABLES}
+# The application writer's table (chaos/app_workload.py): written only by the campaign's
+# own DurableWriter process, never by the connector (no source table), and compared with
+# that writer's model instead of the source. Upserts and deletes of keys drawn from a
+# small key space, so keys are reused after deletes.
+APP_TABLE = TableSpec("app_items", (ColumnSpec("tenant", "int32"), ColumnSpec("item", "int64"),
+                                    ColumnSpec("label", "string"), ColumnSpec("amount", "int64"),
+                                    ColumnSpec("ok", "boolean")),
+                      ("int4", "int8", "text", "int8", "bool"), ("tenant", "item"),
+                      lambda r: (r.randint(1, 3), r.randint(1, 200)),
+                      lambda r: (_text(r), r.randint(-10**9, 10**9), r.random() < 0.5))
 # The last source transaction of every episode writes this table (replicated, never
 # compared): its commit LSN tells when the connector has caught up with the source.
 MARKER = TableSpec("marker", (ColumnSpec("id", "int32"), ColumnSpec("episode", "int64")),
@@ -218,10 +228,11 @@ def current_tables(conn: Any) -> tuple[TableSpec, ...]:
 
 
 def create_tables(catalog: Catalog, topology: Topology) -> None:
-    """The Retina schema: one table per source table, plus the probe table."""
+    """The Retina schema: one table per source table, the application writer's table and
+    the probe table."""
     del topology  # routing needs no catalog state; kept for symmetry with the callers
     catalog.create_schema(SCHEMA)
-    for table in REPLICATED:
+    for table in (*REPLICATED, APP_TABLE):
         catalog.create_table(SCHEMA, table.name, table.columns, table.pk)
     catalog.create_table(SCHEMA, PROBE_TABLE, [ColumnSpec("id", "int64"),
                                                ColumnSpec("v", "string")], ["id"])

@@ -17,12 +17,14 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import psycopg2
 import pytest
 
 from chaos import faults, spark_task, workload
 from chaos import gc as gc_driver
+from chaos.app_model import AppModel, Txn
 from chaos.compare import diff_table, lsn, position_lsn, widen
 from chaos.main import LATE_FAULT_STREAM, episode_seed, parse_args
 from chaos.prober import ReadinessTracker
@@ -58,9 +60,12 @@ def test_every_catalogue_point_is_armed_or_left_out_with_a_reason() -> None:
             assert faults.UNREACHABLE[point]
             continue
         role = faults.process_of(point)
-        assert role in ("retina", "cdc", "trans", "rewriter")
+        assert role in ("retina", "cdc", "trans", "rewriter", "writer")
         if role == "retina":
             assert point.startswith(faults.RETINA_PREFIXES), point
+        # The application writer's points: armed in the campaign's writer process.
+        if point.startswith("writer."):
+            assert role == "writer", point
         # A Storage GC point is reached only by a GC commit, its promotion, a rollback
         # or a rewrite task: the campaign must drive it one of those ways.
         if point.startswith("gc."):
@@ -109,6 +114,86 @@ def test_the_add_column_points_are_armed_in_the_connector_and_driven_by_an_add_c
         assert point in faults.relevant_points()
         assert faults.process_of(point) == "cdc"  # only the connector calls add_column
         assert point.startswith(faults.SCHEMA_POINTS)
+
+
+def test_the_writer_points_are_armed_in_the_application_writer_and_rotate() -> None:
+    points = [p for p in failpoints.catalogue() if p.startswith("writer.")]
+    assert sorted(points) == ["writer.append.after", "writer.commit.before"]
+    assert all(faults.process_of(p) == "writer" for p in points)
+    assert set(faults.relevant_points(("writer.",))) == set(points)
+    assert {faults.failpoint_for(9, e) for e in range(1, 2 * len(faults.relevant_points()),
+                                                      2)} >= set(points)
+
+
+def _row(tenant: int, item: int, label: str) -> tuple[int, int, str, int, bool]:
+    return (tenant, item, label, 0, True)
+
+
+def test_the_application_model_expects_acknowledged_rows_exactly() -> None:
+    model = AppModel(width=2)
+    model.sent(Txn(1, (_row(1, 1, "a"), _row(1, 2, "b")), ()))
+    # Unanswered: either value (absent before it).
+    assert model.expected() == ({}, {(1, 1): frozenset({None, _row(1, 1, "a")}),
+                                     (1, 2): frozenset({None, _row(1, 2, "b")})})
+    model.acknowledged(1, 100)
+    model.sent(Txn(2, (_row(1, 1, "c"),), ((1, 2),)))
+    model.acknowledged(2, 120)
+    assert model.expected() == ({(1, 1): _row(1, 1, "c")}, {})
+    assert model.acknowledged_after(110) == [(1, 1), (1, 2)]  # a delete counts too
+    # Failed before its log append: nothing of it, ever.
+    model.sent(Txn(3, (_row(2, 1, "x"),), ()))
+    model.not_sent(3)
+    assert model.expected() == ({(1, 1): _row(1, 1, "c")}, {})
+    with pytest.raises(ValueError):
+        model.acknowledged(4, 130)  # not the transaction running
+
+
+def test_an_in_doubt_transaction_is_either_until_the_next_open_then_expected() -> None:
+    model = AppModel(width=2)
+    model.sent(Txn(1, (_row(1, 1, "a"), _row(1, 2, "b")), ()))
+    model.acknowledged(1, 100)
+    model.sent(Txn(2, (_row(1, 1, "new"),), ((1, 2),)))
+    assert model.died(at_failpoint=True) is not None  # killed at a writer.* point
+    _want, either = model.expected()
+    assert either == {(1, 1): frozenset({_row(1, 1, "a"), _row(1, 1, "new")}),
+                      (1, 2): frozenset({_row(1, 2, "b"), None})}
+    assert model.undecided == 1
+    assert model.opened() == 1  # the next process's open applied it
+    assert model.expected() == ({(1, 1): _row(1, 1, "new")}, {})
+    # The same after an error answered once the transaction was logged.
+    model.sent(Txn(3, (_row(3, 3, "d"),), ()))
+    model.logged_not_acknowledged(3)
+    assert model.expected()[1] == {(3, 3): frozenset({None, _row(3, 3, "d")})}
+    model.opened()
+    assert model.expected() == ({(1, 1): _row(1, 1, "new"), (3, 3): _row(3, 3, "d")}, {})
+
+
+def test_a_transaction_whose_log_append_is_unknown_stays_either_until_written_again() -> None:
+    model = AppModel(width=2)
+    model.sent(Txn(1, (_row(1, 1, "a"),), ()))
+    model.died(at_failpoint=False)
+    model.opened()
+    assert model.expected() == ({}, {(1, 1): frozenset({None, _row(1, 1, "a")})})
+    model.sent(Txn(2, (_row(1, 1, "b"),), ()))
+    model.acknowledged(2, 50)
+    assert model.expected() == ({(1, 1): _row(1, 1, "b")}, {})
+
+
+def test_keys_that_may_hold_either_value_are_compared_with_every_value_allowed() -> None:
+    table = workload.APP_TABLE
+    old, new = _row(1, 1, "old"), _row(1, 1, "new")
+    either = {(1, 1): frozenset({old, new}), (2, 2): frozenset({None, _row(2, 2, "n")}),
+              (3, 3): frozenset({None})}
+    want = {(1, 1): old, (4, 4): _row(4, 4, "k")}
+    for got, applied in (([old, _row(4, 4, "k")], 0),
+                         ([new, _row(2, 2, "n"), _row(4, 4, "k")], 2)):
+        diff = diff_table(table, want, got, either)
+        assert diff.clean and (diff.undecided, diff.undecided_applied) == (3, applied), got
+    diff = diff_table(table, want, [_row(1, 1, "other"), _row(3, 3, "x"), _row(4, 4, "k")],
+                      either)
+    assert (diff.rows, diff.lost, diff.phantom, diff.mismatched) == (2, 0, 1, 1)
+    diff = diff_table(table, want, [_row(2, 2, "n"), _row(4, 4, "k")], either)
+    assert diff.lost == 1  # (1, 1) must be there, old or new
 
 
 def test_a_column_the_retina_table_lacks_reads_null_in_the_comparison() -> None:
@@ -367,16 +452,21 @@ SPARK_RETRY_SAMPLE = ["--seed", "25", "--episodes", "3", "--faults",
                       "--converge-timeout", "45"]
 
 
+def run_sample(args: list[str], tmp_path: Path) -> tuple[dict[str, Any], str, int]:
+    """A short campaign in a process of its own: its JSON report, the tail of its output
+    and its exit code."""
+    report_path = tmp_path / "chaos.json"
+    result = subprocess.run([sys.executable, "-m", "chaos", *args, "--json", str(report_path)],
+                            capture_output=True, text=True, timeout=320, check=False)
+    output = result.stdout[-6000:] + result.stderr[-3000:]
+    assert report_path.exists(), output
+    return json.loads(report_path.read_text()), output, result.returncode
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(330)
 def test_spark_retry_sample_loses_nothing(tmp_path: Path) -> None:
-    report_path = tmp_path / "chaos.json"
-    result = subprocess.run([sys.executable, "-m", "chaos", *SPARK_RETRY_SAMPLE, "--json",
-                             str(report_path)], capture_output=True, text=True, timeout=320,
-                            check=False)
-    output = result.stdout[-6000:] + result.stderr[-3000:]
-    assert report_path.exists(), output
-    report = json.loads(report_path.read_text())
+    report, output, returncode = run_sample(SPARK_RETRY_SAMPLE, tmp_path)
     assert report["episodes"] == 3, output
     assert report["faults"] == {"spark_gc_retry": 1, "failpoint": 1,
                                 "spark_replay_retry": 1}, output
@@ -387,4 +477,32 @@ def test_spark_retry_sample_loses_nothing(tmp_path: Path) -> None:
     assert replay["tasks_killed"] == replay["tasks_retried"] == 1, output
     assert replay["retries_acknowledged"] == replay["marked_ready"] == 1, output
     assert gc["task_retried"] >= 1 and gc["retry_committed"] >= 1, output
-    assert result.returncode == 0, f"anomalies:\n{output}"
+    assert returncode == 0, f"anomalies:\n{output}"
+
+
+# Seed 2620 with the application writer's points alone: it is killed at
+# writer.append.after (episodes 0 and 1) and writer.commit.before (2 and 3), its
+# transaction in doubt; it is left down through the comparison with a node killed and
+# recovered meanwhile (episodes 0 to 2: that node's replay may apply the in-doubt rows)
+# or started again at once (episode 3). About 30 s.
+WRITER_SAMPLE = ["--seed", "2620", "--episodes", "4", "--failpoints-only", "--failpoints",
+                 "writer.", "--time-budget", "100", "--converge-timeout", "45"]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(330)
+def test_writer_failpoint_sample_loses_nothing_acknowledged(tmp_path: Path) -> None:
+    report, output, returncode = run_sample(WRITER_SAMPLE, tmp_path)
+    assert report["episodes"] == 4, output
+    assert set(report["failpoint_hits"]) == {"writer.append.after", "writer.commit.before"}, \
+        output
+    assert (report["lost"], report["duplicated"], report["phantom"],
+            report["mismatched"]) == (0, 0, 0, 0), output
+    app = report["app"]
+    assert app["acknowledged"] > 0 and app["rows_compared"] > 0, output
+    # Killed inside a transaction, which a later open applied; the nodes killed while it
+    # was down held acknowledged rows of it above their checkpoints.
+    assert app["in_doubt_killed"] >= 1 and app["in_doubt_resolved"] >= 1, output
+    assert app["exit_137"] == 4 and app["node_kills"] >= 1, output
+    assert app["cdc_replays_with_writer"] >= 1, output
+    assert returncode == 0, f"anomalies:\n{output}"
