@@ -121,31 +121,30 @@ def _write(writer: DurableWriter, schema: str, table: str, rows: list[dict[str, 
         typed_rows = [typed(record, r) for r in rows]
         changes = TableChanges(deletes=typed_rows) if delete else TableChanges(typed_rows)
         ts = writer.commit({table: changes})
-    except NotFoundError:
-        print(f"{PROG}: no table {schema}.{table} in the catalog", file=sys.stderr)
-        return EXIT_USAGE
-    except UsageError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyError as exc:
-        print(f"{PROG}: a row lacks the key column {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except ReplaySourceError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except EncodingError as exc:
-        print(f"{PROG}: refused: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except grpc.RpcError as exc:
-        print(f"{PROG}: the TransServer answered {exc.code().name}: {exc.details()}; nothing "
-              "of this transaction was logged or sent", file=sys.stderr)
-        return EXIT_FAILED
-    except (WriteRefused, WriteInDoubt, EtcdError, CatalogError) as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+    except (NotFoundError, UsageError, KeyError, ReplaySourceError, EncodingError,
+            grpc.RpcError, WriteRefused, WriteInDoubt, EtcdError, CatalogError) as exc:
+        message, code = _failure(exc, f"{schema}.{table}")
+        print(f"{PROG}: {message}", file=sys.stderr)
+        return code
     print(f"committed {len(rows)} row(s) to {schema}.{table} at ts {ts} "
           f"(writer {writer.writer_id})")
     return EXIT_OK
+
+
+def _failure(exc: Exception, table: str) -> tuple[str, int]:
+    """What to say about a write that did not commit, and the exit code."""
+    if isinstance(exc, NotFoundError):
+        return f"no table {table} in the catalog", EXIT_USAGE
+    if isinstance(exc, KeyError):
+        return f"a row lacks the key column {exc}", EXIT_USAGE
+    if isinstance(exc, (UsageError, ReplaySourceError)):
+        return str(exc), EXIT_USAGE
+    if isinstance(exc, EncodingError):
+        return f"refused: {exc}", EXIT_FAILED
+    if isinstance(exc, grpc.RpcError):
+        return (f"the TransServer answered {exc.code().name}: {exc.details()}; nothing of "
+                "this transaction was logged or sent", EXIT_FAILED)
+    return str(exc), EXIT_FAILED  # WriteRefused, WriteInDoubt (they say so), etcd, catalog
 
 
 if __name__ == "__main__":
