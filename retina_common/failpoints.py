@@ -345,6 +345,9 @@ WRITER_APPEND_AFTER = Failpoint(
 WRITER_COMMIT_BEFORE = Failpoint(
     "writer.commit.before", "every node applied the transaction, not committed at the "
     "TransServer")
+WRITER_ACKNOWLEDGE_BEFORE = Failpoint(
+    "writer.acknowledge.before", "committed at the TransServer, the acknowledged mark not "
+    "yet moved to it (commit() has not returned)")
 
 # --- CDC connector (docs/write-paths/cdc-changelog.md) ------------------------------
 CDC_BATCH_BEGIN_AFTER = Failpoint(

@@ -52,7 +52,11 @@ from retina_common.changelog_retention import horizon
 from retina_common.client import Row, TableWriter, channel
 from retina_common.config import Config
 from retina_common.etcd import EtcdError, EtcdStore
-from retina_common.failpoints import WRITER_APPEND_AFTER, WRITER_COMMIT_BEFORE
+from retina_common.failpoints import (
+    WRITER_ACKNOWLEDGE_BEFORE,
+    WRITER_APPEND_AFTER,
+    WRITER_COMMIT_BEFORE,
+)
 from retina_common.log import get_logger
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
@@ -250,6 +254,7 @@ class DurableWriter:
                 self._send(stamped, begun.trans_id)
                 WRITER_COMMIT_BEFORE.hit()
                 self._commit(begun.trans_id)
+                WRITER_ACKNOWLEDGE_BEFORE.hit()
             except _Expired as exc:
                 log.warning("writer_transaction_expired", writer_id=self.writer_id,
                             ts=begun.timestamp, reason=str(exc))

@@ -118,7 +118,8 @@ def test_the_add_column_points_are_armed_in_the_connector_and_driven_by_an_add_c
 
 def test_the_writer_points_are_armed_in_the_application_writer_and_rotate() -> None:
     points = [p for p in failpoints.catalogue() if p.startswith("writer.")]
-    assert sorted(points) == ["writer.append.after", "writer.commit.before"]
+    assert sorted(points) == ["writer.acknowledge.before", "writer.append.after",
+                              "writer.commit.before"]
     assert all(faults.process_of(p) == "writer" for p in points)
     assert set(faults.relevant_points(("writer.",))) == set(points)
     assert {faults.failpoint_for(9, e) for e in range(1, 2 * len(faults.relevant_points()),
@@ -480,22 +481,21 @@ def test_spark_retry_sample_loses_nothing(tmp_path: Path) -> None:
     assert returncode == 0, f"anomalies:\n{output}"
 
 
-# Seed 2620 with the application writer's points alone: it is killed at
-# writer.append.after (episodes 0 and 1) and writer.commit.before (2 and 3), its
-# transaction in doubt; it is left down through the comparison with a node killed and
-# recovered meanwhile (episodes 0 to 2: that node's replay may apply the in-doubt rows)
-# or started again at once (episode 3). About 30 s.
-WRITER_SAMPLE = ["--seed", "2620", "--episodes", "4", "--failpoints-only", "--failpoints",
-                 "writer.", "--time-budget", "100", "--converge-timeout", "45"]
+# Seed 2620 with the application writer's points alone: the rotation kills it at each of
+# the three points twice (episodes 0-1, 2-3, 4-5), its transaction in doubt; it is left
+# down through the comparison with a node killed and recovered meanwhile (that node's
+# replay may apply the in-doubt rows) or started again at once. About 50 s.
+WRITER_SAMPLE = ["--seed", "2620", "--episodes", "6", "--failpoints-only", "--failpoints",
+                 "writer.", "--time-budget", "150", "--converge-timeout", "45"]
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(330)
 def test_writer_failpoint_sample_loses_nothing_acknowledged(tmp_path: Path) -> None:
     report, output, returncode = run_sample(WRITER_SAMPLE, tmp_path)
-    assert report["episodes"] == 4, output
-    assert set(report["failpoint_hits"]) == {"writer.append.after", "writer.commit.before"}, \
-        output
+    assert report["episodes"] == 6, output
+    assert set(report["failpoint_hits"]) == {"writer.append.after", "writer.commit.before",
+                                             "writer.acknowledge.before"}, output
     assert (report["lost"], report["duplicated"], report["phantom"],
             report["mismatched"]) == (0, 0, 0, 0), output
     app = report["app"]
@@ -503,6 +503,6 @@ def test_writer_failpoint_sample_loses_nothing_acknowledged(tmp_path: Path) -> N
     # Killed inside a transaction, which a later open applied; the nodes killed while it
     # was down held acknowledged rows of it above their checkpoints.
     assert app["in_doubt_killed"] >= 1 and app["in_doubt_resolved"] >= 1, output
-    assert app["exit_137"] == 4 and app["node_kills"] >= 1, output
+    assert app["exit_137"] == 6 and app["node_kills"] >= 1, output
     assert app["cdc_replays_with_writer"] >= 1, output
     assert returncode == 0, f"anomalies:\n{output}"

@@ -224,7 +224,8 @@ def run_write(plane: DataPlane, writer_id: str, rows: list[dict[str, Any]],
         env={**os.environ, "RETINA_FAILPOINTS": failpoint})
 
 
-@pytest.mark.parametrize("point", ["writer.append.after", "writer.commit.before"])
+@pytest.mark.parametrize("point", ["writer.append.after", "writer.commit.before",
+                                   "writer.acknowledge.before"])
 def test_a_writer_killed_after_its_log_append_loses_nothing_acknowledged_and_finishes_on_reopen(
         tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str,
         point: str) -> None:
