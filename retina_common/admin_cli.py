@@ -32,19 +32,18 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from retina_common import admin_writers, file_names, progress
-from retina_common.catalog import Catalog, CatalogError, FileType
+from retina_common.admin_cluster import Cluster
+from retina_common.catalog import CatalogError, FileType
 from retina_common.catalog.cli import parse_file_type
 from retina_common.checkpoint import CorruptCheckpoint, Pointer
 from retina_common.cli_json import message_dict
-from retina_common.client import channel
-from retina_common.config import Config, ConfigError
-from retina_common.etcd import EtcdError, EtcdStore
+from retina_common.config import ConfigError
+from retina_common.etcd import EtcdError
 from retina_common.gc_cli import (
     SHOWN_ID_DIGITS,
     print_table,
@@ -57,9 +56,9 @@ from retina_common.keys import LIFECYCLE_PREFIX, checkpoint_slot_key, node_of_li
 from retina_common.lifecycle_record import LifecycleRecord, MalformedLifecycleValue
 from retina_common.log import token_hash
 from retina_common.pb import retina_pb2 as pb
-from retina_common.pb import retina_pb2_grpc, trans_pb2, trans_pb2_grpc
+from retina_common.pb import trans_pb2
 from retina_common.replay_ts import PLUS_INF
-from retina_common.topology import Topology, load_config_and_topology
+from retina_common.topology import load_config_and_topology
 
 PROG = "retina-admin"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -95,39 +94,6 @@ def _rpc_error(exc: grpc.RpcError) -> dict[str, str]:
 
 
 # --- the cluster the config names --------------------------------------------------------
-@dataclass
-class Cluster:
-    config: Config
-    topology: Topology
-    nodes: list[str]
-    timeout_s: float
-    no_progress: bool = False
-    _channels: dict[str, grpc.Channel] = field(default_factory=dict)
-
-    def _channel(self, address: str) -> grpc.Channel:
-        if address not in self._channels:
-            self._channels[address] = channel(address, self.config.tls)
-        return self._channels[address]
-
-    def node(self, address: str) -> retina_pb2_grpc.RetinaWorkerServiceStub:
-        return retina_pb2_grpc.RetinaWorkerServiceStub(self._channel(address))
-
-    @property
-    def trans(self) -> trans_pb2_grpc.TransServiceStub:
-        return trans_pb2_grpc.TransServiceStub(self._channel(self.config.trans.listen))
-
-    def etcd(self) -> EtcdStore:
-        return EtcdStore.from_config(self.config.etcd)
-
-    def catalog(self) -> Catalog:
-        return Catalog(self.config.catalog.dsn,
-                       connect_timeout_s=self.config.catalog.connect_timeout_s)
-
-    def close(self) -> None:
-        for ch in self._channels.values():
-            ch.close()
-
-
 def open_cluster(args: argparse.Namespace) -> Cluster:
     try:
         config, topology = load_config_and_topology(args.config)

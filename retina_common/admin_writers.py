@@ -16,13 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from retina_common import replay_sources
+from retina_common.admin_cluster import Cluster
 from retina_common.changelog import ChangelogGap, CorruptChangelog
 from retina_common.changelog_replay import (
+    ReplayLog,
     changelog_rows,
     check_retained,
     merged_replay_requests,
@@ -33,9 +35,6 @@ from retina_common.columnar import min_columnar_rows
 from retina_common.pb import retina_pb2 as pb
 from retina_common.recovery_driver import RecoveryFailed, drive_recovery
 from retina_common.replay_sources import ReplaySourceError
-
-if TYPE_CHECKING:
-    from retina_common.admin_cli import Cluster
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MODES = {"vnode": pb.VNODE, "node": pb.NODE}
@@ -96,7 +95,14 @@ def cmd_writers_gone(cluster: Cluster, args: argparse.Namespace) -> int:
 
 
 def cmd_recover(cluster: Cluster, args: argparse.Namespace) -> int:
-    results = {node: _recover(cluster, node, args) for node in cluster.nodes}
+    # The registry and the catalog once for every node: the same writers for all.
+    sources = replay_sources.load(cluster.etcd())
+    catalog = cluster.catalog()
+    try:
+        logs = registered_logs(sources.values(), catalog)
+        results = {node: _recover(cluster, node, logs, args) for node in cluster.nodes}
+    finally:
+        catalog.close()
     if args.json:
         print(json.dumps({"nodes": results}, indent=2))
     else:
@@ -106,7 +112,8 @@ def cmd_recover(cluster: Cluster, args: argparse.Namespace) -> int:
                           ) else EXIT_FAILED
 
 
-def _recover(cluster: Cluster, node: str, args: argparse.Namespace) -> dict[str, Any]:
+def _recover(cluster: Cluster, node: str, logs: list[ReplayLog],
+             args: argparse.Namespace) -> dict[str, Any]:
     stub = cluster.node(node)
     try:
         status = stub.GetRetinaStatus(pb.GetRetinaStatusRequest(), timeout=cluster.timeout_s)
@@ -114,9 +121,6 @@ def _recover(cluster: Cluster, node: str, args: argparse.Namespace) -> dict[str,
         return {"outcome": "unreachable", "detail": f"{exc.code().name}: {exc.details()}"}
     if status.state == pb.READY:
         return {"outcome": "READY already"}
-    sources = replay_sources.load(cluster.etcd())
-    catalog = cluster.catalog()
-    logs = registered_logs(sources.values(), catalog)
     counted = {"rows": 0, "requests": 0}
     mode = MODES[args.mode]
 
@@ -143,8 +147,6 @@ def _recover(cluster: Cluster, node: str, args: argparse.Namespace) -> dict[str,
         return {"outcome": "not recovered", "detail": str(exc)}
     except grpc.RpcError as exc:
         return {"outcome": "not recovered", "detail": f"{exc.code().name}: {exc.details()}"}
-    finally:
-        catalog.close()
     return {"outcome": "READY", "writers": [log.writer_id for log in logs],
             "rows": counted["rows"], "requests": counted["requests"],
             "seconds": round(time.monotonic() - started, 3)}

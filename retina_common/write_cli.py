@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         failpoints.load_from_env()
-        config, _topology = load_config_and_topology(args.config)
+        config, topology = load_config_and_topology(args.config)
         schema, _, table = args.table.partition(".")
         if not schema or not table:
             raise UsageError(f"table {args.table!r}: expected SCHEMA.TABLE")
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     # to stderr, as JSON lines; stdout carries the result alone.
     configure_logging("retina-write", "warning", file=sys.stderr, writer=args.writer)
     try:
-        writer = DurableWriter.connect(config, args.writer, schema)
+        writer = DurableWriter.connect(config, args.writer, schema, topology=topology)
     except (ReplaySourceError, ConfigError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -134,10 +134,12 @@ class DurableWriter:
 
     @classmethod
     def connect(cls, config: Config, writer_id: str, schema: str,
-                settings: WriterSettings | None = None) -> DurableWriter:
-        """A writer with its own connections to the cluster ``config`` describes, its
-        changelog under ``<storage.root>/_writers/<writer_id>``. Call :meth:`open`."""
-        topology = load_topology(config.topology_file)
+                settings: WriterSettings | None = None,
+                topology: Topology | None = None) -> DurableWriter:
+        """A writer with its own connections to the cluster ``config`` describes (its
+        topology read from ``config`` unless given), its changelog under
+        ``<storage.root>/_writers/<writer_id>``. Call :meth:`open`."""
+        topology = topology or load_topology(config.topology_file)
         etcd = EtcdStore.from_config(config.etcd)
         catalog = Catalog(config.catalog.dsn, pool_max=1,
                           connect_timeout_s=config.catalog.connect_timeout_s)

@@ -213,6 +213,15 @@ def test_a_node_waits_for_every_writer_then_for_an_operator_who_declares_one_gon
         plane.stop()
 
 
+def crash_recover_and_read(plane: DataPlane, victim: str) -> dict[bytes, dict[str, Any]]:
+    """SIGKILL and restart ``victim``, ``retina-admin recover`` (it must succeed), then
+    the events table."""
+    crash_and_restart(plane, victim)
+    recovered = admin(plane, "recover")
+    assert recovered.returncode == 0, recovered.stdout + recovered.stderr
+    return read(plane, "events")
+
+
 def run_write(plane: DataPlane, writer_id: str, rows: list[dict[str, Any]],
               failpoint: str = "") -> subprocess.CompletedProcess[str]:
     """``retina-write`` in a process of its own (JSON rows: payload as text)."""
@@ -257,9 +266,7 @@ def test_a_writer_killed_after_its_log_append_loses_nothing_acknowledged_and_fin
         model = {**acknowledged, **in_doubt, **keyed(plane, "events", [event(1, 9)])}
         assert read(plane, "events") == model
         # And once more across a crash: the log holds every copy, replay converges.
-        crash_and_restart(plane, victim)
-        assert admin(plane, "recover").returncode == 0
-        assert read(plane, "events") == model
+        assert crash_recover_and_read(plane, victim) == model
     finally:
         plane.stop()
 
@@ -289,8 +296,6 @@ def test_a_transaction_left_in_doubt_by_a_down_node_is_finished_before_the_next_
         w.write("events", upserts=last)
         model = keyed(plane, "events", first + stalled + last)
         assert read(plane, "events") == model
-        crash_and_restart(plane, victim)
-        assert admin(plane, "recover").returncode == 0
-        assert read(plane, "events") == model
+        assert crash_recover_and_read(plane, victim) == model
     finally:
         plane.stop()
