@@ -25,7 +25,8 @@ from cdc_client.sources.pg_snapshot import (
     is_snapshot_position,
     published_tables,
 )
-from cdc_client.sources.postgres import PostgresSource, drop_slot, format_lsn
+from cdc_client.sources.pgoutput import format_lsn
+from cdc_client.sources.postgres import PostgresSource, drop_slot
 from cdc_client.translate import TableMap, translate
 from devtools.cluster import PostgresInstance
 from retina_common.catalog import Catalog, ColumnSpec

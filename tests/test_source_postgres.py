@@ -18,15 +18,13 @@ import psycopg2
 import pytest
 
 from cdc_client.source import SourceError, SourceTransaction
-from cdc_client.sources.postgres import (
+from cdc_client.sources.pgoutput import (
     FEEDBACK_INTERVAL_S,
-    PostgresSource,
     decode_message,
-    drop_slot,
     format_lsn,
     parse_lsn,
-    snapshot_sees,
 )
+from cdc_client.sources.postgres import PostgresSource, drop_slot, snapshot_sees
 from devtools.cluster import PostgresInstance
 
 from .support import eventually
