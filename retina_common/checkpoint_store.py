@@ -2,7 +2,8 @@
 
 This is the format only: it lives in retina_common because the CDC connector
 reads checkpoints too (its changelog retention, cdc_client/changelog_pruning.py).
-Generation from a running node (``build_body``) stays with the server (retina_server/recovery/checkpoint.py).
+Generation from a running node (``build_body``) stays with the server
+(retina_server/recovery/checkpoint.py).
 
 Body (all integers big-endian)::
 
