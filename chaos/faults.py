@@ -87,13 +87,11 @@ GC_PROMOTE_POINTS = ("gc.journal.checkpointed.",)
 #   roll it back; the point is armed for that start and hit during start-up.
 GC_ROLLBACK_POINTS = ("gc.rollback.", "gc.journal.aborted.", "catalog.revert_swap.commit.")
 # - the revert (retina_server/gc/lineage.py): reached only by RevertGcRewrite of a COMPLETED
-#   rewrite whose
-#   old files are still RETIRED: the wait runs a GC pass when the node lists no revertible
-#   rewrite (ListGcLineage), else reverts a random revertible one.
+#   rewrite whose old files are still RETIRED: the wait runs a GC pass when the node lists
+#   no revertible rewrite (ListGcLineage), else reverts a random revertible one.
 GC_REVERT_POINTS = ("gc.revert.",)
 # Sweeper points (retina_server/gc/sweeper.py, orphans.py, CheckpointStore.cleanup), by the
-# pass that
-# reaches them once something is due. The node's own round runs every 2 s while READY
+# pass that reaches them once something is due. The node's own round runs every 2 s while READY
 # (cluster.RETINA_SETTINGS); the wait also forces rounds with RunSweeper and makes files
 # due: GC passes (retired files, then settled final journal records), planted temporary
 # leftovers (a TEMPORARY_GC / TEMPORARY_INGEST row named two hours ago) and planted orphan
