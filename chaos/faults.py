@@ -53,7 +53,7 @@ from .workload import PROBE_TABLE, SCHEMA
 # update_record.*: the write fence's points (issue 25), reached by every UpdateRecord.
 RETINA_PREFIXES = ("ingest.", "index.", "checkpoint.", "recovery.", "catalog.", "etcd.", "gc.",
                    "sweeper.", "update_record.")
-# Points of the Spark job's rewrite task (spark_jobs/storage_gc.py, rewrite_group).
+# Points of the Spark job's rewrite task (spark_jobs/storage_gc_task.py, rewrite_group).
 REWRITER_PREFIXES = ("gc.rewrite.",)
 # Schema evolution: only the connector's Catalog.add_column reaches them, when it reads the
 # first change carrying a column a source ALTER TABLE ADD COLUMN added. The connector is

@@ -48,9 +48,8 @@ from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.storage import open_parquet
-from spark_jobs.common import UNAVAILABLE_MARK
-from spark_jobs.storage_gc import (
-    FileRef,
+from spark_jobs.common import UNAVAILABLE_MARK, FileRef
+from spark_jobs.storage_gc_task import (
     RewriteResult,
     RewriteTask,
     TaskSpec,

@@ -1,5 +1,6 @@
 """What both Spark drivers share: exit codes, the Spark session, configuration
-loading, gRPC retries inside tasks, and telling a failed Spark job's cause.
+loading, a listed file as tasks get it (:class:`FileRef`), gRPC retries inside
+tasks, and telling a failed Spark job's cause.
 
 Exit codes (every driver): 0 done; 1 the job failed otherwise (a corrupt
 changelog, a bug: the message says what); 2 bad arguments or configuration;
@@ -21,6 +22,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
@@ -53,6 +55,16 @@ BASE_CONF = {
 
 T = TypeVar("T")
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Changelog): ")
+
+
+@dataclass(frozen=True)
+class FileRef:
+    """A listed file as both jobs hand it to their tasks: the fields of a QueryFile a task
+    needs (snapshot_query's task rebuilds the message from them)."""
+
+    file_id: int
+    name: str
+    path_uri: str
 
 
 class TaskError(Exception):

@@ -52,6 +52,7 @@ from spark_jobs.common import (
     EXIT_OK,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
+    FileRef,
     add_spark_arguments,
     call_with_retry,
     exit_code_of,
@@ -75,15 +76,6 @@ class SparkSnapshot:
     timestamp: int
     files: int  # REGULAR files read, one Spark task each
     buffer_rows: int  # write-buffer rows added from the driver
-
-
-@dataclass(frozen=True)
-class FileRef:
-    """The fields of a QueryFile a task needs (rebuilt as a message in the task)."""
-
-    file_id: int
-    name: str
-    path_uri: str
 
 
 @dataclass(frozen=True)

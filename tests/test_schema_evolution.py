@@ -52,7 +52,8 @@ from retina_common.topology import Topology
 from retina_server.index import LocalIndexService
 from retina_server.node import BufferSettings, RetinaNode
 from retina_server.write_buffer import SettleMode
-from spark_jobs import storage_gc as spark_gc
+from spark_jobs import storage_gc_task as spark_gc
+from spark_jobs.common import FileRef
 
 from . import gc
 from .cdc import CdcPlane, SourceDb
@@ -400,7 +401,7 @@ def test_retina_takes_rows_of_every_schema_version(
         result = spark_gc.rewrite_group(
             spark_gc.TaskSpec(catalog_dsn, 5, prepared.trans_id, 16),
             spark_gc.RewriteTask(0, reply.rewrite_id, node, f"{SCHEMA}.orders", vnode,
-                                 tuple(spark_gc.FileRef(f.file_id, f.name, reply.path_uri)
+                                 tuple(FileRef(f.file_id, f.name, reply.path_uri)
                                        for f in files), 0, reply.file_name, reply.path_id,
                                  reply.path_uri, reply.cutoff_ts, reply.expected_rows,
                                  reply.schema_version))
@@ -452,7 +453,7 @@ def _spark_rewrite(cdc: CdcPlane, catalog_dsn: str) -> int:
             reply = prepared.reply
             task = spark_gc.RewriteTask(
                 0, reply.rewrite_id, node, f"{SCHEMA}.orders", vnode,
-                tuple(spark_gc.FileRef(f.file_id, f.name, reply.path_uri) for f in files), 0,
+                tuple(FileRef(f.file_id, f.name, reply.path_uri) for f in files), 0,
                 reply.file_name, reply.path_id, reply.path_uri, reply.cutoff_ts,
                 reply.expected_rows, reply.schema_version)
             result = spark_gc.rewrite_group(
