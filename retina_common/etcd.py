@@ -1,6 +1,6 @@
 """All etcd access of the project goes through this module (etcd v3 JSON gateway via etcd3gw).
 
-Conventions (ARCHITECTURE.md): leases and locks are never mutual exclusion;
+Conventions (docs/architecture.md, "etcd keys"): leases and locks are never mutual exclusion;
 writes that must not race are compare-and-swap on revisions. A failed write
 is reported as one of two things:
 

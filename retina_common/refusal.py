@@ -1,7 +1,7 @@
 """One refusal type and one mapping from exceptions to gRPC status, for every service.
 
 A :class:`Refusal` is a protocol or input rule saying no: it carries its
-``grpc.StatusCode`` (ARCHITECTURE.md, "Error conventions") and changes
+``grpc.StatusCode`` (docs/architecture.md, "Error conventions") and changes
 nothing. Other exception types say which status they stand for with a
 ``grpc_status`` class attribute (an index backend error is UNAVAILABLE, a
 fenced writer FAILED_PRECONDITION, ...), so that this module needs to know

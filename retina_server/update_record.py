@@ -1,7 +1,7 @@
 """UpdateRecord: validate a request completely, then apply it in the protocol's order.
 
-Validation (no side effect) refuses, with the status of ARCHITECTURE.md and
-nothing applied: a key timestamp that differs from its TableUpdateData's
+Validation (no side effect) refuses, with the status of docs/architecture.md ("Error
+conventions") and nothing applied: a key timestamp that differs from its TableUpdateData's
 (single-source commit timestamp, C03.6), an unknown table, a wrong primary
 index id, a wrong key count, a value that does not decode, duplicate keys in
 one insert batch, an INSERT whose key bytes are not the encoding of its own

@@ -1,6 +1,6 @@
 """Storage GC, the heavy part: rewrite files of a table without the rows deleted at or
 below ``safeGcTs``, and merge runs of small files, with Spark; the owning Retina node
-commits each rewrite (ARCHITECTURE.md, "Storage GC and sweepers: who does what").
+commits each rewrite (docs/architecture.md, "Storage GC and sweepers: who does what").
 
 The job never makes a file REGULAR and never touches an index or visibility. Per run:
 

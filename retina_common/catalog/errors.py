@@ -17,7 +17,7 @@ class CatalogOutcomeUnknown(CatalogError):
     """The connection broke during COMMIT: the change may or may not be durable.
 
     Re-read the catalog before deciding, and never delete a file that the
-    possibly-committed change may reference (ARCHITECTURE.md).
+    possibly-committed change may reference (docs/architecture.md, "Durability conventions").
     """
 
 
