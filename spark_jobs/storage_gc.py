@@ -82,6 +82,7 @@ from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.refusal import HELD_BY_BUFFER_READ, ROLLED_BACK_FOR_BUFFER_READ
+from retina_common.retry import RETRYABLE_CODES, Backoff, rpc_with_retry
 from retina_common.schema_evolution import conform, table_schema
 from retina_common.storage import object_size, open_parquet, write_durably
 from retina_common.topology import Topology
@@ -92,7 +93,6 @@ from spark_jobs.common import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     REFUSED_MARK,
-    RETRYABLE,
     UNAVAILABLE_MARK,
     TaskError,
     add_spark_arguments,
@@ -421,7 +421,7 @@ def register_temporary_gc(catalog: Catalog, name: str, num_row_group: int,
 
 
 def _rpc_mark(exc: grpc.RpcError) -> str:
-    return UNAVAILABLE_MARK if exc.code() in RETRYABLE else REFUSED_MARK
+    return UNAVAILABLE_MARK if exc.code() in RETRYABLE_CODES else REFUSED_MARK
 
 
 def rewrite_group(spec: TaskSpec, task: RewriteTask) -> RewriteResult:
@@ -604,7 +604,7 @@ def _report_of(group: Group) -> GroupReport:
 
 
 def _code_exit(code: grpc.StatusCode) -> int:
-    if code in RETRYABLE:
+    if code in RETRYABLE_CODES:
         return EXIT_UNAVAILABLE
     if code in _NOT_OURS:
         return EXIT_FAILED
@@ -620,21 +620,6 @@ def _rolled_back_for_reader(exc: grpc.RpcError) -> bool:
     """The commit met a reader too late and rolled back: the group is for the next run."""
     return (exc.code() == grpc.StatusCode.ABORTED
             and ROLLED_BACK_FOR_BUFFER_READ in (exc.details() or ""))
-
-
-def _rpc(call: Callable[[], T], retry_on: tuple[grpc.StatusCode, ...] = RETRYABLE,
-         attempts: int = 5) -> T:
-    """``call()``, sent again with backoff on ``retry_on``; the last error propagates."""
-    delay = 0.2
-    for attempt in range(1, attempts + 1):
-        try:
-            return call()
-        except grpc.RpcError as exc:
-            if exc.code() not in retry_on or attempt == attempts:
-                raise
-        time.sleep(delay)  # backoff between attempts, not synchronisation
-        delay = min(delay * 2, 5.0)
-    raise AssertionError("unreachable")
 
 
 class LeaseKeeper:
@@ -658,10 +643,10 @@ class LeaseKeeper:
     def _run(self) -> None:
         while not self._stop.wait(self._lease_ms / 3000):
             try:
-                _rpc(lambda: self._trans.ExtendTransLease(tpb.ExtendTransLeaseRequest(
+                rpc_with_retry(lambda: self._trans.ExtendTransLease(tpb.ExtendTransLeaseRequest(
                     trans_id=self._trans_id, lease_ms=self._lease_ms), timeout=10), attempts=3)
             except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE:
+                if exc.code() not in RETRYABLE_CODES:
                     self.lost = f"{exc.code().name}: {exc.details()}"
                     return
 
@@ -738,11 +723,11 @@ class StorageGcJob:
             return Skipped(table, f.file_id, f.name,
                            f"its node {parsed.node_id} is not in the topology")
         try:
-            visibility = _rpc(lambda: stub.QueryVisibility(rpb.QueryVisibilityRequest(
+            visibility = rpc_with_retry(lambda: stub.QueryVisibility(rpb.QueryVisibilityRequest(
                 file_id=f.file_id, timestamp=self.state.safe_gc_ts, trans_id=trans.trans_id),
                 timeout=RPC_TIMEOUT_S))
         except grpc.RpcError as exc:
-            if exc.code() in RETRYABLE:
+            if exc.code() in RETRYABLE_CODES:
                 raise  # the node is away: the whole run is unavailable
             # ABORTED: its visibility base is above safeGcTs (e.g. a GC output whose base
             # is a later cutoff, or a node restarted since); try again in a later run.
@@ -761,7 +746,7 @@ class StorageGcJob:
                          rows, deleted)
 
     def plan(self, trans: tpb.BeginTransResponse, schema: str, table: str) -> list[Group]:
-        listing = _rpc(lambda: self.trans.ListQueryFiles(tpb.ListQueryFilesRequest(
+        listing = rpc_with_retry(lambda: self.trans.ListQueryFiles(tpb.ListQueryFilesRequest(
             trans_id=trans.trans_id, schema_name=schema, table_name=table),
             timeout=RPC_TIMEOUT_S))
         name = f"{schema}.{table}"
@@ -799,7 +784,7 @@ class StorageGcJob:
             # Only UNAVAILABLE is sent again: a lost answer (deadline) may have prepared
             # a rewrite that pins these files until it expires, and a second one would
             # be refused for them.
-            prepared = _rpc(lambda: self.nodes[group.node].PrepareGcRewrite(
+            prepared = rpc_with_retry(lambda: self.nodes[group.node].PrepareGcRewrite(
                 request, timeout=RPC_TIMEOUT_S), retry_on=(grpc.StatusCode.UNAVAILABLE,))
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.ABORTED:
@@ -842,7 +827,7 @@ class StorageGcJob:
     def abort(self, task: RewriteTask) -> None:
         """Best effort: a rewrite the node is not told about expires there anyway."""
         try:
-            _rpc(lambda: self.nodes[task.node].AbortGcRewrite(
+            rpc_with_retry(lambda: self.nodes[task.node].AbortGcRewrite(
                 rpb.AbortGcRewriteRequest(rewrite_id=task.rewrite_id), timeout=RPC_TIMEOUT_S),
                 attempts=3)
         except grpc.RpcError as exc:
@@ -879,7 +864,7 @@ class StorageGcJob:
                 self._settle(report, BUSY, exc.code(), f"CommitGcRewrite: {exc.details()}",
                              exit_code=EXIT_OK)
                 return
-            if exc.code() in RETRYABLE:
+            if exc.code() in RETRYABLE_CODES:
                 # Outcome unknown: the rewrite may have committed. No abort; the node
                 # decides (journal) and the next run plans from what is REGULAR.
                 self._settle(report, FAILED, exc.code(),
@@ -902,16 +887,15 @@ class StorageGcJob:
         request = rpb.CommitGcRewriteRequest(rewrite_id=task.rewrite_id,
                                              new_file_id=result.new_file_id)
         deadline = time.monotonic() + HELD_RETRY_S
-        delay = 0.2
+        backoff = Backoff(0.2, 2.0)
         while True:
             try:
-                return _rpc(lambda: self.nodes[task.node].CommitGcRewrite(
+                return rpc_with_retry(lambda: self.nodes[task.node].CommitGcRewrite(
                     request, timeout=RPC_TIMEOUT_S))
             except grpc.RpcError as exc:
-                if not _held_by_reader(exc) or time.monotonic() + delay > deadline:
+                if not _held_by_reader(exc) or time.monotonic() + backoff.next_s > deadline:
                     raise
-            time.sleep(delay)  # backoff between attempts, not synchronisation
-            delay = min(delay * 2, 2.0)
+            backoff.pause()
 
     def run(self) -> int:
         args = self.args
@@ -961,7 +945,7 @@ class StorageGcJob:
         started = time.monotonic()
         state.snapshot_ts = trans.timestamp
         try:
-            state.safe_gc_ts = _rpc(lambda: self.trans.GetSafeGcTimestamp(
+            state.safe_gc_ts = rpc_with_retry(lambda: self.trans.GetSafeGcTimestamp(
                 tpb.GetSafeGcTimestampRequest(), timeout=RPC_TIMEOUT_S)).safe_gc_ts
             state.tables = [f"{args.schema}.{t}" for t in self._tables()]
             self.log.info("gc_job_started", trans_id=trans.trans_id,
