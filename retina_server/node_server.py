@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from retina_common import failpoints, tls
+from retina_common import exit_codes, failpoints, tls
 from retina_common.catalog import Catalog, CatalogError
 from retina_common.checkpoint_store import CheckpointBody, CheckpointStore
 from retina_common.config import Config, ConfigError, load_config, split_host_port
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         node_id, topology = _settings(config)
     except (ConfigError, failpoints.FailpointError) as exc:
         print(f"retina-server: {exc}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     rc = config.retina
     host, port = split_host_port(node_id)
     log = configure_logging("retina", config.log_level, node=node_id)
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                               tls=config.tls)
     except (CatalogError, OSError) as exc:
         log.error("retina_server_start_failed", error=str(exc), error_type=type(exc).__name__)
-        return 4
+        return exit_codes.UNAVAILABLE
     machine = LifecycleStateMachine()
     announcer = LifecycleAnnouncer(
         etcd, node_id, rc.lifecycle_ttl_s,
@@ -219,11 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         # Whatever blocks, a stop must not hang: exiting now is a crash, and the
         # next start recovers from it like from any other.
         log.error("shutdown_forced", deadline_s=SHUTDOWN_DEADLINE_S)
-        os._exit(5)
+        os._exit(exit_codes.SHUTDOWN_FORCED)
     index.close()
     catalog.close()
     log.info("retina_server_stopped", phase=machine.phase.value, failure=node.failure)
-    return 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

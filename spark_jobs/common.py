@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
-from retina_common import tls
+from retina_common import exit_codes, tls
 from retina_common.config import Config, ConfigError
 from retina_common.retry import RETRYABLE_CODES, rpc_with_retry
 from retina_common.topology import Topology, load_config_and_topology
@@ -33,7 +33,6 @@ from retina_common.topology import Topology, load_config_and_topology
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
 DEFAULT_MASTER = "local[2]"
 JVM_START_ATTEMPTS = 3
 UNAVAILABLE_MARK = "[retina:UNAVAILABLE]"
@@ -61,13 +60,13 @@ class TaskError(Exception):
 def exit_code_of(exc: BaseException) -> int:
     """The exit code for a failure, including one that reached us through Spark."""
     if isinstance(exc, grpc.RpcError):
-        return EXIT_UNAVAILABLE if exc.code() in RETRYABLE_CODES else EXIT_REFUSED
+        return exit_codes.UNAVAILABLE if exc.code() in RETRYABLE_CODES else exit_codes.REFUSED
     text = str(exc)
     if REFUSED_MARK in text:
-        return EXIT_REFUSED
+        return exit_codes.REFUSED
     if UNAVAILABLE_MARK in text:
-        return EXIT_UNAVAILABLE
-    return EXIT_FAILED
+        return exit_codes.UNAVAILABLE
+    return exit_codes.FAILED
 
 
 def short_reason(exc: BaseException, limit: int = 600) -> str:

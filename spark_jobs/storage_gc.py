@@ -62,8 +62,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from retina_common import exit_codes, file_names, progress
 from retina_common import failpoints as fp
-from retina_common import file_names, progress
 from retina_common.catalog import (
     AlreadyExistsError,
     Catalog,
@@ -87,11 +87,6 @@ from retina_common.schema_evolution import conform, table_schema
 from retina_common.storage import object_size, open_parquet, write_durably
 from retina_common.topology import Topology
 from spark_jobs.common import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_REFUSED,
-    EXIT_UNAVAILABLE,
-    EXIT_USAGE,
     REFUSED_MARK,
     UNAVAILABLE_MARK,
     TaskError,
@@ -590,7 +585,7 @@ class GroupReport:
     commit_seconds: float = 0.0  # the node's CommitGcRewrite, as the driver saw it
     chain_items: int = 0
     journal_state: str = ""
-    exit_code: int = EXIT_OK  # what this group alone would make the job exit with
+    exit_code: int = exit_codes.OK  # what this group alone would make the job exit with
 
 
 def _report_of(group: Group) -> GroupReport:
@@ -605,10 +600,10 @@ def _report_of(group: Group) -> GroupReport:
 
 def _code_exit(code: grpc.StatusCode) -> int:
     if code in RETRYABLE_CODES:
-        return EXIT_UNAVAILABLE
+        return exit_codes.UNAVAILABLE
     if code in _NOT_OURS:
-        return EXIT_FAILED
-    return EXIT_REFUSED
+        return exit_codes.FAILED
+    return exit_codes.REFUSED
 
 
 def _held_by_reader(exc: grpc.RpcError) -> bool:
@@ -671,12 +666,12 @@ class JobState:
 
     def exit_code(self) -> int:
         codes = {g.exit_code for g in self.groups}
-        if self.stopped and not codes - {EXIT_OK}:
-            codes.add(EXIT_UNAVAILABLE)
-        for code in (EXIT_FAILED, EXIT_UNAVAILABLE, EXIT_REFUSED):
+        if self.stopped and not codes - {exit_codes.OK}:
+            codes.add(exit_codes.UNAVAILABLE)
+        for code in (exit_codes.FAILED, exit_codes.UNAVAILABLE, exit_codes.REFUSED):
             if code in codes:
                 return code
-        return EXIT_OK
+        return exit_codes.OK
 
 
 class UnknownSchema(Exception):
@@ -789,10 +784,11 @@ class StorageGcJob:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.ABORTED:
                 self._settle(report, BUSY, exc.code(), f"PrepareGcRewrite: {exc.details()}",
-                             exit_code=EXIT_OK)
+                             exit_code=exit_codes.OK)
                 return None
-            self._settle(report, REFUSED if _code_exit(exc.code()) == EXIT_REFUSED else FAILED,
-                         exc.code(), f"PrepareGcRewrite: {exc.details()}")
+            refused = _code_exit(exc.code()) == exit_codes.REFUSED
+            self._settle(report, REFUSED if refused else FAILED, exc.code(),
+                         f"PrepareGcRewrite: {exc.details()}")
             return None
         report.rewrite_id, report.cutoff_ts = prepared.rewrite_id, prepared.cutoff_ts
         report.prepare_seconds = round(time.monotonic() - started, 3)
@@ -812,7 +808,7 @@ class StorageGcJob:
         elif code is not None:
             report.exit_code = _code_exit(code)
         else:
-            report.exit_code = EXIT_FAILED if outcome == FAILED else EXIT_OK
+            report.exit_code = exit_codes.FAILED if outcome == FAILED else exit_codes.OK
         self.log.info("gc_group_done", table=report.table, vnode=report.vnode,
                       node=report.node, outcome=outcome, status=report.status, reason=reason,
                       old_files=[f["file_id"] for f in report.old_files],
@@ -841,8 +837,8 @@ class StorageGcJob:
         report.bytes_after, report.task_seconds = result.bytes_after, round(result.seconds, 3)
         if result.error:
             self.abort(task)
-            code = (EXIT_UNAVAILABLE if UNAVAILABLE_MARK in result.error else
-                    EXIT_REFUSED if REFUSED_MARK in result.error else EXIT_FAILED)
+            code = (exit_codes.UNAVAILABLE if UNAVAILABLE_MARK in result.error else
+                    exit_codes.REFUSED if REFUSED_MARK in result.error else exit_codes.FAILED)
             self._settle(report, FAILED, None, f"rewrite task: {result.error}", code)
             return
         report.new_file = {"file_id": result.new_file_id, "name": task.file_name}
@@ -851,7 +847,7 @@ class StorageGcJob:
             # on behalf of a transaction that is gone.
             self.abort(task)
             self._settle(report, FAILED, None, f"the job's read transaction ended: "
-                         f"{keeper.lost}", EXIT_UNAVAILABLE)
+                         f"{keeper.lost}", exit_codes.UNAVAILABLE)
             return
         started = time.monotonic()
         try:
@@ -862,7 +858,7 @@ class StorageGcJob:
                 # Nothing changed; the next run rewrites them.
                 self.abort(task)
                 self._settle(report, BUSY, exc.code(), f"CommitGcRewrite: {exc.details()}",
-                             exit_code=EXIT_OK)
+                             exit_code=exit_codes.OK)
                 return
             if exc.code() in RETRYABLE_CODES:
                 # Outcome unknown: the rewrite may have committed. No abort; the node
@@ -871,8 +867,9 @@ class StorageGcJob:
                              f"CommitGcRewrite, outcome unknown: {exc.details()}")
                 return
             self.abort(task)
-            self._settle(report, REFUSED if _code_exit(exc.code()) == EXIT_REFUSED else FAILED,
-                         exc.code(), f"CommitGcRewrite: {exc.details()}")
+            refused = _code_exit(exc.code()) == exit_codes.REFUSED
+            self._settle(report, REFUSED if refused else FAILED, exc.code(),
+                         f"CommitGcRewrite: {exc.details()}")
             return
         report.commit_seconds = round(time.monotonic() - started, 3)
         report.chain_items, report.journal_state = reply.chain_items, reply.journal_state
@@ -908,7 +905,7 @@ class StorageGcJob:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 return fail(PROG, "the query gate refused the job's read transaction (a "
                                   "Retina node is not READY, or the TransServer is down): "
-                                  f"{exc.details()}", EXIT_UNAVAILABLE)
+                                  f"{exc.details()}", exit_codes.UNAVAILABLE)
             return fail(PROG, f"BeginTrans: {short_reason(exc)}", _code_exit(exc.code()))
         keeper = LeaseKeeper(self.trans, trans.trans_id, args.lease_ms).start()
         try:
@@ -958,12 +955,12 @@ class StorageGcJob:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:  # a table that does not exist
                 return fail(PROG, f"{exc.details()}; nothing done (check --schema and "
-                                  "--table)", EXIT_USAGE)
+                                  "--table)", exit_codes.USAGE)
             return fail(PROG, f"planning: {short_reason(exc)}", _code_exit(exc.code()))
         except UnknownSchema as exc:
-            return fail(PROG, str(exc), EXIT_USAGE)
+            return fail(PROG, str(exc), exit_codes.USAGE)
         except CatalogError as exc:
-            return fail(PROG, f"catalog: {exc}", EXIT_UNAVAILABLE)
+            return fail(PROG, f"catalog: {exc}", exit_codes.UNAVAILABLE)
         if args.max_groups:
             groups = groups[:args.max_groups]
         reports = [_report_of(g) for g in groups]
@@ -1008,7 +1005,7 @@ class StorageGcJob:
         for report in reports:  # groups the job never got to
             if report.outcome == PLANNED:
                 self._settle(report, FAILED, None, f"not attempted: {state.stopped}",
-                             EXIT_UNAVAILABLE)
+                             exit_codes.UNAVAILABLE)
         return self.done(started)
 
     def done(self, started: float) -> int:
@@ -1157,12 +1154,12 @@ def main(argv: list[str] | None = None) -> int:
         config, topology = load(args.config)
         parse_conf(args.conf)
     except ConfigError as exc:
-        return fail(PROG, str(exc), EXIT_USAGE)
+        return fail(PROG, str(exc), exit_codes.USAGE)
     problem = check_args(args, config)
     if args.node and args.node not in topology.nodes:
         problem = f"--node {args.node} is not in the topology {list(topology.nodes)}"
     if problem:
-        return fail(PROG, problem, EXIT_USAGE)
+        return fail(PROG, problem, exit_codes.USAGE)
     log = configure_logging(PROG, config.log_level)
     job = StorageGcJob(args, config, topology, log)
     try:

@@ -22,7 +22,6 @@ import grpc
 import pyarrow as pa
 import pytest
 
-from cdc_client.connector_main import STOPPED_BY_SCHEMA_CHANGE
 from cdc_client.schema_change import (
     NUMERIC,
     ColumnFacts,
@@ -34,6 +33,7 @@ from cdc_client.schema_change import (
     plan,
 )
 from devtools.cluster import PostgresInstance
+from retina_common import exit_codes
 from retina_common.catalog import (
     AlreadyExistsError,
     Catalog,
@@ -548,7 +548,7 @@ def test_a_dropped_column_stops_the_connector_before_its_transaction(
     _sql(source, "ALTER TABLE orders DROP COLUMN note")
     _sql(source, "INSERT INTO orders (id, customer) VALUES (200001, 'after the drop')",
          "DELETE FROM orders WHERE id = (SELECT min(id) FROM orders)")
-    assert cdc.cdc.wait_exit(60) == STOPPED_BY_SCHEMA_CHANGE, cdc.cdc.log_tail()
+    assert cdc.cdc.wait_exit(60) == exit_codes.SCHEMA_CHANGE, cdc.cdc.log_tail()
     stopped = cdc.cdc.logged("cdc_stopped_schema_change")
     assert stopped and "public.orders" in stopped[0]["error"]
     assert "column note was dropped or renamed" in stopped[0]["error"]

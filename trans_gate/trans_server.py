@@ -17,7 +17,7 @@ from typing import Any
 
 from prometheus_client import Gauge
 
-from retina_common import failpoints, tls
+from retina_common import exit_codes, failpoints, tls
 from retina_common.catalog import Catalog, CatalogError
 from retina_common.config import Config, ConfigError, load_config
 from retina_common.etcd import EtcdError, EtcdStore
@@ -49,7 +49,7 @@ class TransServer:
         self._config = config
         self._log = log
         self._stop = threading.Event()
-        self.exit_code = 0
+        self.exit_code = exit_codes.OK
         tls.check_server(config.tls)
         store = EtcdStore.from_config(config.etcd)
         tc = config.trans
@@ -113,7 +113,7 @@ class TransServer:
 
     def _fenced(self) -> None:
         self._log.critical("trans_server_fenced", action="stopping")
-        self.exit_code = 3
+        self.exit_code = exit_codes.REFUSED
         self._stop.set()
 
     def request_stop(self, *_: object) -> None:
@@ -143,17 +143,17 @@ def main(argv: list[str] | None = None) -> int:
         failpoints.load_from_env()
     except (ConfigError, failpoints.FailpointError) as exc:
         print(f"retina-trans: {exc}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     log = configure_logging("trans", config.log_level)
     try:
         server = TransServer(config, log)
         server.start()
     except ConfigError as exc:
         log.error("trans_server_config_error", error=str(exc))
-        return 2
+        return exit_codes.USAGE
     except (EtcdError, CatalogError, CounterCorrupt, OSError) as exc:
         log.error("trans_server_start_failed", error=str(exc), error_type=type(exc).__name__)
-        return 4
+        return exit_codes.UNAVAILABLE
 
     def on_signal(_signum: int, _frame: FrameType | None) -> None:
         server.request_stop()  # only a flag: no logging from a signal handler
