@@ -22,7 +22,6 @@ that transaction was applied; docs/cdc.md, "Schema changes", is the procedure).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import signal
 import sys
@@ -39,7 +38,7 @@ from cdc_client.positions import ConnectorFenced, PositionStore
 from cdc_client.schema_change import UnsupportedSchemaChange
 from cdc_client.source import Source, SourceError
 from cdc_client.translate import MalformedChange, TableMap
-from retina_common import exit_codes, failpoints, replay_sources, tls
+from retina_common import exit_codes, failpoints, replay_sources
 from retina_common.catalog import (
     Catalog,
     CatalogOutcomeUnknown,
@@ -50,13 +49,14 @@ from retina_common.catalog import (
 from retina_common.changelog import Changelog, CorruptChangelog, changelog_root
 from retina_common.changelog_replay import registered_logs
 from retina_common.client import channel
-from retina_common.config import CdcConfig, ConfigError, load_config
+from retina_common.config import CdcConfig, ConfigError
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.keys import LIFECYCLE_PREFIX
 from retina_common.log import configure_logging
 from retina_common.metrics import serve_metrics
 from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
+from retina_common.process_config import load_process_config
 from retina_common.replay_sources import ReplaySourceError
 from retina_common.retry import until_deadline
 from retina_common.topology import Topology, load_topology
@@ -198,13 +198,9 @@ class _Background:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="retina-cdc", description=__doc__)
-    parser.add_argument("--config", help="TOML config file (default: $RETINA_CONFIG)")
-    args = parser.parse_args(argv)
     try:
-        config = load_config(args.config)
-        tls.configure(config.tls)  # every channel below (client.channel) uses it
-        failpoints.load_from_env()
+        # Its TLS settings apply to every channel below (client.channel).
+        config, _config_arg = load_process_config("retina-cdc", __doc__, argv)
         topology = load_topology(config.topology_file)
         settings = settings_of(config.cdc, config.retina.max_rows_per_request)
         check_source(config.cdc)

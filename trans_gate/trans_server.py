@@ -7,7 +7,6 @@ topology) passed in. Exit codes: 0 clean stop, 2 configuration error,
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import threading
@@ -19,13 +18,14 @@ from prometheus_client import Gauge
 
 from retina_common import exit_codes, failpoints, tls
 from retina_common.catalog import Catalog, CatalogError
-from retina_common.config import Config, ConfigError, load_config
+from retina_common.config import Config, ConfigError
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.grpc_server import ServerHandle
 from retina_common.keys import TRANS_ID_KEY, TRANS_TIMESTAMP_KEY
 from retina_common.log import configure_logging
 from retina_common.metrics import serve_metrics
 from retina_common.pb import trans_pb2, trans_pb2_grpc
+from retina_common.process_config import load_process_config
 from retina_common.topology import load_topology
 from trans_gate.gate import LifecycleWatcher, NodeAvailability, QueryAvailabilityGate
 from trans_gate.timestamps import CounterCorrupt, DurableCounter
@@ -134,13 +134,8 @@ class TransServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="retina-trans", description=__doc__)
-    parser.add_argument("--config", help="TOML config file (default: $RETINA_CONFIG)")
-    args = parser.parse_args(argv)
     try:
-        config = load_config(args.config)
-        tls.configure(config.tls)
-        failpoints.load_from_env()
+        config, _config_arg = load_process_config("retina-trans", __doc__, argv)
     except (ConfigError, failpoints.FailpointError) as exc:
         print(f"retina-trans: {exc}", file=sys.stderr)
         return exit_codes.USAGE
