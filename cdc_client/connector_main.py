@@ -43,7 +43,7 @@ from retina_common.catalog import (
     Catalog,
     CatalogOutcomeUnknown,
     CatalogUnavailable,
-    NotFoundError,
+    NotFound,
     TableRecord,
 )
 from retina_common.changelog import Changelog, CorruptChangelog, changelog_root
@@ -135,7 +135,7 @@ def table_map(catalog: Catalog, schema: str) -> TableMap:
                 on_retry=lambda exc: log.warning("cdc_catalog_lookup_retry",
                                                  table=f"{schema_name}.{name}",
                                                  error=str(exc)))
-        except NotFoundError:
+        except NotFound:
             return None
 
     def add_column(schema_name: str, name: str, column: str, type_name: str) -> TableRecord:

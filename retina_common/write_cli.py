@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from retina_common import exit_codes, failpoints
-from retina_common.catalog import CatalogError, NotFoundError, TableRecord
+from retina_common.catalog import CatalogError, NotFound, TableRecord
 from retina_common.codec import EncodingError
 from retina_common.config import ConfigError
 from retina_common.etcd import EtcdError
@@ -120,7 +120,7 @@ def _write(writer: DurableWriter, schema: str, table: str, rows: list[dict[str, 
         typed_rows = [typed(record, r) for r in rows]
         changes = TableChanges(deletes=typed_rows) if delete else TableChanges(typed_rows)
         ts = writer.commit({table: changes})
-    except (NotFoundError, UsageError, KeyError, ReplaySourceError, EncodingError,
+    except (NotFound, UsageError, KeyError, ReplaySourceError, EncodingError,
             grpc.RpcError, WriteRefused, WriteInDoubt, EtcdError, CatalogError) as exc:
         message, code = _failure(exc, f"{schema}.{table}")
         print(f"{PROG}: {message}", file=sys.stderr)
@@ -132,7 +132,7 @@ def _write(writer: DurableWriter, schema: str, table: str, rows: list[dict[str, 
 
 def _failure(exc: Exception, table: str) -> tuple[str, int]:
     """What to say about a write that did not commit, and the exit code."""
-    if isinstance(exc, NotFoundError):
+    if isinstance(exc, NotFound):
         return f"no table {table} in the catalog", exit_codes.USAGE
     if isinstance(exc, KeyError):
         return f"a row lacks the key column {exc}", exit_codes.USAGE

@@ -220,7 +220,7 @@ class DurableWriter:
         return writer
 
     def table_record(self, name: str) -> TableRecord:
-        """The catalog's record of a table of the writer's schema (NotFoundError)."""
+        """The catalog's record of a table of the writer's schema (NotFound)."""
         return self._table(name).table
 
     def _records(self) -> dict[str, TableRecord]:

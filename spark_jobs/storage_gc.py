@@ -65,7 +65,7 @@ import pyarrow.parquet as pq
 from retina_common import exit_codes, file_names, progress
 from retina_common import failpoints as fp
 from retina_common.catalog import (
-    AlreadyExistsError,
+    AlreadyExists,
     Catalog,
     CatalogError,
     CatalogOutcomeUnknown,
@@ -391,7 +391,7 @@ def register_temporary_gc(catalog: Catalog, name: str, num_row_group: int,
     for attempt in range(3):
         try:
             return catalog.add_file(name, FileType.TEMPORARY_GC, num_row_group, path_id)
-        except (AlreadyExistsError, CatalogOutcomeUnknown):
+        except (AlreadyExists, CatalogOutcomeUnknown):
             pass
         except CatalogUnavailable:
             if attempt == 2:

@@ -35,11 +35,11 @@ from cdc_client.schema_change import (
 from devtools.cluster import PostgresInstance
 from retina_common import exit_codes
 from retina_common.catalog import (
-    AlreadyExistsError,
+    AlreadyExists,
     Catalog,
     ColumnSpec,
     InvalidCatalogArgument,
-    NotFoundError,
+    NotFound,
     TableRecord,
 )
 from retina_common.client import TableWriter
@@ -82,13 +82,13 @@ def test_add_column_appends_a_nullable_column_once(catalog: Catalog) -> None:
     refusals: list[tuple[Callable[[], Any], type[Exception], str]] = [
         (lambda: catalog.add_column("evo", "t", "flag", "boolean", nullable=False),
          InvalidCatalogArgument, "only a nullable column"),
-        (lambda: catalog.add_column("evo", "t", "note", "int64"), AlreadyExistsError,
+        (lambda: catalog.add_column("evo", "t", "note", "int64"), AlreadyExists,
          "already has a column note of type string, not int64"),
         (lambda: catalog.add_column("evo", "t", "x", "uuid"), InvalidCatalogArgument,
          "unknown column type"),
         (lambda: catalog.add_column("evo", "t", "bad name", "string"), InvalidCatalogArgument,
          "bad column name"),
-        (lambda: catalog.add_column("evo", "nope", "x", "string"), NotFoundError,
+        (lambda: catalog.add_column("evo", "nope", "x", "string"), NotFound,
          "does not exist"),
     ]
     for call, error, message in refusals:
