@@ -217,12 +217,6 @@ class EtcdStore:
         result = self._post("/kv/deleterange", {"key": _b64(key)}, write=True)
         return int(result.get("deleted", 0))
 
-    def delete_prefix(self, prefix: str) -> int:
-        result = self._post("/kv/deleterange",
-                            {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))},
-                            write=True)
-        return int(result.get("deleted", 0))
-
     def compare_and_put(self, key: str, value: str | bytes, expected_mod_revision: int,
                         lease_id: int = 0) -> int | None:
         """Put only if the key's mod revision is ``expected_mod_revision``.

@@ -68,7 +68,7 @@ import pyarrow.compute as pc
 from prometheus_client import Counter
 
 from retina_common import failpoints as fp
-from retina_common.catalog import NotFoundError, TableRecord
+from retina_common.catalog import NotFound, TableRecord
 from retina_common.codec import (
     EncodingError,
     arrow_type,
@@ -195,7 +195,7 @@ def _check_routes(node: RetinaNode, tud: pb.TableUpdateData, keys: list[bytes], 
 def _prepare_one(node: RetinaNode, schema_name: str, tud: pb.TableUpdateData) -> PreparedUpdate:
     try:
         table = node.table(schema_name, tud.table_name)
-    except NotFoundError:
+    except NotFound:
         raise _invalid(f"unknown table {schema_name}.{tud.table_name}") from None
     if tud.primary_index_id != table.primary_index_id:
         raise _invalid(f"{tud.table_name}: primary index {tud.primary_index_id} is not the "

@@ -57,9 +57,10 @@ import sys
 
 import grpc
 
+from retina_common import exit_codes
 from retina_common.config import Config, ConfigError
 from retina_common.log import configure_logging
-from spark_jobs.common import EXIT_USAGE, add_spark_arguments, fail, load, parse_conf, short_reason
+from spark_jobs.common import add_spark_arguments, fail, load, parse_conf, short_reason
 from spark_jobs.storage_gc_driver import PROG, StorageGcJob, code_exit
 from spark_jobs.storage_gc_plan import (
     DEFAULT_DELETED_THRESHOLD,
@@ -141,12 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         config, topology = load(args.config)
         parse_conf(args.conf)
     except ConfigError as exc:
-        return fail(PROG, str(exc), EXIT_USAGE)
+        return fail(PROG, str(exc), exit_codes.USAGE)
     problem = check_args(args, config)
     if args.node and args.node not in topology.nodes:
         problem = f"--node {args.node} is not in the topology {list(topology.nodes)}"
     if problem:
-        return fail(PROG, problem, EXIT_USAGE)
+        return fail(PROG, problem, exit_codes.USAGE)
     log = configure_logging(PROG, config.log_level)
     job = StorageGcJob(args, config, topology, log)
     try:

@@ -10,14 +10,14 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 import grpc
 
-from retina_common import file_names, progress
+from retina_common import exit_codes, file_names, progress
 from retina_common.catalog import Catalog, CatalogError
 from retina_common.client import channel
 from retina_common.config import Config
@@ -25,16 +25,11 @@ from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.refusal import HELD_BY_BUFFER_READ, ROLLED_BACK_FOR_BUFFER_READ
+from retina_common.retry import RETRYABLE_CODES, Backoff, rpc_with_retry
 from retina_common.storage import object_size
 from retina_common.topology import Topology
 from spark_jobs.common import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_REFUSED,
-    EXIT_UNAVAILABLE,
-    EXIT_USAGE,
     REFUSED_MARK,
-    RETRYABLE,
     UNAVAILABLE_MARK,
     FileRef,
     fail,
@@ -93,7 +88,7 @@ class GroupReport:
     commit_seconds: float = 0.0  # the node's CommitGcRewrite, as the driver saw it
     chain_items: int = 0
     journal_state: str = ""
-    exit_code: int = EXIT_OK  # what this group alone would make the job exit with
+    exit_code: int = exit_codes.OK  # what this group alone would make the job exit with
 
 
 def _report_of(group: Group) -> GroupReport:
@@ -107,11 +102,11 @@ def _report_of(group: Group) -> GroupReport:
 
 
 def code_exit(code: grpc.StatusCode) -> int:
-    if code in RETRYABLE:
-        return EXIT_UNAVAILABLE
+    if code in RETRYABLE_CODES:
+        return exit_codes.UNAVAILABLE
     if code in _NOT_OURS:
-        return EXIT_FAILED
-    return EXIT_REFUSED
+        return exit_codes.FAILED
+    return exit_codes.REFUSED
 
 
 def _held_by_reader(exc: grpc.RpcError) -> bool:
@@ -123,21 +118,6 @@ def _rolled_back_for_reader(exc: grpc.RpcError) -> bool:
     """The commit met a reader too late and rolled back: the group is for the next run."""
     return (exc.code() == grpc.StatusCode.ABORTED
             and ROLLED_BACK_FOR_BUFFER_READ in (exc.details() or ""))
-
-
-def _rpc(call: Callable[[], T], retry_on: tuple[grpc.StatusCode, ...] = RETRYABLE,
-         attempts: int = 5) -> T:
-    """``call()``, sent again with backoff on ``retry_on``; the last error propagates."""
-    delay = 0.2
-    for attempt in range(1, attempts + 1):
-        try:
-            return call()
-        except grpc.RpcError as exc:
-            if exc.code() not in retry_on or attempt == attempts:
-                raise
-        time.sleep(delay)  # backoff between attempts, not synchronisation
-        delay = min(delay * 2, 5.0)
-    raise AssertionError("unreachable")
 
 
 class LeaseKeeper:
@@ -161,10 +141,10 @@ class LeaseKeeper:
     def _run(self) -> None:
         while not self._stop.wait(self._lease_ms / 3000):
             try:
-                _rpc(lambda: self._trans.ExtendTransLease(tpb.ExtendTransLeaseRequest(
+                rpc_with_retry(lambda: self._trans.ExtendTransLease(tpb.ExtendTransLeaseRequest(
                     trans_id=self._trans_id, lease_ms=self._lease_ms), timeout=10), attempts=3)
             except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE:
+                if exc.code() not in RETRYABLE_CODES:
                     self.lost = f"{exc.code().name}: {exc.details()}"
                     return
 
@@ -189,12 +169,12 @@ class JobState:
 
     def exit_code(self) -> int:
         codes = {g.exit_code for g in self.groups}
-        if self.stopped and not codes - {EXIT_OK}:
-            codes.add(EXIT_UNAVAILABLE)
-        for code in (EXIT_FAILED, EXIT_UNAVAILABLE, EXIT_REFUSED):
+        if self.stopped and not codes - {exit_codes.OK}:
+            codes.add(exit_codes.UNAVAILABLE)
+        for code in (exit_codes.FAILED, exit_codes.UNAVAILABLE, exit_codes.REFUSED):
             if code in codes:
                 return code
-        return EXIT_OK
+        return exit_codes.OK
 
 
 class UnknownSchema(Exception):
@@ -241,11 +221,11 @@ class StorageGcJob:
             return Skipped(table, f.file_id, f.name,
                            f"its node {parsed.node_id} is not in the topology")
         try:
-            visibility = _rpc(lambda: stub.QueryVisibility(rpb.QueryVisibilityRequest(
+            visibility = rpc_with_retry(lambda: stub.QueryVisibility(rpb.QueryVisibilityRequest(
                 file_id=f.file_id, timestamp=self.state.safe_gc_ts, trans_id=trans.trans_id),
                 timeout=RPC_TIMEOUT_S))
         except grpc.RpcError as exc:
-            if exc.code() in RETRYABLE:
+            if exc.code() in RETRYABLE_CODES:
                 raise  # the node is away: the whole run is unavailable
             # ABORTED: its visibility base is above safeGcTs (e.g. a GC output whose base
             # is a later cutoff, or a node restarted since); try again in a later run.
@@ -264,7 +244,7 @@ class StorageGcJob:
                          rows, deleted)
 
     def plan(self, trans: tpb.BeginTransResponse, schema: str, table: str) -> list[Group]:
-        listing = _rpc(lambda: self.trans.ListQueryFiles(tpb.ListQueryFilesRequest(
+        listing = rpc_with_retry(lambda: self.trans.ListQueryFiles(tpb.ListQueryFilesRequest(
             trans_id=trans.trans_id, schema_name=schema, table_name=table),
             timeout=RPC_TIMEOUT_S))
         name = f"{schema}.{table}"
@@ -302,14 +282,14 @@ class StorageGcJob:
             # Only UNAVAILABLE is sent again: a lost answer (deadline) may have prepared
             # a rewrite that pins these files until it expires, and a second one would
             # be refused for them.
-            prepared = _rpc(lambda: self.nodes[group.node].PrepareGcRewrite(
+            prepared = rpc_with_retry(lambda: self.nodes[group.node].PrepareGcRewrite(
                 request, timeout=RPC_TIMEOUT_S), retry_on=(grpc.StatusCode.UNAVAILABLE,))
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.ABORTED:
                 self._settle(report, BUSY, exc.code(), f"PrepareGcRewrite: {exc.details()}",
-                             exit_code=EXIT_OK)
+                             exit_code=exit_codes.OK)
                 return None
-            self._settle(report, REFUSED if code_exit(exc.code()) == EXIT_REFUSED else FAILED,
+            self._settle(report, REFUSED if code_exit(exc.code()) == exit_codes.REFUSED else FAILED,
                          exc.code(), f"PrepareGcRewrite: {exc.details()}")
             return None
         report.rewrite_id, report.cutoff_ts = prepared.rewrite_id, prepared.cutoff_ts
@@ -330,7 +310,7 @@ class StorageGcJob:
         elif code is not None:
             report.exit_code = code_exit(code)
         else:
-            report.exit_code = EXIT_FAILED if outcome == FAILED else EXIT_OK
+            report.exit_code = exit_codes.FAILED if outcome == FAILED else exit_codes.OK
         self.log.info("gc_group_done", table=report.table, vnode=report.vnode,
                       node=report.node, outcome=outcome, status=report.status, reason=reason,
                       old_files=[f["file_id"] for f in report.old_files],
@@ -345,7 +325,7 @@ class StorageGcJob:
     def abort(self, task: RewriteTask) -> None:
         """Best effort: a rewrite the node is not told about expires there anyway."""
         try:
-            _rpc(lambda: self.nodes[task.node].AbortGcRewrite(
+            rpc_with_retry(lambda: self.nodes[task.node].AbortGcRewrite(
                 rpb.AbortGcRewriteRequest(rewrite_id=task.rewrite_id), timeout=RPC_TIMEOUT_S),
                 attempts=3)
         except grpc.RpcError as exc:
@@ -359,8 +339,8 @@ class StorageGcJob:
         report.bytes_after, report.task_seconds = result.bytes_after, round(result.seconds, 3)
         if result.error:
             self.abort(task)
-            code = (EXIT_UNAVAILABLE if UNAVAILABLE_MARK in result.error else
-                    EXIT_REFUSED if REFUSED_MARK in result.error else EXIT_FAILED)
+            code = (exit_codes.UNAVAILABLE if UNAVAILABLE_MARK in result.error else
+                    exit_codes.REFUSED if REFUSED_MARK in result.error else exit_codes.FAILED)
             self._settle(report, FAILED, None, f"rewrite task: {result.error}", code)
             return
         report.new_file = {"file_id": result.new_file_id, "name": task.file_name}
@@ -369,7 +349,7 @@ class StorageGcJob:
             # on behalf of a transaction that is gone.
             self.abort(task)
             self._settle(report, FAILED, None, f"the job's read transaction ended: "
-                         f"{keeper.lost}", EXIT_UNAVAILABLE)
+                         f"{keeper.lost}", exit_codes.UNAVAILABLE)
             return
         started = time.monotonic()
         try:
@@ -380,16 +360,16 @@ class StorageGcJob:
                 # Nothing changed; the next run rewrites them.
                 self.abort(task)
                 self._settle(report, BUSY, exc.code(), f"CommitGcRewrite: {exc.details()}",
-                             exit_code=EXIT_OK)
+                             exit_code=exit_codes.OK)
                 return
-            if exc.code() in RETRYABLE:
+            if exc.code() in RETRYABLE_CODES:
                 # Outcome unknown: the rewrite may have committed. No abort; the node
                 # decides (journal) and the next run plans from what is REGULAR.
                 self._settle(report, FAILED, exc.code(),
                              f"CommitGcRewrite, outcome unknown: {exc.details()}")
                 return
             self.abort(task)
-            self._settle(report, REFUSED if code_exit(exc.code()) == EXIT_REFUSED else FAILED,
+            self._settle(report, REFUSED if code_exit(exc.code()) == exit_codes.REFUSED else FAILED,
                          exc.code(), f"CommitGcRewrite: {exc.details()}")
             return
         report.commit_seconds = round(time.monotonic() - started, 3)
@@ -405,16 +385,15 @@ class StorageGcJob:
         request = rpb.CommitGcRewriteRequest(rewrite_id=task.rewrite_id,
                                              new_file_id=result.new_file_id)
         deadline = time.monotonic() + HELD_RETRY_S
-        delay = 0.2
+        backoff = Backoff(0.2, 2.0)
         while True:
             try:
-                return _rpc(lambda: self.nodes[task.node].CommitGcRewrite(
+                return rpc_with_retry(lambda: self.nodes[task.node].CommitGcRewrite(
                     request, timeout=RPC_TIMEOUT_S))
             except grpc.RpcError as exc:
-                if not _held_by_reader(exc) or time.monotonic() + delay > deadline:
+                if not _held_by_reader(exc) or time.monotonic() + backoff.next_s > deadline:
                     raise
-            time.sleep(delay)  # backoff between attempts, not synchronisation
-            delay = min(delay * 2, 2.0)
+            backoff.pause()
 
     def run(self) -> int:
         args = self.args
@@ -427,7 +406,7 @@ class StorageGcJob:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 return fail(PROG, "the query gate refused the job's read transaction (a "
                                   "Retina node is not READY, or the TransServer is down): "
-                                  f"{exc.details()}", EXIT_UNAVAILABLE)
+                                  f"{exc.details()}", exit_codes.UNAVAILABLE)
             return fail(PROG, f"BeginTrans: {short_reason(exc)}", code_exit(exc.code()))
         keeper = LeaseKeeper(self.trans, trans.trans_id, args.lease_ms).start()
         try:
@@ -464,7 +443,7 @@ class StorageGcJob:
         started = time.monotonic()
         state.snapshot_ts = trans.timestamp
         try:
-            state.safe_gc_ts = _rpc(lambda: self.trans.GetSafeGcTimestamp(
+            state.safe_gc_ts = rpc_with_retry(lambda: self.trans.GetSafeGcTimestamp(
                 tpb.GetSafeGcTimestampRequest(), timeout=RPC_TIMEOUT_S)).safe_gc_ts
             state.tables = [f"{args.schema}.{t}" for t in self._tables()]
             self.log.info("gc_job_started", trans_id=trans.trans_id,
@@ -477,12 +456,12 @@ class StorageGcJob:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:  # a table that does not exist
                 return fail(PROG, f"{exc.details()}; nothing done (check --schema and "
-                                  "--table)", EXIT_USAGE)
+                                  "--table)", exit_codes.USAGE)
             return fail(PROG, f"planning: {short_reason(exc)}", code_exit(exc.code()))
         except UnknownSchema as exc:
-            return fail(PROG, str(exc), EXIT_USAGE)
+            return fail(PROG, str(exc), exit_codes.USAGE)
         except CatalogError as exc:
-            return fail(PROG, f"catalog: {exc}", EXIT_UNAVAILABLE)
+            return fail(PROG, f"catalog: {exc}", exit_codes.UNAVAILABLE)
         if args.max_groups:
             groups = groups[:args.max_groups]
         reports = [_report_of(g) for g in groups]
@@ -527,7 +506,7 @@ class StorageGcJob:
         for report in reports:  # groups the job never got to
             if report.outcome == PLANNED:
                 self._settle(report, FAILED, None, f"not attempted: {state.stopped}",
-                             EXIT_UNAVAILABLE)
+                             exit_codes.UNAVAILABLE)
         return self.done(started)
 
     def done(self, started: float) -> int:

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from retina_common import failpoints as fp
 from retina_common.catalog import (
-    AlreadyExistsError,
+    AlreadyExists,
     Catalog,
     CatalogError,
     CatalogOutcomeUnknown,
@@ -34,11 +34,11 @@ from retina_common.client import channel
 from retina_common.codec import COMMIT_TS
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc
+from retina_common.retry import RETRYABLE_CODES
 from retina_common.schema_evolution import conform, table_schema
 from retina_common.storage import open_parquet, write_durably
 from spark_jobs.common import (
     REFUSED_MARK,
-    RETRYABLE,
     UNAVAILABLE_MARK,
     FileRef,
     TaskError,
@@ -112,7 +112,7 @@ def register_temporary_gc(catalog: Catalog, name: str, num_row_group: int,
     for attempt in range(3):
         try:
             return catalog.add_file(name, FileType.TEMPORARY_GC, num_row_group, path_id)
-        except (AlreadyExistsError, CatalogOutcomeUnknown):
+        except (AlreadyExists, CatalogOutcomeUnknown):
             pass
         except CatalogUnavailable:
             if attempt == 2:
@@ -137,7 +137,7 @@ def register_temporary_gc(catalog: Catalog, name: str, num_row_group: int,
 
 
 def _rpc_mark(exc: grpc.RpcError) -> str:
-    return UNAVAILABLE_MARK if exc.code() in RETRYABLE else REFUSED_MARK
+    return UNAVAILABLE_MARK if exc.code() in RETRYABLE_CODES else REFUSED_MARK
 
 
 def rewrite_group(spec: TaskSpec, task: RewriteTask) -> RewriteResult:

@@ -22,7 +22,6 @@ import grpc
 import pyarrow as pa
 import pytest
 
-from cdc_client.connector_main import STOPPED_BY_SCHEMA_CHANGE
 from cdc_client.schema_change import (
     NUMERIC,
     ColumnFacts,
@@ -34,12 +33,13 @@ from cdc_client.schema_change import (
     plan,
 )
 from devtools.cluster import PostgresInstance
+from retina_common import exit_codes
 from retina_common.catalog import (
-    AlreadyExistsError,
+    AlreadyExists,
     Catalog,
     ColumnSpec,
     InvalidCatalogArgument,
-    NotFoundError,
+    NotFound,
     TableRecord,
 )
 from retina_common.client import TableWriter
@@ -83,13 +83,13 @@ def test_add_column_appends_a_nullable_column_once(catalog: Catalog) -> None:
     refusals: list[tuple[Callable[[], Any], type[Exception], str]] = [
         (lambda: catalog.add_column("evo", "t", "flag", "boolean", nullable=False),
          InvalidCatalogArgument, "only a nullable column"),
-        (lambda: catalog.add_column("evo", "t", "note", "int64"), AlreadyExistsError,
+        (lambda: catalog.add_column("evo", "t", "note", "int64"), AlreadyExists,
          "already has a column note of type string, not int64"),
         (lambda: catalog.add_column("evo", "t", "x", "uuid"), InvalidCatalogArgument,
          "unknown column type"),
         (lambda: catalog.add_column("evo", "t", "bad name", "string"), InvalidCatalogArgument,
          "bad column name"),
-        (lambda: catalog.add_column("evo", "nope", "x", "string"), NotFoundError,
+        (lambda: catalog.add_column("evo", "nope", "x", "string"), NotFound,
          "does not exist"),
     ]
     for call, error, message in refusals:
@@ -549,7 +549,7 @@ def test_a_dropped_column_stops_the_connector_before_its_transaction(
     _sql(source, "ALTER TABLE orders DROP COLUMN note")
     _sql(source, "INSERT INTO orders (id, customer) VALUES (200001, 'after the drop')",
          "DELETE FROM orders WHERE id = (SELECT min(id) FROM orders)")
-    assert cdc.cdc.wait_exit(60) == STOPPED_BY_SCHEMA_CHANGE, cdc.cdc.log_tail()
+    assert cdc.cdc.wait_exit(60) == exit_codes.SCHEMA_CHANGE, cdc.cdc.log_tail()
     stopped = cdc.cdc.logged("cdc_stopped_schema_change")
     assert stopped and "public.orders" in stopped[0]["error"]
     assert "column note was dropped or renamed" in stopped[0]["error"]
