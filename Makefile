@@ -18,6 +18,11 @@ demo: setup
 test: setup
 	@$(PY) -m pytest $(PYTEST_ARGS)
 
+# The tests that start no process (not marked `integration`; tests/process_guard.py fails
+# an unmarked test that starts one): pure logic, under two minutes.
+test-fast: setup
+	@$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
+
 # A seeded fault campaign on a private cluster (docs/chaos.md). Default: a short one;
 # e.g. `make chaos CHAOS_ARGS="--seed 7 --episodes 1000 --json chaos.json"`.
 CHAOS_ARGS ?= --seed 1 --episodes 20

@@ -4,6 +4,12 @@ One etcd and one PostgreSQL server per test session (started exactly like
 ``retina-cluster`` starts them); every test gets a fresh catalog database and
 an empty ``/pixels/`` key space. ``make_plane`` starts a data plane (a
 TransServer and Retina nodes, tests/dataplane.py) with small blocks and files.
+
+The ``integration`` marker: every test that starts a process (etcd, PostgreSQL,
+a TransServer, a node, Spark, a CLI, any subprocess) carries it, and
+``make test-fast`` runs the others. ``tests/process_guard.py`` keeps the marker
+honest: an unmarked test that asks for a process fixture, or starts a process
+itself, fails.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from retina_common.catalog import Catalog
 from retina_common.etcd import EtcdStore
 
 from .dataplane import DataPlane
+from .process_guard import pytest_runtest_call, pytest_runtest_setup  # noqa: F401 (hooks)
 
 
 @pytest.fixture(scope="session")

@@ -206,6 +206,7 @@ def spark() -> Iterator[object]:
     session.stop()
 
 
+@pytest.mark.integration
 def test_rewrite_tasks_write_one_file_per_group_and_register_it_temporary_gc(
         spark: object, stand_in: tuple[str, StandInNode], catalog: Catalog,
         catalog_dsn: str, tmp_path: Path) -> None:
@@ -403,6 +404,7 @@ def pending_rewrites(plane: DataPlane) -> int:
                for n in plane.nodes)
 
 
+@pytest.mark.integration
 def test_the_job_reclaims_deleted_rows_and_compacts_while_reads_stay_exact(
         make_plane: Callable[..., DataPlane]) -> None:
     plane = make_plane()
@@ -435,6 +437,7 @@ def test_the_job_reclaims_deleted_rows_and_compacts_while_reads_stay_exact(
     assert plane.read("orders") == model
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("point", ["gc.rewrite.write.before", "gc.rewrite.write.after"])
 def test_a_task_killed_around_its_write_leaves_the_table_exact_and_a_rerun_finishes(
         point: str, make_plane: Callable[..., DataPlane]) -> None:
@@ -456,6 +459,7 @@ def test_a_task_killed_around_its_write_leaves_the_table_exact_and_a_rerun_finis
     assert all(n == 1 for n in streams(plane).values())
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("point", ["gc.rewrite.write.before", "gc.rewrite.write.after"])
 def test_spark_retries_a_task_killed_around_its_write_and_every_group_commits(
         point: str, make_plane: Callable[..., DataPlane], failpoint_dir: Path) -> None:
@@ -485,6 +489,7 @@ def test_spark_retries_a_task_killed_around_its_write_and_every_group_commits(
     assert stored_rows(plane) == len(model["orders"])
 
 
+@pytest.mark.integration
 def test_deletes_racing_the_job_are_never_lost(
         make_plane: Callable[..., DataPlane], failpoint_dir: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -528,6 +533,7 @@ def test_deletes_racing_the_job_are_never_lost(
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_a_killed_driver_leaves_the_snapshot_exact_and_a_second_run_completes(
         make_plane: Callable[..., DataPlane], failpoint_dir: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -580,6 +586,7 @@ def test_a_killed_driver_leaves_the_snapshot_exact_and_a_second_run_completes(
     assert all(f.type == FileType.TEMPORARY_GC for f in leftovers)
 
 
+@pytest.mark.integration
 def test_a_dry_run_changes_nothing(make_plane: Callable[..., DataPlane]) -> None:
     plane = make_plane()
     load(plane)
@@ -600,6 +607,7 @@ def test_a_dry_run_changes_nothing(make_plane: Callable[..., DataPlane]) -> None
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_files_whose_visibility_starts_above_safe_gc_ts_are_skipped_and_reported(
         make_plane: Callable[..., DataPlane]) -> None:
     plane = make_plane()
@@ -628,6 +636,7 @@ def test_files_whose_visibility_starts_above_safe_gc_ts_are_skipped_and_reported
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_the_job_decides_without_spark_when_it_cannot_run(
         make_plane: Callable[..., DataPlane]) -> None:
     plane = make_plane()
@@ -650,6 +659,7 @@ def test_the_job_decides_without_spark_when_it_cannot_run(
     assert not files_of(plane, FileType.TEMPORARY_GC)
 
 
+@pytest.mark.integration
 def test_a_stream_whose_rows_are_all_deleted_is_rewritten_to_an_empty_file(
         make_plane: Callable[..., DataPlane]) -> None:
     plane = make_plane()
@@ -670,6 +680,7 @@ def test_a_stream_whose_rows_are_all_deleted_is_rewritten_to_an_empty_file(
     assert stored_rows(plane) == len(plane.model.rows["orders"])
 
 
+@pytest.mark.integration
 def test_a_node_runs_the_job_for_its_own_streams_when_configured(
         make_plane: Callable[..., DataPlane]) -> None:
     """retina.gc_job_interval_ms: the READY node launches the Spark job itself (``--node``
@@ -684,6 +695,7 @@ def test_a_node_runs_the_job_for_its_own_streams_when_configured(
     assert all(n == 1 for n in streams(plane).values())
 
 
+@pytest.mark.integration
 def test_a_commit_held_by_a_write_buffer_read_leaves_its_group_busy_and_the_run_succeeds(
         make_plane: Callable[..., DataPlane], failpoint_dir: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
