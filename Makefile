@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STATE ?= .retina-cluster
 
-.PHONY: setup demo test test-fast lint bench chaos gc proto cluster-up cluster-down cluster-status cluster-restart-node clean
+.PHONY: setup demo test test-fast lint typecheck bench chaos gc proto cluster-up cluster-down cluster-status cluster-restart-node clean
 
 setup:
 	@bash scripts/setup.sh
@@ -39,6 +39,11 @@ gc: setup
 
 lint: setup
 	@$(VENV)/bin/ruff check .
+
+# mypy on the runtime packages (retina_common, retina_server, trans_gate, cdc_client,
+# spark_jobs; settings in pyproject.toml, [tool.mypy]).
+typecheck: setup
+	@$(VENV)/bin/mypy
 
 # The figures of docs/performance.md; the 100M-row start is apart (it builds its state for
 # about two minutes): `.venv/bin/python bench/bench_recovery.py --files 10000 --runs 3`.
@@ -107,7 +112,7 @@ cluster-restart-node: setup
 	@$(VENV)/bin/retina-cluster restart-node $(NODE) --state-dir $(STATE)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache retina_common/pb/*_pb2*.py retina_common/pb/*_pb2*.pyi
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache retina_common/pb/*_pb2*.py retina_common/pb/*_pb2*.pyi
 
 # The containerised cluster (docs/operations.md, "Containerised cluster"), built
 # without an image registry: compose-base debootstraps Debian bookworm into the

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from prometheus_client import Gauge
@@ -108,7 +108,7 @@ class RecoveryCoordinator:
         self._node = node
         self._gc_journal = gc_journal
         # Told every checkpoint this process publishes (GC promotion, the replay floor).
-        self.checkpoint_listeners: list[Callable[[CheckpointBody], None]] = []
+        self.checkpoint_listeners: list[Callable[[CheckpointBody], object]] = []
         # Told the file ids of the checkpoint the start-up loaded (GC promotion).
         self.loaded_listeners: list[Callable[[set[int]], None]] = []
         self._catalog = catalog
@@ -317,7 +317,7 @@ class RecoveryCoordinator:
             CHECKPOINT_INSTALLED.set(time.time())
             return pointer
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> dict[str, Any]:
         phase = self._machine.phase
         return {
             "state": self._machine.state.value,
