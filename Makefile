@@ -111,6 +111,16 @@ cluster-status: setup
 cluster-restart-node: setup
 	@$(VENV)/bin/retina-cluster restart-node $(NODE) --state-dir $(STATE)
 
+# constraints.txt: every Python package pinned (scripts/update_constraints.sh). `constraints`
+# pins what .venv holds; `constraints-upgrade` resolves the newest releases pyproject.toml
+# allows in a throw-away venv (then `make setup` installs them here; run `make test`).
+.PHONY: constraints constraints-upgrade
+constraints:
+	@bash scripts/update_constraints.sh
+
+constraints-upgrade:
+	@bash scripts/update_constraints.sh --upgrade
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache retina_common/pb/*_pb2*.py retina_common/pb/*_pb2*.pyi
 
