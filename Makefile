@@ -15,8 +15,11 @@ proto: setup
 demo: setup
 	@$(PY) scripts/demo.py $(DEMO_ARGS)
 
+# TEST_WORKERS: pytest-xdist workers, each with its own etcd and PostgreSQL (0: one process).
+TEST_WORKERS ?= 2
+
 test: setup
-	@$(PY) -m pytest $(PYTEST_ARGS)
+	@$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 # The tests that start no process (not marked `integration`; tests/process_guard.py fails
 # an unmarked test that starts one): pure logic, under two minutes.

@@ -39,7 +39,7 @@ from retina_common.pb import retina_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.storage import open_parquet, root_uri, write_durably
 from spark_jobs import storage_gc as gc
-from spark_jobs.common import REFUSED_MARK, spark_session
+from spark_jobs.common import REFUSED_MARK
 
 from .dataplane import SCHEMA, DataPlane
 from .support import ROOT, eventually
@@ -196,14 +196,6 @@ def stand_in() -> Iterator[tuple[str, StandInNode]]:
     server.start()
     yield address, node
     server.stop(0)
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[object]:
-    session = spark_session("test-storage-gc", "local[2]",
-                            {"spark.ui.enabled": "false", "spark.driver.memory": "1g"})
-    yield session
-    session.stop()
 
 
 @pytest.mark.integration
@@ -684,11 +676,22 @@ def test_a_stream_whose_rows_are_all_deleted_is_rewritten_to_an_empty_file(
 def test_a_node_runs_the_job_for_its_own_streams_when_configured(
         make_plane: Callable[..., DataPlane]) -> None:
     """retina.gc_job_interval_ms: the READY node launches the Spark job itself (``--node``
-    itself) and the deleted rows disappear from storage with no operator action."""
-    plane = make_plane(gc_job_interval_ms=2000,
-                       gc_job_args="--schema shop --master local[1] --json")
+    itself) and the deleted rows disappear from storage with no operator action.
+
+    The node is loaded first and restarted with the job on: jobs launched every interval
+    while the small files were still being written would compete with the load for the
+    two cores and take several runs, where one run over the loaded table does it."""
+    plane = make_plane()
     load(plane)
     model = plane.model.rows["orders"]
+    (node,) = plane.nodes
+    plane.retinas[node].stop()
+    plane.retinas[node].env = {"RETINA__RETINA__GC_JOB_INTERVAL_MS": "2000",
+                               "RETINA__RETINA__GC_JOB_ARGS": "--schema shop --master local[1] "
+                                                              "--json"}
+    plane.retinas[node].start()
+    plane.recover(node)
+    assert stored_rows(plane) > len(model)  # the deleted rows are still stored
     eventually(lambda: stored_rows(plane) == len(model), 180,
                "the node's own GC job to reclaim the deleted rows")
     assert plane.read("orders") == model
