@@ -37,10 +37,13 @@ def _is_integration(item: pytest.Item) -> bool:
 
 @contextmanager
 def _no_processes(nodeid: str) -> Iterator[None]:
+    refusals: list[str] = []
+
     def refuse(what: str) -> Callable[..., Any]:
         def refused(*args: Any, **kwargs: Any) -> Any:
-            raise ProcessStarted(f"{nodeid} starts a process ({what}) but is not marked "
-                                 f"@pytest.mark.{MARKER}")
+            refusals.append(f"{nodeid} starts a process ({what}) but is not marked "
+                            f"@pytest.mark.{MARKER}")
+            raise ProcessStarted(refusals[-1])
         return refused
 
     saved: list[tuple[object, str, object]] = [
@@ -54,6 +57,8 @@ def _no_processes(nodeid: str) -> Iterator[None]:
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)
+    if refusals:  # even if the code under test caught the exception
+        raise ProcessStarted(refusals[0])
 
 
 @pytest.hookimpl(wrapper=True)
