@@ -302,7 +302,7 @@ class CheckpointStore:
         write_durably(self._dir, name, data)
         fp.CHECKPOINT_BODY_WRITE_AFTER.hit()
         current = self._etcd.get(self._current)
-        puts = [(self._current, pointer.to_json(), 0)]
+        puts: list[tuple[str, str | bytes, int]] = [(self._current, pointer.to_json(), 0)]
         if current is not None:
             puts.append((self._previous, current.value, 0))
         fp.CHECKPOINT_POINTER_SWAP_BEFORE.hit()

@@ -534,11 +534,11 @@ class LocalIndexService:
                 orphans += 1
                 continue
             found_keys.append(keys[i])
-            rows = by_rg.get((f, g))
-            if rows is None:
+            rg_rows = by_rg.get((f, g))
+            if rg_rows is None:
                 by_rg[(f, g)] = [o]
             else:
-                rows.append(o)
+                rg_rows.append(o)
         if orphans:
             ORPHANS.inc(orphans)
         return DeleteTargets(found_keys, by_rg)
@@ -573,7 +573,7 @@ class LocalIndexService:
             log.error("primary_index_read_failed", table=table_id, error=str(exc))
             return None
 
-    def _scan(self, txn: lmdb.Transaction, table_id: int, keys: Sequence[bytes],
+    def _scan(self, txn: lmdb.Transaction[bytes], table_id: int, keys: Sequence[bytes],
               ts: int) -> list[tuple[int | None, int | None]]:
         cursor = txn.cursor(db=self._primary)
         bound, own = _TS.pack(ts + 1), _TS.pack(ts)
@@ -622,7 +622,7 @@ class LocalIndexService:
         return previous
 
     @contextmanager
-    def _txn(self, write: bool = True) -> Iterator[lmdb.Transaction]:
+    def _txn(self, write: bool = True) -> Iterator[lmdb.Transaction[bytes]]:
         """The open batch (its own writes included) if there is one, else a transaction
         of its own (read-only unless ``write``)."""
         batch = getattr(self._batch, "txn", None)

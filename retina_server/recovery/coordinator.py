@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from prometheus_client import Gauge
@@ -319,7 +319,7 @@ class RecoveryCoordinator:
             CHECKPOINT_INSTALLED.set(time.time())
             return pointer
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> dict[str, Any]:
         phase = self._machine.phase
         return {
             "state": self._machine.state.value,
