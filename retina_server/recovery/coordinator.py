@@ -105,7 +105,7 @@ class RecoveryCoordinator:
                  machine: LifecycleStateMachine, announcer: LifecycleAnnouncer,
                  high_watermark: Callable[[], int], recovery_epoch: int,
                  gc_journal: GcJournal, *, retired_retention_ms: int = 600_000,
-                 checkpoint_listeners: Sequence[Callable[[CheckpointBody], None]] = (),
+                 checkpoint_listeners: Sequence[Callable[[CheckpointBody], object]] = (),
                  loaded_listeners: Sequence[Callable[[set[int]], None]] = ()) -> None:
         self._node = node
         self._gc_journal = gc_journal
