@@ -14,8 +14,11 @@ from retina_common.etcd import EtcdError
 from retina_common.log import get_logger
 from retina_common.pb import trans_pb2 as pb
 from retina_common.pb import trans_pb2_grpc as pb_grpc
-from retina_common.refusal import abort
+from retina_common.refusal import Refusal, abort
+from trans_gate.as_of import AsOfPoints
 from trans_gate.gate import GateDecision, QueryAvailabilityGate
+from trans_gate.pins import Pin, Pins
+from trans_gate.time_map import TimeMap
 from trans_gate.timestamps import CounterFenced
 from trans_gate.transactions import Transaction, TransactionTable, TransError, TransKind
 
@@ -30,6 +33,8 @@ GATE_DECISION_SECONDS = Histogram(
     buckets=(0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01))
 HWM_GAUGE = Gauge("trans_high_watermark", "Current high watermark")
 LIST_FILES_TOTAL = Counter("trans_list_query_files_total", "ListQueryFiles calls", ["outcome"])
+AS_OF_TOTAL = Counter("trans_as_of_begin_total", "AS OF read transactions asked for",
+                      ["outcome"])
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
     context.abort(code, message)
@@ -38,17 +43,22 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -
 
 class TransService(pb_grpc.TransServiceServicer):
     def __init__(self, table: TransactionTable, gate: QueryAvailabilityGate, catalog: Catalog,
-                 on_fenced: Callable[[], None]) -> None:
+                 on_fenced: Callable[[], None], *, as_of: AsOfPoints, pins: Pins,
+                 time_map: TimeMap, history_retention_ms: int) -> None:
         self._table = table
         self._gate = gate
         self._catalog = catalog
         self._on_fenced = on_fenced
+        self._as_of = as_of
+        self._pins = pins
+        self._time_map = time_map
+        self._retention_ms = history_retention_ms
 
     # --- helpers ---------------------------------------------------------------------
     def _call(self, context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
-        except TransError as exc:
+        except (TransError, Refusal) as exc:
             abort(context, exc)
         except CounterFenced as exc:
             self._on_fenced()
@@ -84,8 +94,26 @@ class TransService(pb_grpc.TransServiceServicer):
     # --- RPCs -----------------------------------------------------------------------------
     def BeginTrans(self, request: pb.BeginTransRequest,
                    context: grpc.ServicerContext) -> pb.BeginTransResponse:
-        (trans,) = self._begin(request.read_only, 1, request.lease_ms, context)
+        point = self._call(context, lambda: self._as_of.of_begin(
+            request.read_only, request.as_of_ts, request.as_of_time_ms, request.as_of_pin))
+        if point is None:
+            (trans,) = self._begin(request.read_only, 1, request.lease_ms, context)
+        else:
+            trans = self._begin_as_of(point, request.lease_ms, context)
         return self._response(trans)
+
+    def _begin_as_of(self, ts: int, lease_ms: int,
+                     context: grpc.ServicerContext) -> Transaction:
+        """A read at a past snapshot: gated like any read, admitted only if still readable."""
+        self._gate_check(context)
+        try:
+            trans = self._call(context, lambda: self._table.begin_as_of(ts, lease_ms))
+        except Exception:
+            AS_OF_TOTAL.labels(outcome="refused").inc()
+            raise
+        AS_OF_TOTAL.labels(outcome="begun").inc()
+        BEGIN_TOTAL.labels(kind=TransKind.READ.value).inc()
+        return trans
 
     def BeginTransBatch(self, request: pb.BeginTransBatchRequest,
                         context: grpc.ServicerContext) -> pb.BeginTransBatchResponse:
@@ -130,7 +158,8 @@ class TransService(pb_grpc.TransServiceServicer):
 
     def GetSafeGcTimestamp(self, request: pb.GetSafeGcTimestampRequest,
                            context: grpc.ServicerContext) -> pb.GetSafeGcTimestampResponse:
-        return pb.GetSafeGcTimestampResponse(safe_gc_ts=self._table.safe_gc_ts())
+        return pb.GetSafeGcTimestampResponse(safe_gc_ts=self._call(context,
+                                                                   self._table.safe_gc_ts))
 
     def GetTransStatus(self, request: pb.GetTransStatusRequest,
                        context: grpc.ServicerContext) -> pb.GetTransStatusResponse:
@@ -139,7 +168,8 @@ class TransService(pb_grpc.TransServiceServicer):
             return pb.GetTransStatusResponse(live=False)
         return pb.GetTransStatusResponse(live=True, read_only=trans.kind == TransKind.READ,
                                          timestamp=trans.timestamp,
-                                         lease_expires_at_ms=trans.lease_expires_at_ms)
+                                         lease_expires_at_ms=trans.lease_expires_at_ms,
+                                         as_of=trans.as_of)
 
     def ListQueryFiles(self, request: pb.ListQueryFilesRequest,
                        context: grpc.ServicerContext) -> pb.ListQueryFilesResponse:
@@ -207,3 +237,36 @@ class TransService(pb_grpc.TransServiceServicer):
             admitted=decision.admitted, message=decision.message,
             nodes={n: str(a) for n, a in decision.nodes.items()},
             watch_healthy=snapshot.watch_healthy, revision=snapshot.revision)
+
+    # --- history (docs/history.md) ----------------------------------------------------------
+    @staticmethod
+    def _pin(pin: Pin) -> pb.Pin:
+        return pb.Pin(name=pin.name, ts=pin.ts, created_ms=pin.created_ms,
+                      at_time_ms=pin.at_time_ms)
+
+    def CreatePin(self, request: pb.CreatePinRequest,
+                  context: grpc.ServicerContext) -> pb.CreatePinResponse:
+        def create() -> Pin:
+            ts = self._as_of.of_point(request.ts, request.at_time_ms)
+            return self._pins.create(request.name, ts, request.at_time_ms)
+        return pb.CreatePinResponse(pin=self._pin(self._call(context, create)))
+
+    def DropPin(self, request: pb.DropPinRequest,
+                context: grpc.ServicerContext) -> pb.DropPinResponse:
+        return pb.DropPinResponse(dropped=self._call(context,
+                                                     lambda: self._pins.drop(request.name)))
+
+    def ListPins(self, request: pb.ListPinsRequest,
+                 context: grpc.ServicerContext) -> pb.ListPinsResponse:
+        return pb.ListPinsResponse(pins=[self._pin(p) for p in self._pins.all()])
+
+    def GetHistoryStatus(self, request: pb.GetHistoryStatusRequest,
+                         context: grpc.ServicerContext) -> pb.GetHistoryStatusResponse:
+        horizon = self._table.horizon()
+        return pb.GetHistoryStatusResponse(
+            horizon_ts=horizon, earliest_readable_ts=horizon + 1,
+            earliest_readable_time_ms=self._time_map.earliest_time_at_or_above(horizon + 1),
+            high_watermark=self._table.high_watermark(),
+            history_retention_ms=self._retention_ms, pins=len(self._pins.all()),
+            time_gaps=[pb.TimeGap(from_ms=a, to_ms=b) for a, b in self._time_map.gaps()],
+            time_map_from_ms=self._time_map.first_ms())
