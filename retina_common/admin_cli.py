@@ -10,7 +10,7 @@
     retina-admin lineage
     retina-admin writers list | writers gone WRITER --reason R
     retina-admin recover [--mode vnode|node] [--wait S]
-    retina-admin pin create NAME --at TS | --at-time ISO8601|MS; pin list; pin drop NAME
+    retina-admin pin create NAME [--at TS | --at-time ISO8601|MS]; pin list; pin drop NAME
 
 Every command takes ``--json`` (one JSON document on stdout instead of tables),
 ``--node host:port`` (repeatable: only these nodes) and ``--no-progress``.
