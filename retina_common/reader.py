@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from retina_common import file_names
+from retina_common import exit_codes, file_names
 from retina_common.as_of_point import NEWEST, AsOf, BadPoint, format_ms, parse_as_of
 from retina_common.client import channel
 from retina_common.codec import COMMIT_TS
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         config, topology = load_config_and_topology(args.config)
     except ConfigError as exc:
         print(f"retina-query: {exc}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     reader = SnapshotReader(config.trans.listen, topology, tls=config.tls)
     try:
         snap = reader.read(schema, table, keep_hidden=args.hidden, as_of_ts=as_of.ts,
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         if earliest is not None:
             print(f"retina-query: the earliest readable point is timestamp {earliest[0]} "
                   f"(time {format_ms(earliest[1])})", file=sys.stderr)
-        return 1
+        return exit_codes.FAILED
     finally:
         reader.close()
     rows = snap.table.sort_by([(c, "ascending") for c in snap.table.column_names[:1]])
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     past = "" if as_of == NEWEST else f" (as of {as_of.describe()})"
     print(f"-- {rows.num_rows} rows at snapshot {snap.timestamp}{past} ({snap.files_read} "
           f"files, {snap.buffer_rows} write-buffer rows)", file=sys.stderr)
-    return 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":
