@@ -330,12 +330,18 @@ def stop_postgres(data_dir: str) -> None:
 def write_config(path: Path, *, etcd_endpoint: str, dsn: str, topology_file: Path,
                  storage_root: Path, trans_listen: str, trans_metrics: str,
                  extra: Mapping[str, Mapping[str, object]] | None = None) -> None:
-    """Write a retina.toml every process of the local cluster reads."""
+    """Write a retina.toml every process of the local cluster reads.
+
+    A development and test cluster keeps no history beyond live reads and pins
+    (``trans.history_retention_ms = 0``): Storage GC and folding act at once, as the
+    tests and demos expect. The production default is an hour (docs/history.md);
+    ``RETINA__TRANS__HISTORY_RETENTION_MS`` or ``extra`` sets another."""
     sections: dict[str, dict[str, object]] = {
         "etcd": {"endpoints": [etcd_endpoint]},
         "catalog": {"dsn": dsn},
         "storage": {"root": str(storage_root)},
-        "trans": {"listen": trans_listen, "metrics_listen": trans_metrics},
+        "trans": {"listen": trans_listen, "metrics_listen": trans_metrics,
+                  "history_retention_ms": 0},
     }
     for name, values in (extra or {}).items():
         sections.setdefault(name, {}).update(values)

@@ -87,6 +87,18 @@ class TransConfig:
     lease_sweep_interval_ms: int = 200
     # Ended transactions remembered with their outcome (for clear refusals).
     ended_cache_size: int = 100_000
+    # History (docs/history.md): AS OF reads reach back at least this far; safeGcTs
+    # stays below the snapshot of this long ago. The default is Paimon's
+    # snapshot.time-retained: an hour keeps "before the bad batch" readable for a
+    # person who notices it, at the cost of one deletion-chain item per row deleted in
+    # the hour (in the nodes' memory and checkpoints) and of the primary-index versions
+    # written in it (on disk). 0: only live reads and pins hold history.
+    history_retention_ms: int = 3_600_000
+    # The time -> timestamp map behind as_of_time_ms: a (wall ms, HWM) sample this
+    # often while the HWM moves (the precision of an AS OF time), written to etcd this
+    # often (what a crash can leave unmapped).
+    time_map_sample_ms: int = 100
+    time_map_flush_ms: int = 1000
 
 
 @dataclass(frozen=True)
@@ -315,6 +327,12 @@ def config_named(path: str | os.PathLike[str] | None, env: Mapping[str, str]) ->
 
 
 def _check(config: Config) -> None:
+    tc = config.trans
+    if tc.history_retention_ms < 0:
+        raise ConfigError("trans.history_retention_ms must not be negative")
+    for name in ("time_map_sample_ms", "time_map_flush_ms"):
+        if getattr(tc, name) <= 0:
+            raise ConfigError(f"trans.{name} must be positive")
     rc = config.retina
     if rc.temporary_file_ttl_ms <= rc.gc_prepare_ttl_ms:
         raise ConfigError(

@@ -229,6 +229,33 @@ TRANS_TXID_BLOCK_PERSIST_AFTER = Failpoint(
     "trans.txid_block.persist.after",
     "the new transaction-id block is durable in etcd, no id of it handed out yet")
 
+# --- TransServer: history (docs/write-paths/history.md) ---
+TRANS_HORIZON_PERSIST_BEFORE = Failpoint(
+    "trans.horizon.persist.before",
+    "a higher safeGcTs is chosen and raised in memory (no AS OF read at or below it is "
+    "admitted from now on), not yet written to etcd nor answered")
+TRANS_HORIZON_PERSIST_AFTER = Failpoint(
+    "trans.horizon.persist.after",
+    "the higher GC horizon is durable in etcd, the safeGcTs not yet answered")
+TRANS_PIN_CREATE_BEFORE = Failpoint(
+    "trans.pin.create.before",
+    "a pin is admitted and holds safeGcTs in memory, not yet written to etcd")
+TRANS_PIN_CREATE_AFTER = Failpoint(
+    "trans.pin.create.after",
+    "the pin is durable in etcd, CreatePin not yet answered")
+TRANS_PIN_DROP_BEFORE = Failpoint(
+    "trans.pin.drop.before",
+    "a pin is about to be deleted from etcd; it still holds safeGcTs")
+TRANS_PIN_DROP_AFTER = Failpoint(
+    "trans.pin.drop.after",
+    "the pin is gone from etcd, still held in memory, DropPin not yet answered")
+TRANS_TIME_MAP_FLUSH_BEFORE = Failpoint(
+    "trans.time_map.flush.before",
+    "time-map samples taken since the last flush are in memory only")
+TRANS_TIME_MAP_FLUSH_AFTER = Failpoint(
+    "trans.time_map.flush.after",
+    "the time map's open chunk (its samples and how far it covers) is durable in etcd")
+
 # --- etcd ---
 ETCD_TXN_COMMIT_AFTER = Failpoint(
     "etcd.txn.commit.after",

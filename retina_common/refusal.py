@@ -21,6 +21,7 @@ Exception classes in every package are named by one rule (docs/architecture.md,
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import NoReturn
@@ -47,6 +48,16 @@ ROLLED_BACK_FOR_BUFFER_READ = "rolled back for a write-buffer read"
 # source was not replayed (a writer registered during the replay, say): nothing changed,
 # the node stays AWAITING_REPLAY, and a driver replays again with every source.
 SOURCES_NOT_REPLAYED = "EVERY_SOURCE_REPLAYED: replay sources not replayed"
+# The first word of a FAILED_PRECONDITION refusing a read at a point whose history is no
+# longer kept (docs/history.md): below the GC horizon, below a row group's folded base, in
+# the history a node's recovery rebuilt. The details name the earliest readable point as
+# ``earliest_readable_ts=N earliest_readable_time_ms=M`` (M = 0: not known there);
+# :func:`earliest_readable` reads them back. Never a partial, empty or wrong answer.
+SNAPSHOT_EXPIRED = "snapshot_expired"
+# The first word of a FAILED_PRECONDITION refusing an AS OF wall-clock time the
+# TransServer's time map cannot place (it was down, or had crashed, then): pass a
+# timestamp, or a time outside the gaps `retina-admin status` lists.
+AS_OF_TIME_UNMAPPED = "as_of_time_unmapped"
 
 
 class Refusal(Exception):
@@ -117,6 +128,25 @@ def _reaching(what: str, address: str, ready_when: str) -> Iterator[None]:
         if transport_lost(exc):
             raise Unreachable(what, address, ready_when) from exc
         raise
+
+
+def snapshot_expired(what: str, earliest_ts: int, earliest_time_ms: int = 0) -> Refusal:
+    """The refusal of a read at a point whose history is gone (SNAPSHOT_EXPIRED)."""
+    return Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                   f"{SNAPSHOT_EXPIRED}: {what}; earliest_readable_ts={earliest_ts} "
+                   f"earliest_readable_time_ms={earliest_time_ms}")
+
+
+_EARLIEST = re.compile(r"earliest_readable_ts=(\d+) earliest_readable_time_ms=(\d+)")
+
+
+def earliest_readable(details: str) -> tuple[int, int] | None:
+    """(earliest_readable_ts, earliest_readable_time_ms) of a SNAPSHOT_EXPIRED refusal's
+    details; None for any other status text."""
+    if not details.startswith(SNAPSHOT_EXPIRED):
+        return None
+    found = _EARLIEST.search(details)
+    return (int(found.group(1)), int(found.group(2))) if found else None
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -49,7 +49,7 @@ class TransClient:
         reply = self._call(lambda: self._stub.GetTransStatus(
             pb.GetTransStatusRequest(trans_id=trans_id), timeout=TIMEOUT_S))
         return TransStatus(reply.live, reply.read_only, reply.lease_expires_at_ms,
-                           reply.timestamp)
+                           reply.timestamp, reply.as_of)
 
     def trans_live(self, trans_id: int) -> bool:
         """Whether the transaction is live (not ended, its lease not run out)."""
@@ -60,9 +60,10 @@ class TransClient:
                                                            timeout=TIMEOUT_S))
         return ReaderHolds(frozenset(reply.file_ids), reply.listings_in_flight)
 
-    def fresh_timestamp(self) -> tuple[int, int]:
-        """A write timestamp X issued now, whose transaction is ended at once, and the HWM
-        after it ended. Every snapshot granted before this call is below X."""
+    def fresh_timestamp(self) -> tuple[int, int, int]:
+        """A write timestamp X issued now, whose transaction is ended at once, the HWM
+        after it ended, and its transaction id (every transaction begun before this call
+        has a smaller id). Every snapshot granted before this call is below X."""
         began = self._call(lambda: self._stub.BeginTrans(
             pb.BeginTransRequest(read_only=False, lease_ms=FRESH_LEASE_MS),
             timeout=TIMEOUT_S))
@@ -74,4 +75,4 @@ class TransClient:
                 raise Refusal(grpc.StatusCode.UNAVAILABLE,
                               f"TransServer unreachable: {exc.code().name}") from exc
             hwm = self.high_watermark()  # its lease ran out first: ended all the same
-        return began.timestamp, hwm
+        return began.timestamp, hwm, began.trans_id

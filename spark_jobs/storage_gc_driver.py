@@ -227,8 +227,8 @@ class StorageGcJob:
         except grpc.RpcError as exc:
             if exc.code() in RETRYABLE_CODES:
                 raise  # the node is away: the whole run is unavailable
-            # ABORTED: its visibility base is above safeGcTs (e.g. a GC output whose base
-            # is a later cutoff, or a node restarted since); try again in a later run.
+            # snapshot_expired: its visibility base is above safeGcTs (a base a version-1
+            # checkpoint restored at its checkpointAppliedTs); try again in a later run.
             return Skipped(table, f.file_id, f.name,
                            f"QueryVisibility at {self.state.safe_gc_ts}: "
                            f"{exc.code().name}: {exc.details()}")

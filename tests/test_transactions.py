@@ -6,7 +6,8 @@ import pytest
 
 from retina_common import failpoints
 from retina_common.etcd import EtcdStore
-from retina_common.keys import TRANS_ID_KEY, TRANS_TIMESTAMP_KEY
+from retina_common.keys import GC_HORIZON_KEY, TRANS_ID_KEY, TRANS_TIMESTAMP_KEY
+from trans_gate.history import GcHorizon
 from trans_gate.timestamps import CounterCorrupt, CounterFenced, DurableCounter
 from trans_gate.transactions import (
     BadTransArgument,
@@ -32,7 +33,14 @@ def table(etcd: EtcdStore, clock: list[int], block: int = 3) -> TransactionTable
     return TransactionTable(counter(etcd, TRANS_TIMESTAMP_KEY, block),
                             counter(etcd, TRANS_ID_KEY, block), lambda: clock[0],
                             write_lease_ms=100, read_lease_ms=1000, max_lease_ms=5000,
-                            ended_cache_size=4)
+                            horizon=horizon(etcd), ended_cache_size=4)
+
+
+def horizon(etcd: EtcdStore) -> GcHorizon:
+    h = GcHorizon(etcd, GC_HORIZON_KEY, failpoints.TRANS_HORIZON_PERSIST_BEFORE,
+                  failpoints.TRANS_HORIZON_PERSIST_AFTER)
+    h.load()
+    return h
 
 
 def test_counter_never_reuses_a_value_across_reopen(etcd: EtcdStore) -> None:

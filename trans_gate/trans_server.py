@@ -19,15 +19,19 @@ from prometheus_client import Gauge
 from retina_common import exit_codes, failpoints, tls
 from retina_common.catalog import Catalog, CatalogError
 from retina_common.config import Config, ConfigError
-from retina_common.etcd import EtcdError, EtcdStore
+from retina_common.etcd import EtcdError, EtcdStore, EtcdUnavailable
 from retina_common.grpc_server import ServerHandle
-from retina_common.keys import TRANS_ID_KEY, TRANS_TIMESTAMP_KEY
+from retina_common.keys import GC_HORIZON_KEY, TRANS_ID_KEY, TRANS_TIMESTAMP_KEY
 from retina_common.log import configure_logging
 from retina_common.metrics import serve_metrics
 from retina_common.pb import trans_pb2, trans_pb2_grpc
 from retina_common.process_config import load_process_config
 from retina_common.topology import load_topology
+from trans_gate.as_of import AsOfPoints
 from trans_gate.gate import LifecycleWatcher, NodeAvailability, QueryAvailabilityGate
+from trans_gate.history import GcHorizon, HorizonCorrupt, retained_snapshot
+from trans_gate.pins import PinCorrupt, Pins, PinStore
+from trans_gate.time_map import TimeMap
 from trans_gate.timestamps import CounterCorrupt, DurableCounter
 from trans_gate.trans_service import HWM_GAUGE, TransService
 from trans_gate.transactions import TransactionTable
@@ -38,6 +42,13 @@ LIVE_TRANS = Gauge("trans_live_transactions", "Live transactions", ["kind"])
 WATCH_UP = Gauge("trans_gate_watch_up", "1 while the lifecycle watch is initialised and healthy")
 NODE_READY = Gauge("trans_gate_node_ready", "1 if the gate sees the node READY and fresh", ["node"])
 SAFE_GC = Gauge("trans_safe_gc_ts", "Current safe GC timestamp")
+HORIZON = Gauge("trans_gc_horizon_ts", "The GC horizon: the largest safeGcTs handed out")
+EARLIEST_READABLE = Gauge("trans_earliest_readable_ts",
+                          "The earliest snapshot an AS OF read is admitted at")
+EARLIEST_READABLE_TIME = Gauge("trans_earliest_readable_time_ms",
+                               "The earliest wall-clock time an AS OF read resolves (0: none)")
+PINS = Gauge("trans_pins", "Named pins")
+OLDEST_PIN = Gauge("trans_oldest_pin_ts", "The lowest pinned timestamp (-1: no pin)")
 
 
 def now_ms() -> int:
@@ -68,19 +79,39 @@ class TransServer:
                                connect_timeout_s=config.catalog.connect_timeout_s)
         self.handle = ServerHandle(tc.listen, max_workers=16, service_names=[SERVICE_NAME],
                                    tls=config.tls)
+        self.horizon = GcHorizon(store, GC_HORIZON_KEY, failpoints.TRANS_HORIZON_PERSIST_BEFORE,
+                                 failpoints.TRANS_HORIZON_PERSIST_AFTER)
+        self.time_map = TimeMap(store, now_ms)
+        self._pin_store = PinStore(store)
         self.table: TransactionTable | None = None
+        self.pins: Pins | None = None
 
     def start(self) -> None:
         self.catalog.bootstrap()
         self.timestamps.open()
         self.trans_ids.open()
         tc = self._config.trans
-        self.table = TransactionTable(self.timestamps, self.trans_ids, now_ms,
-                                      write_lease_ms=tc.write_lease_ms,
-                                      read_lease_ms=tc.read_lease_ms,
-                                      max_lease_ms=tc.max_lease_ms,
-                                      ended_cache_size=tc.ended_cache_size)
-        service = TransService(self.table, self.gate, self.catalog, on_fenced=self._fenced)
+        self.horizon.load()
+        self.time_map.load()
+        self.table = TransactionTable(
+            self.timestamps, self.trans_ids, now_ms, write_lease_ms=tc.write_lease_ms,
+            read_lease_ms=tc.read_lease_ms, max_lease_ms=tc.max_lease_ms,
+            horizon=self.horizon, ended_cache_size=tc.ended_cache_size,
+            retained=retained_snapshot(tc.history_retention_ms,
+                                       self.time_map.hwm_at_or_before, now_ms),
+            time_of=self.time_map.earliest_time_at_or_above)
+        self.time_map.start(self.table.high_watermark())
+        # This incarnation's start is durable before anything commits: a crash before the
+        # next flush leaves a gap from here, never a stretch read as quiet.
+        if not self.time_map.flush():
+            raise EtcdUnavailable("the time map's first chunk could not be written")
+        # Before anything is served: every stored pin holds safeGcTs again.
+        self.pins = Pins(self._pin_store, self.table)
+        pins = self.pins.load()
+        service = TransService(self.table, self.gate, self.catalog, on_fenced=self._fenced,
+                               as_of=AsOfPoints(self.time_map, self.pins, self.table.horizon),
+                               pins=self.pins, time_map=self.time_map,
+                               history_retention_ms=tc.history_retention_ms)
         trans_pb2_grpc.add_TransServiceServicer_to_server(service, self.handle.server)
         if self._config.gate.retina_enabled:
             self.watcher.start()
@@ -90,10 +121,13 @@ class TransServer:
         self.handle.start()
         self.handle.set_serving(True)
         threading.Thread(target=self._housekeeping, name="lease-reaper", daemon=True).start()
+        threading.Thread(target=self._time_map_loop, name="time-map", daemon=True).start()
         self._log.info("trans_server_started", listen=self.handle.address,
                        metrics_port=metrics_port, expected_nodes=list(self.gate.expected_nodes),
                        first_timestamp=self.timestamps.session_start,
-                       high_watermark=self.table.high_watermark())
+                       high_watermark=self.table.high_watermark(),
+                       gc_horizon=self.horizon.durable, pins=[p.name for p in pins],
+                       history_retention_ms=tc.history_retention_ms)
 
     def _housekeeping(self) -> None:
         interval = self._config.trans.lease_sweep_interval_ms / 1000
@@ -105,11 +139,34 @@ class TransServer:
             for kind, count in self.table.live_counts().items():
                 LIVE_TRANS.labels(kind=kind.value).set(count)
             HWM_GAUGE.set(self.table.high_watermark())
-            SAFE_GC.set(self.table.safe_gc_ts())
+            SAFE_GC.set(self.table.peek_safe_gc_ts())
+            self._history_gauges()
             snapshot, now = self.gate.snapshot, now_ms()
             for node in self.gate.expected_nodes:
                 ready = self.gate.availability(node, snapshot, now) == NodeAvailability.READY
                 NODE_READY.labels(node=node).set(1 if ready else 0)
+
+    def _history_gauges(self) -> None:
+        assert self.table is not None and self.pins is not None
+        horizon = self.table.horizon()
+        HORIZON.set(horizon)
+        EARLIEST_READABLE.set(horizon + 1)
+        EARLIEST_READABLE_TIME.set(self.time_map.earliest_time_at_or_above(horizon + 1))
+        pins = self.pins.all()
+        PINS.set(len(pins))
+        OLDEST_PIN.set(min((p.ts for p in pins), default=-1))
+
+    def _time_map_loop(self) -> None:
+        """Sample the HWM; flush (after pruning what the durable horizon made unreadable)."""
+        tc = self._config.trans
+        assert self.table is not None
+        flushed = time.monotonic()
+        while not self._stop.wait(tc.time_map_sample_ms / 1000):
+            self.time_map.sample(self.table.high_watermark())
+            if time.monotonic() - flushed >= tc.time_map_flush_ms / 1000:
+                self.time_map.prune(self.horizon.durable)
+                self.time_map.flush()
+                flushed = time.monotonic()
 
     def _fenced(self) -> None:
         self._log.critical("trans_server_fenced", action="stopping")
@@ -126,8 +183,11 @@ class TransServer:
             pass
         self._log.info("trans_server_stopping")
         self.handle.set_serving(False)
-        self.watcher.stop()
+        if self._config.gate.retina_enabled:  # not started otherwise
+            self.watcher.stop()
         self.handle.stop()
+        if self.table is not None and self.exit_code == 0:
+            self.time_map.close(self.table.high_watermark())  # nothing commits after this
         self.catalog.close()
         self._log.info("trans_server_stopped", exit_code=self.exit_code)
         return self.exit_code
@@ -146,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         log.error("trans_server_config_error", error=str(exc))
         return exit_codes.USAGE
-    except (EtcdError, CatalogError, CounterCorrupt, OSError) as exc:
+    except (EtcdError, CatalogError, CounterCorrupt, HorizonCorrupt, PinCorrupt,
+            OSError) as exc:
         log.error("trans_server_start_failed", error=str(exc), error_type=type(exc).__name__)
         return exit_codes.UNAVAILABLE
 

@@ -19,7 +19,10 @@ from retina_common.log import get_logger
 from retina_common.pb import trans_pb2 as pb
 from retina_common.pb import trans_pb2_grpc as pb_grpc
 from retina_common.refusal import Refusal, abort, status_of
+from trans_gate.as_of import AsOfPoints
 from trans_gate.gate import GateDecision, QueryAvailabilityGate
+from trans_gate.pins import Pin, Pins
+from trans_gate.time_map import TimeMap
 from trans_gate.timestamps import CounterFenced
 from trans_gate.transactions import Transaction, TransactionTable, TransKind
 
@@ -34,6 +37,8 @@ GATE_DECISION_SECONDS = Histogram(
     buckets=(0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01))
 HWM_GAUGE = Gauge("trans_high_watermark", "Current high watermark")
 LIST_FILES_TOTAL = Counter("trans_list_query_files_total", "ListQueryFiles calls", ["outcome"])
+AS_OF_TOTAL = Counter("trans_as_of_begin_total", "AS OF read transactions asked for",
+                      ["outcome"])
 # The ListQueryFiles outcome label of a catalog failure, by the status it answers.
 _CATALOG_OUTCOMES = {grpc.StatusCode.NOT_FOUND: "not_found",
                      grpc.StatusCode.UNAVAILABLE: "catalog_unavailable"}
@@ -41,11 +46,16 @@ _CATALOG_OUTCOMES = {grpc.StatusCode.NOT_FOUND: "not_found",
 
 class TransService(pb_grpc.TransServiceServicer):
     def __init__(self, table: TransactionTable, gate: QueryAvailabilityGate, catalog: Catalog,
-                 on_fenced: Callable[[], None]) -> None:
+                 on_fenced: Callable[[], None], *, as_of: AsOfPoints, pins: Pins,
+                 time_map: TimeMap, history_retention_ms: int) -> None:
         self._table = table
         self._gate = gate
         self._catalog = catalog
         self._on_fenced = on_fenced
+        self._as_of = as_of
+        self._pins = pins
+        self._time_map = time_map
+        self._retention_ms = history_retention_ms
 
     # --- helpers ---------------------------------------------------------------------
     def _guard(self, context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
@@ -101,9 +111,26 @@ class TransService(pb_grpc.TransServiceServicer):
     def BeginTrans(self, request: pb.BeginTransRequest,
                    context: grpc.ServicerContext) -> pb.BeginTransResponse:
         def run() -> pb.BeginTransResponse:
-            (trans,) = self._begin(request.read_only, 1, request.lease_ms)
+            point = self._as_of.of_begin(request.read_only, request.as_of_ts,
+                                         request.as_of_time_ms, request.as_of_pin)
+            if point is None:
+                (trans,) = self._begin(request.read_only, 1, request.lease_ms)
+            else:
+                trans = self._begin_as_of(point, request.lease_ms)
             return self._response(trans)
         return self._guard(context, run)
+
+    def _begin_as_of(self, ts: int, lease_ms: int) -> Transaction:
+        """A read at a past snapshot: gated like any read, admitted only if still readable."""
+        self._gate_check()
+        try:
+            trans = self._table.begin_as_of(ts, lease_ms)
+        except Exception:
+            AS_OF_TOTAL.labels(outcome="refused").inc()
+            raise
+        AS_OF_TOTAL.labels(outcome="begun").inc()
+        BEGIN_TOTAL.labels(kind=TransKind.READ.value).inc()
+        return trans
 
     def BeginTransBatch(self, request: pb.BeginTransBatchRequest,
                         context: grpc.ServicerContext) -> pb.BeginTransBatchResponse:
@@ -157,7 +184,8 @@ class TransService(pb_grpc.TransServiceServicer):
                 return pb.GetTransStatusResponse(live=False)
             return pb.GetTransStatusResponse(live=True, read_only=trans.kind == TransKind.READ,
                                              timestamp=trans.timestamp,
-                                             lease_expires_at_ms=trans.lease_expires_at_ms)
+                                             lease_expires_at_ms=trans.lease_expires_at_ms,
+                                             as_of=trans.as_of)
         return self._guard(context, run)
 
     def ListQueryFiles(self, request: pb.ListQueryFilesRequest,
@@ -227,4 +255,42 @@ class TransService(pb_grpc.TransServiceServicer):
                 admitted=decision.admitted, message=decision.message,
                 nodes={n: str(a) for n, a in decision.nodes.items()},
                 watch_healthy=snapshot.watch_healthy, revision=snapshot.revision)
+        return self._guard(context, run)
+
+    # --- history (docs/history.md) ----------------------------------------------------------
+    @staticmethod
+    def _pin(pin: Pin) -> pb.Pin:
+        return pb.Pin(name=pin.name, ts=pin.ts, created_ms=pin.created_ms,
+                      at_time_ms=pin.at_time_ms)
+
+    def CreatePin(self, request: pb.CreatePinRequest,
+                  context: grpc.ServicerContext) -> pb.CreatePinResponse:
+        def run() -> pb.CreatePinResponse:
+            ts = self._as_of.of_point(request.ts, request.at_time_ms)
+            return pb.CreatePinResponse(pin=self._pin(
+                self._pins.create(request.name, ts, request.at_time_ms)))
+        return self._guard(context, run)
+
+    def DropPin(self, request: pb.DropPinRequest,
+                context: grpc.ServicerContext) -> pb.DropPinResponse:
+        return self._guard(context, lambda: pb.DropPinResponse(
+            dropped=self._pins.drop(request.name)))
+
+    def ListPins(self, request: pb.ListPinsRequest,
+                 context: grpc.ServicerContext) -> pb.ListPinsResponse:
+        return self._guard(context, lambda: pb.ListPinsResponse(
+            pins=[self._pin(p) for p in self._pins.all()]))
+
+    def GetHistoryStatus(self, request: pb.GetHistoryStatusRequest,
+                         context: grpc.ServicerContext) -> pb.GetHistoryStatusResponse:
+        def run() -> pb.GetHistoryStatusResponse:
+            horizon = self._table.horizon()
+            return pb.GetHistoryStatusResponse(
+                horizon_ts=horizon, earliest_readable_ts=horizon + 1,
+                earliest_readable_time_ms=self._time_map.earliest_time_at_or_above(horizon + 1),
+                high_watermark=self._table.high_watermark(),
+                history_retention_ms=self._retention_ms, pins=len(self._pins.all()),
+                time_gaps=[pb.TimeGap(from_ms=a, to_ms=b) for a, b in self._time_map.gaps()],
+                time_map_from_ms=self._time_map.first_ms(),
+                next_safe_gc_ts=self._table.peek_safe_gc_ts())
         return self._guard(context, run)

@@ -6,11 +6,16 @@ Invariants (named as in docs/trans-server.md):
   has ended. The HWM is ``min(live write timestamps) - 1``, or the last
   issued write timestamp when none is live; it never decreases, and it
   never passes a live write transaction, however the others end.
-* SNAPSHOT_AT_HWM: a read-only transaction's snapshot is the HWM at begin
+* SNAPSHOT_AT_HWM: a read-only transaction's snapshot is the HWM at begin, or
+  the past point it asked for (AS OF), admitted only if ``horizon < S <= HWM``
   (the gate decides whether it may begin at all; see :mod:`trans_gate.gate`).
-* SAFE_GC_BELOW_READERS: ``safeGcTs = min(HWM, live non-offloaded read
-  snapshots) - 1``: strictly below every snapshot a live query or a new
-  query can hold, so folding never removes a version anyone can still see.
+* SAFE_GC_BELOW_READERS: ``safeGcTs = max(horizon, min(HWM, live non-offloaded
+  read snapshots, pins, the retained snapshot) - 1)``: strictly below every
+  snapshot a live query, a pin or the history retention holds, and never below
+  a value handed out before (the GC horizon, history.py), so folding never
+  removes a version anyone can still see or still be admitted to read.
+* HORIZON_BELOW_READABLE: an AS OF read or a pin at S is admitted, under the
+  same lock that raises the horizon, only if ``horizon < S`` (history.py).
 * LISTED_FILES_HELD: a file ListQueryFiles gave a live read transaction
   (offloaded or not) is reported by :meth:`TransactionTable.read_holds` until
   the transaction ends; while a listing is between its catalog read and its
@@ -34,6 +39,8 @@ from enum import StrEnum
 
 import grpc
 
+from retina_common.refusal import snapshot_expired
+from trans_gate.history import GcHorizon
 from trans_gate.timestamps import DurableCounter
 
 
@@ -73,6 +80,12 @@ class BadTransArgument(TransError):
     grpc_status = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class SnapshotAhead(TransError):
+    """An AS OF point above the HWM: not every write at or below it has ended (yet)."""
+
+    grpc_status = grpc.StatusCode.OUT_OF_RANGE
+
+
 class TransactionOffloaded(TransError):
     """An offloaded read no longer holds back safeGcTs, so a rewrite may since have
     dropped rows its snapshot reads: it must list its files before it offloads."""
@@ -87,6 +100,7 @@ class Transaction:
     timestamp: int
     lease_expires_at_ms: int
     offloaded: bool = False
+    as_of: bool = False  # a read at a past point (BeginTrans.as_of_*)
     # Files ListQueryFiles gave this (read-only) transaction: the sweepers keep them.
     listed: set[int] = field(default_factory=set)
 
@@ -104,7 +118,12 @@ class ReadHolds:
 class TransactionTable:
     def __init__(self, timestamps: DurableCounter, trans_ids: DurableCounter,
                  clock_ms: Callable[[], int], *, write_lease_ms: int, read_lease_ms: int,
-                 max_lease_ms: int, ended_cache_size: int = 100_000) -> None:
+                 max_lease_ms: int, horizon: GcHorizon, ended_cache_size: int = 100_000,
+                 retained: Callable[[], int | None] = lambda: None,
+                 time_of: Callable[[int], int] = lambda _ts: 0) -> None:
+        """``retained``: the snapshot the history retention keeps readable (None: no
+        retention); ``time_of(ts)``: the earliest wall-clock time that resolves to
+        ``ts`` or later (0: unknown), for the refusals' details."""
         self._ts = timestamps
         self._ids = trans_ids
         self._clock_ms = clock_ms
@@ -121,6 +140,10 @@ class TransactionTable:
         self._last_write_ts = timestamps.session_start - 1
         self._hwm = self._last_write_ts
         self._listings_in_flight = 0
+        self._horizon = horizon
+        self._retained = retained
+        self._time_of = time_of
+        self._pins: dict[str, int] = {}  # name -> ts (pins.py keeps them durable)
 
     # --- begin ---------------------------------------------------------------
     def _lease(self, kind: TransKind, lease_ms: int) -> int:
@@ -150,6 +173,40 @@ class TransactionTable:
                     heapq.heappush(self._write_heap, (ts, trans.trans_id))
                 created.append(trans)
             return created
+
+    def begin_as_of(self, ts: int, lease_ms: int = 0) -> Transaction:
+        """A read-only transaction at the past snapshot ``ts`` (HORIZON_BELOW_READABLE)."""
+        expires = self._lease(TransKind.READ, lease_ms)
+        with self._lock:
+            self._check_readable(ts, "snapshot")
+            trans = Transaction(self._ids.take(1), TransKind.READ, ts, expires, as_of=True)
+            self._live[trans.trans_id] = trans
+            return trans
+
+    def _check_readable(self, ts: int, what: str) -> None:
+        """``horizon < ts <= HWM`` or the refusal (the caller holds the lock)."""
+        hwm = self._compute_hwm()
+        if ts > hwm:
+            raise SnapshotAhead(f"{what} {ts} is above the high watermark {hwm}: writes at or "
+                                "below it have not all ended yet; retry later")
+        horizon = self._horizon.value
+        if ts <= horizon:
+            raise snapshot_expired(
+                f"{what} {ts} is at or below the GC horizon {horizon}: history up to it "
+                "may be folded or rewritten", horizon + 1, self._time_of(horizon + 1))
+
+    # --- pins (pins.py) --------------------------------------------------------
+    def hold_pin(self, name: str, ts: int, *, check: bool = True) -> None:
+        """A pin holds safeGcTs below ``ts``; refused like an AS OF read at ``ts`` unless
+        ``check`` is off (a stored pin loaded at start)."""
+        with self._lock:
+            if check:
+                self._check_readable(ts, f"pin {name} at")
+            self._pins[name] = ts
+
+    def release_pin(self, name: str) -> None:
+        with self._lock:
+            self._pins.pop(name, None)
 
     # --- end -----------------------------------------------------------------
     def _require_live(self, trans_id: int) -> Transaction:
@@ -258,12 +315,34 @@ class TransactionTable:
             return self._compute_hwm()
 
     def safe_gc_ts(self) -> int:
+        """Hand out safeGcTs: raised into the horizon under the lock, durable before it
+        is returned (history.py; EtcdError: nothing may use it)."""
         with self._lock:
-            floor = self._compute_hwm()
-            for trans in self._live.values():
-                if trans.kind == TransKind.READ and not trans.offloaded:
-                    floor = min(floor, trans.timestamp)
-            return max(floor - 1, 0)
+            value = self._safe_gc_locked()
+            self._horizon.raise_to(value)
+        self._horizon.persist(value)
+        return value
+
+    def peek_safe_gc_ts(self) -> int:
+        """What :meth:`safe_gc_ts` would hand out now, for a gauge: raises nothing."""
+        with self._lock:
+            return self._safe_gc_locked()
+
+    def _safe_gc_locked(self) -> int:
+        floor = self._compute_hwm()
+        for trans in self._live.values():
+            if trans.kind == TransKind.READ and not trans.offloaded:
+                floor = min(floor, trans.timestamp)
+        floor = min([floor, *self._pins.values()])
+        retained = self._retained()
+        if retained is not None:
+            floor = min(floor, retained)
+        return max(self._horizon.value, floor - 1, 0)
+
+    def horizon(self) -> int:
+        """The GC horizon: the earliest readable snapshot is one above it."""
+        with self._lock:
+            return self._horizon.value
 
     def live_counts(self) -> dict[TransKind, int]:
         with self._lock:
