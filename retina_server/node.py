@@ -201,7 +201,7 @@ class RetinaNode:
                 blocks_per_file=self._settings.blocks_per_file,
                 allocate_file=lambda buf, first: self._allocate_file(buf, first, path_id,
                                                                      path_uri))
-            publisher = StreamPublisher(buffer, self.catalog, self.index, self.registry,
+            publisher = StreamPublisher(buffer, self.catalog, self.index.main, self.registry,
                                         self.visibility, self.fail_closed,
                                         on_published=self._forget_published)
             stream = Stream(table, vnode, path_id, path_uri, schema, buffer, publisher)
@@ -224,8 +224,8 @@ class RetinaNode:
     def _allocate_file(self, buffer: StreamBuffer, _first_hint: int, path_id: int,
                        path_uri: str) -> IngestFile:
         """Register a new TEMPORARY_INGEST file for a stream (called under its lock)."""
-        seq = self.index.allocate("file_seq")
-        first_block = self.index.allocate(f"block:{buffer.table_id}:{buffer.vnode}",
+        seq = self.index.sequences.allocate("file_seq")
+        first_block = self.index.sequences.allocate(f"block:{buffer.table_id}:{buffer.vnode}",
                                           self._settings.blocks_per_file)
         buffer.next_block_id = first_block
         now = datetime.now(UTC)

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint_store = CheckpointStore(etcd, node_id, storage, topology.topology_hash)
     recovery = RecoveryCoordinator(
         node, catalog, checkpoint_store,
-        machine, announcer, trans.high_watermark, index.allocate("recovery_epoch") + 1,
+        machine, announcer, trans.high_watermark, index.sequences.allocate("recovery_epoch") + 1,
         journal)
     node.on_fail_closed = recovery.fail
     gc = StorageGc(node, catalog, journal, trans.safe_gc_ts,
