@@ -58,7 +58,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cdc_client.connector import Connector
-from cdc_client.main import settings_of, table_map
+from cdc_client.connector_main import settings_of, table_map
 from cdc_client.positions import CommittedPosition, PositionStore
 from cdc_client.source import RowChange, SourceTransaction
 from devtools.cluster import (

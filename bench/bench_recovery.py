@@ -52,7 +52,7 @@ from devtools.cluster import (
 )
 from retina_common import file_names
 from retina_common.catalog import Catalog, ColumnSpec, FileType
-from retina_common.checkpoint import (
+from retina_common.checkpoint_store import (
     CheckpointBody,
     CheckpointHeader,
     CheckpointStore,

@@ -2,6 +2,6 @@
 
 import sys
 
-from cdc_client.main import main
+from cdc_client.connector_main import main
 
 sys.exit(main())

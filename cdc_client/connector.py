@@ -41,7 +41,7 @@ from typing import TypeVar
 import grpc
 import structlog
 
-from cdc_client import metrics as m
+from cdc_client import cdc_metrics as m
 from cdc_client.intake import Intake
 from cdc_client.positions import CommittedPosition, PositionStore
 from cdc_client.source import Source, SourceTransaction

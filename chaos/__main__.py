@@ -1,5 +1,5 @@
 import sys
 
-from chaos.main import main
+from chaos.campaign import main
 
 sys.exit(main())

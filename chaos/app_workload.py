@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import IO, Any
 
-from retina_common.checkpoint import CorruptCheckpoint, Pointer
+from retina_common.checkpoint_store import CorruptCheckpoint, Pointer
 from retina_common.codec import encode_primary_key
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.keys import checkpoint_slot_key
@@ -40,7 +40,7 @@ from retina_common.log import logged_events
 from retina_common.topology import Topology
 
 from .app_model import AppModel, Expected, Txn
-from .cluster import APP_WRITER_ID, CDC, WRITER, ChaosCluster, Proc
+from .campaign_cluster import APP_WRITER_ID, CDC, WRITER, ChaosCluster, Proc
 from .workload import APP_TABLE, Key, Row
 
 # The episode's stream for the application writer: random.Random(episode seed ^ this).

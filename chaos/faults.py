@@ -30,8 +30,8 @@ from retina_common.topology import load_topology
 
 from . import spark_replay, split_reads, stalls
 from .app_workload import AppWriter
-from .cluster import CDC, TRANS, ChaosCluster
-from .gc import ROW_GROUP_ROWS, GcDriver, PassResult, maintenance
+from .campaign_cluster import CDC, TRANS, ChaosCluster
+from .gc_driver import ROW_GROUP_ROWS, GcDriver, PassResult, maintenance
 from .prober import ReadinessTracker
 from .repeatable_reads import SnapshotBook
 from .sweep import (
@@ -67,11 +67,11 @@ SCHEMA_POINTS = ("catalog.add_column.",)
 # its transaction in doubt (logged, not acknowledged) and is started again.
 WRITER_PREFIXES = ("writer.",)
 # Points no process of this topology reaches, with the reason (reported, never hidden).
-# Empty since the campaign runs Storage GC (chaos/gc.py): atomicSwapFiles, the only
+# Empty since the campaign runs Storage GC (chaos/gc_driver.py): atomicSwapFiles, the only
 # caller of catalog.swap.commit.*, is reached by every GC commit; and since the workload
 # adds columns, which reaches catalog.add_column.commit.*.
 UNREACHABLE: dict[str, str] = {}
-# Storage GC points, by what reaches them (chaos/gc.py runs the passes):
+# Storage GC points, by what reaches them (chaos/gc_driver.py runs the passes):
 # - the commit: reached only while a GC commit runs, so the campaign runs GC passes on the
 #   armed node while it waits (catalog.update_file.commit.* is also reached by every
 #   ingest publish: the wait writes and runs GC passes, whichever comes first);
@@ -86,12 +86,12 @@ GC_PROMOTE_POINTS = ("gc.journal.checkpointed.",)
 #   (the switch runs under the stream locks a checkpoint takes), so the next start must
 #   roll it back; the point is armed for that start and hit during start-up.
 GC_ROLLBACK_POINTS = ("gc.rollback.", "gc.journal.aborted.", "catalog.revert_swap.commit.")
-# - the revert (lineage.py): reached only by RevertGcRewrite of a COMPLETED rewrite whose
-#   old files are still RETIRED: the wait runs a GC pass when the node lists no revertible
-#   rewrite (ListGcLineage), else reverts a random revertible one.
+# - the revert (retina_server/gc/lineage.py): reached only by RevertGcRewrite of a COMPLETED
+#   rewrite whose old files are still RETIRED: the wait runs a GC pass when the node lists
+#   no revertible rewrite (ListGcLineage), else reverts a random revertible one.
 GC_REVERT_POINTS = ("gc.revert.",)
-# Sweeper points (sweeper.py, orphans.py, CheckpointStore.cleanup), by the pass that
-# reaches them once something is due. The node's own round runs every 2 s while READY
+# Sweeper points (retina_server/gc/sweeper.py, orphans.py, CheckpointStore.cleanup), by the
+# pass that reaches them once something is due. The node's own round runs every 2 s while READY
 # (cluster.RETINA_SETTINGS); the wait also forces rounds with RunSweeper and makes files
 # due: GC passes (retired files, then settled final journal records), planted temporary
 # leftovers (a TEMPORARY_GC / TEMPORARY_INGEST row named two hours ago) and planted orphan
@@ -184,7 +184,7 @@ class FaultResult:
     failpoint_hit: bool | None = None
     anomalies: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    gc: Counter[str] = field(default_factory=Counter)  # GC pass outcomes (chaos/gc.py)
+    gc: Counter[str] = field(default_factory=Counter)  # GC pass outcomes (chaos/gc_driver.py)
     sweep: Counter[str] = field(default_factory=Counter)  # sweepers, reverts, orphans
     replay: Counter[str] = field(default_factory=Counter)  # chaos/spark_replay.py
     reads: Counter[str] = field(default_factory=Counter)  # stalled writes, split reads

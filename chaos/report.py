@@ -44,7 +44,7 @@ class Report:
     # (inserts after the TRUNCATE in its transaction), columns_added, and writes of the
     # TOAST table that leave its TOAST column out (upsert_ / update_toast_kept).
     workload: Counter[str] = field(default_factory=Counter)
-    # Storage GC (chaos/gc.py): passes, groups, committed, refused_<CODE>, files_replaced,
+    # Storage GC (chaos/gc_driver.py): passes, groups, committed, refused_<CODE>, files_replaced,
     # rows_kept, rows_dropped, chain_items, racing_changes, gate_closed, commit_unknown,
     # task_died, task_retried (Spark's retry of a dead rewrite task), retry_committed,
     # retry_refused_<CODE>, streams_skipped, rolled_back_recovery, rolled_back_in_place,

@@ -10,7 +10,7 @@ A snapshot is every compared table at one timestamp S, read by one of two reader
   ``FastSnapshotReader``) under a gated read-only transaction;
 - **spark**: the Spark snapshot query's own code path without a JVM: its driver steps
   (``spark_jobs.snapshot_query.plan_snapshot``) and its task function ``read_files``,
-  as the job runs them, in the campaign's process (as chaos/gc.py runs the Storage GC
+  as the job runs them, in the campaign's process (as chaos/gc_driver.py runs the Storage GC
   job's ``rewrite_group``).
 
 Either reads at any S at or below its transaction's own snapshot (a read may look at an

@@ -1,6 +1,6 @@
 """A Spark job's task in a process of its own: ``python -m chaos.spark_task``.
 
-The campaign runs the Spark jobs' drivers in its own process, without a JVM (chaos/gc.py,
+The campaign runs the Spark jobs' drivers in its own process, without a JVM (chaos/gc_driver.py,
 chaos/spark_replay.py), and their tasks (``storage_gc.rewrite_group``,
 ``cdc_replay.replay_vnode``) here, one process per task attempt, as a Spark executor's
 Python worker runs them: the task's function and its plain arguments are pickled (as Spark

@@ -48,7 +48,7 @@ from retina_common.pb import trans_pb2 as tpb
 from retina_common.pb import trans_pb2_grpc
 
 from . import workload
-from .cluster import CDC, CDC_NAME
+from .campaign_cluster import CDC, CDC_NAME
 from .compare import committed_lsn
 from .snapshots import VIAS
 

@@ -40,7 +40,7 @@ from retina_common import admin_writers, file_names, progress
 from retina_common.admin_cluster import Cluster
 from retina_common.catalog import CatalogError, FileType
 from retina_common.catalog.cli import parse_file_type
-from retina_common.checkpoint import CorruptCheckpoint, Pointer
+from retina_common.checkpoint_store import CorruptCheckpoint, Pointer
 from retina_common.cli_json import message_dict
 from retina_common.config import ConfigError
 from retina_common.etcd import EtcdError

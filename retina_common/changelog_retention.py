@@ -12,7 +12,7 @@ node without a checkpoint, or a slot that cannot be read, pins the horizon at
 
 from __future__ import annotations
 
-from retina_common.checkpoint import CheckpointError, CheckpointStore
+from retina_common.checkpoint_store import CheckpointError, CheckpointStore
 from retina_common.etcd import EtcdStore
 from retina_common.replay_ts import derive
 from retina_common.topology import Topology

@@ -10,7 +10,7 @@ connector's format, ``retina_common/changelog.py``), so that any recovery driver
 (the connector, ``retina-admin recover``, the Spark replay job) can replay it,
 whether the writer's process is alive or not.
 
-Invariants (checked by the node, ``retina_server/registered_writers.py``):
+Invariants (checked by the node, ``retina_server/recovery/registered_writers.py``):
 
 * **WRITES_HAVE_A_REPLAY_SOURCE**: an ordinary UpdateRecord names an ACTIVE
   registered writer (``writer_id``), or it is refused FAILED_PRECONDITION with

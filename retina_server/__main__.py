@@ -1,5 +1,5 @@
 import sys
 
-from retina_server.server import main
+from retina_server.node_server import main
 
 sys.exit(main())

@@ -3,10 +3,10 @@
 It owns the node's virtual nodes of the topology, one StreamBuffer and one
 StreamPublisher per stream ``(tableId, virtualNodeId)``, the visibility
 index, the ingest registry and the LocalIndexService. The gRPC layer
-(``service.py``) and the UpdateRecord apply path (``update_record.py``) call
+(``worker_service.py``) and the UpdateRecord apply path (``update_record.py``) call
 into it; nothing here knows about gRPC.
 
-Start-up is the recovery coordinator's (recovery.py): it rebuilds the
+Start-up is the recovery coordinator's (recovery/coordinator.py): it rebuilds the
 registry and the visibility index from the checkpoint during cleansing; the
 write buffers always start empty.
 """
@@ -105,7 +105,7 @@ class RetinaNode:
         # (mark_ready.py), so no read transaction begun before the restart is answered.
         self.read_floor_ts = 0
         # BUFFER_FETCH_HOLDS_FILE: file id -> {read transaction: its snapshot} for every
-        # write-buffer file a GetWriteBuffer read (storage_gc.py).
+        # write-buffer file a GetWriteBuffer read (gc/rewrites.py).
         self._buffer_reads: dict[int, dict[int, int]] = {}
         self._failure_lock = threading.Lock()
         # Called once when the node fails closed (the lifecycle goes FAILED).

@@ -347,7 +347,7 @@ class PrimaryIndex:
             raise IndexBackendError(f"primary index truncation failed: {exc}") from exc
         return removed
 
-    # --- version pruning (the GC scheduler: retina_server/gc_scheduler.py) ---
+    # --- version pruning (the GC scheduler: retina_server/gc/gc_scheduler.py) ---
     def prune_versions(self, horizon: int, since: int = 0, *, keys_per_txn: int = 5_000,
                        entries_per_txn: int = 50_000) -> int:
         """Remove the primary-index versions no resolution at or above ``horizon`` reads.

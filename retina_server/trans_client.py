@@ -15,8 +15,8 @@ import grpc
 from retina_common.pb import trans_pb2 as pb
 from retina_common.pb import trans_pb2_grpc as pb_grpc
 from retina_common.refusal import Refusal
+from retina_server.gc.sweeper import ReaderHolds
 from retina_server.read_guard import TransStatus
-from retina_server.sweeper import ReaderHolds
 
 T = TypeVar("T")
 TIMEOUT_S = 10.0

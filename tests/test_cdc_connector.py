@@ -13,14 +13,14 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from cdc_client.main import STOPPED_BY_REPLAY_GAP
-from cdc_client.retention import run_retention
+from cdc_client.changelog_pruning import run_retention
+from cdc_client.connector_main import STOPPED_BY_REPLAY_GAP
 from devtools.cluster import PostgresInstance, free_port
 from retina_common import failpoints
 from retina_common.catalog import Catalog, FileType
 from retina_common.changelog import Changelog
 from retina_common.changelog_retention import horizon
-from retina_common.checkpoint import CheckpointStore
+from retina_common.checkpoint_store import CheckpointStore
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb

@@ -175,7 +175,7 @@ def test_a_catalog_outage_is_never_an_unknown_table(catalog: Catalog,
     """Only a table the catalog does not have makes an event malformed (exit 3); a
     catalog that is away is waited for and then is a crash (exit 1, a restart resumes).
     Found by the fault campaign (seed 101, episode 550)."""
-    import cdc_client.main as cdc_main
+    import cdc_client.connector_main as cdc_main
     from cdc_client.translate import MalformedChange
     from devtools.cluster import free_port
     from retina_common.catalog import CatalogUnavailable

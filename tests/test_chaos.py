@@ -22,11 +22,10 @@ from typing import Any
 import psycopg2
 import pytest
 
-from chaos import faults, spark_task, workload
-from chaos import gc as gc_driver
+from chaos import faults, gc_driver, spark_task, workload
 from chaos.app_model import AppModel, Txn
+from chaos.campaign import LATE_FAULT_STREAM, episode_seed, parse_args
 from chaos.compare import diff_table, lsn, position_lsn, widen
-from chaos.main import LATE_FAULT_STREAM, episode_seed, parse_args
 from chaos.prober import ReadinessTracker
 from chaos.report import Report
 from chaos.workload import BY_NAME

@@ -12,8 +12,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 import pyarrow as pa
 
-from chaos import faults, split_reads, stalls
-from chaos import gc as gc_driver
+from chaos import faults, gc_driver, split_reads, stalls
 from chaos.repeatable_reads import EpisodePlan, SnapshotBook
 from chaos.snapshots import (
     REFUSALS,

@@ -9,7 +9,7 @@ import pytest
 from pyroaring import BitMap
 
 from retina_common import failpoints
-from retina_common.checkpoint import (
+from retina_common.checkpoint_store import (
     CheckpointBody,
     CheckpointConflict,
     CheckpointHeader,

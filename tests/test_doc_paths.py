@@ -89,6 +89,6 @@ def test_the_readme_lists_every_console_command() -> None:
 def test_the_check_catches_a_path_outside_the_repository() -> None:
     # The checks above pass on the current docs; this one shows they can fail.
     paths = repository_paths()
-    text = "see `../shared/ARCHITECTURE.md`, `retina/gc_job.py`, `retina_server/gc_job.py`"
+    text = "see `../shared/ARCHITECTURE.md`, `retina/gc_job.py`, `retina_server/gc/gc_job.py`"
     assert [s for s in cited_paths(text) if not exists(s, paths)] == \
         ["../shared/ARCHITECTURE.md", "retina/gc_job.py"]

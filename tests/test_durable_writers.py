@@ -26,7 +26,7 @@ from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.refusal import SOURCES_NOT_REPLAYED
 from retina_common.writer import WriteInDoubt, WriterSettings
-from retina_server.registered_writers import REFRESH_S
+from retina_server.recovery.registered_writers import REFRESH_S
 
 from .cdc import CdcPlane, normalise
 from .dataplane import SCHEMA, DataPlane

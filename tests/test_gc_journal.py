@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from retina_common import failpoints as fp
-from retina_server.gc_journal import (
+from retina_server.gc.gc_journal import (
     GcJournal,
     JournalConflict,
     JournalEntry,

@@ -19,7 +19,7 @@ import pytest
 
 from retina_common.catalog import Catalog, ColumnSpec
 from retina_common.topology import Topology
-from retina_server.gc_scheduler import GcScheduler, MaintenanceResult, ReplayFloor
+from retina_server.gc.gc_scheduler import GcScheduler, MaintenanceResult, ReplayFloor
 from retina_server.index import LocalIndexService, Resolved
 from retina_server.main_index import RowIdRange
 from retina_server.node import BufferSettings, RetinaNode, table_schema

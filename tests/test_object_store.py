@@ -13,7 +13,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from devtools.cluster import free_ports
-from retina_common.checkpoint import CheckpointStore
+from retina_common.checkpoint_store import CheckpointStore
 from retina_common.etcd import EtcdStore
 from retina_common.storage import delete_object, list_objects, read_bytes, write_durably
 

@@ -265,7 +265,7 @@ def test_a_crash_at_each_checkpoint_failpoint_leaves_a_usable_checkpoint(
 
 
 def _body(plane: DataPlane, etcd: EtcdStore, node: str, slot: str) -> Path:
-    from retina_common.checkpoint import Pointer
+    from retina_common.checkpoint_store import Pointer
 
     pointer = Pointer.parse(etcd.get(checkpoint_slot_key(node, slot)).value)
     return Path(pointer.path.removeprefix("file://"))

@@ -22,7 +22,7 @@ import grpc
 import pyarrow as pa
 import pytest
 
-from cdc_client.main import STOPPED_BY_SCHEMA_CHANGE
+from cdc_client.connector_main import STOPPED_BY_SCHEMA_CHANGE
 from cdc_client.schema_change import (
     NUMERIC,
     ColumnFacts,

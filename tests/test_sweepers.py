@@ -28,7 +28,7 @@ from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import HIDDEN
 from retina_common.recovery_driver import RecoveryFailed
 from retina_common.storage import write_durably
-from retina_server.retention import HoldReason, Holds, hold_reason
+from retina_server.gc.retention_guard import HoldReason, Holds, hold_reason
 
 from . import gc
 from .dataplane import SCHEMA, DataPlane

@@ -1,5 +1,5 @@
 """The write fence and the commit's cutoff re-check as pure logic (write_fence.py,
-storage_gc.py): the rules the integration tests in test_snapshot_immutable.py drive through
+gc/rewrites.py): the rules the integration tests in test_snapshot_immutable.py drive through
 real processes, pinned here case by case, threads included."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import grpc
 import pytest
 
 from retina_common.refusal import Refusal
-from retina_server.gc_journal import GcJournal
+from retina_server.gc.gc_journal import GcJournal
+from retina_server.gc.rewrites import PendingRewrite, StorageGc
 from retina_server.registry import IngestFileMeta
-from retina_server.storage_gc import PendingRewrite, StorageGc
 from retina_server.write_fence import WriteFence
 
 from .support import eventually

@@ -1,5 +1,5 @@
 import sys
 
-from trans_gate.server import main
+from trans_gate.trans_server import main
 
 sys.exit(main())

@@ -51,7 +51,7 @@ import psycopg2.extras
 import structlog
 from psycopg2 import sql
 
-from cdc_client import metrics as m
+from cdc_client import cdc_metrics as m
 from cdc_client.schema_change import SourceSchema, pg_source_schema
 from cdc_client.source import RowChange, SourceError, SourceTransaction
 from cdc_client.sources.pgoutput import (

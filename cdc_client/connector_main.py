@@ -33,9 +33,9 @@ from types import FrameType
 
 import structlog
 
+from cdc_client.changelog_pruning import run_retention
 from cdc_client.connector import Connector, ConnectorStopped, ReplayGap, Settings
 from cdc_client.positions import ConnectorFenced, PositionStore
-from cdc_client.retention import run_retention
 from cdc_client.schema_change import UnsupportedSchemaChange
 from cdc_client.source import Source, SourceError
 from cdc_client.translate import MalformedChange, TableMap

@@ -9,7 +9,7 @@ transaction at or before its snapshot (read_guard.py), and raise the write
 fence to their timestamp (write_fence.py), so every read at S returns the same
 rows (SNAPSHOT_IS_IMMUTABLE). Ordinary writes pass the fence, recovery replays
 do not. The Storage GC RPCs
-(storage_gc.py) are admitted only while READY. AddVisibility (superseded by
+(gc/rewrites.py) are admitted only while READY. AddVisibility (superseded by
 CommitGcRewrite, which installs the new file's visibility itself) and
 Register/UnregisterOffload (query offload) answer UNIMPLEMENTED.
 """
@@ -28,17 +28,17 @@ from retina_common.log import get_logger
 from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc as pb_grpc
 from retina_common.refusal import Refusal, abort, status_of
-from retina_server import replay_admission
-from retina_server.gc_scheduler import GcScheduler
+from retina_server.gc.gc_scheduler import GcScheduler
+from retina_server.gc.lineage import Lineage, LineageRecord
+from retina_server.gc.rewrites import StorageGc
+from retina_server.gc.sweeper import PASSES, Sweeper, check_orphan_grace
 from retina_server.lifecycle import LifecycleStateMachine, Request
-from retina_server.lineage import Lineage, LineageRecord
-from retina_server.mark_ready import MarkReadyBarrier
 from retina_server.node import RetinaNode
 from retina_server.read_guard import ReadTransactionGuard
-from retina_server.recovery import RecoveryCoordinator
-from retina_server.registered_writers import RegisteredWriters
-from retina_server.storage_gc import StorageGc
-from retina_server.sweeper import PASSES, Sweeper, check_orphan_grace
+from retina_server.recovery import replay_admission
+from retina_server.recovery.coordinator import RecoveryCoordinator
+from retina_server.recovery.mark_ready import MarkReadyBarrier
+from retina_server.recovery.registered_writers import RegisteredWriters
 from retina_server.update_record import apply, prepare
 from retina_server.visibility import bitmap_to_bytes
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from prometheus_client import Counter
 
 from retina_common.config import orphan_grace_problem
-from retina_server.removal_backoff import REMOVAL_BACKOFF, RemovalBackoff
-from retina_server.retention import HoldReason
+from retina_server.gc.removal_backoff import REMOVAL_BACKOFF, RemovalBackoff
+from retina_server.gc.retention_guard import HoldReason
 
 REMOVED = Counter("retina_sweeper_files_removed_total", "Files and objects removed by pass",
                   ["pass"])

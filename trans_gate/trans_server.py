@@ -28,8 +28,8 @@ from retina_common.metrics import serve_metrics
 from retina_common.pb import trans_pb2, trans_pb2_grpc
 from retina_common.topology import load_topology
 from trans_gate.gate import LifecycleWatcher, NodeAvailability, QueryAvailabilityGate
-from trans_gate.service import HWM_GAUGE, TransService
 from trans_gate.timestamps import CounterCorrupt, DurableCounter
+from trans_gate.trans_service import HWM_GAUGE, TransService
 from trans_gate.transactions import TransactionTable
 
 SERVICE_NAME = trans_pb2.DESCRIPTOR.services_by_name["TransService"].full_name

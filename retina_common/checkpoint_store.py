@@ -1,8 +1,9 @@
 """Recovery checkpoints: the body format and the two-slot store (specification C04.1/C04.2/C04.4).
 
 This is the format only: it lives in retina_common because the CDC connector
-reads checkpoints too (its changelog retention, cdc_client/retention.py).
-Generation from a running node (``build_body``) stays with the server (its checkpoint.py).
+reads checkpoints too (its changelog retention, cdc_client/changelog_pruning.py).
+Generation from a running node (``build_body``) stays with the server
+(retina_server/recovery/checkpoint.py).
 
 Body (all integers big-endian)::
 

@@ -3,7 +3,7 @@ in its own module (specification sections 2-4, 6; C04-C06).
 
 Start-up (``run_startup``), in this order:
 
-1. LOADING_CHECKPOINT (retina_common/checkpoint.py): load ``current``, else ``previous``.
+1. LOADING_CHECKPOINT (retina_common/checkpoint_store.py): load ``current``, else ``previous``.
    Both unusable → FAILED. No pointer and no REGULAR file of this node in the
    catalog → a fresh start (checkpointId 0). No pointer but REGULAR files →
    FAILED.
@@ -48,7 +48,7 @@ from retina_common.catalog import (
     FileRecord,
     FileType,
 )
-from retina_common.checkpoint import (
+from retina_common.checkpoint_store import (
     CheckpointBody,
     CheckpointError,
     CheckpointStore,
@@ -62,19 +62,19 @@ from retina_common.log import get_logger, token_hash
 from retina_common.refusal import Refusal
 from retina_common.replay_ts import ReplayStarts, derive
 from retina_common.retry import until_deadline
-from retina_server.checkpoint import build_body
-from retina_server.cleansing import RewindFailed, cleanse, my_files, rewind
-from retina_server.gc_journal import CorruptJournal, GcJournal
-from retina_server.gc_recovery import (
+from retina_server.gc.gc_journal import CorruptJournal, GcJournal
+from retina_server.gc.gc_recovery import (
     GcJournalMismatch,
     check_rewrite_outputs,
     check_unjournaled,
     decide,
 )
+from retina_server.gc.lineage import RevertAnchorsGone, recover_reverts
 from retina_server.lifecycle import LifecycleAnnouncer, LifecycleStateMachine, Phase, Request
-from retina_server.lineage import RevertAnchorsGone, recover_reverts
 from retina_server.node import RetinaNode
-from retina_server.replay_admission import ReplayEntry
+from retina_server.recovery.checkpoint import build_body
+from retina_server.recovery.cleansing import RewindFailed, cleanse, my_files, rewind
+from retina_server.recovery.replay_admission import ReplayEntry
 
 log = get_logger(component="recovery")
 T = TypeVar("T")

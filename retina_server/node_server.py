@@ -29,7 +29,7 @@ from types import FrameType
 
 from retina_common import failpoints, tls
 from retina_common.catalog import Catalog, CatalogError
-from retina_common.checkpoint import CheckpointBody, CheckpointStore
+from retina_common.checkpoint_store import CheckpointBody, CheckpointStore
 from retina_common.config import Config, ConfigError, load_config, split_host_port
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.grpc_server import ServerHandle
@@ -40,21 +40,21 @@ from retina_common.pb import retina_pb2, retina_pb2_grpc, trans_pb2_grpc
 from retina_common.replay_ts import derive
 from retina_common.storage import root_uri
 from retina_common.topology import Topology, load_topology
-from retina_server.gc_job import GcJobLauncher, require_spark
-from retina_server.gc_journal import GcJournal
-from retina_server.gc_scheduler import GcScheduler, ReplayFloor
+from retina_server.gc.gc_job import GcJobLauncher, require_spark
+from retina_server.gc.gc_journal import GcJournal
+from retina_server.gc.gc_scheduler import GcScheduler, ReplayFloor
+from retina_server.gc.lineage import Lineage
+from retina_server.gc.rewrites import GcSettings, StorageGc
+from retina_server.gc.sweeper import Sweeper, SweeperSettings
 from retina_server.index import LocalIndexService
 from retina_server.lifecycle import LifecycleAnnouncer, LifecycleStateMachine, Phase
-from retina_server.lineage import Lineage
-from retina_server.mark_ready import MarkReadyBarrier, ReadyHooks, RestartFence
 from retina_server.node import BufferSettings, RetinaNode
 from retina_server.read_guard import ReadTransactionGuard
-from retina_server.recovery import RecoveryCoordinator
-from retina_server.registered_writers import RegisteredWriters
-from retina_server.service import RetinaService
-from retina_server.storage_gc import GcSettings, StorageGc
-from retina_server.sweeper import Sweeper, SweeperSettings
+from retina_server.recovery.coordinator import RecoveryCoordinator
+from retina_server.recovery.mark_ready import MarkReadyBarrier, ReadyHooks, RestartFence
+from retina_server.recovery.registered_writers import RegisteredWriters
 from retina_server.trans_client import TransClient
+from retina_server.worker_service import RetinaService
 
 SERVICE_NAME = retina_pb2.DESCRIPTOR.services_by_name["RetinaWorkerService"].full_name
 SHUTDOWN_DEADLINE_S = 25.0

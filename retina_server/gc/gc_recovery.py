@@ -61,13 +61,13 @@ from retina_common.catalog import (
     FileType,
     PathRecord,
 )
-from retina_common.checkpoint import CheckpointBody
+from retina_common.checkpoint_store import CheckpointBody
 from retina_common.codec import GC_REWRITE_ID_KEY
 from retina_common.log import get_logger
 from retina_common.storage import open_parquet
-from retina_server.gc_journal import GcJournal, JournalEntry, JournalState
+from retina_server.gc.gc_journal import GcJournal, JournalEntry, JournalState
+from retina_server.gc.rewrites import Survivors, entry_survivors, roll_back
 from retina_server.node import RetinaNode
-from retina_server.storage_gc import Survivors, entry_survivors, roll_back
 
 log = get_logger(component="gc_recovery")
 DECISIONS = Counter("retina_gc_recovery_decisions_total",

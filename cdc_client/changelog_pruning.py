@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import structlog
 
-from cdc_client import metrics as m
+from cdc_client import cdc_metrics as m
 from retina_common.changelog import Changelog
 from retina_common.changelog_retention import horizon
 from retina_common.etcd import EtcdStore

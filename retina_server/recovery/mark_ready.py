@@ -45,7 +45,7 @@ from retina_common.log import get_logger
 from retina_common.refusal import Refusal
 from retina_server.lifecycle import LifecycleStateMachine, Phase, Request
 from retina_server.node import RetinaNode
-from retina_server.replay_admission import ReplayEntry
+from retina_server.recovery.replay_admission import ReplayEntry
 
 log = get_logger(component="mark_ready")
 # Exported so that the checkpoint-age alert scales with the configured interval.

@@ -59,23 +59,23 @@ from retina_common.catalog import (
     FileRecord,
     FileType,
 )
-from retina_common.checkpoint import CheckpointBody, FileEntry, RGEntry
+from retina_common.checkpoint_store import CheckpointBody, FileEntry, RGEntry
 from retina_common.codec import COMMIT_TS
 from retina_common.log import get_logger
 from retina_common.refusal import Refusal
 from retina_common.replay_ts import IngestSegment, SegmentKind
 from retina_common.retry import until_deadline
 from retina_common.storage import object_size, open_parquet
-from retina_server.gc_journal import GcJournal, JournalEntry, JournalState
-from retina_server.node import RetinaNode
-from retina_server.registry import IngestFileMeta
-from retina_server.storage_gc import (
+from retina_server.gc.gc_journal import GcJournal, JournalEntry, JournalState
+from retina_server.gc.rewrites import (
     StorageGc,
     Survivors,
     entry_survivors,
     kept_mask,
     switch_primary_back,
 )
+from retina_server.node import RetinaNode
+from retina_server.registry import IngestFileMeta
 from retina_server.visibility import RGVisibility
 
 log = get_logger(component="lineage")

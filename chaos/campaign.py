@@ -32,7 +32,7 @@ from retina_common.topology import load_topology
 
 from . import workload
 from .app_workload import APP_STREAM, AppWriter
-from .cluster import CDC, CDC_NAME, TRANS, WRITER, ChaosCluster
+from .campaign_cluster import CDC, CDC_NAME, TRANS, WRITER, ChaosCluster
 from .compare import Comparison, FastSnapshotReader, converge
 from .faults import (
     FAULTS,
@@ -43,7 +43,7 @@ from .faults import (
     inject,
     relevant_points,
 )
-from .gc import ROW_GROUP_ROWS, journal_states
+from .gc_driver import ROW_GROUP_ROWS, journal_states
 from .prober import Prober, ReadinessTracker
 from .repeatable_reads import SnapshotBook
 from .report import Anomaly, Report

@@ -50,7 +50,7 @@ from retina_common.catalog import (
     FileTypeMismatch,
     PathRecord,
 )
-from retina_common.checkpoint import FileEntry, LoadedCheckpoint, RGEntry
+from retina_common.checkpoint_store import FileEntry, LoadedCheckpoint, RGEntry
 from retina_common.codec import COMMIT_TS
 from retina_common.log import get_logger
 from retina_common.replay_ts import IngestSegment, ReplayStarts, SegmentKind

@@ -1,6 +1,6 @@
 """Checkpoint generation: the body of a running node (specification C04.1).
 
-The format and the two-slot store are in retina_common/checkpoint.py.
+The format and the two-slot store are in retina_common/checkpoint_store.py.
 
 ``build_body`` takes the body from a running node: per stream, one consistent
 cut of the registry and the write buffer. Streams that exist only in the
@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from retina_common.checkpoint import (
+from retina_common.checkpoint_store import (
     CheckpointBody,
     CheckpointHeader,
     CheckpointIncomplete,

@@ -29,7 +29,7 @@ the file sits out 1, 2, 4, ... (at most 64) rounds of its pass before it is
 tried again; every step being idempotent, the retry finishes what the failed
 attempt began.
 
-Every file removal asks the retention guard (retention.py) first. Holds are
+Every file removal asks the retention guard (retention_guard.py) first. Holds are
 read *after* the candidates (a hold taken after the candidate listing is
 still seen), and a revert (lineage.py) and a retired-file removal never
 interleave (one lock): a file a revert made REGULAR again is re-read and kept.
@@ -49,21 +49,21 @@ from prometheus_client import Counter, Gauge
 from retina_common import failpoints as fp
 from retina_common import file_names
 from retina_common.catalog import Catalog, FileRecord, FileType, NotFoundError
-from retina_common.checkpoint import CheckpointStore
+from retina_common.checkpoint_store import CheckpointStore
 from retina_common.log import get_logger
 from retina_common.storage import delete_object, object_size
-from retina_server.gc_journal import FINAL_STATES, GcJournal, JournalState
-from retina_server.node import RetinaNode
-from retina_server.orphans import Namers, reconcile
-from retina_server.removal_backoff import REMOVAL_FAILED, RemovalBackoff
-from retina_server.retention import HoldReason, Holds, hold_reason
-from retina_server.swept import (  # noqa: F401  (check_orphan_grace: service.py)
+from retina_server.gc.gc_journal import FINAL_STATES, GcJournal, JournalState
+from retina_server.gc.orphans import Namers, reconcile
+from retina_server.gc.removal_backoff import REMOVAL_FAILED, RemovalBackoff
+from retina_server.gc.retention_guard import HoldReason, Holds, hold_reason
+from retina_server.gc.swept import (  # noqa: F401  (check_orphan_grace: worker_service.py)
     BYTES_REMOVED,
     REMOVED,
     Swept,
     check_orphan_grace,
     why_held,
 )
+from retina_server.node import RetinaNode
 
 log = get_logger(component="sweeper")
 

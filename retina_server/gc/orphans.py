@@ -16,7 +16,7 @@ A candidate is removed only if all of these hold:
   read after. Every write path names its object (a catalog row, a prepared
   rewrite) before the object exists, so an object in the listing whose row
   exists at the later read is always seen as known.
-* The retention guard (retention.py, ``hold_reason(None, ...)``) lets it go:
+* The retention guard (retention_guard.py, ``hold_reason(None, ...)``) lets it go:
   its grace has passed (the later of its name's time and its modification
   time, plus the grace, which is never below MIN_ORPHAN_GRACE_MS), and nothing
   holds every file (read holds unknown, a listing in flight, a slot unreadable).
@@ -41,11 +41,11 @@ from retina_common import file_names
 from retina_common.catalog import Catalog, FileType, PathRecord
 from retina_common.log import get_logger
 from retina_common.storage import StoredObject, delete_object, list_objects
-from retina_server.gc_journal import GcJournal
+from retina_server.gc.gc_journal import GcJournal
+from retina_server.gc.removal_backoff import REMOVAL_FAILED, RemovalBackoff
+from retina_server.gc.retention_guard import Holds, hold_reason
+from retina_server.gc.swept import BYTES_REMOVED, REMOVED, Swept, check_orphan_grace, why_held
 from retina_server.node import RetinaNode
-from retina_server.removal_backoff import REMOVAL_FAILED, RemovalBackoff
-from retina_server.retention import Holds, hold_reason
-from retina_server.swept import BYTES_REMOVED, REMOVED, Swept, check_orphan_grace, why_held
 
 log = get_logger(component="orphans")
 

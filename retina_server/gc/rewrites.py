@@ -78,7 +78,7 @@ from retina_common.log import get_logger
 from retina_common.refusal import HELD_BY_BUFFER_READ, ROLLED_BACK_FOR_BUFFER_READ, Refusal
 from retina_common.retry import until_deadline
 from retina_common.storage import delete_quietly, object_size, open_parquet
-from retina_server.gc_journal import (
+from retina_server.gc.gc_journal import (
     OPEN_STATES,
     GcJournal,
     JournalConflict,
