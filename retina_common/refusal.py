@@ -43,6 +43,11 @@ ROLLED_BACK_FOR_BUFFER_READ = "rolled back for a write-buffer read"
 # source was not replayed (a writer registered during the replay, say): nothing changed,
 # the node stays AWAITING_REPLAY, and a driver replays again with every source.
 SOURCES_NOT_REPLAYED = "EVERY_SOURCE_REPLAYED: replay sources not replayed"
+# Leads the details of a read refused FAILED_PRECONDITION because its snapshot is below
+# what the node can still answer exactly (primary-index versions pruned, deletes folded
+# into a visibility base); the details name ``earliest_readable_ts=<ts>``. Nothing was
+# answered: read again at a later snapshot.
+SNAPSHOT_EXPIRED = "snapshot_expired"
 
 
 class Refusal(Exception):

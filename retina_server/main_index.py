@@ -49,6 +49,9 @@ class RowIdRange:
         return self.row_id_start + self.count
 
 
+_FEW = 8  # MainIndex.locate: up to this many row ids, one bisect each
+
+
 class _RangeMap:
     """Sorted, non-overlapping row-id ranges with O(log n) point lookup."""
 
@@ -233,6 +236,12 @@ class MainIndex:
                                                    np.ndarray]:
         """``locations_of`` as arrays (found mask, file ids, rg ids, offsets), for
         row ids that are all real (none negative): the buffer first, then flushed files."""
+        if len(row_ids) <= _FEW:  # a few point lookups cost less than the array machinery
+            located = self.locations_of(row_ids.tolist())
+            hits = [(loc.file_id, loc.rg_id, loc.rg_row_offset) if loc else (0, 0, 0)
+                    for loc in located]
+            columns = np.array(hits, np.int64).reshape(-1, 3).T
+            return (np.array([loc is not None for loc in located], bool), *columns)
         with self._lock:
             found, files, rgs, offsets = self._buffer.locate(row_ids)
             if not found.all():

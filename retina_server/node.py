@@ -43,6 +43,7 @@ from retina_common.topology import Topology
 from retina_server.index import LocalIndexService
 from retina_server.publisher import IngestPipeline, StreamPublisher
 from retina_server.registry import IngestFileMetadataRegistry, RegistryError
+from retina_server.row_moves import RowMoves
 from retina_server.visibility import RGVisibility, VisibilityError, VisibilityIndex
 from retina_server.write_buffer import IngestFile, StreamBuffer
 from retina_server.write_fence import WriteFence
@@ -91,6 +92,9 @@ class RetinaNode:
         self.catalog = catalog
         self.index = index
         self.visibility = VisibilityIndex()
+        # ROW_READS_SEE_NO_MOVE: Storage GC commits, rollbacks, reverts and sweeps run
+        # inside it; point reads (row_lookup.py) read again when rows moved under them.
+        self.row_moves = RowMoves()
         self.registry = IngestFileMetadataRegistry()
         self._storage_root = storage_root.rstrip("/")
         self._settings = settings
@@ -257,6 +261,10 @@ class RetinaNode:
     def in_baseline(self, file_id: int) -> bool:
         """The baseline visible file set: registered files and live write-buffer files."""
         return file_id in self.registry or file_id in self._buffer_files
+
+    def buffer_file(self, file_id: int) -> IngestFile | None:
+        """The write-buffer file ``file_id`` while it is unpublished (its rows in memory)."""
+        return self._buffer_files.get(file_id)
 
     def stream_position(self, file_id: int) -> int:
         """A published file's firstBlockId (its place in its stream); -1 for any other

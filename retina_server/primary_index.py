@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
+import numpy as np
 
 from retina_common import failpoints as fp
 from retina_common.log import get_logger
@@ -38,6 +39,7 @@ TOMBSTONE = -1
 # key (INVALID_ARGUMENT) instead of failing in the index (a retryable UNAVAILABLE that
 # would be retried forever).
 MAX_KEY_BYTES = 511 - 20
+_PRUNED_BELOW = b"pruned_below"
 
 
 def _version_prefix(table_id: int, key: bytes) -> bytes:
@@ -46,9 +48,17 @@ def _version_prefix(table_id: int, key: bytes) -> bytes:
 
 
 def _version_prefixes(table_id: int, keys: Iterable[bytes]) -> list[bytes]:
-    """``_version_prefix`` of many keys of one table."""
+    """``_version_prefix`` of many keys of one table (the head packed once per length:
+    the keys of a table of fixed-width key columns all have one)."""
     table, pack_len = _TABLE.pack(table_id), _LEN.pack
-    return [table + pack_len(len(key)) + key for key in keys]
+    heads: dict[int, bytes] = {}
+    out = []
+    for key in keys:
+        head = heads.get(len(key))
+        if head is None:
+            head = heads[len(key)] = table + pack_len(len(key))
+        out.append(head + key)
+    return out
 
 
 def _split_prefix(prefix: bytes) -> tuple[int, bytes]:
@@ -60,12 +70,18 @@ def _split_prefix(prefix: bytes) -> tuple[int, bytes]:
 class PrimaryIndex:
     def __init__(self, path: Path, *, map_size: int = 8 << 30) -> None:
         self._env = lmdb.open(str(path), map_size=map_size, sync=True, metasync=True,
-                              max_dbs=2)
+                              max_dbs=3)
         # Versions: tableId|len|key|ts -> rowId or TOMBSTONE; and ts|tableId|len|key -> ''
         # so that recovery can drop everything written after a replay start.
         self._primary = self._env.open_db(b"primary_versions")
         self._by_ts = self._env.open_db(b"primary_by_ts")
+        self._meta = self._env.open_db(b"primary_meta")
         self._batch = threading.local()  # the request's open LMDB write transaction
+        # The highest horizon any prune of this index started at (durable: a restarted
+        # process knows it too). A read at a timestamp below it may have lost versions.
+        with self._env.begin(db=self._meta) as txn:
+            stored = txn.get(_PRUNED_BELOW, db=self._meta)
+        self.pruned_below = 0 if stored is None else _TS.unpack(stored)[0]
 
     def close(self) -> None:
         self._env.close()
@@ -183,6 +199,37 @@ class PrimaryIndex:
                 if moved:
                     before = unpack(value_at())[0]
             out.append((at, before))
+        return out
+
+    def latest(self, table_id: int, keys: Sequence[bytes], ts: int) -> np.ndarray:
+        """Per key, its latest version at or before ``ts``: the row id, or TOMBSTONE (-1)
+        when that version is a tombstone or the key has none: the key's row at snapshot
+        ``ts`` (LookupRows). One read transaction (the open batch's, its own writes
+        included, inside one). Exact at every ``ts`` at or above ``pruned_below``
+        (PRUNE_KEEPS_ANSWERS_ABOVE_HORIZON); the caller reads ``pruned_below`` after
+        this and refuses a ``ts`` below it."""
+        bound = _TS.pack(ts + 1)
+        unpack = _ROW.unpack
+        prefixes = _version_prefixes(table_id, keys)
+        # In key order: each descent starts where the last one ended in the B-tree's pages.
+        order = sorted(range(len(prefixes)), key=prefixes.__getitem__)
+        out = np.full(len(prefixes), TOMBSTONE, np.int64)
+        try:
+            with self._txn(write=False) as txn:
+                cursor = txn.cursor(db=self._primary)
+                set_range, prev, last = cursor.set_range, cursor.prev, cursor.last
+                key_at, value_at = cursor.key, cursor.value
+                found = []
+                for i in order:
+                    prefix = prefixes[i]
+                    moved = prev() if set_range(prefix + bound) else last()
+                    if moved and key_at().startswith(prefix):
+                        found.append((i, unpack(value_at())[0]))
+        except lmdb.Error as exc:
+            raise IndexBackendError(f"primary index read failed: {exc}") from exc
+        if found:
+            at, rows = zip(*found, strict=True)
+            out[list(at)] = rows
         return out
 
     def _write(self, table_id: int, items: Iterable[tuple[bytes, int, int]],
@@ -395,6 +442,7 @@ class PrimaryIndex:
             raise RuntimeError("prune_versions inside a write_batch would deadlock LMDB")
         if horizon <= 0 or since >= horizon:
             return 0
+        self._raise_pruned_below(horizon)
         end = _TS.pack(horizon)
         position: bytes | None = _TS.pack(max(since, 0))
         removed = 0
@@ -407,6 +455,21 @@ class PrimaryIndex:
         except lmdb.Error as exc:
             raise IndexBackendError(f"primary index pruning failed: {exc}") from exc
         return removed
+
+    def _raise_pruned_below(self, horizon: int) -> None:
+        """Record ``horizon`` (durably, then in memory) before any version below it goes:
+        a reader that saw a pruned version reads ``pruned_below`` after it, and so sees
+        at least this horizon (``latest``)."""
+        if horizon <= self.pruned_below:
+            return
+        fp.INDEX_PRUNE_HORIZON_BEFORE.hit()
+        try:
+            with self._env.begin(write=True, db=self._meta) as txn:
+                txn.put(_PRUNED_BELOW, _TS.pack(horizon), db=self._meta)
+        except lmdb.Error as exc:
+            raise IndexBackendError(f"primary index pruning horizon: {exc}") from exc
+        self.pruned_below = horizon
+        fp.INDEX_PRUNE_HORIZON_AFTER.hit()
 
     def _keys_written(self, start: bytes, end: bytes, max_keys: int,
                       max_entries: int) -> tuple[set[bytes], bytes | None]:

@@ -4,10 +4,12 @@ Real LMDB and SQLite files in a temporary directory."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 from retina_server.index import LocalIndexService, Resolution
 from retina_server.main_index import RowIdRange, RowLocation
+from retina_server.primary_index import TOMBSTONE
 
 
 def everything(_file_id: int) -> bool:
@@ -217,3 +219,43 @@ def test_batch_delete_targets_equal_resolve_for_delete_at_every_timestamp(
     for ts in range(0, 124):
         compare(ts)
     assert compared > 6000  # the comparison saw real deletes, not empty answers
+
+
+def test_latest_is_each_keys_row_at_a_snapshot_and_the_prune_horizon_is_durable(
+        tmp_path: Path) -> None:
+    """PrimaryIndex.latest (LookupRows' first step) against a model of every key's history,
+    at every snapshot; pruning records its horizon before it removes anything, and a
+    reopened index still knows it."""
+    index = LocalIndexService(tmp_path)
+    primary = index.primary
+    rng = random.Random(7)
+    keys = [f"k{i}".encode() for i in range(30)]
+    life: dict[bytes, list[tuple[int, int]]] = {k: [] for k in keys}  # (ts, row or -1)
+    row = 0
+    for ts in range(1, 80):
+        for key in rng.sample(keys, 6):
+            if life[key] and life[key][-1][1] >= 0 and rng.random() < 0.4:
+                primary.tombstone_primary_resolved(1, [key], ts)
+                life[key].append((ts, TOMBSTONE))
+            else:
+                primary.put_primary_entries_only(1, [key], [row], ts)
+                life[key].append((ts, row))
+                row += 1
+
+    def expected(ts: int) -> list[int]:
+        return [max(((t, r) for t, r in life[k] if t <= ts), default=(0, TOMBSTONE))[1]
+                for k in keys]
+
+    assert all(primary.latest(1, keys, ts).tolist() == expected(ts) for ts in range(0, 82))
+    assert primary.latest(2, keys, 80).tolist() == [TOMBSTONE] * len(keys)  # another table
+    assert primary.latest(1, [], 80).tolist() == []
+    assert primary.pruned_below == 0
+    assert primary.prune_versions(40, 0) > 0
+    assert primary.pruned_below == 40
+    assert all(primary.latest(1, keys, ts).tolist() == expected(ts) for ts in range(40, 82))
+    primary.prune_versions(30, 0)  # a lower horizon never lowers it
+    assert primary.pruned_below == 40
+    index.close()
+    reopened = LocalIndexService(tmp_path)
+    assert reopened.primary.pruned_below == 40
+    assert reopened.primary.latest(1, keys, 60).tolist() == expected(60)

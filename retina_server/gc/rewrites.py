@@ -551,22 +551,25 @@ class StorageGc:
             # The record is durable: close it (ABORTED) so its files are free again.
             self._roll_back_live(entry, plan, progress, exc)
             raise GcRolledBack(f"rewrite {pending.rewrite_id} rolled back: {exc}") from exc
-        try:
-            self._catalog.update_file(new_file_id, min_row_id=start,
-                                      max_row_id=start + max(kept, 1) - 1,
-                                      num_row_group=len(new_counts),
-                                      expected_type=FileType.TEMPORARY_GC)
-            with stream.publisher.lock, stream.buffer.lock:
-                self._check_cutoff_unchanged(pending)
-                self._check_no_new_buffer_readers(pending, readers)
-                chain_items = self._switch(pending, entry, plan, progress)
-        except Exception as exc:
-            if progress.swapped:
-                node.fail_closed(f"GC rewrite {pending.rewrite_id} failed after its swap "
-                                 f"committed: {exc}")
-                raise
-            self._roll_back_live(entry, plan, progress, exc)
-            raise GcRolledBack(f"rewrite {pending.rewrite_id} rolled back: {exc}") from exc
+        # ROW_READS_SEE_NO_MOVE: the switch (and a rollback of it) moves rows between
+        # files; a point read that overlaps any of it reads again.
+        with node.row_moves.moving():
+            try:
+                self._catalog.update_file(new_file_id, min_row_id=start,
+                                          max_row_id=start + max(kept, 1) - 1,
+                                          num_row_group=len(new_counts),
+                                          expected_type=FileType.TEMPORARY_GC)
+                with stream.publisher.lock, stream.buffer.lock:
+                    self._check_cutoff_unchanged(pending)
+                    self._check_no_new_buffer_readers(pending, readers)
+                    chain_items = self._switch(pending, entry, plan, progress)
+            except Exception as exc:
+                if progress.swapped:
+                    node.fail_closed(f"GC rewrite {pending.rewrite_id} failed after its swap "
+                                     f"committed: {exc}")
+                    raise
+                self._roll_back_live(entry, plan, progress, exc)
+                raise GcRolledBack(f"rewrite {pending.rewrite_id} rolled back: {exc}") from exc
         node.forget_buffer_files(entry.old_file_ids)
         result = CommitResult(pending.rewrite_id, new_file_id, tuple(entry.old_file_ids), kept,
                               sum(len(b) for b in pending.dropped.values()), chain_items,
