@@ -58,6 +58,7 @@ from retina_server.read_guard import ReadTransactionGuard
 from retina_server.recovery.coordinator import RecoveryCoordinator
 from retina_server.recovery.mark_ready import MarkReadyBarrier, ReadyHooks, RestartFence
 from retina_server.recovery.registered_writers import RegisteredWriters
+from retina_server.row_lookup import row_lookup
 from retina_server.trans_client import TransClient
 from retina_server.worker_service import RetinaService
 
@@ -137,7 +138,7 @@ def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> 
 
     recovery = RecoveryCoordinator(
         node, catalog, checkpoint_store, machine, announcer, trans.high_watermark,
-        index.allocate("recovery_epoch") + 1, journal,
+        index.sequences.allocate("recovery_epoch") + 1, journal,
         retired_retention_ms=rc.gc_retired_retention_ms,
         # Observed before promotion: a crash in between leaves a lower floor, never a
         # higher one.
@@ -174,7 +175,8 @@ def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> 
     retina_pb2_grpc.add_RetinaWorkerServiceServicer_to_server(
         RetinaService(node, recovery, barrier, machine,
                       ReadTransactionGuard(trans.trans_status),
-                      rc.max_rows_per_request, gc, scheduler, sweeper, lineage, writers),
+                      rc.max_rows_per_request, gc, scheduler, sweeper, lineage, writers,
+                      row_lookup(node, catalog, rc.lookup_cache_mb << 20)),
         handle.server)
     return NodeParts(node_id, topology, catalog, index, node, handle, machine, announcer,
                      recovery, replay_floor, stop, rc.metrics_listen)
