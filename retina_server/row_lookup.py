@@ -60,7 +60,7 @@ from retina_common.codec import EncodingError, encode_primary_keys, primary_key_
 from retina_common.columnar import ColumnarError, decode_key_columns, row_count
 from retina_common.log import get_logger
 from retina_common.pb import retina_pb2 as pb
-from retina_common.refusal import SNAPSHOT_EXPIRED, Refusal
+from retina_common.refusal import Refusal, snapshot_expired
 from retina_common.schema_evolution import table_schema
 from retina_common.storage import open_parquet
 from retina_server.node import RetinaNode
@@ -91,12 +91,6 @@ class LookupInconsistent(Exception):
 
 def _invalid(message: str) -> Refusal:
     return Refusal(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-
-def snapshot_expired(ts: int, what: str, earliest: int) -> Refusal:
-    return Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                   f"{SNAPSHOT_EXPIRED}: snapshot {ts} is below {what}; "
-                   f"earliest_readable_ts={earliest}; read at a later snapshot")
 
 
 @dataclass(frozen=True)
@@ -258,8 +252,8 @@ class RowLookup:
         row_ids = index.primary.latest(table.table_id, request.keys, ts)
         horizon = index.primary.pruned_below  # read after the versions: see PrimaryIndex
         if ts < horizon:
-            raise snapshot_expired(ts, f"the primary index's pruning horizon {horizon}",
-                                   horizon)
+            raise snapshot_expired(f"snapshot {ts} is below the primary index's pruning "
+                                   f"horizon {horizon} (versions below it are gone)", horizon)
         positions = np.flatnonzero(row_ids >= 0)
         located, files, rgs, offsets = index.main.locate(row_ids[positions])
         order = np.lexsort((offsets[located], rgs[located], files[located]))
@@ -282,9 +276,9 @@ class RowLookup:
             deleted = group.visibility.deleted_among(rows_at, ts)
             if deleted is None:
                 base = group.visibility.base_timestamp
-                raise snapshot_expired(ts, f"the visibility base {base} of file {file_id} "
-                                           f"row group {rg_id} (deletes up to it are folded)",
-                                       base)
+                raise snapshot_expired(f"snapshot {ts} is below the visibility base {base} of "
+                                       f"file {file_id} row group {rg_id} (deletes up to it "
+                                       "are folded together)", base)
             rows = group.rows()
             if int(rows_at[-1]) >= rows.num_rows:
                 raise LookupInconsistent(f"row {int(rows_at[-1])} of file {file_id} row group "
