@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pytest
 
 from retina_common.as_of_point import AsOf
-from retina_common.catalog import Catalog, FileType
+from retina_common.catalog import Catalog
 from retina_common.codec import arrow_type
 from retina_common.lookup import Lookup, encode_keys, merge_answers
 from retina_common.pb import retina_pb2 as rpb
@@ -35,7 +35,13 @@ from retina_server.row_moves import MovesInProgress, RowMoves
 
 from .dataplane import SCHEMA, DataPlane
 from .support import begin_write, eventually, rpc_error
-from .test_as_of_reads import maintenance, rewrite_every_stream, step
+from .test_as_of_reads import (
+    maintenance,
+    restart_after,
+    rewrite_every_stream,
+    step,
+    sweep_replaced,
+)
 from .test_lineage import revert
 from .test_recovery_protocol import order
 from .test_recovery_sequences import restart_and_recover
@@ -318,29 +324,14 @@ def test_as_of_lookups_equal_the_models_history_across_gc_a_sweep_and_two_restar
     assert rewrite_every_stream(plane)
     maintenance(plane)
     check_as_of(plane, points, readable=points)  # the rows in the rewritten files
-    path = catalog.get_paths(plane.tables["orders"].table_id)[0]
-
-    def swept() -> bool:
-        for n in plane.nodes:  # two checkpoints: neither slot names a replaced file
-            plane.checkpoint(n)
-            plane.checkpoint(n)
-            plane.retinas[n].stub.RunSweeper(rpb.RunSweeperRequest(passes=["retired"]),
-                                             timeout=60)
-        return not catalog.get_files_by_type(path.path_id, [FileType.RETIRED])
-
-    eventually(swept, 60, "the replaced files to be swept", interval_s=1)
+    sweep_replaced(plane, catalog)
     check_as_of(plane, points, readable=points)
     # Two restarts in a row: below the replay start the checkpoint's history answers,
     # what the recovery rebuilt is refused, later points read again.
     node = plane.nodes[0]
-    plane.checkpoint(node)
-    gap = [step(plane, catalog, n) for n in range(7, 9)]
+    gap, replay_from = restart_after(plane, catalog, node, range(7, 9))
+    below = [p for p in points if p < replay_from]
     points += gap
-    plane.retinas[node].kill9()
-    plane.retinas[node].start()
-    starts = plane.recover(node)
-    assert starts is not None
-    below = [p for p in points if p < starts.node_replay_from_ts]
     assert below
     check_as_of(plane, points, readable=below, refused=gap)
     restart_and_recover(plane, node)
