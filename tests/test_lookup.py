@@ -134,6 +134,7 @@ def rows_of(reply: rpb.LookupRowsResponse) -> pa.Table:
 
 
 # --- exact answers ---------------------------------------------------------------------------
+@pytest.mark.integration
 def test_lookups_equal_the_model_and_the_snapshot_read(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(nodes=2)
@@ -180,6 +181,7 @@ def test_lookups_equal_the_model_and_the_snapshot_read(
             1 for i in mine if plane.writers["orders"].key({"id": i}) in model)
 
 
+@pytest.mark.integration
 def test_one_transaction_answers_the_same_under_concurrent_writes(
         make_plane: Callable[..., DataPlane]) -> None:
     plane = make_plane(nodes=2)
@@ -230,6 +232,7 @@ def test_one_transaction_answers_the_same_under_concurrent_writes(
         assert got.by_key() == [model.get(k) for k in keys]
 
 
+@pytest.mark.integration
 def test_lookups_stay_exact_across_gc_a_revert_a_sweep_and_two_restarts(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(gc_retired_retention_ms=0, sweeper_interval_ms=0,
@@ -268,6 +271,7 @@ def test_lookups_stay_exact_across_gc_a_revert_a_sweep_and_two_restarts(
 
 
 # --- refusals --------------------------------------------------------------------------------
+@pytest.mark.integration
 def test_a_node_that_is_not_ready_refuses_and_a_restart_ends_old_snapshots(
         make_plane: Callable[..., DataPlane]) -> None:
     plane = make_plane(recover=False)
@@ -315,6 +319,7 @@ def send_at(plane: DataPlane, ts: int, rows: list[dict[str, Any]]) -> None:
             schema_name=SCHEMA, table_update_data=datas), timeout=30)
 
 
+@pytest.mark.integration
 def test_malformed_lookups_are_refused_and_change_nothing(
         make_plane: Callable[..., DataPlane]) -> None:
     # No checkpoint or GC round raises the write fence behind the test's back.
@@ -419,6 +424,7 @@ def prunable(plane: DataPlane, catalog: Catalog) -> None:
     advance(plane)
 
 
+@pytest.mark.integration
 def test_snapshots_below_folded_visibility_or_pruned_versions_are_refused(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(checkpoint_interval_ms=3_600_000, gc_interval_ms=3_600_000)
@@ -446,6 +452,7 @@ def test_snapshots_below_folded_visibility_or_pruned_versions_are_refused(
         assert_exact(plane, got, "orders", trans, at.timestamp)
 
 
+@pytest.mark.integration
 def test_a_kill_after_the_prune_horizon_is_recorded_recovers_to_the_model(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(checkpoint_interval_ms=3_600_000, gc_interval_ms=3_600_000,
@@ -468,6 +475,7 @@ def test_a_kill_after_the_prune_horizon_is_recorded_recovers_to_the_model(
 
 
 # --- the command line ------------------------------------------------------------------------
+@pytest.mark.integration
 def test_retina_query_get_prints_the_rows_of_keys_in_their_order(
         make_plane: Callable[..., DataPlane], capsys: pytest.CaptureFixture[str]) -> None:
     plane = make_plane(nodes=2)
