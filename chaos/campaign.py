@@ -28,12 +28,13 @@ import psycopg2
 from devtools.cluster import ClusterError, pid_alive
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
-from retina_common.topology import load_topology
+from retina_common.topology import Topology, load_topology
 
 from . import workload
 from .app_workload import APP_STREAM, AppWriter
+from .as_of_reads import AsOfReader
 from .campaign_cluster import CDC, CDC_NAME, TRANS, WRITER, ChaosCluster
-from .compare import Comparison, FastSnapshotReader, converge
+from .compare import Comparison, FastSnapshotReader, converge, expected_images
 from .faults import (
     FAULTS,
     UNREACHABLE,
@@ -44,6 +45,7 @@ from .faults import (
     relevant_points,
 )
 from .gc_driver import ROW_GROUP_ROWS, journal_states
+from .pinned_snapshots import PinBook
 from .prober import Prober, ReadinessTracker
 from .repeatable_reads import SnapshotBook
 from .report import Anomaly, Report
@@ -174,15 +176,26 @@ class Campaign:
         # etcd restarts on the same ports, so one client serves the cluster's lifetime.
         self.etcd = EtcdStore([self.cluster.state.etcd.endpoint], 5)
         self.reader = FastSnapshotReader(self.cluster.state.trans_listen, topology, 10)
-        self.book = SnapshotBook(SnapshotReaders(self.reader, self.cluster.state.trans_listen,
-                                                 topology), self.report.snapshots)
         self.prober = Prober(self.cluster.state.trans_listen, topology, self.args.seed)
         self.prober.start()
         self.audit = StorageAudit(self.cluster.state.postgres.dsn())
         self.app = AppWriter(self.cluster, topology, self.etcd)
         self.app.start()
+        self.book = self._snapshot_book(topology)
         self.log(f"chaos: cluster {generation} READY in {time.monotonic() - t0:.1f}s "
                  f"({self.cluster.state_dir}); seed {self.args.seed}")
+
+    def _snapshot_book(self, topology: Topology) -> SnapshotBook:
+        """SNAPSHOT_IS_IMMUTABLE's snapshots, their AS OF re-reads and pins (one cluster)."""
+        assert self.cluster.state is not None and self.app is not None
+        cluster, app = self.cluster, self.app
+        readers = SnapshotReaders(self.reader, cluster.state.trans_listen, topology)
+        as_of = AsOfReader(readers, self.report.history, [],
+                           trans_started_at=lambda: cluster.procs[TRANS].started_at,
+                           all_ready=lambda: cluster.alive(TRANS) and cluster.all_ready())
+        pins = PinBook(readers.channel, as_of, self.report.history, [])
+        return SnapshotBook(readers, self.report.snapshots, as_of, pins,
+                            expected=lambda: expected_images(self._source, [app]))
 
     def _close_cluster(self) -> None:
         if self.app is not None:

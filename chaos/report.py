@@ -67,6 +67,13 @@ class Report:
     # held_ended, held_ended_by_server, ended_by_server, read_ms_<via>; stall_* (stalled
     # writes) and split_* (split reads).
     snapshots: Counter[str] = field(default_factory=Counter)
+    # AS OF reads and pins (chaos/as_of_reads.py, pinned_snapshots.py): as_of_reads,
+    # as_of_by_<ts|time|pin>, as_of_answered, as_of_identical, as_of_changed, as_of_rows,
+    # as_of_refused_expired, as_of_refused_unmapped (and their _age_s sums: seconds since
+    # the snapshot was taken), as_of_refused_wrongly, as_of_point_moved,
+    # as_of_gate_<CODE>, as_of_away_<CODE>; pins_created, pins_read, pins_dropped,
+    # pin_create_refused_<CODE>, pin_drop_refused_<CODE>, pin_list_refused_<CODE>.
+    history: Counter[str] = field(default_factory=Counter)
     # The application writer (chaos/app_workload.py): sent, acknowledged, not_sent (failed
     # before its log append), in_doubt_killed (died in the call at a writer.* point),
     # in_doubt_error (failed after its log append), unknown, in_doubt_resolved (applied
@@ -136,6 +143,7 @@ class Report:
             f"{self.reads_refused}, failed after admission {self.reads_failed})",
             f"  reads outside READY  {self.reads_outside_ready}",
             *self.snapshot_lines(),
+            *self.history_lines(),
             f"  unexpected exits     {len(self.unexpected_exits)}",
         ]
         lines += [f"    {u}" for u in self.unexpected_exits[:20]]
@@ -172,6 +180,25 @@ class Report:
             f" across a restart {c['split_kill']}): identical {c['split_identical']}, "
             f"CHANGED {c['split_changed']}, DUPLICATES {c['split_duplicates']}, refused: "
             f"{_by_code(c, 'split_refused_')}",
+        ]
+
+    def history_lines(self) -> list[str]:
+        """AS OF reads and pins."""
+        h = self.history
+        answered_age = _ratio(h["as_of_answered_age_s"], h["as_of_answered"])
+        expired_age = _ratio(h["as_of_refused_expired_age_s"], h["as_of_refused_expired"])
+        return [
+            f"  AS OF reads          {h['as_of_reads']} (by ts {h['as_of_by_ts']}, by time "
+            f"{h['as_of_by_time']}, through a pin {h['as_of_by_pin']}): answered "
+            f"{h['as_of_answered']} (identical {h['as_of_identical']}, CHANGED "
+            f"{h['as_of_changed']}; {h['as_of_rows']} rows; mean age {answered_age}s), "
+            f"refused expired {h['as_of_refused_expired']} (mean age {expired_age}s), "
+            f"time unmapped {h['as_of_refused_unmapped']}, WRONGLY "
+            f"{h['as_of_refused_wrongly']}, point MOVED {h['as_of_point_moved']}; gate: "
+            f"{_by_code(h, 'as_of_gate_')}; away: {_by_code(h, 'as_of_away_')}",
+            f"  pins                 created {h['pins_created']}, read {h['pins_read']}, "
+            f"dropped {h['pins_dropped']}; refused: create {_by_code(h, 'pin_create_refused_')}"
+            f", drop {_by_code(h, 'pin_drop_refused_')}",
         ]
 
     def gc_text(self) -> str:
@@ -216,6 +243,10 @@ class Report:
 def _by_code(counts: Counter[str], prefix: str) -> str:
     return ", ".join(f"{k[len(prefix):]} {v}" for k, v in sorted(counts.items())
                      if k.startswith(prefix)) or "none"
+
+
+def _ratio(total: int, count: int) -> str:
+    return f"{total / count:.0f}" if count else "-"
 
 
 def _mean(values: list[float]) -> float:

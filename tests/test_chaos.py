@@ -22,7 +22,7 @@ from typing import Any
 import psycopg2
 import pytest
 
-from chaos import faults, gc_driver, spark_task, workload
+from chaos import faults, gc_driver, pinned_snapshots, spark_task, workload
 from chaos.app_model import AppModel, Txn
 from chaos.campaign import LATE_FAULT_STREAM, episode_seed, parse_args
 from chaos.compare import diff_table, lsn, position_lsn, widen
@@ -75,6 +75,14 @@ def test_every_catalogue_point_is_armed_or_left_out_with_a_reason() -> None:
             assert role == "retina" and faults.sweep_driving(point), point
         if point.startswith("gc.revert."):
             assert faults.gc_driving(point) == "revert", point
+
+
+def test_the_pin_points_are_armed_in_the_transserver_and_driven_by_pin_calls() -> None:
+    points = [p for p in failpoints.catalogue() if p.startswith("trans.pin.")]
+    assert sorted(points) == sorted(pinned_snapshots.PRESENT_AFTER_CRASH)
+    for point in points:
+        assert point in faults.relevant_points() and faults.process_of(point) == "trans"
+        assert point.startswith(faults.PIN_POINTS)
 
 
 def test_the_sweeper_fault_kinds_reach_every_sweeper_and_revert_point() -> None:
