@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from retina_common.pb import trans_pb2 as tpb
 
 from .as_of_reads import AsOfPoint, AsOfReader
+from .key_lookups import AS_OF_P, KeyLookups
 from .pinned_snapshots import PIN_MAX, PIN_P, PinBook
 from .snapshots import (
     VIAS,
@@ -119,10 +120,11 @@ class SnapshotBook:
 
     def __init__(self, readers: SnapshotReaders, counts: Counter[str],
                  as_of: AsOfReader | None = None, pins: PinBook | None = None,
-                 expected: Callable[[], Expected] | None = None) -> None:
-        """``as_of`` (default: one over ``readers`` counting into a counter of its own)
-        and ``pins`` (default: none) share the book's anomaly list; ``expected``: what
-        the episode's image must hold (default: not compared)."""
+                 expected: Callable[[], Expected] | None = None,
+                 lookups: KeyLookups | None = None) -> None:
+        """``as_of`` (default: one over ``readers`` counting into a counter of its own),
+        ``pins`` and ``lookups`` (default: none) share the book's anomaly list;
+        ``expected``: what the episode's image must hold (default: not compared)."""
         self.readers = readers
         self.counts = counts
         self.anomalies: list[str] = []
@@ -132,6 +134,10 @@ class SnapshotBook:
         if pins is not None:
             pins.anomalies = self.anomalies
         self.expected = expected
+        self.lookups = lookups
+        if lookups is not None:
+            lookups.anomalies = self.anomalies
+            self.as_of.on_answered = self._lookups_as_of
         self.open: list[Taken] = []  # transactions still open: this episode's and held
         self.remembered: list[Taken] = []  # ended, read again AS OF their point
         self._history: list[tuple[int, str]] = []
@@ -164,6 +170,18 @@ class SnapshotBook:
         self._fault_writes += 1
         if self._fault_writes == self.plan.during_at:
             self.take(self.plan.during, "during the fault")
+        before = next((t for t in self.open if t.episode == self.episode
+                       and t.phase == "before the fault" and t.trans is not None), None)
+        if self.lookups is not None and before is not None and before.trans is not None:
+            self.lookups.during_fault(before.trans, before.images, self.rng,
+                                      f"in the transaction of {before.label()}, after the "
+                                      f"fault's write {self._fault_writes}")
+
+    def _lookups_as_of(self, trans: tpb.BeginTransResponse,
+                       images: dict[str, TableImage]) -> None:
+        """Now and then, keys looked up in an AS OF transaction that answered exactly."""
+        if self.lookups is not None and self.rng.random() < AS_OF_P:
+            self.lookups.check(trans, images, self.rng, "AS OF", prefix="as_of_")
 
     def after_fault(self, text: str) -> None:
         """What the fault did (told in a snapshot_changed's detail)."""
@@ -232,24 +250,29 @@ class SnapshotBook:
         taken = self._remember(self.plan.after, trans.timestamp, "once healed", images)
         taken.time_ms = time_ms
         self.counts["images_by_time" if time_ms else "images"] += 1
+        expected = None
         if hwm is not None and trans.timestamp >= hwm:
-            self._compare_with_expected(taken)
+            expected = self._compare_with_expected(taken)
         else:  # AS OF a time before the last comparison's reads: the source moved since
             self.counts["images_below_comparison"] += 1
+        if self.lookups is not None:
+            self.lookups.check(trans, images, self.rng, "once healed", expected)
         if self.pins is not None and self.plan.pin and len(self.pins.held) < PIN_MAX:
             self.pins.create(taken, self.episode, self.rng)
         self.readers.end(trans.trans_id)
         self._keep(taken)
 
-    def _compare_with_expected(self, taken: Taken) -> None:
+    def _compare_with_expected(self, taken: Taken) -> Expected | None:
+        """``taken`` against what the source (and the writer's model) hold now; returns
+        that (None: not known)."""
         if self.expected is None:
-            return
+            return None
         try:
             expected = self.expected()
         except Exception as exc:  # the source just back from an outage: not compared
             self.counts["images_not_compared"] += 1
             self.counts[f"images_not_compared_{type(exc).__name__}"] += 1
-            return
+            return None
         self.counts["images_compared"] += 1
         problems = []
         for table, (want, undecided) in sorted(expected.items()):
@@ -265,6 +288,7 @@ class SnapshotBook:
             self.anomalies.append(f"image_differs_from_source: {taken.label()}, read once "
                                   f"the comparison found the source equal: "
                                   f"{'; '.join(problems)}")
+        return expected
 
     def adopt(self, via: str, trans: tpb.BeginTransResponse, phase: str,
               images: dict[str, TableImage], hold_episodes: int = 0) -> Taken:
@@ -280,6 +304,8 @@ class SnapshotBook:
                   images: dict[str, TableImage]) -> Taken:
         taken = Taken(self._next_sid, via, ts, self.episode, phase, images)
         self._next_sid += 1
+        if self.lookups is not None:
+            self.lookups.saw(images)
         self.counts[f"taken_{via}"] += 1
         self.counts["rows_taken"] += sum(i.count for i in images.values())
         if found := duplicates_in(images, taken.label()):

@@ -74,6 +74,11 @@ class Report:
     # as_of_gate_<CODE>, as_of_away_<CODE>; pins_created, pins_read, pins_dropped,
     # pin_create_refused_<CODE>, pin_drop_refused_<CODE>, pin_list_refused_<CODE>.
     history: Counter[str] = field(default_factory=Counter)
+    # Primary-key lookups (chaos/key_lookups.py), by where they ran: once healed (no
+    # prefix), AS OF (as_of_), during a fault with a node away (fault_down_) or with
+    # every node READY (fault_up_): lookups (calls, one per table), keys,
+    # keys_<present|deleted|never>, answered, found, refused_<CODE>, wrong (keys).
+    lookups: Counter[str] = field(default_factory=Counter)
     # The application writer (chaos/app_workload.py): sent, acknowledged, not_sent (failed
     # before its log append), in_doubt_killed (died in the call at a writer.* point),
     # in_doubt_error (failed after its log append), unknown, in_doubt_resolved (applied
@@ -199,7 +204,18 @@ class Report:
             f"  pins                 created {h['pins_created']}, read {h['pins_read']}, "
             f"dropped {h['pins_dropped']}; refused: create {_by_code(h, 'pin_create_refused_')}"
             f", drop {_by_code(h, 'pin_drop_refused_')}",
+            *(f"  lookups {where:13s}{self.lookup_text(prefix)}" for where, prefix in
+              (("once healed", ""), ("AS OF", "as_of_"), ("node away", "fault_down_"),
+               ("in a fault", "fault_up_"))),
         ]
+
+    def lookup_text(self, prefix: str) -> str:
+        c = self.lookups
+        return (f"{c[prefix + 'keys']} keys in {c[prefix + 'lookups']} lookups (present "
+                f"{c[prefix + 'keys_present']}, deleted {c[prefix + 'keys_deleted']}, never "
+                f"written {c[prefix + 'keys_never']}): answered {c[prefix + 'answered']} "
+                f"({c[prefix + 'found']} keys found), WRONG {c[prefix + 'wrong']} keys, "
+                f"refused: {_by_code(c, prefix + 'refused_')}")
 
     def gc_text(self) -> str:
         g = self.gc
