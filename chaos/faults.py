@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import signal
@@ -100,9 +101,13 @@ GC_REVERT_POINTS = ("gc.revert.",)
 # The TransServer's pin points (trans_gate/pins.py): reached only by CreatePin and
 # DropPin, so the wait creates and drops pins (chaos/pinned_snapshots.py, PinFailpoint);
 # once restarted, the pin in flight must be there exactly when the point lies after its
-# etcd write. The other trans.* points are reached by themselves: the horizon's by the
-# nodes' GC rounds (GetSafeGcTimestamp every 5 s), the time map's by its flush (1 s).
+# etcd write. The time map's points are reached by its flush (every second).
 PIN_POINTS = ("trans.pin.",)
+# The GC horizon's points (trans_gate/history.py): reached when a safeGcTs above the
+# durable horizon is handed out. The nodes' GC rounds ask every 5 s, and only a few of
+# those raise it (the retained snapshot moves with the time map), so the wait asks too,
+# as a GC job's driver does.
+HORIZON_POINTS = ("trans.horizon.",)
 SWEEP_PASSES = {"sweeper.retired.": "retired", "sweeper.temporary.": "temporary",
                 "sweeper.orphan.": "orphans", "sweeper.journal.": "journal",
                 "checkpoint.body_delete.": "checkpoints"}
@@ -442,6 +447,8 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
         if point.startswith(PIN_POINTS) and ctx.cluster.state is not None else None
     if pins is not None:
         action = pins.act
+    elif point.startswith(HORIZON_POINTS) and ctx.cluster.state is not None:
+        action = _safe_gc_action(ctx.cluster.state.trans_listen)
     elif driving == "pass":
         action, deadline_s = _gc_action(ctx, name, result), GC_FAILPOINT_DEADLINE_S
     elif driving == "revert":
@@ -568,6 +575,16 @@ def _drive_until_exit(ctx: FaultContext, name: str, timeout_s: float,
                 (name == TRANS or node_state(name) == rpb.READY):
             action()
     return ctx.cluster.exit_code(name)
+
+
+def _safe_gc_action(trans_address: str) -> Callable[[], None]:
+    """GetSafeGcTimestamp, as a GC job's driver asks it (the horizon's points)."""
+    def act() -> None:
+        # An error: the TransServer died at the point.
+        with open_channel(trans_address) as chan, contextlib.suppress(grpc.RpcError):
+            trans_pb2_grpc.TransServiceStub(chan).GetSafeGcTimestamp(
+                tpb.GetSafeGcTimestampRequest(), timeout=5)
+    return act
 
 
 def _gc_action(ctx: FaultContext, node: str, result: FaultResult) -> Callable[[], None]:

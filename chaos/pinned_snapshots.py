@@ -223,9 +223,9 @@ class PinFailpoint:
     def check(self, hit: bool) -> list[str]:
         """Once the TransServer is back: the anomalies (none when the point was not hit),
         then every failpoint pin dropped."""
-        try:
-            listed = {p.name for p in self.trans.ListPins(tpb.ListPinsRequest(),
-                                                          timeout=TIMEOUT_S).pins}
+        try:  # the channel saw the crash: wait for it to connect again
+            listed = {p.name for p in self.trans.ListPins(
+                tpb.ListPinsRequest(), timeout=TIMEOUT_S, wait_for_ready=True).pins}
         except grpc.RpcError as exc:
             return [f"pin_list_refused: ListPins after {self.point} answered "
                     f"{refusal_of(exc).code}"]
@@ -238,7 +238,8 @@ class PinFailpoint:
                              f"pin is {'missing' if want else 'still there'}")
         for name in sorted(n for n in listed if n.startswith(FAILPOINT_PREFIX)):
             try:
-                self.trans.DropPin(tpb.DropPinRequest(name=name), timeout=TIMEOUT_S)
+                self.trans.DropPin(tpb.DropPinRequest(name=name), timeout=TIMEOUT_S,
+                                   wait_for_ready=True)
             except grpc.RpcError:
                 found.append(f"pin_drop_refused: DropPin({name}) after {self.point}")
         return found

@@ -107,13 +107,14 @@ class FakePinStub:
         self._maybe_fail("CreatePin", True)
         return tpb.CreatePinResponse(pin=tpb.Pin(name=request.name, ts=request.ts))
 
-    def DropPin(self, request: tpb.DropPinRequest, timeout: float = 0) -> tpb.DropPinResponse:
+    def DropPin(self, request: tpb.DropPinRequest, timeout: float = 0,
+                wait_for_ready: bool = False) -> tpb.DropPinResponse:
         self._maybe_fail("DropPin", False)
         dropped = self.readers.pins.pop(request.name, None) is not None
         self._maybe_fail("DropPin", True)
         return tpb.DropPinResponse(dropped=dropped)
 
-    def ListPins(self, request: tpb.ListPinsRequest, timeout: float = 0
-                 ) -> tpb.ListPinsResponse:
+    def ListPins(self, request: tpb.ListPinsRequest, timeout: float = 0,
+                 wait_for_ready: bool = False) -> tpb.ListPinsResponse:
         return tpb.ListPinsResponse(pins=[tpb.Pin(name=n, ts=t)
                                           for n, t in sorted(self.readers.pins.items())])
