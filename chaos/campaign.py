@@ -286,7 +286,7 @@ class Campaign:
         self._check_gc_journals(episode)
         self._check_storage(episode)
         self._record_breaches(episode)
-        book.after_healing()
+        book.after_healing(comparison.clean)
         self._record_snapshots(episode)
         self.report.episodes += 1
         self.report.episode_seconds.append(time.monotonic() - t0)

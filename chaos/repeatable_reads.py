@@ -190,8 +190,11 @@ class SnapshotBook:
         self._history.append((self.episode, text))
         del self._history[:-HISTORY_MAX]
 
-    def after_healing(self) -> None:
-        hwm = self.readers.high_watermark()  # every comparison read is at or below it
+    def after_healing(self, compared_equal: bool = True) -> None:
+        """Once healed and compared (``compared_equal``: the comparison found every table
+        equal to the source, so the episode's image is compared with it too)."""
+        # Every comparison read is at or below it.
+        hwm = self.readers.high_watermark() if compared_equal else None
         self.reread("after healing")
         self._reread_as_of()
         if self.pins is not None:
@@ -253,8 +256,10 @@ class SnapshotBook:
         expected = None
         if hwm is not None and trans.timestamp >= hwm:
             expected = self._compare_with_expected(taken)
-        else:  # AS OF a time before the last comparison's reads: the source moved since
+        elif hwm is not None:  # AS OF a time before the comparison's reads: moved since
             self.counts["images_below_comparison"] += 1
+        else:  # the comparison found differences (reported): nothing to compare with
+            self.counts["images_not_compared"] += 1
         if self.lookups is not None:
             self.lookups.check(trans, images, self.rng, "once healed", expected)
         if self.pins is not None and self.plan.pin and len(self.pins.held) < PIN_MAX:
