@@ -446,6 +446,16 @@ def test_fixed_seed_sample_loses_nothing_and_never_serves_outside_ready(tmp_path
     assert snaps.get("split_reads", 0) >= 1, output
     changed = [a for a in report["anomalies"] if a["kind"].startswith("snapshot_")]
     assert not changed, f"SNAPSHOT_IS_IMMUTABLE broken ({took:.0f}s):\n{output}"
+    # Issue 27: earlier images read again AS OF their point in every episode, answered
+    # exactly, and one pinned, read through its pin and dropped.
+    history = report["history"]
+    assert history.get("as_of_reads", 0) >= report["episodes"] - 1, output
+    assert history.get("as_of_identical", 0) >= 1, output
+    assert history.get("pins_created", 0) >= 1 and history.get("pins_read", 0) >= 1, output
+    assert report["snapshots"].get("images_compared", 0) >= 1, output
+    wrong = [a for a in report["anomalies"] if a["kind"].startswith(("as_of_", "pin_",
+                                                                     "image_"))]
+    assert not wrong, f"AS OF reads or pins wrong ({took:.0f}s):\n{output}"
     assert not report["stopped_early"] or "time budget" in report["stopped_early"], output
     assert result.returncode == 0, f"anomalies ({took:.0f}s):\n{output}"
 
