@@ -10,6 +10,7 @@
     retina-admin lineage
     retina-admin writers list | writers gone WRITER --reason R
     retina-admin recover [--mode vnode|node] [--wait S]
+    retina-admin pin create NAME --at TS | --at-time ISO8601|MS; pin list; pin drop NAME
 
 Every command takes ``--json`` (one JSON document on stdout instead of tables),
 ``--node host:port`` (repeatable: only these nodes) and ``--no-progress``.
@@ -36,8 +37,9 @@ from typing import Any
 
 import grpc
 
-from retina_common import admin_writers, file_names, progress
+from retina_common import admin_pins, admin_writers, file_names, progress
 from retina_common.admin_cluster import Cluster
+from retina_common.as_of_point import format_ms
 from retina_common.catalog import CatalogError, FileType
 from retina_common.catalog.cli import parse_file_type
 from retina_common.checkpoint_store import CorruptCheckpoint, Pointer
@@ -142,12 +144,15 @@ def _trans_view(cluster: Cluster) -> dict[str, Any]:
     try:
         out["high_watermark"] = stub.GetHighWatermark(
             trans_pb2.GetHighWatermarkRequest(), timeout=t).high_watermark
-        out["safe_gc_ts"] = stub.GetSafeGcTimestamp(
-            trans_pb2.GetSafeGcTimestampRequest(), timeout=t).safe_gc_ts
+        # GetHistoryStatus, not GetSafeGcTimestamp: asking that one would hand safeGcTs
+        # out, raising the GC horizon (history it makes unreadable for good).
+        history = stub.GetHistoryStatus(trans_pb2.GetHistoryStatusRequest(), timeout=t)
         gate = stub.GetQueryGateStatus(trans_pb2.GetQueryGateStatusRequest(), timeout=t)
     except grpc.RpcError as exc:
         out.update(_rpc_error(exc))
         return out
+    out["safe_gc_ts"] = history.next_safe_gc_ts
+    out["history"] = message_dict(history)
     out["gate"] = {"admitted": gate.admitted, "message": gate.message,
                    "nodes": dict(gate.nodes), "watch_healthy": gate.watch_healthy,
                    "revision": gate.revision}
@@ -219,6 +224,15 @@ def print_status(status: dict[str, Any]) -> None:
     gate = trans["gate"]
     print(f"transserver {trans['address']}  HWM {trans['high_watermark']}  "
           f"safeGcTs {trans['safe_gc_ts']}")
+    history = trans["history"]
+    retention = int(history["history_retention_ms"])
+    print(f"history     earliest readable: timestamp {history['earliest_readable_ts']} (time "
+          f"{format_ms(int(history['earliest_readable_time_ms']))}); GC horizon "
+          f"{history['horizon_ts']}; retention {retention // 1000} s; "
+          f"{history['pins']} pin(s)")
+    for gap in history["time_gaps"]:
+        print(f"            times not mapped (a TransServer crash): "
+              f"{format_ms(int(gap['from_ms']))} .. {format_ms(int(gap['to_ms']))}")
     message = gate["message"].removeprefix("query gate closed: ")
     print(f"query gate  {'OPEN' if gate['admitted'] else 'CLOSED'}: {message}")
 
@@ -527,6 +541,7 @@ def parser() -> argparse.ArgumentParser:
                    help="with --sweep: only the sweep, removing nothing (no fold/prune round)")
     sub.add_parser("lineage", parents=[common], help="every Storage GC rewrite")
     admin_writers.add_parsers(sub, common)
+    admin_pins.add_parsers(sub, common)
     return p
 
 
@@ -536,6 +551,8 @@ COMMANDS: dict[str, Callable[[Cluster, argparse.Namespace], int]] = {
     "gc run": cmd_gc_run, "lineage": cmd_lineage,
     "writers list": admin_writers.cmd_writers_list,
     "writers gone": admin_writers.cmd_writers_gone, "recover": admin_writers.cmd_recover,
+    "pin create": admin_pins.cmd_pin_create, "pin list": admin_pins.cmd_pin_list,
+    "pin drop": admin_pins.cmd_pin_drop,
 }
 
 
@@ -548,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
         args.command = f"gc {args.gc_command}"
     if args.command == "writers":
         args.command = f"writers {args.writers_command}"
+    if args.command == "pin":
+        args.command = f"pin {args.pin_command}"
     try:
         cluster = open_cluster(args)
         try:

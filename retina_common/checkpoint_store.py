@@ -10,15 +10,24 @@ Body (all integers big-endian)::
     MAGIC "RTNACKP1" | schema version u16 | header length u32 | header JSON
     | file count u32 | FileEntry * n
     | segment count u32 | IngestSegmentEntry * n
-    | rg count u32 | (RGEntry fixed part, roaring bitmap bytes) * n
+    | rg count u32 | (RGEntry fixed part, roaring bitmap bytes, chain) * n
     | body length u64 | CRC32C u32 (of every byte before it)
 
+    chain = item count u32 | byte length u32 | varints: (ts delta, zigzag row delta) * n
+
 The header holds retinaNodeId, checkpointId, writerEpoch, writeTime,
-checkpointAppliedTs and topologyHash. Replay starts are *not* stored: they
-are derived from the segments on every start (replay_ts.py). Each RGEntry is
-the row group's deleted rows at checkpointAppliedTs, which becomes its base.
-That costs about one bit per row at worst, plus a small fixed cost per row
-group.
+checkpointAppliedTs, topologyHash and historyGaps. Replay starts are *not* stored:
+they are derived from the segments on every start (replay_ts.py). Each RGEntry is the
+row group's visibility as the node holds it: its base timestamp and bitmap (rows
+deleted at or before the base: about one bit per row at worst, far less when deletes
+are sparse) and its deletion chain up to checkpointAppliedTs, items in (ts, row) order,
+each timestamp a delta from the one before (the first from the base), each row a
+zigzag delta from the one before (docs/history.md gives the measured bits per row).
+So a restarted node answers AS OF reads above the bases exactly. ``historyGaps``
+lists the [from, to) timestamp ranges whose history a recovery rebuilt from the
+changelogs and which the node therefore refuses for AS OF reads (node.py,
+HISTORY_REBUILT_IS_REFUSED). Schema version 1 bodies (no chain, no gaps; the base at
+checkpointAppliedTs) are still read.
 
 Install (not "publish": that word is the ingest file publish): write the
 immutable body (fsync, rename) → one etcd transaction that moves ``current``
@@ -39,9 +48,11 @@ from dataclasses import dataclass, field, fields
 from operator import attrgetter
 
 import crc32c
+import numpy as np
 from pyroaring import BitMap
 
 from retina_common import failpoints as fp
+from retina_common import varint
 from retina_common.etcd import EtcdError, EtcdOutcomeUnknown, EtcdStore
 from retina_common.keys import checkpoint_slot_key
 from retina_common.log import get_logger
@@ -58,10 +69,12 @@ from retina_common.storage import (
 log = get_logger(component="checkpoint")
 
 MAGIC = b"RTNACKP1"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 _FILE = struct.Struct(">qqiqqqqqqi")
 _SEGMENT = struct.Struct(">qiBqqiqqq")
 _RG = struct.Struct(">qiqqI")
+_CHAIN = struct.Struct(">II")
 _TRAILER = struct.Struct(">QI")
 _HEADER_FIELDS = ("retinaNodeId", "checkpointId", "writerEpoch", "writeTime",
                   "checkpointAppliedTs", "topologyHash")
@@ -99,6 +112,8 @@ class CheckpointHeader:
     write_time_ms: int
     checkpoint_applied_ts: int
     topology_hash: str
+    # [from, to) timestamp ranges a recovery rebuilt (refused for AS OF reads)
+    history_gaps: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -127,11 +142,41 @@ class RGEntry:
     row_count: int
     base_timestamp: int
     deleted: BitMap = field(compare=False)
+    # Deletes after the base: (ts, row), ts ascending (rows ascending within a ts).
+    chain: list[tuple[int, int]] = field(default_factory=list, compare=False)
 
     def same(self, other: RGEntry) -> bool:
         return (self.file_id, self.rg_id, self.row_count, self.base_timestamp) == \
             (other.file_id, other.rg_id, other.row_count, other.base_timestamp) and \
-            self.deleted == other.deleted
+            self.deleted == other.deleted and sorted(self.chain) == sorted(other.chain)
+
+
+def encode_chain(base_ts: int, chain: list[tuple[int, int]]) -> bytes:
+    """Item count, byte length, then per item (ts - previous ts, zigzag(row - previous row))."""
+    if not chain:
+        return _CHAIN.pack(0, 0)
+    items = np.array(chain, dtype=np.int64)
+    items = items[np.lexsort((items[:, 1], items[:, 0]))]
+    deltas = np.empty(2 * len(items), dtype=np.uint64)
+    deltas[0::2] = np.diff(items[:, 0], prepend=base_ts).astype(np.uint64)
+    deltas[1::2] = varint.zigzag(np.diff(items[:, 1], prepend=0))
+    data = varint.encode(deltas)
+    return _CHAIN.pack(len(items), len(data)) + data
+
+
+def decode_chain(base_ts: int, row_count: int, data: bytes) -> list[tuple[int, int]]:
+    """The chain :func:`encode_chain` wrote; ValueError on anything else."""
+    count, _length = _CHAIN.unpack_from(data)
+    if not count:
+        return []
+    values, end = varint.decode(data, 2 * count, _CHAIN.size)
+    if end != len(data):
+        raise ValueError("trailing bytes after the chain")
+    ts = base_ts + np.cumsum(values[0::2].astype(np.int64))
+    rows = np.cumsum(varint.unzigzag(values[1::2]))
+    if int(ts[0]) <= base_ts or int(rows.min()) < 0 or int(rows.max()) >= row_count:
+        raise ValueError("a chain item at or below the base, or outside the row group")
+    return list(zip(ts.tolist(), rows.tolist(), strict=True))
 
 
 @dataclass
@@ -147,7 +192,9 @@ def encode(body: CheckpointBody) -> bytes:
     header = json.dumps({"retinaNodeId": h.retina_node_id, "checkpointId": h.checkpoint_id,
                          "writerEpoch": h.writer_epoch, "writeTime": h.write_time_ms,
                          "checkpointAppliedTs": h.checkpoint_applied_ts,
-                         "topologyHash": h.topology_hash}, separators=(",", ":")).encode()
+                         "topologyHash": h.topology_hash,
+                         "historyGaps": [list(g) for g in h.history_gaps]},
+                        separators=(",", ":")).encode()
     parts = [MAGIC, struct.pack(">HI", SCHEMA_VERSION, len(header)), header,
              struct.pack(">I", len(body.files))]
     parts += [_FILE.pack(*_FILE_FIELDS(f)) for f in body.files]
@@ -159,7 +206,7 @@ def encode(body: CheckpointBody) -> bytes:
     for rg in body.row_groups:
         bits = rg.deleted.serialize()
         parts += [_RG.pack(rg.file_id, rg.rg_id, rg.row_count, rg.base_timestamp, len(bits)),
-                  bits]
+                  bits, encode_chain(rg.base_timestamp, rg.chain)]
     data = b"".join(parts)
     length = len(data) + _TRAILER.size
     head = data + struct.pack(">Q", length)
@@ -203,11 +250,13 @@ def decode(data: bytes, *, expect_node: str, expect_topology_hash: str) -> Check
     reader = _Reader(data, len(data) - _TRAILER.size)
     reader.take(len(MAGIC))
     version, header_len = reader.unpack(struct.Struct(">HI"))
-    if version != SCHEMA_VERSION:
-        raise CorruptCheckpoint(f"schema version {version}; this code reads {SCHEMA_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise CorruptCheckpoint(f"schema version {version}; this code reads "
+                                f"{', '.join(map(str, READABLE_VERSIONS))}")
     try:
         raw = json.loads(reader.take(header_len))
-        header = CheckpointHeader(*(raw[k] for k in _HEADER_FIELDS))
+        gaps = tuple((int(a), int(b)) for a, b in raw.get("historyGaps", ()))
+        header = CheckpointHeader(*(raw[k] for k in _HEADER_FIELDS), history_gaps=gaps)
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpoint(f"bad header: {exc}") from None
     if header.retina_node_id != expect_node:
@@ -233,7 +282,15 @@ def decode(data: bytes, *, expect_node: str, expect_topology_hash: str) -> Check
             bits = BitMap.deserialize(reader.take(size))
         except (ValueError, OSError) as exc:
             raise CorruptCheckpoint(f"bad bitmap of file {f} rg {rg}: {exc}") from None
-        rgs.append(RGEntry(f, rg, rows, base_ts, bits))
+        chain: list[tuple[int, int]] = []
+        if version >= 2:
+            count, length = reader.unpack(_CHAIN)
+            data = _CHAIN.pack(count, length) + reader.take(length)
+            try:
+                chain = decode_chain(base_ts, rows, data)
+            except ValueError as exc:
+                raise CorruptCheckpoint(f"bad chain of file {f} rg {rg}: {exc}") from None
+        rgs.append(RGEntry(f, rg, rows, base_ts, bits, chain))
     if not reader.done:
         raise CorruptCheckpoint("trailing bytes after the last section")
     return CheckpointBody(header, files, segments, rgs)

@@ -14,6 +14,13 @@ published concurrently:
 A file is dropped from a write buffer only after it became REGULAR, so a
 row is in step 2 or in step 3 (or both, when the publish happened between
 them, and then step 5 keeps one copy).
+
+AS OF reads (docs/history.md) are the same steps in a transaction begun at a past
+point (``as_of``: a timestamp, a wall-clock time or a pin): the current files hold
+every row visible at any readable past snapshot (Storage GC drops only rows deleted
+at or below the GC horizon). A point whose history is gone is refused
+FAILED_PRECONDITION ``snapshot_expired`` (``refusal.earliest_readable`` reads the
+earliest readable point from the details), never answered partially.
 """
 
 from __future__ import annotations
@@ -32,13 +39,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from retina_common import file_names
+from retina_common.as_of_point import NEWEST, AsOf, BadPoint, format_ms, parse_as_of
 from retina_common.client import channel
 from retina_common.codec import COMMIT_TS
 from retina_common.config import ConfigError, TlsConfig
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
-from retina_common.refusal import reaching_node, reaching_trans_server
+from retina_common.refusal import earliest_readable, reaching_node, reaching_trans_server
 from retina_common.schema_evolution import conform
 from retina_common.storage import read_bytes
 from retina_common.topology import Topology, load_config_and_topology
@@ -72,11 +80,11 @@ class SnapshotReader:
             node_channel.close()
 
     @contextmanager
-    def transaction(self) -> Iterator[tpb.BeginTransResponse]:
-        """A gated read-only transaction, ended when the block exits."""
+    def transaction(self, as_of: AsOf = NEWEST) -> Iterator[tpb.BeginTransResponse]:
+        """A gated read-only transaction (at the newest snapshot, or ``as_of`` a past
+        point), ended when the block exits."""
         with reaching_trans_server(self._trans_address):
-            trans = self._trans.BeginTrans(tpb.BeginTransRequest(read_only=True),
-                                           timeout=self._timeout)
+            trans = self._trans.BeginTrans(as_of.begin_request(), timeout=self._timeout)
         try:
             yield trans
         finally:
@@ -84,8 +92,11 @@ class SnapshotReader:
                 self._trans.CommitTrans(tpb.CommitTransRequest(trans_id=trans.trans_id),
                                         timeout=self._timeout)
 
-    def read(self, schema: str, table: str, *, keep_hidden: bool = False) -> Snapshot:
-        with self.transaction() as trans:
+    def read(self, schema: str, table: str, *, keep_hidden: bool = False, as_of_ts: int = 0,
+             as_of_time_ms: int = 0, as_of_pin: str = "") -> Snapshot:
+        """The table at the newest snapshot, or AS OF a past timestamp, wall-clock time or
+        pin (at most one)."""
+        with self.transaction(AsOf(as_of_ts, as_of_time_ms, as_of_pin)) as trans:
             return self.read_in(trans, schema, table, keep_hidden=keep_hidden)
 
     def read_in(self, trans: tpb.BeginTransResponse, schema: str, table: str, *,
@@ -195,17 +206,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="retina-query", description=main.__doc__,
         epilog="Exit codes: 0 printed; 1 not answered: refused (e.g. the query gate is "
-               "closed) or a node or the TransServer unreachable (e.g. restarting); "
+               "closed, or an --as-of point older than the history kept: snapshot_expired) "
+               "or a node or the TransServer unreachable (e.g. restarting); "
                "2 configuration.")
     parser.add_argument("table", help="schema.table")
     parser.add_argument("--config", help="TOML config file (default: $RETINA_CONFIG)")
     parser.add_argument("--format", choices=["table", "json", "count"], default="table")
     parser.add_argument("--limit", type=int, default=50)
     parser.add_argument("--hidden", action="store_true", help="include _commit_ts")
+    point = parser.add_mutually_exclusive_group()
+    point.add_argument("--as-of", metavar="TS|TIME",
+                       help="read a past snapshot: a timestamp (81234) or an ISO 8601 time "
+                            "(2026-11-27T09:00:00Z; no zone: local time); docs/history.md")
+    point.add_argument("--pin", metavar="NAME", help="read the snapshot a named pin holds")
     args = parser.parse_args(argv)
     schema, dot, table = args.table.partition(".")
     if not dot:
         parser.error("give the table as schema.table")
+    try:
+        as_of = parse_as_of(args.as_of) if args.as_of else AsOf(pin=args.pin or "")
+    except BadPoint as exc:
+        parser.error(str(exc))
     try:
         config, topology = load_config_and_topology(args.config)
     except ConfigError as exc:
@@ -213,9 +234,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     reader = SnapshotReader(config.trans.listen, topology, tls=config.tls)
     try:
-        snap = reader.read(schema, table, keep_hidden=args.hidden)
+        snap = reader.read(schema, table, keep_hidden=args.hidden, as_of_ts=as_of.ts,
+                           as_of_time_ms=as_of.time_ms, as_of_pin=as_of.pin)
     except grpc.RpcError as exc:
         print(f"retina-query: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        earliest = earliest_readable(exc.details() or "")
+        if earliest is not None:
+            print(f"retina-query: the earliest readable point is timestamp {earliest[0]} "
+                  f"(time {format_ms(earliest[1])})", file=sys.stderr)
         return 1
     finally:
         reader.close()
@@ -227,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row, default=str))
     else:
         print(format_rows(rows.slice(0, args.limit)))
-    print(f"-- {rows.num_rows} rows at snapshot {snap.timestamp} ({snap.files_read} files, "
-          f"{snap.buffer_rows} write-buffer rows)", file=sys.stderr)
+    past = "" if as_of == NEWEST else f" (as of {as_of.describe()})"
+    print(f"-- {rows.num_rows} rows at snapshot {snap.timestamp}{past} ({snap.files_read} "
+          f"files, {snap.buffer_rows} write-buffer rows)", file=sys.stderr)
     return 0
 
 

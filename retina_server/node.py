@@ -36,12 +36,12 @@ from retina_common.catalog import (
 )
 from retina_common.codec import COMMIT_TS
 from retina_common.log import get_logger
-from retina_common.refusal import Refusal
 from retina_common.schema_evolution import conform, table_schema
 from retina_common.storage import file_uri
 from retina_common.topology import Topology
 from retina_server.index import LocalIndexService
 from retina_server.publisher import IngestPipeline, StreamPublisher
+from retina_server.read_history import ReadHistory
 from retina_server.registry import IngestFileMetadataRegistry, RegistryError
 from retina_server.visibility import RGVisibility, VisibilityError, VisibilityIndex
 from retina_server.write_buffer import IngestFile, StreamBuffer
@@ -100,10 +100,9 @@ class RetinaNode:
         self._lock = threading.Lock()
         self._buffer_files: dict[int, IngestFile] = {}
         self.failure: str | None = None
-        # SNAPSHOTS_END_AT_RESTART: snapshots below it are not answered. MarkReady sets it
-        # to a timestamp the TransServer issued after this process started
-        # (mark_ready.py), so no read transaction begun before the restart is answered.
-        self.read_floor_ts = 0
+        # Which past snapshots this process answers after its recovery
+        # (SNAPSHOTS_END_AT_RESTART, HISTORY_REBUILT_IS_REFUSED: read_history.py).
+        self.history = ReadHistory(node_id)
         # BUFFER_FETCH_HOLDS_FILE: file id -> {read transaction: its snapshot} for every
         # write-buffer file a GetWriteBuffer read (gc/rewrites.py).
         self._buffer_reads: dict[int, dict[int, int]] = {}
@@ -239,20 +238,6 @@ class RetinaNode:
             self._buffer_files[file.file_id] = file
         return file
 
-    def check_snapshot(self, snapshot: int, ts: int | None = None) -> None:
-        """SNAPSHOTS_END_AT_RESTART: refuse a read transaction whose snapshot is below the
-        read floor (it may have begun before this process started: a read that spans the
-        restart, which the recovered node cannot prove it answers as before), and, when
-        ``ts`` is given (GetWriteBuffer, the first step of every snapshot read), a
-        snapshot read below the floor. QueryVisibility alone may look below it for a
-        transaction begun since (the Storage GC job reads visibility at its cutoff)."""
-        low = snapshot if ts is None else min(snapshot, ts)
-        if low < self.read_floor_ts:
-            raise Refusal(grpc.StatusCode.ABORTED,
-                          f"snapshot {low} is below {self.node_id}'s read floor "
-                          f"{self.read_floor_ts} (the node restarted after the snapshot may "
-                          "have been taken); begin a new read transaction")
-
     # --- baseline and visibility lookups ---
     def in_baseline(self, file_id: int) -> bool:
         """The baseline visible file set: registered files and live write-buffer files."""
@@ -297,11 +282,7 @@ class RetinaNode:
                 entry = retired[rg]
             else:
                 entry = self.rg_visibility(file_id, rg)
-            if ts < entry.base_timestamp:  # its deletes up to the base are folded in
-                raise Refusal(grpc.StatusCode.ABORTED,
-                              f"snapshot {ts} is below the visibility base "
-                              f"{entry.base_timestamp} of file {file_id} row group {rg}; "
-                              "begin a new read transaction")
+            # NO_READ_BELOW_FOLD: below its base, deleted_at refuses (snapshot_expired).
             out.append((rg, entry.row_count, entry.deleted_at(ts)))
         return out
 

@@ -40,6 +40,13 @@ class TransStatus:
     read_only: bool = False
     lease_expires_at_ms: int = 0
     timestamp: int = 0  # a read transaction's snapshot
+    as_of: bool = False  # begun AS OF a past point
+
+
+@dataclass(frozen=True)
+class LiveRead:
+    timestamp: int  # the snapshot
+    as_of: bool
 
 
 class ReadTransactionGuard:
@@ -48,30 +55,31 @@ class ReadTransactionGuard:
         self._lookup = lookup
         self._ttl_s = ttl_s
         self._clock = clock
-        self._live_until: dict[int, tuple[float, int]] = {}  # id -> (until, snapshot)
+        self._live_until: dict[int, tuple[float, LiveRead | None]] = {}  # id -> (until, read)
         self._lock = threading.Lock()
 
-    def check(self, trans_id: int, ts: int | None = None) -> int:
-        """Return the snapshot of ``trans_id`` if it is a live read-only transaction (and
-        ``ts``, when given, is not above it); raise Refusal if not."""
+    def check(self, trans_id: int, ts: int | None = None) -> LiveRead:
+        """The snapshot of ``trans_id`` if it is a live read-only transaction (and ``ts``,
+        when given, is not above it); raise Refusal if not."""
         if trans_id <= 0:
             REFUSED.labels(reason="no_transaction").inc()
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           "a read needs the trans_id of a live read-only transaction")
-        snapshot = self._live_snapshot(trans_id)
+        read = self._live_read(trans_id)
+        snapshot = read.timestamp
         if ts is not None and ts > snapshot:
             REFUSED.labels(reason="after_snapshot").inc()
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"timestamp {ts} is after read transaction {trans_id}'s snapshot "
                           f"{snapshot}; a read may look at its snapshot or earlier")
-        return snapshot
+        return read
 
-    def _live_snapshot(self, trans_id: int) -> int:
+    def _live_read(self, trans_id: int) -> LiveRead:
         now = self._clock()
         with self._lock:
-            until, snapshot = self._live_until.get(trans_id, (0.0, 0))
-            if until > now:
-                return snapshot
+            until, read = self._live_until.get(trans_id, (0.0, None))
+            if until > now and read is not None:
+                return read
         status = self._lookup(trans_id)
         if not status.live:
             REFUSED.labels(reason="not_live").inc()
@@ -82,8 +90,9 @@ class ReadTransactionGuard:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                           f"transaction {trans_id} is a write transaction, not a read")
         until = min(now + self._ttl_s, status.lease_expires_at_ms / 1000)
+        read = LiveRead(status.timestamp, status.as_of)
         with self._lock:
             if len(self._live_until) > 10_000:  # ended transactions age out
                 self._live_until = {t: v for t, v in self._live_until.items() if v[0] > now}
-            self._live_until[trans_id] = (until, status.timestamp)
-        return status.timestamp
+            self._live_until[trans_id] = (until, read)
+        return read

@@ -49,16 +49,17 @@ class TransClient:
         reply = self._call(lambda: self._stub.GetTransStatus(
             pb.GetTransStatusRequest(trans_id=trans_id), timeout=TIMEOUT_S))
         return TransStatus(reply.live, reply.read_only, reply.lease_expires_at_ms,
-                           reply.timestamp)
+                           reply.timestamp, reply.as_of)
 
     def read_holds(self) -> ReaderHolds:
         reply = self._call(lambda: self._stub.GetReadHolds(pb.GetReadHoldsRequest(),
                                                            timeout=TIMEOUT_S))
         return ReaderHolds(frozenset(reply.file_ids), reply.listings_in_flight)
 
-    def fresh_timestamp(self) -> tuple[int, int]:
-        """A write timestamp X issued now, whose transaction is ended at once, and the HWM
-        after it ended. Every snapshot granted before this call is below X."""
+    def fresh_timestamp(self) -> tuple[int, int, int]:
+        """A write timestamp X issued now, whose transaction is ended at once, the HWM
+        after it ended, and its transaction id (every transaction begun before this call
+        has a smaller id). Every snapshot granted before this call is below X."""
         began = self._call(lambda: self._stub.BeginTrans(
             pb.BeginTransRequest(read_only=False, lease_ms=FRESH_LEASE_MS),
             timeout=TIMEOUT_S))
@@ -70,4 +71,4 @@ class TransClient:
                 raise Refusal(grpc.StatusCode.UNAVAILABLE,
                               f"TransServer unreachable: {exc.code().name}") from exc
             hwm = self.high_watermark()  # its lease ran out first: ended all the same
-        return began.timestamp, hwm
+        return began.timestamp, hwm, began.trans_id

@@ -16,6 +16,16 @@ Invariants (specification C03.7, section 5):
   ``safe_ts`` below every live snapshot, so no snapshot's answer changes.
 * DELETE_IDEMPOTENT: deleting a row that is already deleted at or before
   ``T`` changes nothing, so a retried request converges.
+* NO_READ_BELOW_FOLD: ``deleted_at(ts)`` with ``ts`` below the base timestamp
+  raises the snapshot_expired refusal (retina_common/refusal.py): the base no
+  longer tells which of its rows were deleted after ``ts``, so an answer would be
+  wrong. Every read (QueryVisibility, GetWriteBuffer, a Storage GC prepare) goes
+  through it, and a Storage GC output's base is its cutoff, so a rewritten file
+  refuses what it dropped too.
+
+A checkpoint keeps the base and the chain up to its ``checkpointAppliedTs``
+(:func:`checkpoint_entry`, :func:`restore`), so a restarted node answers the same
+history (docs/history.md).
 """
 
 from __future__ import annotations
@@ -28,6 +38,9 @@ import grpc
 import numpy as np
 from pyroaring import BitMap
 
+from retina_common.checkpoint_store import RGEntry
+from retina_common.refusal import snapshot_expired
+
 
 class VisibilityError(Exception):
     """An operation names a row group or row that does not exist."""
@@ -39,12 +52,12 @@ class RGVisibility:
     __slots__ = ("_base", "_base_ts", "_chain", "_lock", "row_count")
 
     def __init__(self, row_count: int = 0, base_ts: int = 0,
-                 base: BitMap | None = None) -> None:
+                 base: BitMap | None = None, chain: dict[int, int] | None = None) -> None:
         self.row_count = row_count
         self._base_ts = base_ts
         self._base = BitMap() if base is None else base
         # The deletion chain: row -> the earliest timestamp it was deleted at.
-        self._chain: dict[int, int] = {}
+        self._chain: dict[int, int] = {} if chain is None else chain
         self._lock = threading.Lock()
 
     @property
@@ -86,8 +99,13 @@ class RGVisibility:
         return result
 
     def deleted_at(self, ts: int) -> BitMap:
-        """Rows deleted at snapshot ``ts`` (a new bitmap the caller owns)."""
+        """Rows deleted at snapshot ``ts`` (a new bitmap the caller owns); refuses a ``ts``
+        below the base (NO_READ_BELOW_FOLD)."""
         with self._lock:
+            if ts < self._base_ts:
+                raise snapshot_expired(
+                    f"snapshot {ts} is below a visibility base {self._base_ts} (deletes up to "
+                    "it are folded together)", self._base_ts)
             return self._deleted_locked(ts)
 
     def fold(self, safe_ts: int) -> int:
@@ -113,6 +131,20 @@ class RGVisibility:
     def memory_bytes(self) -> int:
         with self._lock:
             return len(self._base.serialize()) + 16 * len(self._chain)
+
+
+def checkpoint_entry(file_id: int, rg_id: int, vis: RGVisibility, applied_ts: int) -> RGEntry:
+    """A row group as a checkpoint keeps it: its base and the chain items at or below
+    ``applied_ts`` (later ones are replayed)."""
+    base_ts, base, chain = vis.snapshot()
+    return RGEntry(file_id, rg_id, vis.row_count, base_ts, base,
+                   [(ts, row) for ts, row in chain if ts <= applied_ts])
+
+
+def restore(entry: RGEntry) -> RGVisibility:
+    """The row group a checkpoint entry holds, history included."""
+    return RGVisibility(entry.row_count, entry.base_timestamp, BitMap(entry.deleted),
+                        {row: ts for ts, row in entry.chain})
 
 
 @dataclass(frozen=True)

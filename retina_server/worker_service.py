@@ -115,15 +115,17 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             return apply(self._node, applied, fenced=False)
 
     def _admit_read(self, ts: int, trans_id: int, snapshot_read: bool) -> int:
-        """READY, a live read transaction whose snapshot is not below ``ts`` and is at or
-        above the read floor (so is ``ts`` for a ``snapshot_read``: GetWriteBuffer); then
+        """READY, a live read transaction whose snapshot is not below ``ts`` and that this
+        node still answers after its restarts (read_history.py: the read floor applies to
+        ``ts`` too for a ``snapshot_read``, GetWriteBuffer); then
         LATE_WRITES_FENCED at ``ts`` (and every write admitted at or below it has
         finished). Returns the transaction's snapshot."""
         self._machine.admit(Request.READ)
-        snapshot = self._reads.check(trans_id, ts)
-        self._node.check_snapshot(snapshot, ts if snapshot_read else None)
+        read = self._reads.check(trans_id, ts)
+        self._node.history.check(read.timestamp, ts if snapshot_read else None, trans_id,
+                                 read.as_of)
         self._node.fence.raise_to(ts, f"read transaction {trans_id} at {ts}")
-        return snapshot
+        return read.timestamp
 
     def UpdateRecord(self, request: pb.UpdateRecordRequest,
                      context: grpc.ServicerContext) -> pb.UpdateRecordResponse:

@@ -20,7 +20,14 @@ read files or visibility that Storage GC has since folded or removed. Lost
 checkpointed blocks fail the job rather than being re-read outside the
 snapshot.
 
+A past snapshot (docs/history.md): ``--as-of TS|TIME`` (a timestamp, or an ISO 8601
+time: the newest commit at or before it) or ``--pin NAME`` (a named pin: what a long
+job should read, since the pin, not the transaction's lease, keeps it readable). A point
+older than the history kept is refused (exit 3, snapshot_expired, naming the earliest
+readable point) before Spark starts.
+
     python -m spark_jobs.snapshot_query --config retina.toml --table shop.orders --show 20
+    python -m spark_jobs.snapshot_query --config retina.toml --table shop.orders --pin eod
 """
 
 from __future__ import annotations
@@ -39,13 +46,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from retina_common import tls as tls_mod
+from retina_common.as_of_point import NEWEST, AsOf, BadPoint, format_ms, parse_as_of
 from retina_common.client import CHANNEL_OPTIONS
 from retina_common.config import Config, ConfigError, TlsConfig
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import FILE_ID, HIDDEN, SnapshotReader
-from retina_common.refusal import Unreachable, reaching_node, reaching_trans_server
+from retina_common.refusal import (
+    Unreachable,
+    earliest_readable,
+    reaching_node,
+    reaching_trans_server,
+)
 from retina_common.schema_evolution import conform
 from retina_common.topology import Topology, load_config_and_topology, load_topology
 from spark_jobs.common import (
@@ -198,17 +211,19 @@ def snapshot_in(spark: SparkSession, trans: tpb.BeginTransResponse, trans_addres
 
 
 def snapshot_dataframe(spark: SparkSession, config: Config | str | os.PathLike[str] | None,
-                       schema: str, table: str) -> SparkSnapshot:
+                       schema: str, table: str, as_of: AsOf = NEWEST) -> SparkSnapshot:
     """A gated snapshot of ``schema.table`` as a materialised DataFrame, with its
-    timestamp. ``config`` is a loaded Config or a path to retina.toml. Raises
-    grpc.RpcError (UNAVAILABLE) when the gate refuses: a node is not READY."""
+    timestamp: the newest, or ``as_of`` a past timestamp, time or pin. ``config`` is a
+    loaded Config or a path to retina.toml. Raises grpc.RpcError: UNAVAILABLE when the
+    gate refuses (a node is not READY), FAILED_PRECONDITION snapshot_expired when the
+    point is older than the history kept."""
     if isinstance(config, Config):
         topology = load_topology(config.topology_file)
     else:
         config, topology = load_config_and_topology(config)
     reader = SnapshotReader(config.trans.listen, topology, tls=config.tls)
     try:
-        with reader.transaction() as trans:
+        with reader.transaction(as_of) as trans:
             return snapshot_in(spark, trans, config.trans.listen, topology, schema, table,
                                config.tls)
     finally:
@@ -231,6 +246,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     p.add_argument("--show", type=int, metavar="N", default=0, help="print the first N rows")
     p.add_argument("--json", action="store_true", help="also print the result as JSON")
+    point = p.add_mutually_exclusive_group()
+    point.add_argument("--as-of", metavar="TS|TIME",
+                       help="a past snapshot: a timestamp, or an ISO 8601 time (the newest "
+                            "commit at or before it)")
+    point.add_argument("--pin", metavar="NAME",
+                       help="the snapshot a named pin holds (retina-admin pin create)")
     add_spark_arguments(p)
     return p
 
@@ -252,6 +273,12 @@ def report(args: argparse.Namespace, snap: SparkSnapshot) -> None:
                           "output": args.output}), flush=True)
 
 
+def _earliest(exc: grpc.RpcError) -> str:
+    found = earliest_readable(exc.details() or "")
+    return "" if found is None else (f"; the earliest readable point is timestamp {found[0]} "
+                                     f"(time {format_ms(found[1])})")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     schema, dot, table = args.table.partition(".")
@@ -259,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail(PROG, "give the table as schema.table", EXIT_USAGE)
     if args.output and not args.overwrite and os.path.exists(args.output):
         return fail(PROG, f"{args.output} exists; pass --overwrite to replace it", EXIT_USAGE)
+    try:
+        as_of = parse_as_of(args.as_of) if args.as_of else AsOf(pin=args.pin or "")
+    except BadPoint as exc:
+        return fail(PROG, str(exc), EXIT_USAGE)
     try:
         config, topology = load(args.config)
         conf = parse_conf(args.conf)
@@ -269,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         with ExitStack() as stack:
             try:
                 # Through the gate first: a refusal must not even start Spark.
-                trans = stack.enter_context(reader.transaction())
+                trans = stack.enter_context(reader.transaction(as_of))
             except Unreachable as exc:  # not the gate: nothing answered at all
                 return fail(PROG, exc.details(), EXIT_UNAVAILABLE)
             except grpc.RpcError as exc:
@@ -277,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                     return fail(PROG, "the query gate refused a snapshot (a Retina node is not "
                                       f"READY, or the TransServer is down): {exc.details()}",
                                 EXIT_UNAVAILABLE)
-                return fail(PROG, f"BeginTrans: {short_reason(exc)}", exit_code_of(exc))
+                return fail(PROG, f"BeginTrans ({as_of.describe()}): {short_reason(exc)}"
+                            + _earliest(exc), exit_code_of(exc))
             spark = spark_session(f"retina-snapshot-{args.table}", args.master, conf)
             stack.callback(spark.stop)
             report(args, snapshot_in(spark, trans, config.trans.listen, topology,

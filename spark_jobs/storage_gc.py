@@ -17,9 +17,9 @@ The job never makes a file REGULAR and never touches an index or visibility. Per
    order (the node refuses anything else): a file whose deleted fraction is at least
    ``--deleted-threshold`` alone, or a run of at least two small files
    (``< --small-file-bytes``) merged up to ``--target-file-bytes``. A file whose
-   visibility the node cannot answer at safeGcTs (ABORTED: its visibility base is above
-   it), or that was replaced since the listing, is skipped for this run and reported,
-   and its stream is left alone (its place is unknown);
+   visibility the node cannot answer at safeGcTs (FAILED_PRECONDITION snapshot_expired:
+   its visibility base is above it), or that was replaced since the listing, is skipped
+   for this run and reported, and its stream is left alone (its place is unknown);
 3. per group, the owning node's PrepareGcRewrite names the rewrite, the new file, where it
    goes, the cutoff (the visibility the task reads is at exactly that cutoff) and the rows
    the node expects to survive;
@@ -744,8 +744,8 @@ class StorageGcJob:
         except grpc.RpcError as exc:
             if exc.code() in RETRYABLE:
                 raise  # the node is away: the whole run is unavailable
-            # ABORTED: its visibility base is above safeGcTs (e.g. a GC output whose base
-            # is a later cutoff, or a node restarted since); try again in a later run.
+            # snapshot_expired: its visibility base is above safeGcTs (a base a version-1
+            # checkpoint restored at its checkpointAppliedTs); try again in a later run.
             return Skipped(table, f.file_id, f.name,
                            f"QueryVisibility at {self.state.safe_gc_ts}: "
                            f"{exc.code().name}: {exc.details()}")

@@ -86,10 +86,10 @@ def make_plane(tmp_path: Path, etcd: EtcdStore, catalog: Catalog,
     planes: list[DataPlane] = []
 
     def make(nodes: int = 1, failpoints: str = "", recover: bool = True,
-             **retina: object) -> DataPlane:
+             trans: dict[str, object] | None = None, **retina: object) -> DataPlane:
         dp = DataPlane(tmp_path / f"plane{len(planes)}", etcd, catalog, catalog_dsn,
                        nodes=nodes, retina={"block_rows": 16, "blocks_per_file": 2,
-                                            "flush_interval_ms": 200, **retina})
+                                            "flush_interval_ms": 200, **retina}, trans=trans)
         planes.append(dp)
         return dp.start({n: failpoints for n in dp.nodes}, recover=recover)
 

@@ -108,14 +108,17 @@ class Model:
 class DataPlane:
     def __init__(self, workdir: Path, etcd: EtcdStore, catalog: Catalog, dsn: str,
                  nodes: int = 2, virtual_nodes: int = 8,
-                 retina: Mapping[str, object] | None = None) -> None:
+                 retina: Mapping[str, object] | None = None,
+                 trans: Mapping[str, object] | None = None) -> None:
         self.workdir = workdir
         self.etcd = etcd
         self.catalog = catalog
         self.nodes = [f"127.0.0.1:{port}" for port in free_ports(nodes)]
         self.topology = Topology(tuple(self.nodes), virtual_nodes)
+        # trans: TransServer settings (the history retention is 0 unless a test sets it:
+        # devtools/cluster.py write_config).
         self.trans = TransServerProcess(workdir / "trans", etcd.endpoint, dsn, self.nodes,
-                                        gate={"stale_after_ms": 5000})
+                                        gate={"stale_after_ms": 5000}, trans=trans)
         self.trans.workdir.joinpath("topology.toml").write_text(self.topology.to_toml())
         self.config_path = workdir / "retina.toml"
         # anonymous_writes: the plane is its own replay source (self.changelog, an

@@ -20,7 +20,7 @@ from prometheus_client import Gauge
 from retina_common import failpoints, tls
 from retina_common.catalog import Catalog, CatalogError
 from retina_common.config import Config, ConfigError, load_config
-from retina_common.etcd import EtcdError, EtcdStore
+from retina_common.etcd import EtcdError, EtcdStore, EtcdUnavailable
 from retina_common.grpc_server import ServerHandle
 from retina_common.keys import GC_HORIZON_KEY, TRANS_ID_KEY, TRANS_TIMESTAMP_KEY
 from retina_common.log import configure_logging
@@ -101,6 +101,10 @@ class TransServer:
                                        self.time_map.hwm_at_or_before, now_ms),
             time_of=self.time_map.earliest_time_at_or_above)
         self.time_map.start(self.table.high_watermark())
+        # This incarnation's start is durable before anything commits: a crash before the
+        # next flush leaves a gap from here, never a stretch read as quiet.
+        if not self.time_map.flush():
+            raise EtcdUnavailable("the time map's first chunk could not be written")
         # Before anything is served: every stored pin holds safeGcTs again.
         self.pins = Pins(self._pin_store, self.table)
         pins = self.pins.load()
@@ -179,7 +183,8 @@ class TransServer:
             pass
         self._log.info("trans_server_stopping")
         self.handle.set_serving(False)
-        self.watcher.stop()
+        if self._config.gate.retina_enabled:  # not started otherwise
+            self.watcher.stop()
         self.handle.stop()
         if self.table is not None and self.exit_code == 0:
             self.time_map.close(self.table.high_watermark())  # nothing commits after this

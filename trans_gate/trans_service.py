@@ -269,4 +269,5 @@ class TransService(pb_grpc.TransServiceServicer):
             high_watermark=self._table.high_watermark(),
             history_retention_ms=self._retention_ms, pins=len(self._pins.all()),
             time_gaps=[pb.TimeGap(from_ms=a, to_ms=b) for a, b in self._time_map.gaps()],
-            time_map_from_ms=self._time_map.first_ms())
+            time_map_from_ms=self._time_map.first_ms(),
+            next_safe_gc_ts=self._table.peek_safe_gc_ts())

@@ -240,6 +240,7 @@ class GcScheduler:
             # would land in a base that no longer tells its timestamp.
             node.fence.raise_to(fold_ts, f"GC maintenance fold at {fold_ts}")
             folded, chain = self._fold_all(fold_ts)
+            node.history.forget_below(fold_ts)  # no read below the fold is answered
             FOLDED.inc(folded)
             FOLD_TS.set(fold_ts)
             CHAIN_ITEMS.set(chain)

@@ -59,7 +59,7 @@ from retina_common.catalog import (
     FileRecord,
     FileType,
 )
-from retina_common.checkpoint_store import CheckpointBody, FileEntry, RGEntry
+from retina_common.checkpoint_store import CheckpointBody, FileEntry
 from retina_common.codec import COMMIT_TS
 from retina_common.log import get_logger
 from retina_common.refusal import Refusal
@@ -76,7 +76,7 @@ from retina_server.gc.rewrites import (
 )
 from retina_server.node import RetinaNode
 from retina_server.registry import IngestFileMeta
-from retina_server.visibility import RGVisibility
+from retina_server.visibility import RGVisibility, checkpoint_entry, restore
 
 log = get_logger(component="lineage")
 
@@ -399,15 +399,16 @@ def recover_reverts(node: RetinaNode, catalog: Catalog, journal: GcJournal,
 def _rebase(body: CheckpointBody, entry: JournalEntry, rowmap: RowMap,
             facts: list[OldFacts]) -> None:
     """The loaded baseline as if it had been taken after the revert: the new file's
-    entries become the old files' (row groups mapped back at the same base)."""
+    entries become the old files' (row groups mapped back at the same base, the chain
+    items at their timestamps: old_visibility)."""
     new_id = entry.new_file_id
     new_rgs = sorted((r for r in body.row_groups if r.file_id == new_id), key=lambda r: r.rg_id)
     if len(new_rgs) != len(entry.new_rg_row_counts):
         raise RevertAnchorsGone(f"rewrite {entry.rewrite_id}: the checkpoint holds "
                                 f"{len(new_rgs)} row groups of file {new_id}, the journal "
                                 f"{len(entry.new_rg_row_counts)}")
-    base_ts = max([entry.cutoff_ts] + [r.base_timestamp for r in new_rgs])
-    deleted = mapped_deleted(entry, rowmap, [r.deleted for r in new_rgs])
+    # The new file's history mapped back, chain items with their timestamps.
+    olds = old_visibility(entry, rowmap, [restore(r) for r in new_rgs])
     files: list[FileEntry] = []
     for f in body.files:
         if f.file_id != new_id:
@@ -426,6 +427,6 @@ def _rebase(body: CheckpointBody, entry: JournalEntry, rowmap: RowMap,
                              row_count=sum(o.rg_row_counts), min_commit_ts=o.min_commit_ts,
                              max_commit_ts=o.max_commit_ts) for o in facts]
     rgs = [r for r in body.row_groups if r.file_id != new_id]
-    rgs += [RGEntry(key[0], key[1], rowmap.counts[key], base_ts, deleted[key])
-            for key in rowmap.keys]
+    applied = body.header.checkpoint_applied_ts
+    rgs += [checkpoint_entry(key[0], key[1], olds[key], applied) for key in rowmap.keys]
     body.files, body.segments, body.row_groups = files, segments, rgs

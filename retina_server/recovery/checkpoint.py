@@ -24,6 +24,7 @@ from retina_common.checkpoint_store import (
     RGEntry,
 )
 from retina_common.replay_ts import IngestSegment, SegmentKind
+from retina_server.visibility import checkpoint_entry
 from retina_server.write_buffer import FileState
 
 if TYPE_CHECKING:
@@ -66,7 +67,8 @@ def build_body(node: RetinaNode, applied_ts: int, checkpoint_id: int,
             f"CHECKPOINT_COVERS_REGISTRY: registered files {sorted(missing)[:5]} are not in "
             f"checkpoint {checkpoint_id}; it is not installed")
     header = CheckpointHeader(node.node_id, checkpoint_id, writer_epoch,
-                              int(time.time() * 1000), applied_ts, node.topology.topology_hash)
+                              int(time.time() * 1000), applied_ts, node.topology.topology_hash,
+                              node.history.gaps())
     return CheckpointBody(header, files, segments, rgs)
 
 
@@ -81,6 +83,6 @@ def _admitted(node: RetinaNode, meta: IngestFileMeta, applied_ts: int, files: li
         meta.first_block_id, meta.block_count, meta.record_num, meta.file_min_commit_ts,
         meta.file_max_commit_ts))
     for rg_id in range(meta.num_row_group):
-        entry = node.visibility.get(meta.file_id, rg_id)
-        rgs.append(RGEntry(meta.file_id, rg_id, entry.row_count, applied_ts,
-                           entry.deleted_at(applied_ts)))
+        # Its history too (the chain up to applied_ts): a restart answers AS OF reads.
+        rgs.append(checkpoint_entry(meta.file_id, rg_id,
+                                    node.visibility.get(meta.file_id, rg_id), applied_ts))

@@ -5,9 +5,9 @@ from (specification section 4).
 REGULAR, and matches: row-id hull, row groups, path → table, file name → node
 and vnode, the MainIndex flush marker's row count, and the footer's commit-ts
 range (best effort: a footer that cannot be read only warns). Kept files are
-re-registered and get their visibility from the body (base =
-checkpointAppliedTs, empty chain). A discarded admitted segment becomes
-PENDING, so its rows are replayed. This node's REGULAR files that no kept
+re-registered and get their visibility from the body (its base and its deletion
+chain up to checkpointAppliedTs: the history AS OF reads need). A discarded
+admitted segment becomes PENDING, so its rows are replayed. This node's REGULAR files that no kept
 entry covers, and no open GC journal entry protects, become RETIRED (cleanupAt = now);
 its TEMPORARY_INGEST files are deleted, MainIndex ranges first, then the object,
 then the row (LEFTOVER_RANGES_GO_WITH_THE_FILE). Write buffers start empty.
@@ -15,7 +15,8 @@ then the row (LEFTOVER_RANGES_GO_WITH_THE_FILE). Write buffers start empty.
 **The rewind** runs once the replay starts are derived: every primary-index
 version written at or after its scope's start is dropped, and every row of a
 kept file committed at or after that start is hidden (folded into the
-visibility base). Replay redoes exactly that part (it applies nothing below a
+visibility base, where no readable snapshot sees it: its replayed copy takes
+its place). Replay redoes exactly that part (it applies nothing below a
 scope's own start: REWIND_MATCHES_REPLAY), so what a replay writes is always
 what the next rewind removes.
 
@@ -58,7 +59,7 @@ from retina_common.storage import delete_quietly, open_parquet
 from retina_server.index import TOMBSTONE
 from retina_server.node import RetinaNode
 from retina_server.registry import IngestFileMeta
-from retina_server.visibility import RGVisibility
+from retina_server.visibility import restore
 
 log = get_logger(component="cleansing")
 T = TypeVar("T")
@@ -241,8 +242,7 @@ def _admit(node: RetinaNode, e: FileEntry, rgs: list[RGEntry], block_count: int)
         e.file_id, e.table_id, e.vnode, e.first_block_id, e.min_commit_ts, e.max_commit_ts,
         e.record_num, e.min_row_id, e.max_row_id, e.num_row_group, block_count))
     for rg in sorted(rgs, key=lambda r: r.rg_id):
-        node.visibility.adopt(e.file_id, rg.rg_id, RGVisibility(
-            rg.row_count, rg.base_timestamp, rg.deleted))
+        node.visibility.adopt(e.file_id, rg.rg_id, restore(rg))
 
 
 # --- the rewind ----------------------------------------------------------------------------

@@ -217,9 +217,11 @@ class RecoveryCoordinator:
             self.fail(str(exc))
             return
         fp.RECOVERY_REWIND_AFTER.hit()
-        # Kept row groups answer only snapshots at or above their restored base; MarkReady
-        # raises the floor further (SNAPSHOTS_END_AT_RESTART, mark_ready.py).
-        self._node.read_floor_ts = applied
+        # Below the lowest replay start the state is the checkpoint's, history included;
+        # from it on the replay rebuilds it. MarkReady raises the floor to a fresh
+        # timestamp X and refuses AS OF reads in [start, X) (read_history.py).
+        self._node.history.restored(loaded.body.header.history_gaps if loaded else (),
+                                    starts.node_replay_from_ts, applied)
         self.attempt.starts = starts
         REPLAY_START.labels(scope="node").set(starts.node_replay_from_ts)
         log.info("replay_ts_ready", node=self._node.node_id,

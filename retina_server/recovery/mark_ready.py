@@ -67,24 +67,27 @@ class RestartFence:
     it. At MarkReady the node begins a write transaction at the TransServer and ends it
     at once (TransClient.fresh_timestamp): its timestamp X is above every snapshot granted
     so far, and becomes the read floor (a read transaction with an older snapshot, and a
-    snapshot read below X: ABORTED, begin a new read transaction). No snapshot at or
+    snapshot read below X: ABORTED, begin a new read transaction; an AS OF read begun
+    since is answered below X only outside what the replay rebuilt: read_history.py).
+    No snapshot at or
     above X was ever read before this process, so none changes. Reads at X or later are
     granted as soon as the HWM reaches X (at once in a quiet cluster; once the writes
     live at this moment end otherwise). The write fence rises to the HWM too: every
     write transaction at or below it has ended."""
 
-    def __init__(self, node: RetinaNode, fresh_timestamp: Callable[[], tuple[int, int]]
-                 ) -> None:
+    def __init__(self, node: RetinaNode,
+                 fresh_timestamp: Callable[[], tuple[int, int, int]]) -> None:
         self._node = node
         self._fresh_timestamp = fresh_timestamp
 
     def __call__(self) -> None:
-        floor, hwm = self._fresh_timestamp()
+        floor, hwm, trans_id = self._fresh_timestamp()
         self._node.fence.raise_to(hwm, f"MarkReady: the HWM was {hwm}")
-        self._node.read_floor_ts = max(self._node.read_floor_ts, floor)
-        READ_FLOOR.set(self._node.read_floor_ts)
+        history = self._node.history
+        history.fence(floor, trans_id)  # HISTORY_REBUILT_IS_REFUSED: [E, X) becomes a gap
+        READ_FLOOR.set(history.read_floor_ts)
         log.info("restart_fence_set", node=self._node.node_id, read_floor_ts=floor,
-                 write_fence_ts=self._node.fence.floor)
+                 write_fence_ts=self._node.fence.floor, history_gaps=history.gaps())
 
 
 class ReadyHooks:

@@ -1,0 +1,98 @@
+"""Which past snapshots a node answers after restarts (docs/history.md, "Restarts").
+
+A recovery rebuilds what the node applied since its checkpoint from the writers'
+changelogs: every replay scope restarts at its ``scopeReplayFromTs``, and the node-wide
+lowest start E (``nodeReplayFromTs``) bounds all of it. Below E the node's state is the
+checkpoint's, history included (visibility.py), and equal to what it was before the
+crash. From E on it is what the replay rebuilt, which may differ from what readers saw
+before the crash: a changelog also holds writes the write fence refused and
+transactions that were redone at a new timestamp (mark_ready.py, RestartFence).
+MarkReady then takes a fresh timestamp X, above every snapshot granted before.
+
+* SNAPSHOTS_END_AT_RESTART (as before): a read transaction begun before this process's
+  fence (its id at or below the fence transaction's), or an ordinary read, whose
+  snapshot is below X is refused ABORTED: begin a new read transaction.
+* HISTORY_REBUILT_IS_REFUSED: an AS OF read transaction begun after the fence is
+  answered below X only outside every rebuilt range ``[E, X)`` this node ever had
+  (they are kept in its checkpoints and dropped once a fold passed them); inside one it
+  is refused snapshot_expired. Below E it is answered from the checkpoint's history.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import grpc
+
+from retina_common.refusal import Refusal, snapshot_expired
+
+
+class ReadHistory:
+    def __init__(self, node_id: str) -> None:
+        self._node_id = node_id
+        self._lock = threading.Lock()
+        # SNAPSHOTS_END_AT_RESTART: snapshots below it are not answered to ordinary reads.
+        # MarkReady sets it to a timestamp the TransServer issued after this process
+        # started (mark_ready.py); recovery sets it to checkpointAppliedTs before that.
+        self.read_floor_ts = 0
+        self._fence_trans_id = 0  # the transaction MarkReady's fence began and ended
+        self._rebuilt_from: int | None = None  # E of this process's recovery
+        self._gaps: list[tuple[int, int]] = []  # [E, X) of every recovery, oldest first
+
+    def restored(self, gaps: Iterable[tuple[int, int]], rebuilt_from: int,
+                 applied_ts: int) -> None:
+        """Recovery: the ranges the loaded checkpoint names, and this recovery's E."""
+        with self._lock:
+            self._gaps = sorted(gaps)
+            self._rebuilt_from = rebuilt_from
+            self.read_floor_ts = applied_ts
+
+    def fence(self, floor_ts: int, trans_id: int) -> None:
+        """MarkReady's restart fence: X and its transaction; [E, X) becomes a gap."""
+        with self._lock:
+            self.read_floor_ts = max(self.read_floor_ts, floor_ts)
+            self._fence_trans_id = max(self._fence_trans_id, trans_id)
+            if self._rebuilt_from is not None and self._rebuilt_from < self.read_floor_ts:
+                self._gaps = _merged([*self._gaps, (self._rebuilt_from, self.read_floor_ts)])
+                self._rebuilt_from = None
+
+    def gaps(self) -> tuple[tuple[int, int], ...]:
+        with self._lock:
+            return tuple(self._gaps)
+
+    def forget_below(self, fold_ts: int) -> None:
+        """A fold passed these ranges: nothing below it is read any more."""
+        with self._lock:
+            self._gaps = [g for g in self._gaps if g[1] > fold_ts]
+
+    def check(self, snapshot: int, ts: int | None, trans_id: int, as_of: bool) -> None:
+        """Refuse a read this node cannot answer exactly (the module docstring).
+        ``ts``: the timestamp read when it is below the snapshot (GetWriteBuffer);
+        QueryVisibility passes None: it may look below the floor for a transaction
+        begun since (the Storage GC job reads visibility at its cutoff)."""
+        low = snapshot if ts is None else min(snapshot, ts)
+        with self._lock:
+            if low >= self.read_floor_ts:
+                return
+            if not as_of or trans_id <= self._fence_trans_id:
+                raise Refusal(grpc.StatusCode.ABORTED,
+                              f"snapshot {low} is below {self._node_id}'s read floor "
+                              f"{self.read_floor_ts} (the node restarted after the snapshot "
+                              "may have been taken); begin a new read transaction")
+            gap = next((g for g in self._gaps if g[0] <= low < g[1]), None)
+        if gap is not None:
+            raise snapshot_expired(
+                f"snapshot {low} is in [{gap[0]}, {gap[1]}), history {self._node_id} rebuilt "
+                "from the changelogs when it recovered from a restart (HISTORY_REBUILT_IS_"
+                "REFUSED); read below it or at or above it", gap[1])
+
+
+def _merged(gaps: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(gaps):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
