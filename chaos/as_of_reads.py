@@ -160,6 +160,8 @@ class AsOfReader:
             return "away"
         if verdict in ("expired", "unmapped"):
             self.counts[f"as_of_refused_{verdict}"] += 1
+            if not at_begin:  # by a node (history a recovery rebuilt), not the TransServer
+                self.counts[f"as_of_refused_{verdict}_by_node"] += 1
             self.counts[f"as_of_refused_{verdict}_age_s"] += int(
                 time.monotonic() - taken.begun_at)
             return verdict

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from retina_common.pb import trans_pb2 as tpb
+from retina_common.refusal import AS_OF_TIME_UNMAPPED, SNAPSHOT_EXPIRED
 
 from .as_of_reads import AsOfPoint, AsOfReader
 from .key_lookups import AS_OF_P, KeyLookups
@@ -326,6 +327,9 @@ class SnapshotBook:
 
     def _refused(self, what: str, exc: ReadRefused) -> None:
         self.counts[f"{what}_refused_{exc.code}"] += 1
+        marker = exc.detail.split(":", 1)[0]
+        if marker in (SNAPSHOT_EXPIRED, AS_OF_TIME_UNMAPPED):  # an image AS OF a time
+            self.counts[f"{what}_refused_{marker}"] += 1
         if not is_refusal(exc):
             self.anomalies.append(f"snapshot_read_error: a {what} answered {exc.code}: "
                                   f"{exc.detail}")
