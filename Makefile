@@ -43,6 +43,7 @@ bench: setup
 	@$(PY) bench/bench_dataplane.py --batch 5000 --batches 20
 	@$(PY) bench/bench_apply_stages.py
 	@$(PY) bench/bench_write_fence.py
+	@$(PY) bench/bench_history.py
 	@$(PY) bench/bench_writer.py
 	@$(PY) bench/bench_recovery.py
 	@$(PY) bench/bench_cdc.py

@@ -10,7 +10,7 @@
     retina-admin lineage
     retina-admin writers list | writers gone WRITER --reason R
     retina-admin recover [--mode vnode|node] [--wait S]
-    retina-admin pin create NAME --at TS | --at-time ISO8601|MS; pin list; pin drop NAME
+    retina-admin pin create NAME [--at TS | --at-time ISO8601|MS]; pin list; pin drop NAME
 
 Every command takes ``--json`` (one JSON document on stdout instead of tables),
 ``--node host:port`` (repeatable: only these nodes) and ``--no-progress``.
@@ -233,6 +233,10 @@ def print_status(status: dict[str, Any]) -> None:
     for gap in history["time_gaps"]:
         print(f"            times not mapped (a TransServer crash): "
               f"{format_ms(int(gap['from_ms']))} .. {format_ms(int(gap['to_ms']))}")
+    for node, view in status["nodes"].items():
+        for gap in view.get("rebuilt_history", []):
+            print(f"            {node} refuses AS OF timestamps [{gap['from_ts']}, "
+                  f"{gap['to_ts']}): history its recovery rebuilt")
     message = gate["message"].removeprefix("query gate closed: ")
     print(f"query gate  {'OPEN' if gate['admitted'] else 'CLOSED'}: {message}")
 

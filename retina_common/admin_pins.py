@@ -1,6 +1,6 @@
 """``retina-admin pin ...``: named pins, snapshots kept readable until dropped (docs/history.md).
 
-    retina-admin pin create NAME --at TS | --at-time ISO8601|MS
+    retina-admin pin create NAME [--at TS | --at-time ISO8601|MS]   (neither: the newest)
     retina-admin pin list
     retina-admin pin drop NAME
 
@@ -30,8 +30,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
                           ).add_subparsers(dest="pin_command", required=True)
     s = pins.add_parser("create", parents=[common], help="pin a snapshot under a name")
     s.add_argument("name", metavar="NAME")
-    at = s.add_mutually_exclusive_group(required=True)
-    at.add_argument("--at", type=int, metavar="TS", help="a timestamp")
+    at = s.add_mutually_exclusive_group()
+    at.add_argument("--at", type=int, metavar="TS",
+                    help="a timestamp (neither --at nor --at-time: the newest snapshot)")
     at.add_argument("--at-time", metavar="ISO8601|MS",
                     help="a wall-clock time: the newest commit at or before it")
     pins.add_parser("list", parents=[common], help="every pin")
@@ -56,9 +57,12 @@ def cmd_pin_create(cluster: Cluster, args: argparse.Namespace) -> int:
         print(f"retina-admin: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
+        ts = args.at or 0
+        if not ts and not at_time:  # the newest snapshot: always above the horizon
+            ts = cluster.trans.GetHighWatermark(tpb.GetHighWatermarkRequest(),
+                                                timeout=cluster.timeout_s).high_watermark
         pin = cluster.trans.CreatePin(tpb.CreatePinRequest(
-            name=args.name, ts=args.at or 0, at_time_ms=at_time),
-            timeout=cluster.timeout_s).pin
+            name=args.name, ts=ts, at_time_ms=at_time), timeout=cluster.timeout_s).pin
     except grpc.RpcError as exc:
         return _failed(exc, f"pin {args.name}")
     if args.json:

@@ -184,6 +184,8 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             recovery_epoch=int(s["recovery_epoch"]), replay_ts_ready=bool(s["replay_ts_ready"]),
             node_id=self._node.node_id, phase=str(s["phase"]),
             failure_reason=str(s["failure_reason"]), accepts_columnar=True,
+            rebuilt_history=[pb.RebuiltHistory(from_ts=a, to_ts=b)
+                             for a, b in self._node.history.gaps()],
             **self._checkpoint_status())
 
     def _checkpoint_status(self) -> dict[str, int]:

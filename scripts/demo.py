@@ -8,13 +8,16 @@
    returns REGULAR files only. (The lifecycle keys of this part are written by
    a stand-in heartbeat, clearly named as such: no Retina runs yet.)
 4. HWM under out-of-order commits and rollbacks.
-5. kill -9 of the TransServer: every timestamp after the restart is greater.
-6. The main act (``demo_cdc.py``): a source PostgreSQL database with three
+5. History (docs/history.md): the retention this cluster runs with and the default, a
+   named pin holding safeGcTs, a read AS OF the pin, and the refusal (snapshot_expired)
+   of the same point once the pin is dropped.
+6. kill -9 of the TransServer: every timestamp after the restart is greater.
+7. The main act (``demo_cdc.py``): a source PostgreSQL database with three
    tables, ``retina-cdc`` reading it by logical replication, two Retina nodes;
    a change workload, SIGKILL of one node in the middle of the stream, its
    restart, replay and MarkReady driven by the connector; then a gated
    snapshot of every table compared with the source, and a report.
-7. Storage GC (``demo_gc.py``): the Spark job reclaims deleted and replaced rows and
+8. Storage GC (``demo_gc.py``): the Spark job reclaims deleted and replaced rows and
    merges small files while the stream goes on; a SIGKILL of a Retina node in the
    middle of a commit, its recovery and the GC journal's decision; the snapshot
    compared with the source after each step.
@@ -50,11 +53,13 @@ from devtools.cluster import (
 from devtools.standin import StandInLifecycle
 from retina_common import file_names
 from retina_common.catalog import Catalog, ColumnSpec, FileType, SwapPreconditionError
+from retina_common.config import Config
 from retina_common.etcd import EtcdStore
 from retina_common.lifecycle_record import LifecycleState
 from retina_common.log import configure_logging
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.pb import trans_pb2_grpc
+from retina_common.refusal import SNAPSHOT_EXPIRED
 from retina_common.tls import open_channel
 
 
@@ -169,6 +174,27 @@ def run(state: ClusterState) -> dict[str, Any]:
     check(h == t2.timestamp - 1, f"rollback ts {t1.timestamp}: HWM {h}")
     h = stub.CommitTrans(tpb.CommitTransRequest(trans_id=t2.trans_id)).high_watermark
     check(h == t3.timestamp, f"commit ts {t2.timestamp}: HWM {h}")
+
+    step("history: a pin, an AS OF read, the refusal below the GC horizon (docs/history.md)")
+    history = stub.GetHistoryStatus(tpb.GetHistoryStatusRequest(), timeout=5)
+    print(f"  ..  trans.history_retention_ms = {history.history_retention_ms} in this local "
+          f"cluster (GC acts at once); the default is {Config().trans.history_retention_ms} "
+          "(an hour)")
+    pin = stub.CreatePin(tpb.CreatePinRequest(name="demo", ts=t3.timestamp), timeout=5).pin
+    w = stub.BeginTrans(tpb.BeginTransRequest(), timeout=5)
+    stub.CommitTrans(tpb.CommitTransRequest(trans_id=w.trans_id), timeout=5)
+    safe = stub.GetSafeGcTimestamp(tpb.GetSafeGcTimestampRequest(), timeout=5).safe_gc_ts
+    check(safe == pin.ts - 1, f"pin {pin.name} at {pin.ts} holds safeGcTs at {safe}")
+    old = stub.BeginTrans(tpb.BeginTransRequest(read_only=True, as_of_pin="demo"), timeout=5)
+    stub.CommitTrans(tpb.CommitTransRequest(trans_id=old.trans_id), timeout=5)
+    check(old.timestamp == pin.ts, f"read-only transaction AS OF pin demo: snapshot {pin.ts}")
+    stub.DropPin(tpb.DropPinRequest(name="demo"), timeout=5)
+    safe = stub.GetSafeGcTimestamp(tpb.GetSafeGcTimestampRequest(), timeout=5).safe_gc_ts
+    err = refused(lambda: stub.BeginTrans(tpb.BeginTransRequest(
+        read_only=True, as_of_ts=pin.ts), timeout=5))
+    check(err is not None and err.details().startswith(SNAPSHOT_EXPIRED),
+          f"pin dropped, safeGcTs {safe}: AS OF {pin.ts} refused {err.code().name if err else ''}"
+          f" ({err.details().split('; ')[-1] if err else ''})")
 
     step("kill -9 the TransServer and restart it")
     before = t3.timestamp

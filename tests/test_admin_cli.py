@@ -22,6 +22,7 @@ from retina_common.catalog import FileType
 from retina_common.keys import lifecycle_key
 from retina_common.lifecycle_record import LifecycleRecord
 from retina_common.pb import retina_pb2 as rpb
+from retina_common.pb import trans_pb2 as tpb
 
 from .dataplane import DataPlane, module_plane
 from .support import ROOT, eventually
@@ -49,7 +50,7 @@ def admin(plane: DataPlane, *args: str, env: dict[str, str] | None = None
     """The real console script; --config unless the environment names the config."""
     config = [] if env else ["--config", str(plane.config_path)]
     command, *rest = args
-    sub = [command, rest.pop(0)] if command == "gc" else [command]
+    sub = [command, rest.pop(0)] if command in ("gc", "pin") else [command]
     return subprocess.run([sys.executable, "-m", "retina_common.admin_cli", *sub, *config,
                            *rest], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, **(env or {})})
@@ -140,6 +141,43 @@ def test_gc_status_run_and_lineage(plane: DataPlane) -> None:
         human = admin(plane, *args)
         assert human.returncode == 0, human.stderr
         assert all(node in human.stdout for node in plane.nodes)
+
+
+def query(plane: DataPlane, *args: str) -> subprocess.CompletedProcess[str]:
+    """``retina-query shop.orders ...`` as an operator runs it."""
+    return subprocess.run([sys.executable, "-m", "retina_common.reader", "shop.orders",
+                           "--config", str(plane.config_path), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_pin_from_the_command_line_is_read_as_of_and_released_by_dropping_it(
+        plane: DataPlane) -> None:
+    stub = plane.trans.stub()
+    hwm = stub.GetHighWatermark(tpb.GetHighWatermarkRequest(), timeout=10).high_watermark
+    pinned = len(plane.model.rows["orders"])
+    created = admin_json(plane, "pin", "create", "cli-pin", "--at", str(hwm))
+    assert created["name"] == "cli-pin" and created["ts"] == hwm
+    assert "cli-pin" in [p["name"] for p in admin_json(plane, "pin", "list")["pins"]]
+    history = admin_json(plane, "status")["trans"]["history"]
+    assert history["pins"] == 1 and history["earliest_readable_ts"] <= hwm
+    shown = admin(plane, "status")
+    assert "earliest readable: timestamp" in shown.stdout and "1 pin(s)" in shown.stdout
+    plane.commit({"orders": {"deletes": [{"id": i} for i in range(1, 41)]}})
+    for point in (["--as-of", str(hwm)], ["--pin", "cli-pin"]):
+        done = query(plane, *point, "--format", "count")
+        assert done.returncode == 0, done.stderr
+        assert int(done.stdout) == pinned and f"at snapshot {hwm} (as of" in done.stderr
+    assert int(query(plane, "--format", "count").stdout) == len(plane.model.rows["orders"])
+    bad = admin(plane, "pin", "create", "other", "--at-time", "yesterday")
+    assert bad.returncode == 2 and "ISO 8601" in bad.stderr
+    assert admin(plane, "pin", "drop", "cli-pin").returncode == 0
+    again = admin(plane, "pin", "drop", "cli-pin")
+    assert again.returncode == 1 and "no pin named cli-pin" in again.stderr
+    stub.GetSafeGcTimestamp(tpb.GetSafeGcTimestampRequest(), timeout=10)  # passes it now
+    gone = query(plane, "--as-of", str(hwm))
+    assert gone.returncode == 1
+    assert "FAILED_PRECONDITION: snapshot_expired" in gone.stderr
+    assert "the earliest readable point is timestamp" in gone.stderr
 
 
 def test_usage_and_configuration_errors_exit_2(plane: DataPlane, tmp_path: Path) -> None:

@@ -175,3 +175,64 @@ def test_a_concurrent_writer_is_refused(store: CheckpointStore, tmp_path: Path,
     loaded = store.load()
     assert loaded is not None and loaded.body.header.checkpoint_id == 3
     assert etcd.get(checkpoint_slot_key(NODE, "previous")) is not None
+
+
+def test_deletion_chains_and_history_gaps_round_trip_compactly() -> None:
+    import random
+
+    rng = random.Random(5)
+    chain = sorted({(rng.randrange(101, 10_000), rng.randrange(4096)) for _ in range(3000)})
+    original = body(4)
+    original.header = CheckpointHeader(NODE, 4, 7, 1_700_000_000_000, 10_000, TOPO,
+                                       ((50, 80), (90, 95)))
+    original.row_groups[0] = RGEntry(11, 0, 4096, 100, BitMap([1, 7]), chain)
+    data = encode(original)
+    back = decode_ok(data)
+    assert back.header.history_gaps == ((50, 80), (90, 95))
+    assert back.row_groups[0].chain == chain
+    assert all(a.same(b) for a, b in zip(back.row_groups, original.row_groups, strict=True))
+    without = encode(body(4))
+    # Timestamps close together, rows anywhere in the row group: about 3 bytes an item.
+    assert (len(data) - len(without)) / len(chain) < 3.5
+
+
+def test_a_version_1_body_is_still_read() -> None:
+    """Schema version 1 (before the chains): no chain, no gaps, the base as written."""
+    import json
+    import struct
+
+    import crc32c
+
+    original = body(3)
+    h = original.header
+    header = json.dumps({"retinaNodeId": h.retina_node_id, "checkpointId": h.checkpoint_id,
+                         "writerEpoch": h.writer_epoch, "writeTime": h.write_time_ms,
+                         "checkpointAppliedTs": h.checkpoint_applied_ts,
+                         "topologyHash": h.topology_hash}).encode()
+    parts = [b"RTNACKP1", struct.pack(">HI", 1, len(header)), header, struct.pack(">I", 1),
+             struct.pack(">qqiqqqqqqi", 11, 1, 0, 0, 5, 90, 8192, 0, 8191, 2),
+             struct.pack(">I", 0), struct.pack(">I", 1)]
+    bits = BitMap([1, 7]).serialize()
+    parts += [struct.pack(">qiqqI", 11, 0, 4096, 100, len(bits)), bits]
+    data = b"".join(parts)
+    data += struct.pack(">Q", len(data) + 12)
+    data += struct.pack(">I", crc32c.crc32c(data))
+    back = decode_ok(data)
+    assert back.header.history_gaps == () and back.header.checkpoint_applied_ts == 100
+    assert back.row_groups[0].chain == [] and back.row_groups[0].deleted == BitMap([1, 7])
+
+
+def test_a_chain_item_at_or_below_its_base_is_corrupt() -> None:
+    original = body(3)
+    original.row_groups[0] = RGEntry(11, 0, 4096, 100, BitMap(), [(150, 3)])
+    data = bytearray(encode(original))
+    good = decode_ok(bytes(data))
+    assert good.row_groups[0].chain == [(150, 3)]
+    bad = body(3)
+    bad.row_groups[0] = RGEntry(11, 0, 4096, 100, BitMap(), [(100, 3)])
+    with pytest.raises(CorruptCheckpoint):
+        decode_ok(encode(bad))
+    outside = body(3)
+    outside.row_groups[0] = RGEntry(11, 0, 4096, 100, BitMap(), [(150, 4096)])
+    with pytest.raises(CorruptCheckpoint):
+        decode_ok(encode(outside))

@@ -344,6 +344,35 @@ def test_snapshot_query_exits_4_while_a_node_is_recovering(logged: LoggedPlane,
     assert plane.status(victim).state == rpb.RECOVERING
 
 
+def test_snapshot_query_reads_at_a_pin_and_refuses_an_expired_point_before_spark(
+        logged: LoggedPlane, catalog: Catalog, tmp_path: Path) -> None:
+    """A long job reads at a named pin (docs/history.md): the table as it was when pinned,
+    after later writes; a point the GC horizon has passed exits 3 before Spark starts."""
+    plane = logged.plane
+    stub = plane.trans.stub()
+    next_id = workload(logged, random.Random(21), 12, 0)
+    pinned = dict(plane.model.rows["orders"])
+    hwm = stub.GetHighWatermark(tpb.GetHighWatermarkRequest(), timeout=10).high_watermark
+    stub.CreatePin(tpb.CreatePinRequest(name="eod", ts=hwm), timeout=10)
+    workload(logged, random.Random(22), 6, next_id)  # deletes and replaces after the pin
+    assert plane.model.rows["orders"] != pinned
+    out = tmp_path / "eod"
+    result = run_job("spark_jobs.snapshot_query", "--config", logged.config,
+                     "--table", f"{SCHEMA}.orders", "--pin", "eod", "--output", out, "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert last_json(result.stdout)["timestamp"] == hwm
+    writer = plane.writers["orders"]
+    assert {writer.key(r): r for r in pq.read_table(out).to_pylist()} == pinned
+    stub.DropPin(tpb.DropPinRequest(name="eod"), timeout=10)
+    stub.GetSafeGcTimestamp(tpb.GetSafeGcTimestampRequest(), timeout=10)  # passes hwm
+    never = tmp_path / "never"
+    result = run_job("spark_jobs.snapshot_query", "--config", logged.config,
+                     "--table", f"{SCHEMA}.orders", "--as-of", str(hwm), "--output", never)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "snapshot_expired" in result.stderr and "earliest readable point" in result.stderr
+    assert not never.exists()
+
+
 # --- the retention low-watermark ----------------------------------------------------------
 def test_cdc_replay_exits_5_on_a_replay_gap_and_sends_nothing(logged: LoggedPlane) -> None:
     """A start below the changelog's retention low-watermark stops the job with exit 5

@@ -87,3 +87,38 @@ def test_out_of_order_deletes_keep_the_earliest_timestamp() -> None:
     assert rg.delete([1], ts=7) == 0
     assert rg.snapshot()[2] == [(5, 1)]
 
+
+
+def test_a_read_below_the_base_is_refused_snapshot_expired() -> None:
+    """NO_READ_BELOW_FOLD: the base no longer tells which of its rows were deleted after a
+    timestamp below it, so no answer is given there."""
+    import grpc
+
+    from retina_common.refusal import SNAPSHOT_EXPIRED, Refusal, earliest_readable
+
+    rg = RGVisibility(row_count=10)
+    rg.delete([1], ts=5)
+    rg.delete([2], ts=9)
+    rg.fold(7)
+    assert rg.deleted_at(7) == BitMap([1]) and rg.deleted_at(9) == BitMap([1, 2])
+    with pytest.raises(Refusal) as refused:
+        rg.deleted_at(6)
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert str(refused.value).startswith(SNAPSHOT_EXPIRED)
+    assert earliest_readable(str(refused.value)) == (7, 0)
+
+
+def test_a_checkpoint_entry_restores_every_snapshot_at_or_above_the_base() -> None:
+    from retina_server.visibility import checkpoint_entry, restore
+
+    rng = random.Random(3)
+    rg = RGVisibility(row_count=300)
+    for ts in range(1, 120):
+        rg.delete(rng.sample(range(300), 2), ts)
+    rg.fold(40)
+    entry = checkpoint_entry(7, 0, rg, applied_ts=100)
+    assert entry.base_timestamp == 40 and all(ts <= 100 for ts, _row in entry.chain)
+    back = restore(entry)
+    # At or above the base and up to the checkpoint: the same; later deletes are replayed.
+    assert all(back.deleted_at(ts) == rg.deleted_at(ts) for ts in range(40, 101))
+    assert back.deleted_at(119) == rg.deleted_at(100)
