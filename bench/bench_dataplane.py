@@ -14,42 +14,24 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
-import platform
 import pstats
-import shutil
 import statistics
-import tempfile
 import time
-from decimal import Decimal
 from pathlib import Path
 
-import grpc
+import one_node
+from one_node import machine, row
 
-from devtools.cluster import (
-    ANONYMOUS_WRITES_ENV,
-    free_port,
-    start_cluster,
-    start_retina_server,
-    stop_cluster,
-    wait_for,
-)
-from retina_common.catalog import Catalog, ColumnSpec
+from devtools.cluster import ANONYMOUS_WRITES_ENV, wait_for
+from retina_common.catalog import Catalog
 from retina_common.client import TableWriter, requests_by_node
 from retina_common.log import configure_logging
 from retina_common.pb import retina_pb2 as rpb
-from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import SnapshotReader
-from retina_common.recovery_driver import drive_recovery
 from retina_common.topology import Topology
 
 BATCH = 1000  # rows per batch of the profile
-
-
-def row(i: int, version: int = 0) -> dict:
-    return {"id": i, "customer": f"customer-{i % 997}", "amount": Decimal(i % 100000) / 100,
-            "note": f"v{version}"}
 
 
 def main() -> None:
@@ -62,26 +44,13 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     configure_logging("bench", "warning")
-    work = Path(tempfile.mkdtemp(prefix="retina-bench-dp-"))
-    node = f"127.0.0.1:{free_port()}"
-    print(f"setup: {platform.platform()}, {os.cpu_count()} cores, Python "
-          f"{platform.python_version()}; one Retina node (all 8 vnodes), TransServer, etcd and "
-          f"PostgreSQL on this machine; loopback gRPC; batches of {args.batch} rows "
-          f"({args.form} form), {args.batches} per phase; block 4096 rows, 4 blocks per file")
-    state = start_cluster(work, nodes=[node], virtual_nodes=8, log=lambda _m: None)
-    topology = Topology((node,), 8)
-    catalog = Catalog(state.postgres.dsn())
-    catalog.create_schema("bench")
-    table = catalog.create_table("bench", "orders", [
-        ColumnSpec("id", "int64"), ColumnSpec("customer", "string"),
-        ColumnSpec("amount", "decimal(12,2)"), ColumnSpec("note", "string")], ["id"])
+    print(f"{machine()}; batches of {args.batch} rows ({args.form} form), {args.batches} per "
+          "phase; block 4096 rows, 4 blocks per file")
+    one = one_node.start("retina-bench-dp-")
+    node, state, topology, table = one.node, one.state, one.topology, one.table
     try:
-        start_retina_server(state, node, ANONYMOUS_WRITES_ENV)  # the apply path alone
-        channel = grpc.insecure_channel(node)
-        grpc.channel_ready_future(channel).result(timeout=60)
-        stub = retina_pb2_grpc.RetinaWorkerServiceStub(channel)
-        drive_recovery(stub)  # a fresh node: nothing to replay, then MarkReady
-        trans = trans_pb2_grpc.TransServiceStub(grpc.insecure_channel(state.trans_listen))
+        stub = one.ready_node(ANONYMOUS_WRITES_ENV)  # the apply path alone
+        trans = one.trans()
         writer = TableWriter(table, topology, columnar=args.form == "columnar")
         n, size = args.batches, args.batch
 
@@ -135,13 +104,10 @@ def main() -> None:
               f"p99 {latencies[int(0.99 * len(latencies))]:.3f} ms "
               f"({listing.files[0].num_row_group} row groups of 4096 rows)")
         reader.close()
-        channel.close()
         if args.profile:
-            profile_apply(state.postgres.dsn(), work, topology, node, table)
+            profile_apply(state.postgres.dsn(), one.work, topology, node, table)
     finally:
-        catalog.close()
-        stop_cluster(state, log=lambda _m: None)
-        shutil.rmtree(work, ignore_errors=True)
+        one.stop()
 
 
 def profile_apply(dsn: str, work: Path, topology: Topology, node_id: str, table) -> None:

@@ -65,7 +65,8 @@ from retina_common.pb import retina_pb2, retina_pb2_grpc
 from retina_common.replay_ts import IngestSegment, SegmentKind
 from retina_common.storage import write_durably
 from retina_common.topology import Topology
-from retina_server.index import LocalIndexService, RowIdRange
+from retina_server.index import LocalIndexService
+from retina_server.main_index import RowIdRange
 
 # Reconnect every 10-20 ms: with the default back-off (1 s, growing) a channel probed
 # before the server listens answers up to seconds after it does.
@@ -154,7 +155,7 @@ def main() -> None:
         now = datetime.now(UTC)
         for i in range(args.files):
             vnode = i % 8
-            first_row = index.allocate_row_ids(args.rows_per_file)
+            first_row = index.sequences.allocate_row_ids(args.rows_per_file)
             lo_ts, hi_ts = 10 + i * 10, 10 + i * 10 + 9
             ids = np.arange(first_row, first_row + args.rows_per_file, dtype=np.int64)
             data = pa.table({"id": ids, "note": pa.array(["x"] * args.rows_per_file),
@@ -169,9 +170,9 @@ def main() -> None:
             catalog.update_file(record.file_id, file_type=FileType.REGULAR, num_row_group=1,
                                 min_row_id=first_row,
                                 max_row_id=first_row + args.rows_per_file - 1)
-            index.put_main_index_entries([RowIdRange(first_row, args.rows_per_file,
+            index.main.put_main_index_entries([RowIdRange(first_row, args.rows_per_file,
                                                      record.file_id, 0, 0)])
-            index.flush_file(record.file_id)
+            index.main.flush_file(record.file_id)
             files.append(FileEntry(record.file_id, table.table_id, vnode, i * 4, lo_ts, hi_ts,
                                    args.rows_per_file, first_row,
                                    first_row + args.rows_per_file - 1, 1))

@@ -377,6 +377,54 @@ def encode_primary_keys(types: Sequence[str], columns: Sequence[pa.Array]) -> pa
     return pc.binary_join_element_wise(*parts, b"")
 
 
+def primary_key_problem(types: Sequence[str], keys: Sequence[bytes]) -> tuple[int, str] | None:
+    """The first of ``keys`` that is not the primary-key encoding of one value of each
+    key column of ``types`` (its position and what is wrong), or None. The shape is
+    checked (the arity, each value's length and marker), not the values: a well-formed
+    key of no row is simply not found. Keys of fixed-width columns only are checked a
+    batch at a time."""
+    widths = [_width(t) for t in types]
+    if all(w is not None for w in widths) and len(keys) >= 16:  # below: numpy costs more
+        size = sum(4 + (w or 0) for w in widths)
+        lengths = np.fromiter(map(len, keys), np.int64, len(keys))
+        if (lengths == size).all():
+            matrix = np.frombuffer(b"".join(keys), np.uint8).reshape(len(keys), size)
+            headers = np.concatenate([np.frombuffer((w or 0).to_bytes(4, "big"), np.uint8)
+                                      for w in widths])
+            starts = np.cumsum([0] + [4 + (w or 0) for w in widths[:-1]])
+            at = np.concatenate([np.arange(s, s + 4) for s in starts])
+            bad = (matrix[:, at] != headers).any(axis=1)
+            if not bad.any():
+                return None
+            first = int(np.argmax(bad))
+            return first, _key_problem(types, keys[first]) or "malformed"
+    for i, key in enumerate(keys):
+        problem = _key_problem(types, key)
+        if problem is not None:
+            return i, problem
+    return None
+
+
+def _key_problem(types: Sequence[str], key: bytes) -> str | None:
+    at = 0
+    for n, type_name in enumerate(types):
+        if at + 4 > len(key):
+            return f"it ends after {n} of {len(types)} key columns"
+        length = int.from_bytes(key[at:at + 4], "big")
+        at += 4
+        if at + length > len(key):
+            return f"key column {n} claims {length} bytes; {len(key) - at} are left"
+        width = _width(type_name)
+        if width is not None and length != width:
+            return f"key column {n} ({type_name}) holds {length} bytes, not {width}"
+        if width is None and (length < 1 or key[at] != 1):
+            return f"key column {n} ({type_name}) lacks its 0x01 marker"
+        at += length
+    if at != len(key):
+        return f"{len(key) - at} bytes follow its {len(types)} key columns"
+    return None
+
+
 def _fixed_width_keys(types: Sequence[str], columns: Sequence[pa.Array]) -> pa.Array:
     # Every key has the same length: one (rows x key bytes) matrix, filled
     # column-wise, is much cheaper than Arrow's element-wise binary join.

@@ -208,6 +208,33 @@ def decode_insert_rows(data: bytes, table: TableRecord) -> pa.Table:
     return rows
 
 
+def decode_key_columns(data: bytes, table: TableRecord) -> list[pa.Array]:
+    """The key columns of ``key_columns_arrow`` (LookupRows): the table's primary-key
+    columns by name, in key order, none NULL. A column of another Arrow type is cast to
+    the key column's type when no value changes (an int64 column of an int32 key, say);
+    a lossy cast is refused."""
+    keys = _read(data, "key_columns_arrow")
+    names = list(table.primary_key)
+    if keys.schema.names != names:
+        raise ColumnarError(f"key_columns_arrow must hold the key columns {names} in key "
+                            f"order, not {_describe(keys.schema)}")
+    types = {c.name: c.type for c in table.columns}
+    out = []
+    for name in names:
+        column = keys.column(name).combine_chunks()
+        if column.null_count:
+            raise ColumnarError(f"key_columns_arrow: key column {name} holds a NULL")
+        wanted = arrow_type(types[name])
+        if column.type != wanted:
+            try:
+                column = column.cast(wanted, safe=True)
+            except (pa.ArrowException, ValueError) as exc:
+                raise ColumnarError(f"key_columns_arrow: key column {name} is "
+                                    f"{column.type}, not {wanted}: {exc}") from None
+        out.append(column)
+    return out
+
+
 def stream_width(data: bytes) -> int:
     """The number of columns ``insert_rows_arrow`` declares (schema only)."""
     try:

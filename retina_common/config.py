@@ -126,7 +126,11 @@ class RetinaConfig:
     # An open file older than this is sealed and published even if not full.
     flush_interval_ms: int = 1000
     close_workers: int = 2
+    # Also the most keys one LookupRows request may carry.
     max_rows_per_request: int = 100_000
+    # LookupRows keeps decoded row groups of published files in memory up to this size
+    # (least recently used go first).
+    lookup_cache_mb: int = 256
     # Recovery checkpoints while READY (also on demand: CreateCheckpoint).
     checkpoint_interval_ms: int = 60_000
     # Storage GC on this node: the maintenance round (fold deletion chains, prune

@@ -332,6 +332,12 @@ INDEX_PRIMARY_COMMIT_BEFORE = Failpoint(
 INDEX_PRIMARY_COMMIT_AFTER = Failpoint(
     "index.primary_commit.after",
     "a request's primary-index writes durable; its inserts not yet settled visible")
+INDEX_PRUNE_HORIZON_BEFORE = Failpoint(
+    "index.prune_horizon.before",
+    "a prune about to record its horizon (pruned_below); nothing of it durable")
+INDEX_PRUNE_HORIZON_AFTER = Failpoint(
+    "index.prune_horizon.after",
+    "a prune's horizon durable (reads below it are refused); no version below it removed")
 
 # --- Retina recovery checkpoint (docs/write-paths/checkpoint.md) -----------------
 CHECKPOINT_BODY_WRITE_BEFORE = Failpoint(

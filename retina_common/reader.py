@@ -40,9 +40,11 @@ import pyarrow.parquet as pq
 
 from retina_common import file_names
 from retina_common.as_of_point import NEWEST, AsOf, BadPoint, format_ms, parse_as_of
+from retina_common.catalog import Catalog, CatalogError, NotFoundError
 from retina_common.client import channel
-from retina_common.codec import COMMIT_TS
+from retina_common.codec import COMMIT_TS, EncodingError
 from retina_common.config import ConfigError, TlsConfig
+from retina_common.lookup import KEYS_PER_REQUEST, KeyLookup, key_from_text
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
@@ -67,12 +69,22 @@ class SnapshotReader:
     def __init__(self, trans_address: str, topology: Topology, timeout_s: float = 30, *,
                  tls: TlsConfig | None = None) -> None:
         self._timeout = timeout_s
+        self.topology = topology
         self._trans_address = trans_address
         self._trans_channel = channel(trans_address, tls)
         self._trans = trans_pb2_grpc.TransServiceStub(self._trans_channel)
         self._channels = {n: channel(n, tls) for n in topology.nodes}
         self._retina = {n: retina_pb2_grpc.RetinaWorkerServiceStub(c)
                         for n, c in self._channels.items()}
+
+    def node(self, address: str) -> retina_pb2_grpc.RetinaWorkerServiceStub:
+        """The stub of the node at ``address`` (one of the topology's)."""
+        return self._retina[address]
+
+    def key_lookup(self, keys_per_request: int = KEYS_PER_REQUEST) -> KeyLookup:
+        """Primary-key lookups over this reader's channels and read transactions."""
+        return KeyLookup(self.topology, self.node, self.transaction, timeout_s=self._timeout,
+                         keys_per_request=keys_per_request)
 
     def close(self) -> None:
         self._trans_channel.close()
@@ -202,7 +214,11 @@ def format_rows(rows: pa.Table) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``retina-query SCHEMA.TABLE``: print a gated snapshot of a table."""
+    """``retina-query SCHEMA.TABLE``: print a gated snapshot of a table.
+    ``retina-query get SCHEMA.TABLE KEY...``: look up keys (see ``get --help``)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["get"]:
+        return get_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="retina-query", description=main.__doc__,
         epilog="Exit codes: 0 printed; 1 not answered: refused (e.g. the query gate is "
@@ -256,6 +272,72 @@ def main(argv: list[str] | None = None) -> int:
     past = "" if as_of == NEWEST else f" (as of {as_of.describe()})"
     print(f"-- {rows.num_rows} rows at snapshot {snap.timestamp}{past} ({snap.files_read} "
           f"files, {snap.buffer_rows} write-buffer rows)", file=sys.stderr)
+    return 0
+
+
+def get_main(argv: list[str]) -> int:
+    """``retina-query get SCHEMA.TABLE KEY...``: the rows of primary keys at one gated
+    snapshot (LookupRows on the nodes that own them), in the keys' order."""
+    parser = argparse.ArgumentParser(
+        prog="retina-query get", description=get_main.__doc__,
+        epilog="A key is a JSON object of the key columns ('{\"id\": 7}'), a JSON array "
+               "of the key values in key order ('[3, 42]'), or the value of a one-column "
+               "key ('7', 'abc'). Exit codes: 0 answered (found or not, per key); 1 not "
+               "answered: refused or a node or the TransServer unreachable; 2 usage or "
+               "configuration (an unknown table, a key that does not fit).")
+    parser.add_argument("table", help="schema.table")
+    parser.add_argument("keys", nargs="*", help="keys (or --keys-file)")
+    parser.add_argument("--keys-file", help="one key per line ('-': standard input)")
+    parser.add_argument("--columns", default="", help="comma-separated columns (default: all)")
+    parser.add_argument("--config", help="TOML config file (default: $RETINA_CONFIG)")
+    parser.add_argument("--format", choices=["table", "json"], default="table",
+                        help="json: one line per key: key, found, commit_ts, row")
+    args = parser.parse_args(argv)
+    schema, dot, table_name = args.table.partition(".")
+    if not dot:
+        parser.error("give the table as schema.table")
+    texts = list(args.keys)
+    if args.keys_file:
+        with sys.stdin if args.keys_file == "-" else open(args.keys_file) as lines:
+            texts += [line.strip() for line in lines if line.strip()]
+    if not texts:
+        parser.error("no keys given (KEY... or --keys-file)")
+    columns = [c for c in args.columns.split(",") if c]
+    try:
+        config, topology = load_config_and_topology(args.config)
+        catalog = Catalog(config.catalog.dsn, pool_max=1,
+                          connect_timeout_s=config.catalog.connect_timeout_s)
+        try:
+            table = catalog.get_table(schema, table_name)
+        finally:
+            catalog.close()
+        keys = [key_from_text(table, t) for t in texts]
+    except (ConfigError, NotFoundError, EncodingError) as exc:
+        print(f"retina-query get: {exc}", file=sys.stderr)
+        return 2
+    except CatalogError as exc:  # the catalog is down: not answered
+        print(f"retina-query get: catalog: {exc}", file=sys.stderr)
+        return 1
+    reader = SnapshotReader(config.trans.listen, topology, tls=config.tls)
+    try:
+        got = reader.key_lookup().get(schema, table_name, keys, columns=columns)
+    except grpc.RpcError as exc:
+        print(f"retina-query get: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    finally:
+        reader.close()
+    if args.format == "json":
+        for text, hit, ts, row in zip(texts, got.found.tolist(), got.commit_ts.tolist(),
+                                      got.by_key(), strict=True):
+            print(json.dumps({"key": text, "found": hit, "commit_ts": ts, "row": row},
+                             default=str))
+    else:
+        print(format_rows(got.rows))
+        for text, hit in zip(texts, got.found.tolist(), strict=True):
+            if not hit:
+                print(f"-- not found: {text}", file=sys.stderr)
+    print(f"-- {int(got.found.sum())} of {len(keys)} keys found at snapshot {got.timestamp}",
+          file=sys.stderr)
     return 0
 
 

@@ -43,6 +43,7 @@ from retina_server.index import LocalIndexService
 from retina_server.publisher import IngestPipeline, StreamPublisher
 from retina_server.read_history import ReadHistory
 from retina_server.registry import IngestFileMetadataRegistry, RegistryError
+from retina_server.row_moves import RowMoves
 from retina_server.visibility import RGVisibility, VisibilityError, VisibilityIndex
 from retina_server.write_buffer import IngestFile, StreamBuffer
 from retina_server.write_fence import WriteFence
@@ -91,6 +92,9 @@ class RetinaNode:
         self.catalog = catalog
         self.index = index
         self.visibility = VisibilityIndex()
+        # ROW_READS_SEE_NO_MOVE: Storage GC commits, rollbacks, reverts and sweeps run
+        # inside it; point reads (row_lookup.py) read again when rows moved under them.
+        self.row_moves = RowMoves()
         self.registry = IngestFileMetadataRegistry()
         self._storage_root = storage_root.rstrip("/")
         self._settings = settings
@@ -200,7 +204,7 @@ class RetinaNode:
                 blocks_per_file=self._settings.blocks_per_file,
                 allocate_file=lambda buf, first: self._allocate_file(buf, first, path_id,
                                                                      path_uri))
-            publisher = StreamPublisher(buffer, self.catalog, self.index, self.registry,
+            publisher = StreamPublisher(buffer, self.catalog, self.index.main, self.registry,
                                         self.visibility, self.fail_closed,
                                         on_published=self._forget_published)
             stream = Stream(table, vnode, path_id, path_uri, schema, buffer, publisher)
@@ -223,8 +227,8 @@ class RetinaNode:
     def _allocate_file(self, buffer: StreamBuffer, _first_hint: int, path_id: int,
                        path_uri: str) -> IngestFile:
         """Register a new TEMPORARY_INGEST file for a stream (called under its lock)."""
-        seq = self.index.allocate("file_seq")
-        first_block = self.index.allocate(f"block:{buffer.table_id}:{buffer.vnode}",
+        seq = self.index.sequences.allocate("file_seq")
+        first_block = self.index.sequences.allocate(f"block:{buffer.table_id}:{buffer.vnode}",
                                           self._settings.blocks_per_file)
         buffer.next_block_id = first_block
         now = datetime.now(UTC)
@@ -242,6 +246,10 @@ class RetinaNode:
     def in_baseline(self, file_id: int) -> bool:
         """The baseline visible file set: registered files and live write-buffer files."""
         return file_id in self.registry or file_id in self._buffer_files
+
+    def buffer_file(self, file_id: int) -> IngestFile | None:
+        """The write-buffer file ``file_id`` while it is unpublished (its rows in memory)."""
+        return self._buffer_files.get(file_id)
 
     def stream_position(self, file_id: int) -> int:
         """A published file's firstBlockId (its place in its stream); -1 for any other

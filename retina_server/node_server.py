@@ -53,6 +53,7 @@ from retina_server.read_guard import ReadTransactionGuard
 from retina_server.recovery.coordinator import RecoveryCoordinator
 from retina_server.recovery.mark_ready import MarkReadyBarrier, ReadyHooks, RestartFence
 from retina_server.recovery.registered_writers import RegisteredWriters
+from retina_server.row_lookup import row_lookup
 from retina_server.trans_client import TransClient
 from retina_server.worker_service import RetinaService
 
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint_store = CheckpointStore(etcd, node_id, storage, topology.topology_hash)
     recovery = RecoveryCoordinator(
         node, catalog, checkpoint_store,
-        machine, announcer, trans.high_watermark, index.allocate("recovery_epoch") + 1,
+        machine, announcer, trans.high_watermark, index.sequences.allocate("recovery_epoch") + 1,
         journal)
     node.on_fail_closed = recovery.fail
     gc = StorageGc(node, catalog, journal, trans.safe_gc_ts,
@@ -161,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     retina_pb2_grpc.add_RetinaWorkerServiceServicer_to_server(
         RetinaService(node, recovery, barrier, machine,
                       ReadTransactionGuard(trans.trans_status),
-                      rc.max_rows_per_request, gc, scheduler, sweeper, lineage, writers),
+                      rc.max_rows_per_request, gc, scheduler, sweeper, lineage, writers,
+                      row_lookup(node, catalog, rc.lookup_cache_mb << 20)),
         handle.server)
     metrics_port = serve_metrics(rc.metrics_listen)
 

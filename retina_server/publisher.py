@@ -47,7 +47,7 @@ from retina_common.codec import COMMIT_TS, PARQUET_COMPRESSION
 from retina_common.log import get_logger
 from retina_common.schema_evolution import conform
 from retina_common.storage import file_uri, read_bytes, write_durably
-from retina_server.index import LocalIndexService
+from retina_server.main_index import MainIndex
 from retina_server.registry import IngestFileMeta, IngestFileMetadataRegistry
 from retina_server.visibility import VisibilityIndex
 from retina_server.write_buffer import FileState, IngestFile, StreamBuffer
@@ -122,14 +122,14 @@ def check_closed_file(file: IngestFile) -> None:
 class StreamPublisher:
     """Publishes one stream's closed files strictly in firstBlockId order."""
 
-    def __init__(self, stream: StreamBuffer, catalog: Catalog, index: LocalIndexService,
+    def __init__(self, stream: StreamBuffer, catalog: Catalog, main_index: MainIndex,
                  registry: IngestFileMetadataRegistry, visibility: VisibilityIndex,
                  on_fatal: Callable[[str], None],
                  on_published: Callable[[IngestFile], None], retry_s: float = 0.5,
                  give_up_after_s: float = 300.0) -> None:
         self._stream = stream
         self._catalog = catalog
-        self._index = index
+        self._main_index = main_index
         self._registry = registry
         self._visibility = visibility
         self._on_fatal = on_fatal
@@ -151,7 +151,7 @@ class StreamPublisher:
     def _publish(self, file: IngestFile) -> None:
         started = time.monotonic()
         fp.INGEST_INDEX_FLUSH_BEFORE.hit()
-        self._index.flush_file(file.file_id)
+        self._main_index.flush_file(file.file_id)
         fp.INGEST_INDEX_FLUSH_AFTER.hit()
         fp.INGEST_CATALOG_REGULAR_BEFORE.hit()
         self._mark_regular(file)

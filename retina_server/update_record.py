@@ -86,8 +86,11 @@ from retina_common.columnar import (
 from retina_common.pb import retina_pb2 as pb
 from retina_common.refusal import Refusal
 from retina_common.schema_evolution import pad_values
-from retina_server.index import MAX_KEY_BYTES, IndexBackendError, Resolution, RowIdRange
+from retina_server.index import Resolution
+from retina_server.index_errors import IndexBackendError
+from retina_server.main_index import RowIdRange
 from retina_server.node import NodeFailedClosed, RetinaNode, Stream
+from retina_server.primary_index import MAX_KEY_BYTES
 from retina_server.write_buffer import AppendHandle, SettleMode
 
 PARTS = Counter("retina_update_record_parts_total",
@@ -397,7 +400,7 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate], *,
             stack.enter_context(node.fence.admit(min(u.ts for u in updates)))
             fp.UPDATE_RECORD_FENCE_AFTER.hit()
         try:
-            with node.index.write_batch():
+            with node.index.primary.write_batch():
                 _check_no_live_inserts(node, updates)
                 truncates = _TruncateTargets(node)
                 for u in updates:
@@ -440,7 +443,7 @@ class _TruncateTargets:
         tid = u.table.table_id
         scan = self._scans.get(tid)
         if scan is None or scan[0] != u.ts or (tid, u.vnode) in self._inserted:
-            scan = (u.ts, self._node.index.truncate_targets(
+            scan = (u.ts, self._node.index.primary.truncate_targets(
                 tid, u.ts, self._node.topology.vnode_of_key))
             self._scans[tid] = scan
             self._inserted = {w for w in self._inserted if w[0] != tid}
@@ -453,7 +456,7 @@ class _TruncateTargets:
 
 def _apply_truncate(node: RetinaNode, u: PreparedUpdate, targets: _TruncateTargets) -> int:
     """TRUNCATE of (table, vnode) at ``u.ts``: a DELETE of every key whose latest version
-    at or before ``u.ts`` is a row (``LocalIndexService.truncate_targets``; its own
+    at or before ``u.ts`` is a row (``PrimaryIndex.truncate_targets``; its own
     tombstones at ``u.ts`` do not count). Re-applied (a retry, a replay) it rewrites
     those tombstones, deletes a stale copy at exactly ``u.ts`` (which the INSERTs of
     the same update put back) and a row a replay put back under a tombstone at an
@@ -481,7 +484,7 @@ def _apply_deletes(node: RetinaNode, u: PreparedUpdate) -> int:
     reinserted = set(u.insert_keys)
     tombstoned = [k for k in found_keys if k not in reinserted] if reinserted else found_keys
     if tombstoned:
-        node.index.tombstone_primary_resolved(tid, tombstoned, u.ts)
+        node.index.primary.tombstone_primary_resolved(tid, tombstoned, u.ts)
     return deleted
 
 
@@ -501,12 +504,12 @@ def _stage_inserts(node: RetinaNode, stream: Stream, u: PreparedUpdate,
     added = [pa.nulls(n, f.type) for f in list(stream.schema)[len(u.insert_columns):-1]]
     batch = pa.RecordBatch.from_arrays([*u.insert_columns, *added, ts_column],
                                        schema=stream.schema)
-    first_row_id = node.index.allocate_row_ids(n)
+    first_row_id = node.index.sequences.allocate_row_ids(n)
     handles: list[AppendHandle] = []
     staged.append((stream, u, handles))
     stream.buffer.append_pending(batch, u.ts, first_row_id, handles)
-    node.index.put_main_index_entries(_ranges(handles))
-    node.index.put_primary_entries_only(  # the batch's abort is the undo
+    node.index.main.put_main_index_entries(_ranges(handles))
+    node.index.primary.put_primary_entries_only(  # the batch's abort is the undo
         u.table.table_id, u.insert_keys, range(first_row_id, first_row_id + n), u.ts,
         keep_previous=False)
     return n
@@ -519,7 +522,7 @@ def _compensate(node: RetinaNode, stream: Stream, u: PreparedUpdate,
         # Hidden rows stay in their file, and recovery checks that a file's
         # MainIndex rows equal its row count: a partial append never put its
         # ranges (re-adding a range is idempotent).
-        node.index.put_main_index_entries(_ranges(handles))
+        node.index.main.put_main_index_entries(_ranges(handles))
         for h in handles:
             h.block.visibility.delete(range(h.start, h.start + h.count), u.ts)
         stream.buffer.settle(handles, SettleMode.HIDDEN)

@@ -108,6 +108,19 @@ class RGVisibility:
                     "it are folded together)", self._base_ts)
             return self._deleted_locked(ts)
 
+    def deleted_among(self, rows: np.ndarray, ts: int) -> np.ndarray | None:
+        """Which of ``rows`` are deleted at snapshot ``ts``: a bool per row, without
+        building the whole bitmap (a point read). None when ``ts`` is below the base
+        timestamp: the deletes up to the base are folded in, and which of them came
+        after ``ts`` is no longer known."""
+        with self._lock:
+            if ts < self._base_ts:
+                return None
+            base, chain = self._base, self._chain
+            after = ts + 1
+            return np.fromiter((r in base or chain.get(r, after) <= ts for r in rows.tolist()),
+                               bool, len(rows))
+
     def fold(self, safe_ts: int) -> int:
         """Fold chain items with ``ts <= safe_ts`` into the base; returns items folded."""
         with self._lock:
@@ -211,6 +224,15 @@ class VisibilityIndex:
             keys = sorted((k for k in self._entries if k.file_id == file_id),
                           key=lambda k: k.rg_id)
             self._retired[file_id] = [self._entries.pop(k) for k in keys]
+
+    def readable(self, file_id: int, rg_id: int) -> RGVisibility | None:
+        """The visibility of a row group any read may still reach: a replaced or staged
+        file's (frozen, looked up first, as QueryVisibility does), else a registered
+        file's; None for a row group of no such file."""
+        frozen = self.retired(file_id)
+        if frozen is not None:
+            return frozen[rg_id] if 0 <= rg_id < len(frozen) else None
+        return self._entries.get(RGKey(file_id, rg_id))
 
     def retired(self, file_id: int) -> list[RGVisibility] | None:
         """A replaced file's row groups, else a staged GC file's (read-only views)."""

@@ -39,6 +39,8 @@ from retina_server.recovery import replay_admission
 from retina_server.recovery.coordinator import RecoveryCoordinator
 from retina_server.recovery.mark_ready import MarkReadyBarrier
 from retina_server.recovery.registered_writers import RegisteredWriters
+from retina_server.row_lookup import RowLookup
+from retina_server.row_lookup import prepare as prepare_lookup
 from retina_server.update_record import apply, prepare
 from retina_server.visibility import bitmap_to_bytes
 
@@ -50,6 +52,7 @@ APPLY_SECONDS = Histogram("retina_update_record_seconds", "UpdateRecord latency"
                           buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1))
 
 MODES = {pb.VNODE: "VNODE", pb.NODE: "NODE"}
+IPC_OPTIONS = pa.ipc.IpcWriteOptions()  # made once: the default reads the environment
 
 
 class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
@@ -57,8 +60,9 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
                  barrier: MarkReadyBarrier, machine: LifecycleStateMachine,
                  reads: ReadTransactionGuard, max_rows_per_request: int,
                  gc: StorageGc, scheduler: GcScheduler, sweeper: Sweeper,
-                 lineage: Lineage, writers: RegisteredWriters) -> None:
+                 lineage: Lineage, writers: RegisteredWriters, lookup: RowLookup) -> None:
         self._node = node
+        self._lookup = lookup
         self._writers = writers
         self._gc = gc
         self._sweeper = sweeper
@@ -149,6 +153,26 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
                 writer.write_table(rows)
             return pb.GetWriteBufferResponse(arrow_ipc_stream=sink.getvalue().to_pybytes(),
                                              row_count=rows.num_rows)
+        return self._guard(context, run)
+
+    def LookupRows(self, request: pb.LookupRowsRequest,
+                   context: grpc.ServicerContext) -> pb.LookupRowsResponse:
+        def run() -> pb.LookupRowsResponse:
+            self._machine.admit(Request.READ)
+            # Validation before the read is admitted: a malformed request changes nothing
+            # (admitting raises the write fence).
+            lookup = prepare_lookup(self._node, request, self._max_rows)
+            self._admit_read(request.timestamp, request.trans_id, snapshot_read=True)
+            answer = self._lookup.lookup(lookup)
+            # An answer read while the node stopped being READY (it failed closed) is
+            # not given: its structures may be half-way through a change.
+            self._machine.admit(Request.READ)
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, answer.rows.schema, options=IPC_OPTIONS) as writer:
+                writer.write_table(answer.rows)
+            return pb.LookupRowsResponse(
+                found=answer.found.tolist(), commit_ts=answer.commit_ts.tolist(),
+                rows_arrow=sink.getvalue().to_pybytes(), timestamp=request.timestamp)
         return self._guard(context, run)
 
     def QueryVisibility(self, request: pb.QueryVisibilityRequest,

@@ -7,7 +7,14 @@ from decimal import Decimal
 
 import pytest
 
-from retina_common.codec import EncodingError, decode_column, encode_value, value_encoder
+from retina_common.codec import (
+    EncodingError,
+    decode_column,
+    encode_primary_key,
+    encode_value,
+    primary_key_problem,
+    value_encoder,
+)
 
 
 @pytest.mark.parametrize("type_name, values", [
@@ -50,3 +57,29 @@ def test_an_unknown_column_type_is_refused_when_a_value_is_encoded() -> None:
     assert encode_value("interval", None) == b""
     with pytest.raises(EncodingError, match="unknown column type interval"):
         encode_value("interval", 5)
+
+
+def test_primary_key_problems_name_the_first_malformed_key() -> None:
+    """LookupRows refuses a key that is not the encoding of one value per key column (its
+    arity, each value's length and marker), naming the first one; well-formed keys of rows
+    that do not exist are not problems. Fixed-width keys are checked a batch at a time."""
+    ints = ["int32", "int64"]
+    good = [encode_primary_key(ints, [i, i * 10]) for i in range(50)]
+    assert primary_key_problem(ints, good) is None
+    assert primary_key_problem(ints, []) is None
+    swapped = encode_primary_key(["int64", "int32"], [1, 2])  # the same length, other widths
+    assert primary_key_problem(ints, [*good, swapped]) == (
+        50, "key column 0 (int32) holds 8 bytes, not 4")
+    assert primary_key_problem(ints, [good[0], good[1] + b"x"]) == (
+        1, "1 bytes follow its 2 key columns")
+    assert primary_key_problem(ints, [good[0][:6]]) == (0, "key column 0 claims 4 bytes; "
+                                                           "2 are left")
+    mixed = ["int32", "string"]
+    assert primary_key_problem(mixed, [encode_primary_key(mixed, [1, ""])]) is None
+    assert primary_key_problem(mixed, [encode_primary_key(["int32"], [1])]) == (
+        0, "it ends after 1 of 2 key columns")
+    raw = encode_primary_key(["int32", "binary"], [1, b"x"])
+    assert primary_key_problem(mixed, [raw]) is None  # string and binary share a shape
+    no_marker = raw[:12] + b"\x02x"  # the value without its 0x01 marker
+    assert primary_key_problem(mixed, [no_marker]) == (0, "key column 1 (string) lacks its "
+                                                          "0x01 marker")

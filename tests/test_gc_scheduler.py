@@ -20,8 +20,10 @@ import pytest
 from retina_common.catalog import Catalog, ColumnSpec
 from retina_common.topology import Topology
 from retina_server.gc.gc_scheduler import GcScheduler, MaintenanceResult, ReplayFloor
-from retina_server.index import TOMBSTONE, LocalIndexService, Resolved, RowIdRange
+from retina_server.index import LocalIndexService, Resolved
+from retina_server.main_index import RowIdRange
 from retina_server.node import BufferSettings, RetinaNode, table_schema
+from retina_server.primary_index import TOMBSTONE
 from retina_server.write_buffer import SettleMode
 
 from .support import eventually
@@ -43,9 +45,9 @@ def write_history(index: LocalIndexService, seed: int, keys: int = 120,
     both tables, some versions at the same timestamp for many keys."""
     rng = random.Random(seed)
     rows = 8 * keys * len(TABLES)
-    first = index.allocate_row_ids(rows)
+    first = index.sequences.allocate_row_ids(rows)
     half = rows // 2
-    index.put_main_index_entries([RowIdRange(first, half, LIVE_FILE, 0, 0),
+    index.main.put_main_index_entries([RowIdRange(first, half, LIVE_FILE, 0, 0),
                                   RowIdRange(first + half, rows - half, GONE_FILE, 0, 0)])
     free = iter(range(first, first + rows))
     names = [(t, f"k{i:04d}".encode()) for t in TABLES for i in range(keys)]
@@ -53,9 +55,9 @@ def write_history(index: LocalIndexService, seed: int, keys: int = 120,
         stamps = sorted(rng.sample(range(1, max_ts), rng.randint(0, 7)))
         for ts in stamps:
             if rng.random() < 0.3:
-                index.tombstone_primary_resolved(table_id, [key], ts)
+                index.primary.tombstone_primary_resolved(table_id, [key], ts)
             else:
-                index.put_primary_entries_only(table_id, [key], [next(free)], ts)
+                index.primary.put_primary_entries_only(table_id, [key], [next(free)], ts)
     return names
 
 
@@ -76,7 +78,7 @@ def answers(index: LocalIndexService, names: list[tuple[int, bytes]], lo: int,
 
 def by_key(index: LocalIndexService) -> dict[tuple[int, bytes], list[tuple[int, int]]]:
     out: dict[tuple[int, bytes], list[tuple[int, int]]] = {}
-    for table_id, key, ts, row in index.versions():
+    for table_id, key, ts, row in index.primary.versions():
         out.setdefault((table_id, key), []).append((ts, row))
     return out
 
@@ -89,42 +91,42 @@ def test_prune_keeps_every_answer_at_and_above_the_horizon(tmp_path: Path, seed:
     names = write_history(index, seed)
     before = by_key(index)
     expected = answers(index, names, horizon, 100)
-    total = index.primary_version_count()
+    total = index.primary.primary_version_count()
 
-    removed = index.prune_versions(horizon, 0, keys_per_txn=17, entries_per_txn=40)
+    removed = index.primary.prune_versions(horizon, 0, keys_per_txn=17, entries_per_txn=40)
 
     assert answers(index, names, horizon, 100) == expected
     after = by_key(index)
-    assert removed == total - index.primary_version_count() == \
+    assert removed == total - index.primary.primary_version_count() == \
         sum(map(len, before.values())) - sum(map(len, after.values()))
     for name, versions in before.items():
         below = [v for v in versions if v[0] < horizon]
         above = [v for v in versions if v[0] >= horizon]
         kept = [] if not below or below[-1][1] == TOMBSTONE else [below[-1]]
         assert after.get(name, []) == kept + above, name
-    assert index.version_index_mismatches() == []
-    assert index.prune_versions(horizon, 0) == 0  # nothing left to prune at that horizon
+    assert index.primary.version_index_mismatches() == []
+    assert index.primary.prune_versions(horizon, 0) == 0  # nothing left to prune at that horizon
 
 
 def test_prune_rule_on_one_key(tmp_path: Path) -> None:
     index = LocalIndexService(tmp_path)
-    r = index.allocate_row_ids(3)
-    index.put_main_index_entries([RowIdRange(r, 3, LIVE_FILE, 0, 0)])
-    index.put_primary_entries_only(1, [b"k"], [r], ts=10)
-    index.tombstone_primary_resolved(1, [b"k"], ts=20)
-    index.put_primary_entries_only(1, [b"k"], [r + 1], ts=30)
-    index.put_primary_entries_only(1, [b"k"], [r + 2], ts=40)
+    r = index.sequences.allocate_row_ids(3)
+    index.main.put_main_index_entries([RowIdRange(r, 3, LIVE_FILE, 0, 0)])
+    index.primary.put_primary_entries_only(1, [b"k"], [r], ts=10)
+    index.primary.tombstone_primary_resolved(1, [b"k"], ts=20)
+    index.primary.put_primary_entries_only(1, [b"k"], [r + 1], ts=30)
+    index.primary.put_primary_entries_only(1, [b"k"], [r + 2], ts=40)
 
-    assert index.prune_versions(0, 0) == 0  # horizon 0: nothing
-    assert index.prune_versions(20, 0) == 0  # the latest below 20 is a row: it stays
+    assert index.primary.prune_versions(0, 0) == 0  # horizon 0: nothing
+    assert index.primary.prune_versions(20, 0) == 0  # the latest below 20 is a row: it stays
     # A DELETE at 20 still looks past its own tombstone to the row at 10.
     assert index.resolve_primary(1, [b"k"], baseline, 20)[0].row_id == r
-    assert index.prune_versions(21, 0) == 2  # the tombstone at 20 and the row under it
-    assert [v[2:] for v in index.versions()] == [(30, r + 1), (40, r + 2)]
-    assert index.prune_versions(41, 21) == 1  # the row at 30; the latest, at 40, stays
-    assert [v[2:] for v in index.versions()] == [(40, r + 2)]
-    assert index.prune_versions(10**6, 41) == 0
-    assert index.version_index_mismatches() == []
+    assert index.primary.prune_versions(21, 0) == 2  # the tombstone at 20 and the row under it
+    assert [v[2:] for v in index.primary.versions()] == [(30, r + 1), (40, r + 2)]
+    assert index.primary.prune_versions(41, 21) == 1  # the row at 30; the latest, at 40, stays
+    assert [v[2:] for v in index.primary.versions()] == [(40, r + 2)]
+    assert index.primary.prune_versions(10**6, 41) == 0
+    assert index.primary.version_index_mismatches() == []
 
 
 @pytest.mark.parametrize("seed", [4, 5])
@@ -134,21 +136,21 @@ def test_incremental_prunes_equal_one_big_prune(tmp_path: Path, seed: int) -> No
     once = LocalIndexService(tmp_path / "once")
     for index in (steps, chunks, once):
         write_history(index, seed)
-    stepped = sum(steps.prune_versions(h, since)
+    stepped = sum(steps.primary.prune_versions(h, since)
                   for since, h in [(0, 20), (20, 45), (45, 45), (45, 70)])
-    chunked = chunks.prune_versions(70, 0, keys_per_txn=3, entries_per_txn=5)
-    whole = once.prune_versions(70, 0)
+    chunked = chunks.primary.prune_versions(70, 0, keys_per_txn=3, entries_per_txn=5)
+    whole = once.primary.prune_versions(70, 0)
     assert stepped == chunked == whole > 0
-    assert steps.versions() == chunks.versions() == once.versions()
-    assert steps.prune_versions(70, 70) == once.prune_versions(70, 0) == 0
+    assert steps.primary.versions() == chunks.primary.versions() == once.primary.versions()
+    assert steps.primary.prune_versions(70, 70) == once.primary.prune_versions(70, 0) == 0
 
 
 def test_prune_inside_a_write_batch_is_refused(tmp_path: Path) -> None:
     index = LocalIndexService(tmp_path)
-    index.put_primary_entries_only(1, [b"k"], [0], ts=1)
-    with index.write_batch(), pytest.raises(RuntimeError):
-        index.prune_versions(10, 0)
-    assert index.prune_versions(10, 0) == 0
+    index.primary.put_primary_entries_only(1, [b"k"], [0], ts=1)
+    with index.primary.write_batch(), pytest.raises(RuntimeError):
+        index.primary.prune_versions(10, 0)
+    assert index.primary.prune_versions(10, 0) == 0
 
 
 def test_writes_above_the_horizon_during_a_prune_are_kept(tmp_path: Path) -> None:
@@ -157,15 +159,15 @@ def test_writes_above_the_horizon_during_a_prune_are_kept(tmp_path: Path) -> Non
     index = LocalIndexService(tmp_path)
     keys = [f"w{i:05d}".encode() for i in range(3000)]
     for ts in (1, 2, 3):
-        index.put_primary_entries_only(1, keys, list(range(len(keys))), ts)
+        index.primary.put_primary_entries_only(1, keys, list(range(len(keys))), ts)
     done = threading.Event()
     written: list[int] = []
 
     def writer() -> None:
         ts = 100
         while not done.is_set() and ts < 400:
-            with index.write_batch():
-                index.put_primary_entries_only(1, keys[ts % 50::50], [ts] * 60, ts,
+            with index.primary.write_batch():
+                index.primary.put_primary_entries_only(1, keys[ts % 50::50], [ts] * 60, ts,
                                                keep_previous=False)
             written.append(ts)
             ts += 1
@@ -173,7 +175,7 @@ def test_writes_above_the_horizon_during_a_prune_are_kept(tmp_path: Path) -> Non
     thread = threading.Thread(target=writer)
     thread.start()
     try:
-        removed = index.prune_versions(50, 0, keys_per_txn=100)
+        removed = index.primary.prune_versions(50, 0, keys_per_txn=100)
     finally:
         done.set()
         thread.join()
@@ -182,7 +184,7 @@ def test_writes_above_the_horizon_during_a_prune_are_kept(tmp_path: Path) -> Non
     for i, key in enumerate(keys):
         tail = [(ts, ts) for ts in written if ts % 50 == i % 50]
         assert stored[1, key] == [(3, i), *tail]
-    assert index.version_index_mismatches() == []
+    assert index.primary.version_index_mismatches() == []
 
 
 # --- the replay floor ----------------------------------------------------------------
@@ -293,7 +295,7 @@ def test_fold_reaches_write_buffer_blocks(tmp_path: Path, catalog: Catalog) -> N
                                                                            pa.int64())],
                                        schema=schema)
     with stream.buffer.lock:
-        handles = stream.buffer.append_pending(batch, 1, node.index.allocate_row_ids(20))
+        handles = stream.buffer.append_pending(batch, 1, node.index.sequences.allocate_row_ids(20))
         stream.buffer.settle(handles, SettleMode.VISIBLE)
         blocks = [b for f in stream.buffer.files for b in f.blocks]
     assert len(blocks) == 3
@@ -318,7 +320,7 @@ def test_a_round_prunes_below_the_lowest_of_its_three_bounds(tmp_path: Path) -> 
     node = bare_node(tmp_path)
     index = node.index
     for ts in range(1, 11):
-        index.put_primary_entries_only(1, [b"a", b"b"], [ts, 100 + ts], ts)
+        index.primary.put_primary_entries_only(1, [b"a", b"b"], [ts, 100 + ts], ts)
     floor = ReplayFloor()
     sched = GcScheduler(node, lambda: 9, lambda: None, floor.floor, 3600, threading.Event())
     # One checkpoint observed: the replay floor is still 0, nothing is pruned.
@@ -332,14 +334,14 @@ def test_a_round_prunes_below_the_lowest_of_its_three_bounds(tmp_path: Path) -> 
     floor.observe(3, 12)  # now min(7, 12) = 7, and safeGcTs 9
     result = sched.run_once()
     assert (result.prune_horizon_ts, result.pruned_versions) == (7, 6)  # 3..5 of each
-    assert [v[2] for v in index.versions() if v[1] == b"a"] == [6, 7, 8, 9, 10]
+    assert [v[2] for v in index.primary.versions() if v[1] == b"a"] == [6, 7, 8, 9, 10]
     # A pinned Storage GC cutoff below the horizon holds it back...
     pinned = GcScheduler(node, lambda: 100, lambda: 5, lambda: 100, 3600, threading.Event())
     assert pinned.run_once().prune_horizon_ts == 5
     # ...and the horizon never moves down within a process.
     assert sched.run_once().prune_horizon_ts == 7
     assert sched.status()["last_prune_horizon_ts"] == 7
-    assert index.version_index_mismatches() == []
+    assert index.primary.version_index_mismatches() == []
 
 
 def test_rounds_are_skipped_when_not_ready_or_safe_gc_ts_fails(tmp_path: Path) -> None:

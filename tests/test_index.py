@@ -4,9 +4,12 @@ Real LMDB and SQLite files in a temporary directory."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
-from retina_server.index import LocalIndexService, Resolution, RowIdRange, RowLocation
+from retina_server.index import LocalIndexService, Resolution
+from retina_server.main_index import RowIdRange, RowLocation
+from retina_server.primary_index import TOMBSTONE
 
 
 def everything(_file_id: int) -> bool:
@@ -15,9 +18,9 @@ def everything(_file_id: int) -> bool:
 
 def test_resolve_put_tombstone_and_orphans(tmp_path: Path) -> None:
     index = LocalIndexService(tmp_path)
-    first = index.allocate_row_ids(2)
-    index.put_main_index_entries([RowIdRange(first, 2, file_id=5, rg_id=0, rg_row_offset=10)])
-    index.put_primary_entries_only(1, [b"a", b"b"], [first, first + 1], ts=3)
+    first = index.sequences.allocate_row_ids(2)
+    index.main.put_main_index_entries([RowIdRange(first, 2, file_id=5, rg_id=0, rg_row_offset=10)])
+    index.primary.put_primary_entries_only(1, [b"a", b"b"], [first, first + 1], ts=3)
     found = index.resolve_primary(1, [b"a", b"b", b"zz"], everything, 10)
     assert [r.status for r in found] == [Resolution.FOUND, Resolution.FOUND,
                                          Resolution.NOT_FOUND_OR_ORPHAN]
@@ -28,50 +31,50 @@ def test_resolve_put_tombstone_and_orphans(tmp_path: Path) -> None:
     # A row in a file outside the baseline is an orphan, not a match.
     assert index.resolve_primary(1, [b"a"], lambda f: f != 5, 10)[0].status == \
         Resolution.NOT_FOUND_OR_ORPHAN
-    index.tombstone_primary_resolved(1, [b"a"], ts=4)
+    index.primary.tombstone_primary_resolved(1, [b"a"], ts=4)
     assert index.resolve_primary(1, [b"a"], everything, 10)[0].status == \
         Resolution.NOT_FOUND_OR_ORPHAN
 
 
 def test_restore_undoes_a_put(tmp_path: Path) -> None:
     index = LocalIndexService(tmp_path)
-    r = index.allocate_row_ids(2)
-    index.put_main_index_entries([RowIdRange(r, 2, 1, 0, 0)])
-    index.put_primary_entries_only(1, [b"k"], [r], ts=1)
-    previous = index.put_primary_entries_only(1, [b"k", b"new"], [r + 1, r + 1], ts=2)
-    index.restore_primary_entries(1, previous)
+    r = index.sequences.allocate_row_ids(2)
+    index.main.put_main_index_entries([RowIdRange(r, 2, 1, 0, 0)])
+    index.primary.put_primary_entries_only(1, [b"k"], [r], ts=1)
+    previous = index.primary.put_primary_entries_only(1, [b"k", b"new"], [r + 1, r + 1], ts=2)
+    index.primary.restore_primary_entries(1, previous)
     got = index.resolve_primary(1, [b"k", b"new"], everything, 10)
     assert got[0].row_id == r and got[1].status == Resolution.NOT_FOUND_OR_ORPHAN
 
 
 def test_main_index_flush_is_durable_and_buffers_are_not(tmp_path: Path) -> None:
     index = LocalIndexService(tmp_path)
-    a = index.allocate_row_ids(3)
-    b = index.allocate_row_ids(3)
-    index.put_main_index_entries([RowIdRange(a, 3, 10, 0, 0), RowIdRange(b, 3, 11, 0, 0)])
-    index.put_primary_entries_only(1, [b"x", b"y"], [a, b], ts=1)
-    assert index.flush_file(10) == 3
-    assert index.flush_file(10) == 3  # a retry: the buffer is gone, the marker answers
-    assert index.flushed_row_count(10) == 3
+    a = index.sequences.allocate_row_ids(3)
+    b = index.sequences.allocate_row_ids(3)
+    index.main.put_main_index_entries([RowIdRange(a, 3, 10, 0, 0), RowIdRange(b, 3, 11, 0, 0)])
+    index.primary.put_primary_entries_only(1, [b"x", b"y"], [a, b], ts=1)
+    assert index.main.flush_file(10) == 3
+    assert index.main.flush_file(10) == 3  # a retry: the buffer is gone, the marker answers
+    assert index.main.flushed_row_count(10) == 3
     index.close()
     reopened = LocalIndexService(tmp_path)
-    assert reopened.location_of(a + 2) == RowLocation(10, 0, 2)
-    assert reopened.location_of(b) is None  # file 11 was never flushed: dropped with memory
+    assert reopened.main.location_of(a + 2) == RowLocation(10, 0, 2)
+    assert reopened.main.location_of(b) is None  # file 11 was never flushed: dropped with memory
     resolved = reopened.resolve_primary(1, [b"x", b"y"], everything, 10)
     assert [r.status for r in resolved] == [Resolution.FOUND, Resolution.NOT_FOUND_OR_ORPHAN]
-    assert reopened.allocate_row_ids(1) > b + 2  # never reused after a restart
-    reopened.delete_main_index_range(10)
-    assert reopened.location_of(a) is None and reopened.flushed_row_count(10) is None
+    assert reopened.sequences.allocate_row_ids(1) > b + 2  # never reused after a restart
+    reopened.main.delete_main_index_range(10)
+    assert reopened.main.location_of(a) is None and reopened.main.flushed_row_count(10) is None
 
 
 def test_versions_resolve_by_timestamp_and_truncate_from_a_start(tmp_path: Path) -> None:
     index = LocalIndexService(tmp_path)
-    r = index.allocate_row_ids(3)
-    index.put_main_index_entries([RowIdRange(r, 3, 1, 0, 0)])
-    index.put_primary_entries_only(1, [b"k"], [r], ts=10)
-    index.tombstone_primary_resolved(1, [b"k"], ts=20)
-    index.put_primary_entries_only(1, [b"k"], [r + 1], ts=30)
-    index.put_primary_entries_only(1, [b"k2"], [r + 2], ts=25)
+    r = index.sequences.allocate_row_ids(3)
+    index.main.put_main_index_entries([RowIdRange(r, 3, 1, 0, 0)])
+    index.primary.put_primary_entries_only(1, [b"k"], [r], ts=10)
+    index.primary.tombstone_primary_resolved(1, [b"k"], ts=20)
+    index.primary.put_primary_entries_only(1, [b"k"], [r + 1], ts=30)
+    index.primary.put_primary_entries_only(1, [b"k2"], [r + 2], ts=25)
     at = {ts: index.resolve_primary(1, [b"k"], everything, ts)[0] for ts in (5, 15, 20, 25, 35)}
     assert at[5].status == Resolution.NOT_FOUND_OR_ORPHAN
     assert at[15].row_id == r and at[25].status == Resolution.NOT_FOUND_OR_ORPHAN
@@ -81,7 +84,7 @@ def test_versions_resolve_by_timestamp_and_truncate_from_a_start(tmp_path: Path)
     # A key that is a prefix of another never sees the other's versions.
     assert index.resolve_primary(1, [b"k2"], everything, 40)[0].row_id == r + 2
     # Back to the state as of 20 for key k (start 20), 30 for k2 (start 30).
-    removed = index.truncate_versions(20, lambda _t, key: 20 if key == b"k" else 30)
+    removed = index.primary.truncate_versions(20, lambda _t, key: 20 if key == b"k" else 30)
     assert removed == 2
     assert index.resolve_primary(1, [b"k"], everything, 99)[0].row_id == r
     assert index.resolve_primary(1, [b"k2"], everything, 99)[0].row_id == r + 2
@@ -90,16 +93,16 @@ def test_versions_resolve_by_timestamp_and_truncate_from_a_start(tmp_path: Path)
 def test_delete_targets_the_predecessor_and_a_stale_copy_at_its_own_timestamp(
         tmp_path: Path) -> None:
     index = LocalIndexService(tmp_path)
-    r = index.allocate_row_ids(3)
-    index.put_main_index_entries([RowIdRange(r, 3, 1, 0, 0)])
-    index.put_primary_entries_only(1, [b"k"], [r], ts=12)  # a replayed re-insert
-    index.put_primary_entries_only(1, [b"k"], [r + 1], ts=16)  # a stale copy of event 16
+    r = index.sequences.allocate_row_ids(3)
+    index.main.put_main_index_entries([RowIdRange(r, 3, 1, 0, 0)])
+    index.primary.put_primary_entries_only(1, [b"k"], [r], ts=12)  # a replayed re-insert
+    index.primary.put_primary_entries_only(1, [b"k"], [r + 1], ts=16)  # a stale copy of event 16
     targets = index.resolve_for_delete(1, [b"k"], everything, 16)
     assert targets is not None
     assert sorted(t.row_id for t in targets[0]) == [r, r + 1]
     # Normal operation: nothing at the delete's own timestamp, only the predecessor.
     assert [t.row_id for t in index.resolve_for_delete(1, [b"k"], everything, 20)[0]] == [r + 1]
-    index.tombstone_primary_resolved(1, [b"k"], ts=20)
+    index.primary.tombstone_primary_resolved(1, [b"k"], ts=20)
     assert [t.row_id for t in index.resolve_for_delete(1, [b"k"], everything, 20)[0]] == [r + 1]
     assert index.resolve_for_delete(1, [b"k"], everything, 25)[0] == []
 
@@ -110,29 +113,29 @@ def test_truncate_targets_skip_dead_keys_and_later_versions(tmp_path: Path) -> N
     versions after 20 never matter. Its own tombstones at 20 (a re-application) do
     not hide the row before them."""
     index = LocalIndexService(tmp_path)
-    r = index.allocate_row_ids(8)
-    index.put_main_index_entries([RowIdRange(r, 8, 1, 0, 0)])
-    index.put_primary_entries_only(1, [b"live", b"dead", b"later", b"stale"],
+    r = index.sequences.allocate_row_ids(8)
+    index.main.put_main_index_entries([RowIdRange(r, 8, 1, 0, 0)])
+    index.primary.put_primary_entries_only(1, [b"live", b"dead", b"later", b"stale"],
                                    [r, r + 1, r + 2, r + 3], ts=10)
-    index.tombstone_primary_resolved(1, [b"dead"], ts=15)
-    index.put_primary_entries_only(1, [b"later"], [r + 4], ts=25)
-    index.put_primary_entries_only(1, [b"fresh"], [r + 5], ts=30)
-    index.put_primary_entries_only(1, [b"stale"], [r + 6], ts=20)  # a copy at 20 itself
-    index.put_primary_entries_only(2, [b"other"], [r + 7], ts=10)  # another table
+    index.primary.tombstone_primary_resolved(1, [b"dead"], ts=15)
+    index.primary.put_primary_entries_only(1, [b"later"], [r + 4], ts=25)
+    index.primary.put_primary_entries_only(1, [b"fresh"], [r + 5], ts=30)
+    index.primary.put_primary_entries_only(1, [b"stale"], [r + 6], ts=20)  # a copy at 20 itself
+    index.primary.put_primary_entries_only(2, [b"other"], [r + 7], ts=10)  # another table
 
     def vnode(key: bytes) -> int:
         return len(key) % 2
 
-    assert index.truncate_targets(1, 20, vnode) == {0: [b"live"], 1: [b"later", b"stale"]}
-    assert index.truncate_targets(1, 5, vnode) == {}
-    assert index.truncate_targets(3, 20, vnode) == {}
+    assert index.primary.truncate_targets(1, 20, vnode) == {0: [b"live"], 1: [b"later", b"stale"]}
+    assert index.primary.truncate_targets(1, 5, vnode) == {}
+    assert index.primary.truncate_targets(3, 20, vnode) == {}
     # The TRUNCATE at 20 applied: its tombstones, then the same key inserted at 25.
-    index.tombstone_primary_resolved(1, [b"live", b"later", b"stale"], ts=20)
+    index.primary.tombstone_primary_resolved(1, [b"live", b"later", b"stale"], ts=20)
     # Applied again: the same keys (their rows before 20 are deleted already, so the
     # DELETE writes only the same tombstones); "dead" stays out.
-    assert index.truncate_targets(1, 20, vnode) == {0: [b"live"], 1: [b"later", b"stale"]}
+    assert index.primary.truncate_targets(1, 20, vnode) == {0: [b"live"], 1: [b"later", b"stale"]}
     assert index.resolve_primary(1, [b"later"], everything, 99)[0].row_id == r + 4
-    assert index.truncate_targets(1, 99, vnode) == {1: [b"fresh", b"later"]}
+    assert index.primary.truncate_targets(1, 99, vnode) == {1: [b"fresh", b"later"]}
 
 
 def test_truncate_applied_again_deletes_a_row_replayed_under_its_tombstone(
@@ -141,12 +144,12 @@ def test_truncate_applied_again_deletes_a_row_replayed_under_its_tombstone(
     replays the same range again) re-inserts a key at 10 under the tombstone its
     first TRUNCATE at 20 wrote: the TRUNCATE applied again must delete that row."""
     index = LocalIndexService(tmp_path)
-    r = index.allocate_row_ids(2)
-    index.put_main_index_entries([RowIdRange(r, 2, 1, 0, 0)])
-    index.put_primary_entries_only(1, [b"k"], [r], ts=10)
-    index.tombstone_primary_resolved(1, [b"k"], ts=20)
-    index.put_primary_entries_only(1, [b"k"], [r + 1], ts=10)  # the replay's new copy
-    assert index.truncate_targets(1, 20, lambda _k: 0) == {0: [b"k"]}
+    r = index.sequences.allocate_row_ids(2)
+    index.main.put_main_index_entries([RowIdRange(r, 2, 1, 0, 0)])
+    index.primary.put_primary_entries_only(1, [b"k"], [r], ts=10)
+    index.primary.tombstone_primary_resolved(1, [b"k"], ts=20)
+    index.primary.put_primary_entries_only(1, [b"k"], [r + 1], ts=10)  # the replay's new copy
+    assert index.primary.truncate_targets(1, 20, lambda _k: 0) == {0: [b"k"]}
     targets = index.delete_targets(1, [b"k"], everything, 20)
     assert targets is not None and targets.found_keys == [b"k"]
     assert targets.rows_by_rg == {(1, 0): [1]}  # the replayed copy, row r + 1
@@ -201,17 +204,58 @@ def test_batch_delete_targets_equal_resolve_for_delete_at_every_timestamp(
         ts = 2 * step
         chosen = rng.sample(keys, 25)
         file_id = rng.choice(files)
-        first = index.allocate_row_ids(len(chosen))
-        index.put_main_index_entries([RowIdRange(first, len(chosen), file_id, ts % 3,
+        first = index.sequences.allocate_row_ids(len(chosen))
+        index.main.put_main_index_entries([RowIdRange(first, len(chosen), file_id, ts % 3,
                                                  rng.randrange(100))])
-        index.put_primary_entries_only(1, chosen, list(range(first, first + len(chosen))), ts)
-        index.tombstone_primary_resolved(1, rng.sample(keys, 5), ts + 1)
+        index.primary.put_primary_entries_only(1, chosen,
+                                               list(range(first, first + len(chosen))), ts)
+        index.primary.tombstone_primary_resolved(1, rng.sample(keys, 5), ts + 1)
         if step % 4 == 0:
-            index.flush_file(rng.choice(files))
+            index.main.flush_file(rng.choice(files))
         if step == 45:
-            index.delete_main_index_range(files[-1])  # its rows become orphans
+            index.main.delete_main_index_range(files[-1])  # its rows become orphans
         compare(ts + 1)
         compare(ts)
     for ts in range(0, 124):
         compare(ts)
     assert compared > 6000  # the comparison saw real deletes, not empty answers
+
+
+def test_latest_is_each_keys_row_at_a_snapshot_and_the_prune_horizon_is_durable(
+        tmp_path: Path) -> None:
+    """PrimaryIndex.latest (LookupRows' first step) against a model of every key's history,
+    at every snapshot; pruning records its horizon before it removes anything, and a
+    reopened index still knows it."""
+    index = LocalIndexService(tmp_path)
+    primary = index.primary
+    rng = random.Random(7)
+    keys = [f"k{i}".encode() for i in range(30)]
+    life: dict[bytes, list[tuple[int, int]]] = {k: [] for k in keys}  # (ts, row or -1)
+    row = 0
+    for ts in range(1, 80):
+        for key in rng.sample(keys, 6):
+            if life[key] and life[key][-1][1] >= 0 and rng.random() < 0.4:
+                primary.tombstone_primary_resolved(1, [key], ts)
+                life[key].append((ts, TOMBSTONE))
+            else:
+                primary.put_primary_entries_only(1, [key], [row], ts)
+                life[key].append((ts, row))
+                row += 1
+
+    def expected(ts: int) -> list[int]:
+        return [max(((t, r) for t, r in life[k] if t <= ts), default=(0, TOMBSTONE))[1]
+                for k in keys]
+
+    assert all(primary.latest(1, keys, ts).tolist() == expected(ts) for ts in range(0, 82))
+    assert primary.latest(2, keys, 80).tolist() == [TOMBSTONE] * len(keys)  # another table
+    assert primary.latest(1, [], 80).tolist() == []
+    assert primary.pruned_below == 0
+    assert primary.prune_versions(40, 0) > 0
+    assert primary.pruned_below == 40
+    assert all(primary.latest(1, keys, ts).tolist() == expected(ts) for ts in range(40, 82))
+    primary.prune_versions(30, 0)  # a lower horizon never lowers it
+    assert primary.pruned_below == 40
+    index.close()
+    reopened = LocalIndexService(tmp_path)
+    assert reopened.primary.pruned_below == 40
+    assert reopened.primary.latest(1, keys, 60).tolist() == expected(60)

@@ -228,7 +228,7 @@ def test_a_publish_gives_up_on_a_catalog_that_stays_away(tmp_path: Path) -> None
     buffer = StreamBuffer(1, 0, block_rows=4, blocks_per_file=1,
                           allocate_file=lambda _b, _f: pytest.fail("no allocation expected"))
     fatal: list[str] = []
-    publisher = StreamPublisher(buffer, gone, LocalIndexService(tmp_path / "index"),
+    publisher = StreamPublisher(buffer, gone, LocalIndexService(tmp_path / "index").main,
                                 IngestFileMetadataRegistry(), VisibilityIndex(), fatal.append,
                                 on_published=lambda _f: None, retry_s=0.05,
                                 give_up_after_s=0.5)

@@ -310,7 +310,7 @@ def test_the_node_never_goes_back_to_an_older_schema_version(
             schema=stream.schema)
         with stream.buffer.lock:
             stream.buffer.settle(stream.buffer.append_pending(
-                batch, 1, node.index.allocate_row_ids(1)), SettleMode.VISIBLE)
+                batch, 1, node.index.sequences.allocate_row_ids(1)), SettleMode.VISIBLE)
         assert node.write_buffer_rows(node.table("evo", "t"), 1).column(
             "note").to_pylist() == ["n"]
 

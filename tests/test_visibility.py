@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from pyroaring import BitMap
 
@@ -122,3 +123,34 @@ def test_a_checkpoint_entry_restores_every_snapshot_at_or_above_the_base() -> No
     # At or above the base and up to the checkpoint: the same; later deletes are replayed.
     assert all(back.deleted_at(ts) == rg.deleted_at(ts) for ts in range(40, 101))
     assert back.deleted_at(119) == rg.deleted_at(100)
+
+
+def test_point_checks_agree_with_the_bitmap_and_refuse_below_the_base() -> None:
+    """deleted_among (LookupRows' visibility check) equals deleted_at, row by row, at every
+    snapshot at or above the base; below it there is no answer."""
+    rng = random.Random(3)
+    rg = RGVisibility(row_count=200)
+    for ts in range(1, 60):
+        rg.delete(rng.sample(range(200), 5), ts)
+        if ts % 20 == 0:
+            rg.fold(ts - 7)
+    rows = np.array(rng.sample(range(200), 80), np.int64)
+    for ts in range(rg.base_timestamp, 62):
+        deleted = rg.deleted_at(ts)
+        assert rg.deleted_among(rows, ts).tolist() == [int(r) in deleted for r in rows]
+    assert rg.deleted_among(rows, rg.base_timestamp - 1) is None
+
+
+def test_readable_row_groups_are_the_retired_or_staged_ones_first() -> None:
+    index = VisibilityIndex()
+    index.add_file(1, [10, 10])
+    live = index.readable(1, 1)
+    assert live is index.get(1, 1) and index.readable(1, 2) is None
+    index.retire_file(1)  # replaced: its frozen row groups still answer
+    assert index.readable(1, 1) is live
+    staged = [RGVisibility(5, 9)]
+    index.stage_file(2, staged)
+    assert index.readable(2, 0) is staged[0] and index.readable(2, 1) is None
+    index.forget_retired(1)
+    index.unstage_file(2)
+    assert index.readable(1, 0) is None and index.readable(2, 0) is None

@@ -140,7 +140,7 @@ def check_unjournaled(node: RetinaNode, catalog: Catalog, journal: GcJournal,
                       files: list[FileRecord]) -> int:
     """GC_ROWS_HAVE_A_JOURNAL (see the module docstring); returns ranges dropped."""
     named = {f for e in journal.entries() for f in (e.new_file_id, *e.old_file_ids)}
-    with_ranges = node.index.files_with_ranges()
+    with_ranges = node.index.main.files_with_ranges()
     suspects = []
     for f in files:
         if f.type != FileType.TEMPORARY_GC or f.file_id in named or \
@@ -152,15 +152,15 @@ def check_unjournaled(node: RetinaNode, catalog: Catalog, journal: GcJournal,
     if not suspects:
         return 0
     spans = [(r.row_id_start, r.row_id_end) for f in suspects
-             for r in node.index.ranges_of_file(f.file_id)]
-    bad = node.index.versions_pointing_into(spans)
+             for r in node.index.main.ranges_of_file(f.file_id)]
+    bad = node.index.primary.versions_pointing_into(spans)
     if bad:
         raise GcJournalMismatch(
             "GC_ROWS_HAVE_A_JOURNAL: primary-index versions point at rows of GC files "
             f"{[f.file_id for f in suspects][:5]} that no journal entry names: "
             + "; ".join(f"table {t} key {k.hex()[:16]}@{ts} -> row {r}" for t, k, ts, r in bad))
     for f in suspects:
-        node.index.delete_main_index_range(f.file_id)
+        node.index.main.delete_main_index_range(f.file_id)
         log.warning("gc_unjournaled_ranges_dropped", file_id=f.file_id, name=f.name)
     return len(suspects)
 

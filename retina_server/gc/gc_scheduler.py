@@ -17,7 +17,7 @@ growing with the history:
    write fence rises to ``fold_ts`` first (write_fence.py): a delete at or below
    it that arrived later would be folded into a base without its timestamp.
 2. **Prune** primary-index versions below the horizon
-   (``LocalIndexService.prune_versions``, invariant
+   (``PrimaryIndex.prune_versions``, invariant
    PRUNE_KEEPS_ANSWERS_ABOVE_HORIZON: every resolution at ``T >= horizon``
    answers as before)::
 
@@ -247,12 +247,12 @@ class GcScheduler:
         pruned = 0
         since = self._since
         if horizon > since:
-            pruned = node.index.prune_versions(horizon, since)
+            pruned = node.index.primary.prune_versions(horizon, since)
             with self._state_lock:
                 self._since = horizon
             PRUNED.inc(pruned)
             HORIZON_TS.set(horizon)
-        versions = node.index.primary_version_count()
+        versions = node.index.primary.primary_version_count()
         PRIMARY_VERSIONS.set(versions)
         emit = log.info if folded or pruned else log.debug
         emit("gc_maintenance", node=node.node_id, folded_items=folded, pruned_versions=pruned,

@@ -317,7 +317,8 @@ class Lineage:
                 entry.moved(JournalState.REVERTING, self._clock_ms(), "revert requested"),
                 fp.GC_REVERT_JOURNAL_REVERTING_BEFORE, fp.GC_REVERT_JOURNAL_REVERTING_AFTER)
             try:
-                with stream.publisher.lock, stream.buffer.lock:
+                # ROW_READS_SEE_NO_MOVE: rows move back to the old files.
+                with stream.publisher.lock, stream.buffer.lock, node.row_moves.moving():
                     done = self._switch_back(reverting, plan, facts, rowmap)
             except Exception as exc:
                 node.fail_closed(f"GC revert {rewrite_id} failed after REVERTING ({exc}); "

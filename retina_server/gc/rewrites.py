@@ -86,7 +86,7 @@ from retina_server.gc.gc_journal import (
     JournalState,
     OldFile,
 )
-from retina_server.index import RowIdRange
+from retina_server.main_index import RowIdRange
 from retina_server.node import RetinaNode, Stream, table_schema
 from retina_server.registry import IngestFileMeta
 from retina_server.visibility import RGVisibility
@@ -220,7 +220,7 @@ def survivors(node: RetinaNode, table: TableRecord, path_uri: str,
     stamps: list[np.ndarray] = []
     ids: list[np.ndarray] = []
     for file_id, name, counts in files:
-        per_rg = old_row_ids(node.index.ranges_of_file(file_id), counts, file_id)
+        per_rg = old_row_ids(node.index.main.ranges_of_file(file_id), counts, file_id)
         parquet = open_parquet(path_uri, name)
         if parquet.metadata.num_row_groups != len(counts):
             raise LookupError(f"file {file_id} has {parquet.metadata.num_row_groups} row "
@@ -256,7 +256,7 @@ def entry_survivors(node: RetinaNode, entry: JournalEntry) -> Survivors:
 def switch_primary_back(node: RetinaNode, entry: JournalEntry, plan: Survivors) -> None:
     """Every primary version still on a new row moves back to its old row (idempotent)."""
     start = entry.new_row_id_start
-    node.index.switch_primary(entry.table_id, plan.keys,
+    node.index.primary.switch_primary(entry.table_id, plan.keys,
                               (start + np.arange(len(plan.keys))).tolist(),
                               plan.old_row_ids.tolist())
 
@@ -339,7 +339,7 @@ class StorageGc:
                             for rg in range(m.num_row_group)) for m in old]
             dropped = {(m.file_id, rg): node.visibility.get(m.file_id, rg).deleted_at(safe_gc_ts)
                        for m in old for rg in range(m.num_row_group)}
-            seq = node.index.allocate("file_seq")
+            seq = node.index.sequences.allocate("file_seq")
             name = file_names.make(node.node_id, datetime.now(UTC), seq, vnode)
             pending = PendingRewrite(uuid.uuid4().hex, table, stream, old, names, counts,
                                      safe_gc_ts, name,
@@ -527,7 +527,7 @@ class StorageGc:
         readers = self._check_buffer_holds(pending)
         record, new_counts, plan = self._verify(pending, new_file_id)
         kept = len(plan.keys)
-        start = node.index.allocate_row_ids(max(kept, 1))
+        start = node.index.sequences.allocate_row_ids(max(kept, 1))
         now = self._clock_ms()
         entry = JournalEntry(
             pending.rewrite_id, JournalState.INDEX_SWITCHING, node.node_id,
@@ -551,22 +551,25 @@ class StorageGc:
             # The record is durable: close it (ABORTED) so its files are free again.
             self._roll_back_live(entry, plan, progress, exc)
             raise GcRolledBack(f"rewrite {pending.rewrite_id} rolled back: {exc}") from exc
-        try:
-            self._catalog.update_file(new_file_id, min_row_id=start,
-                                      max_row_id=start + max(kept, 1) - 1,
-                                      num_row_group=len(new_counts),
-                                      expected_type=FileType.TEMPORARY_GC)
-            with stream.publisher.lock, stream.buffer.lock:
-                self._check_cutoff_unchanged(pending)
-                self._check_no_new_buffer_readers(pending, readers)
-                chain_items = self._switch(pending, entry, plan, progress)
-        except Exception as exc:
-            if progress.swapped:
-                node.fail_closed(f"GC rewrite {pending.rewrite_id} failed after its swap "
-                                 f"committed: {exc}")
-                raise
-            self._roll_back_live(entry, plan, progress, exc)
-            raise GcRolledBack(f"rewrite {pending.rewrite_id} rolled back: {exc}") from exc
+        # ROW_READS_SEE_NO_MOVE: the switch (and a rollback of it) moves rows between
+        # files; a point read that overlaps any of it reads again.
+        with node.row_moves.moving():
+            try:
+                self._catalog.update_file(new_file_id, min_row_id=start,
+                                          max_row_id=start + max(kept, 1) - 1,
+                                          num_row_group=len(new_counts),
+                                          expected_type=FileType.TEMPORARY_GC)
+                with stream.publisher.lock, stream.buffer.lock:
+                    self._check_cutoff_unchanged(pending)
+                    self._check_no_new_buffer_readers(pending, readers)
+                    chain_items = self._switch(pending, entry, plan, progress)
+            except Exception as exc:
+                if progress.swapped:
+                    node.fail_closed(f"GC rewrite {pending.rewrite_id} failed after its swap "
+                                     f"committed: {exc}")
+                    raise
+                self._roll_back_live(entry, plan, progress, exc)
+                raise GcRolledBack(f"rewrite {pending.rewrite_id} rolled back: {exc}") from exc
         node.forget_buffer_files(entry.old_file_ids)
         result = CommitResult(pending.rewrite_id, new_file_id, tuple(entry.old_file_ids), kept,
                               sum(len(b) for b in pending.dropped.values()), chain_items,
@@ -706,15 +709,15 @@ class StorageGc:
         fp.GC_MAIN_INDEX_BEFORE.hit()
         progress.main_index = True
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int)
-        index.put_main_index_entries(
+        index.main.put_main_index_entries(
             [RowIdRange(start + int(offsets[rg]), n, new_id, rg, 0)
              for rg, n in enumerate(counts)])
-        index.flush_file(new_id)
+        index.main.flush_file(new_id)
         fp.GC_MAIN_INDEX_AFTER.hit()
         fp.GC_PRIMARY_SWITCH_BEFORE.hit()
         progress.primary = True
         new_rows = (start + np.arange(len(plan.keys), dtype=np.int64)).tolist()
-        index.switch_primary(pending.table.table_id, plan.keys, plan.old_row_ids.tolist(),
+        index.primary.switch_primary(pending.table.table_id, plan.keys, plan.old_row_ids.tolist(),
                              new_rows)
         fp.GC_PRIMARY_SWITCH_AFTER.hit()
         fp.GC_SWAP_BEFORE.hit()
@@ -930,7 +933,7 @@ def roll_back(node: RetinaNode, catalog: Catalog, journal: GcJournal, entry: Jou
     fp.GC_ROLLBACK_CATALOG_AFTER.hit()
     if main_index:
         fp.GC_ROLLBACK_MAIN_INDEX_BEFORE.hit()
-        node.index.delete_main_index_range(entry.new_file_id)
+        node.index.main.delete_main_index_range(entry.new_file_id)
         fp.GC_ROLLBACK_MAIN_INDEX_AFTER.hit()
     journal.write(entry.moved(JournalState.ABORTED, int(time.time() * 1000), reason),
                   fp.GC_JOURNAL_ABORTED_BEFORE, fp.GC_JOURNAL_ABORTED_AFTER)

@@ -214,7 +214,7 @@ class Sweeper:
             return []
         holds = self.holds()
         pending = self._pending_gc_names()
-        with_ranges = self._node.index.files_with_ranges()
+        with_ranges = self._node.index.main.files_with_ranges()
         paths = self._paths()
         out = []
         for f in due:
@@ -258,7 +258,7 @@ class Sweeper:
             # file from its REGULAR step go before the row (a failure in between leaves
             # the row, and the next round deletes again). A TEMPORARY_GC file with
             # ranges never gets here (held: recovery decides it).
-            self._node.index.delete_main_index_range(f.file_id)
+            self._node.index.main.delete_main_index_range(f.file_id)
         delete_object(path_uri, f.name)
         fp.SWEEPER_TEMPORARY_OBJECT_AFTER.hit()
         fp.SWEEPER_TEMPORARY_CATALOG_BEFORE.hit()
@@ -321,17 +321,19 @@ class Sweeper:
     def remove_retired(self, f: FileRecord, path_uri: str) -> None:
         """The four steps of C08.2, in order, each idempotent."""
         node = self._node
-        fp.SWEEPER_RETIRED_VISIBILITY_BEFORE.hit()
-        node.visibility.forget_retired(f.file_id)
-        if f.file_id not in node.registry:  # never a served file's live visibility
-            node.visibility.remove_file(f.file_id)
-        fp.SWEEPER_RETIRED_VISIBILITY_AFTER.hit()
-        fp.SWEEPER_RETIRED_MAIN_INDEX_BEFORE.hit()
-        node.index.delete_main_index_range(f.file_id)
-        fp.SWEEPER_RETIRED_MAIN_INDEX_AFTER.hit()
-        fp.SWEEPER_RETIRED_OBJECT_BEFORE.hit()
-        delete_object(path_uri, f.name)
-        fp.SWEEPER_RETIRED_OBJECT_AFTER.hit()
+        # ROW_READS_SEE_NO_MOVE: the file's rows become unreachable step by step.
+        with node.row_moves.moving(files_gone=[f.file_id]):
+            fp.SWEEPER_RETIRED_VISIBILITY_BEFORE.hit()
+            node.visibility.forget_retired(f.file_id)
+            if f.file_id not in node.registry:  # never a served file's live visibility
+                node.visibility.remove_file(f.file_id)
+            fp.SWEEPER_RETIRED_VISIBILITY_AFTER.hit()
+            fp.SWEEPER_RETIRED_MAIN_INDEX_BEFORE.hit()
+            node.index.main.delete_main_index_range(f.file_id)
+            fp.SWEEPER_RETIRED_MAIN_INDEX_AFTER.hit()
+            fp.SWEEPER_RETIRED_OBJECT_BEFORE.hit()
+            delete_object(path_uri, f.name)
+            fp.SWEEPER_RETIRED_OBJECT_AFTER.hit()
         fp.SWEEPER_RETIRED_CATALOG_BEFORE.hit()
         _delete_row(self._catalog, f.file_id)
         fp.SWEEPER_RETIRED_CATALOG_AFTER.hit()

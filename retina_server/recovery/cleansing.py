@@ -56,8 +56,8 @@ from retina_common.codec import COMMIT_TS
 from retina_common.log import get_logger
 from retina_common.replay_ts import IngestSegment, ReplayStarts, SegmentKind
 from retina_common.storage import delete_quietly, open_parquet
-from retina_server.index import TOMBSTONE
 from retina_server.node import RetinaNode
+from retina_server.primary_index import TOMBSTONE
 from retina_server.registry import IngestFileMeta
 from retina_server.visibility import restore
 
@@ -177,7 +177,7 @@ def _delete_ingest_leftover(node: RetinaNode, catalog: Catalog, f: FileRecord,
     object, then the row, so a crash anywhere in between leaves the row and the next
     start deletes again (each step is idempotent). No index version can point into
     the ranges after the rewind: the file's rows are at or above every replay start."""
-    node.index.delete_main_index_range(f.file_id)
+    node.index.main.delete_main_index_range(f.file_id)
     delete_quietly(path_uri, f.name)
     with contextlib.suppress(CatalogError):
         catalog.delete_files([f.file_id])
@@ -211,7 +211,7 @@ def entry_problem(node: RetinaNode, e: FileEntry, f: FileRecord | None,
         return "name unparsable"
     if name.node_id != node.node_id or name.vnode != e.vnode:
         return "vnode mismatch: the file name names another node or vnode"
-    if node.index.flushed_row_count(e.file_id) != e.record_num:
+    if node.index.main.flushed_row_count(e.file_id) != e.record_num:
         return "index mismatch: the MainIndex flush marker disagrees with recordNum"
     entries = sorted(rgs.get(e.file_id, []), key=lambda r: r.rg_id)
     if [r.rg_id for r in entries] != list(range(e.num_row_group)) or \
@@ -251,7 +251,7 @@ def rewind(node: RetinaNode, starts: ReplayStarts, kept: list[KeptFile]) -> tupl
     removed, rows hidden). Then checks INDEX_POINTS_AT_DURABLE_ROWS."""
     vnode_of = node.topology.vnode_of_key
     survivors: list[tuple[int, bytes, int, int]] = []
-    removed = node.index.truncate_versions(
+    removed = node.index.primary.truncate_versions(
         starts.node_replay_from_ts,
         lambda table_id, key: starts.scope_start(table_id, vnode_of(key)),
         lambda *version: survivors.append(version))
@@ -310,7 +310,7 @@ def check_index_points_at_durable_rows(
     for (table_id, key), (ts, row_id) in latest.items():
         if row_id == TOMBSTONE:
             continue
-        location = node.index.location_of(row_id)
+        location = node.index.main.location_of(row_id)
         if location is None or location.file_id not in node.registry:
             where = "no durable location" if location is None else \
                 f"file {location.file_id} not kept"

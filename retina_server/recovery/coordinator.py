@@ -297,7 +297,7 @@ class RecoveryCoordinator:
             applied = max(hwm - 1, 0)
             try:
                 body = build_body(self._node, applied,
-                                  self._node.index.allocate("checkpoint_id") + 1,
+                                  self._node.index.sequences.allocate("checkpoint_id") + 1,
                                   self.recovery_epoch)
             except CheckpointError as exc:  # an invariant broke: never install, fail closed
                 self._node.fail_closed(str(exc))

@@ -1,0 +1,353 @@
+"""LookupRows on one node: the rows of given primary keys at a gated snapshot S.
+
+A key's answer is read point-wise, in this order, each step from one structure:
+
+1. the primary index: the key's latest version at or before S
+   (``PrimaryIndex.latest``); none, or a tombstone, and the key has no row at S;
+2. the MainIndex: where that row id lives (file, row group, offset); nowhere, and
+   the version is an orphan (its row is outside the node's files): no row, as
+   resolvePrimary answers;
+3. the file: a write-buffer file (its rows in memory), a registered file, or one a
+   Storage GC swap replaced or staged (``VisibilityIndex.readable``; read from
+   storage through the :class:`RowGroupCache`); none of them, and the version is
+   an orphan;
+4. the row group's visibility at S: a row deleted at S is no row; and the row's
+   ``_commit_ts`` is at or before S.
+
+LOOKUP_EQUALS_SNAPSHOT: a key's answer at S is the row the gated snapshot read at S
+holds for that key, or none when it holds none. Why it holds:
+
+* The service answers only a live read transaction whose snapshot is S or later,
+  below no read floor, and raises the write fence to S first (as GetWriteBuffer
+  does): every write at or below S has finished and none can come, so the
+  versions at or below S, the rows they name and their deletes at or below S are
+  final, and a write above S only adds versions and deletes above S, which no step
+  reads.
+* The index answers S exactly: every INSERT writes a version, every DELETE (and
+  TRUNCATE) a tombstone, and a replace's INSERT supersedes its DELETE, so a key's
+  latest version at or before S names the row it has at S. Version pruning keeps
+  every answer at or above its horizon (PRUNE_KEEPS_ANSWERS_ABOVE_HORIZON): S
+  below the horizon is refused, FAILED_PRECONDITION ``snapshot_expired``.
+* Steps 2 to 4 check what the snapshot read checks: the row's file is one the
+  node serves, the row is not deleted at S, it was committed at or before S. A
+  row group whose visibility was folded above S cannot say what S saw: refused,
+  ``snapshot_expired``.
+* Rows that move while a lookup reads (a Storage GC commit or rollback, a revert,
+  a sweep) could pair a version of one moment with a location or visibility of
+  another; RowMoves tells, and the lookup reads again (ROW_READS_SEE_NO_MOVE).
+* The service refuses while the node is not READY, and refuses an answer when the
+  node stopped being READY while it was read (it failed closed).
+
+Costs: one LMDB read transaction per request and three cursor steps per key; one
+vectorised MainIndex lookup; then one visibility check and one Arrow ``take`` per
+row group touched. A published row group is decoded once into the cache and read
+from memory after that.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import pyarrow as pa
+from prometheus_client import Counter, Histogram
+
+from retina_common import refusal
+from retina_common.catalog import Catalog, TableRecord
+from retina_common.codec import EncodingError, encode_primary_keys, primary_key_problem
+from retina_common.columnar import ColumnarError, decode_key_columns
+from retina_common.log import get_logger
+from retina_common.pb import retina_pb2 as pb
+from retina_common.refusal import Refusal
+from retina_common.schema_evolution import table_schema
+from retina_common.storage import open_parquet
+from retina_server.node import RetinaNode
+from retina_server.row_gather import RowGroupRows, assemble, assemble_few
+from retina_server.row_group_cache import RowGroupCache
+from retina_server.row_moves import MovesInProgress
+from retina_server.visibility import RGVisibility
+from retina_server.write_buffer import Block
+
+log = get_logger(component="row_lookup")
+# Answers of up to this many rows are built from Arrow slices, larger ones with numpy
+# gathers (row_gather.py): each way is the cheaper one on its side.
+FEW_ROWS = 8
+
+KEYS = Counter("retina_lookup_keys_total", "Keys answered by LookupRows", ["outcome"])
+REREADS = Counter("retina_lookup_rereads_total",
+                  "LookupRows reads repeated because rows moved meanwhile (RowMoves)")
+SECONDS = Histogram("retina_lookup_seconds", "LookupRows latency on the node",
+                    buckets=(0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1))
+
+
+class LookupInconsistent(Exception):
+    """The node's structures disagree about a row (a bug): refused, never answered."""
+
+    grpc_status = grpc.StatusCode.INTERNAL
+
+
+def _invalid(message: str) -> Refusal:
+    return Refusal(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def snapshot_expired(ts: int, what: str, earliest: int) -> Refusal:
+    # The one SNAPSHOT_EXPIRED format (retina_common/refusal.py), which clients parse.
+    return refusal.snapshot_expired(f"snapshot {ts} is below {what}; read at a later "
+                                    "snapshot", earliest)
+
+
+@dataclass(frozen=True)
+class LookupRequest:
+    """A validated LookupRows request."""
+
+    table: TableRecord
+    keys: list[bytes]
+    columns: list[str]  # in the order asked
+    ts: int
+
+
+@dataclass(frozen=True)
+class LookupAnswer:
+    found: np.ndarray  # bool per key, in request order
+    commit_ts: np.ndarray  # int64 per key: its row's commit timestamp (0: not found)
+    rows: pa.Table  # the found keys' rows, in request order: the asked columns
+
+
+# --- validation ------------------------------------------------------------------------------
+def prepare(node: RetinaNode, request: pb.LookupRowsRequest, max_keys: int) -> LookupRequest:
+    """Validate the whole request; raises Refusal (or NotFoundError), changes nothing."""
+    if not request.schema_name or not request.table_name:
+        raise _invalid("schema_name and table_name are required")
+    if request.timestamp <= 0:
+        raise _invalid("timestamp must be the positive snapshot of the read transaction")
+    table = node.table(request.schema_name, request.table_name)  # NOT_FOUND if unknown
+    table, columns = _columns(node, table, list(request.columns))
+    keys = _keys(table, request)
+    if len(keys) > max_keys:
+        raise _invalid(f"the request carries {len(keys)} keys; the limit is {max_keys}")
+    _check_owned(node, keys)
+    return LookupRequest(table, keys, columns, request.timestamp)
+
+
+def _columns(node: RetinaNode, table: TableRecord,
+             wanted: list[str]) -> tuple[TableRecord, list[str]]:
+    """The asked columns (empty: every column), each a column of the table; a name the
+    cached table lacks re-reads it once (a column may have been added)."""
+    names = [c.name for c in table.columns]
+    if not wanted:
+        return table, names
+    if len(set(wanted)) != len(wanted):
+        raise _invalid(f"a column is asked for twice: {wanted}")
+    if not set(wanted) <= set(names):
+        table = node.refresh_table(table.schema_name, table.name)
+        names = [c.name for c in table.columns]
+    unknown = [c for c in wanted if c not in names]
+    if unknown:
+        raise _invalid(f"{table.name} has no column(s) {', '.join(unknown)} "
+                       f"(columns: {', '.join(names)})")
+    return table, wanted
+
+
+def _keys(table: TableRecord, request: pb.LookupRowsRequest) -> list[bytes]:
+    by_name = {c.name: c.type for c in table.columns}
+    types = [by_name[c] for c in table.primary_key]
+    if request.key_columns_arrow:
+        if request.keys:
+            raise _invalid("give the keys either as keys or as key_columns_arrow, not both")
+        try:
+            columns = decode_key_columns(request.key_columns_arrow, table)
+            return encode_primary_keys(types, columns).to_pylist()
+        except (ColumnarError, EncodingError) as exc:
+            raise _invalid(f"{table.name}: {exc}") from None
+    keys = list(request.keys)
+    problem = primary_key_problem(types, keys)
+    if problem is not None:
+        i, what = problem
+        columns = ", ".join(f"{c} {t}" for c, t in zip(table.primary_key, types, strict=True))
+        raise _invalid(f"{table.name}: key {i} is not a primary key ({columns}): {what}")
+    return keys
+
+
+def _check_owned(node: RetinaNode, keys: Sequence[bytes]) -> None:
+    """Every key routes to a virtual node of this node: another node holds the rows of
+    any other key, and answering "not found" for it would be wrong."""
+    route, owned = node.topology.vnode_of_key, node.owned_vnodes
+    if len(owned) == node.topology.virtual_nodes:
+        return  # a node that owns every virtual node holds every key
+    for i, key in enumerate(keys):
+        vnode = route(key)
+        if vnode not in owned:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"key {i} routes to virtual node {vnode}, which belongs to "
+                          f"{node.topology.node_of_vnode(vnode)}, not {node.node_id}; send "
+                          "each key to its owner (retina_common.lookup routes them)")
+
+
+# --- reading ---------------------------------------------------------------------------------
+class FileLocations:
+    """Where a published file's object is: ``(path uri, name)`` by file id, from the
+    catalog once per file (a file id never names another object)."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self._catalog = catalog
+        self._files: dict[int, tuple[str, str]] = {}
+        self._paths: dict[int, str] = {}  # path id -> uri
+
+    def of(self, table_id: int, file_id: int) -> tuple[str, str]:
+        known = self._files.get(file_id)
+        if known is not None:
+            return known
+        record = self._catalog.get_file(file_id)
+        if record is None:
+            raise LookupInconsistent(f"file {file_id} is served but not in the catalog")
+        uri = self._paths.get(record.path_id)
+        if uri is None:
+            self._paths.update({p.path_id: p.uri for p in self._catalog.get_paths(table_id)})
+            uri = self._paths[record.path_id]
+        self._files[file_id] = (uri, record.name)
+        return uri, record.name
+
+
+@dataclass(frozen=True)
+class _RowGroup:
+    """One row group a lookup reads: its visibility and its rows (decoded on demand)."""
+
+    visibility: RGVisibility
+    rows: Callable[[], RowGroupRows]
+
+
+class RowLookup:
+    def __init__(self, node: RetinaNode, cache: RowGroupCache, files: FileLocations, *,
+                 settle_timeout_s: float = 5.0, attempts: int = 20) -> None:
+        self._node = node
+        self._cache = cache
+        self._files = files
+        self._settle_timeout_s = settle_timeout_s
+        self._attempts = attempts
+
+    def lookup(self, request: LookupRequest) -> LookupAnswer:
+        """The rows of ``request.keys`` at ``request.ts`` (the caller admitted the read:
+        READY, a live read transaction, the write fence raised to ``ts``)."""
+        with SECONDS.time():
+            moves = self._node.row_moves
+            for _ in range(self._attempts):
+                sequence = moves.settled(self._settle_timeout_s)
+                answer = self._read(request)
+                if moves.unchanged_since(sequence):  # ROW_READS_SEE_NO_MOVE
+                    found = int(answer.found.sum())
+                    KEYS.labels(outcome="found").inc(found)
+                    KEYS.labels(outcome="not_found").inc(len(answer.found) - found)
+                    return answer
+                REREADS.inc()
+            raise MovesInProgress(f"rows moved under {self._attempts} reads in a row")
+
+    def _read(self, request: LookupRequest) -> LookupAnswer:
+        table, ts = request.table, request.ts
+        index = self._node.index
+        row_ids = index.primary.latest(table.table_id, request.keys, ts)
+        horizon = index.primary.pruned_below  # read after the versions: see PrimaryIndex
+        if ts < horizon:
+            raise snapshot_expired(ts, f"the primary index's pruning horizon {horizon}",
+                                   horizon)
+        positions = np.flatnonzero(row_ids >= 0)
+        located, files, rgs, offsets = index.main.locate(row_ids[positions])
+        order = np.lexsort((offsets[located], rgs[located], files[located]))
+        positions, files, rgs, offsets = (a[located][order]
+                                          for a in (positions, files, rgs, offsets))
+        change = np.empty(len(files), bool)
+        change[:1] = True
+        np.not_equal(files[1:], files[:-1], out=change[1:])
+        change[1:] |= rgs[1:] != rgs[:-1]
+        starts = np.flatnonzero(change)
+        ends = np.append(starts[1:], len(files))
+        kept: list[np.ndarray] = []
+        gathered: list[tuple[RowGroupRows, np.ndarray]] = []
+        for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
+            file_id, rg_id = int(files[start]), int(rgs[start])
+            group = self._row_group(table.table_id, file_id, rg_id)
+            if group is None:
+                continue  # an orphan: its row is in no file this node serves
+            rows_at = offsets[start:end]
+            deleted = group.visibility.deleted_among(rows_at, ts)
+            if deleted is None:
+                base = group.visibility.base_timestamp
+                raise snapshot_expired(ts, f"the visibility base {base} of file {file_id} "
+                                           f"row group {rg_id} (deletes up to it are folded)",
+                                       base)
+            rows = group.rows()
+            if int(rows_at[-1]) >= rows.num_rows:
+                raise LookupInconsistent(f"row {int(rows_at[-1])} of file {file_id} row group "
+                                         f"{rg_id} is beyond its {rows.num_rows} rows")
+            live = ~deleted & (rows.commit_ts[rows_at] <= ts)
+            if live.any():
+                kept.append(positions[start:end][live])
+                gathered.append((rows, rows_at[live]))
+        return _answer(len(request.keys), kept, gathered,
+                       _output_schema(table, tuple(request.columns)))
+
+    def _row_group(self, table_id: int, file_id: int, rg_id: int) -> _RowGroup | None:
+        """Row group ``rg_id`` of a file this node serves, else None (an orphan)."""
+        buffered = self._node.buffer_file(file_id)
+        if buffered is not None:  # still in the write buffer: its rows are in memory
+            if rg_id >= len(buffered.blocks):
+                raise LookupInconsistent(f"write-buffer file {file_id} has no block {rg_id}")
+            block = buffered.blocks[rg_id]
+            return _RowGroup(block.visibility, lambda: self._block_rows(file_id, block))
+        visibility = self._node.visibility.readable(file_id, rg_id)
+        if visibility is None:
+            return None
+
+        def load() -> RowGroupRows:
+            uri, name = self._files.of(table_id, file_id)
+            return RowGroupRows(open_parquet(uri, name).read_row_group(rg_id))
+
+        return _RowGroup(visibility, lambda: self._cache.get((file_id, rg_id), load))
+
+    def _block_rows(self, file_id: int, block: Block) -> RowGroupRows:
+        """A write-buffer block's visible rows (VISIBLE_PREFIX), cached under their count:
+        the visible prefix only grows, and a settled block's rows never change. The size
+        is read before the batches, which only ever grow."""
+        visible = block.visible_size
+
+        def load() -> RowGroupRows:
+            batches = list(block.batches)
+            return RowGroupRows(pa.Table.from_batches(batches).slice(0, visible))
+
+        return self._cache.get((file_id, block.rg_id, visible), load)
+
+
+@functools.lru_cache(maxsize=256)
+def _output_schema(table: TableRecord, columns: tuple[str, ...]) -> pa.Schema:
+    full = table_schema(table)
+    return pa.schema([full.field(c) for c in columns])
+
+
+def _answer(n: int, positions: list[np.ndarray],
+            gathered: list[tuple[RowGroupRows, np.ndarray]], schema: pa.Schema) -> LookupAnswer:
+    """Per key found and commit timestamp, and the found rows in request order."""
+    found = np.zeros(n, bool)
+    commit_ts = np.zeros(n, np.int64)
+    if not gathered:
+        return LookupAnswer(found, commit_ts, schema.empty_table())
+    where = np.concatenate(positions)
+    found[where] = True
+    commit_ts[where] = np.concatenate([rows.commit_ts[at] for rows, at in gathered])
+    if len(where) <= FEW_ROWS:
+        picked = [(group, int(o)) for group, at in gathered for o in at.tolist()]
+        order = np.argsort(where, kind="stable").tolist()
+        return LookupAnswer(found, commit_ts, assemble_few(schema, [picked[i] for i in order]))
+    rows = assemble(schema, gathered)
+    if (where[1:] < where[:-1]).any():
+        # Gathered row group by row group; one take puts them in request order.
+        rows = rows.take(pa.array(np.argsort(where, kind="stable")))
+    return LookupAnswer(found, commit_ts, rows)
+
+
+def row_lookup(node: RetinaNode, catalog: Catalog, cache_bytes: int) -> RowLookup:
+    """The node's RowLookup, its row-group cache told of every file that goes."""
+    cache = RowGroupCache(cache_bytes)
+    node.row_moves.on_files_gone = cache.forget_files
+    return RowLookup(node, cache, FileLocations(catalog))
