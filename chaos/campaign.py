@@ -26,6 +26,7 @@ from typing import Any
 import psycopg2
 
 from devtools.cluster import ClusterError, pid_alive
+from retina_common.catalog import Catalog, TableRecord
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.topology import Topology, load_topology
@@ -45,11 +46,12 @@ from .faults import (
     relevant_points,
 )
 from .gc_driver import ROW_GROUP_ROWS, journal_states
+from .key_lookups import KeyLookups, lookup_over
 from .pinned_snapshots import PinBook
 from .prober import Prober, ReadinessTracker
 from .repeatable_reads import SnapshotBook
 from .report import Anomaly, Report
-from .snapshots import SnapshotReaders
+from .snapshots import SPECS, SnapshotReaders
 from .sweep import StorageAudit
 
 # 6: the workload changes the source schema only by nullable ADD COLUMNs, which the
@@ -190,12 +192,27 @@ class Campaign:
         assert self.cluster.state is not None and self.app is not None
         cluster, app = self.cluster, self.app
         readers = SnapshotReaders(self.reader, cluster.state.trans_listen, topology)
+        def all_ready() -> bool:
+            return cluster.alive(TRANS) and cluster.all_ready()
+
         as_of = AsOfReader(readers, self.report.history, [],
                            trans_started_at=lambda: cluster.procs[TRANS].started_at,
-                           all_ready=lambda: cluster.alive(TRANS) and cluster.all_ready())
+                           all_ready=all_ready)
         pins = PinBook(readers.channel, as_of, self.report.history, [])
+        lookups = KeyLookups(lookup_over(readers.reader, self._table_records()),
+                             self.report.lookups, [], all_ready=all_ready)
         return SnapshotBook(readers, self.report.snapshots, as_of, pins,
-                            expected=lambda: expected_images(self._source, [app]))
+                            expected=lambda: expected_images(self._source, [app]),
+                            lookups=lookups)
+
+    def _table_records(self) -> dict[str, TableRecord]:
+        """The catalog's records of the tables the campaign reads (their key columns)."""
+        assert self.cluster.state is not None
+        catalog = Catalog(self.cluster.state.postgres.dsn(), pool_max=1)
+        try:
+            return {name: catalog.get_table(workload.SCHEMA, name) for name in SPECS}
+        finally:
+            catalog.close()
 
     def _close_cluster(self) -> None:
         if self.app is not None:

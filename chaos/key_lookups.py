@@ -22,9 +22,10 @@ Per episode (chaos/repeatable_reads.py calls it):
 
 ``judge`` is the rule; counts go to the report's ``lookups`` counter: ``lookups`` (calls),
 ``keys``, ``keys_<present|deleted|never>``, ``answered``, ``found``, ``refused_<CODE>``,
-``wrong`` (keys), ``during_fault_*``, ``as_of_*``. A wrong answer is the anomaly
-``lookup_wrong``; a refusal other than a status (an exception of the helper) is
-``lookup_error``.
+``wrong`` (keys), ``errors``, under the prefixes ``as_of_``, ``fault_down_`` and
+``fault_up_``. A wrong answer is the anomaly ``lookup_wrong``; a refusal with a code
+that does not refuse a read (``snapshots.is_refusal``: INTERNAL, INVALID_ARGUMENT, a
+NOT_FOUND other than a forgotten transaction, no status at all) is ``lookup_error``.
 """
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from retina_common.catalog import TableRecord
+from retina_common.lookup import encode_keys
 from retina_common.pb import trans_pb2 as tpb
+from retina_common.reader import SnapshotReader
 
-from .snapshots import SPECS, ReadRefused, TableImage, row_digest
-from .workload import Key, TableSpec
+from .snapshots import SPECS, ReadRefused, TableImage, is_refusal, refusal_of, row_digest
+from .workload import SCHEMA, Key, TableSpec
 
 PRESENT = 6
 DELETED = 3
@@ -62,6 +66,23 @@ class Answer:
 
 # A lookup: (transaction, table, keys) -> one Answer per key, in order; raises ReadRefused.
 Lookup = Callable[[tpb.BeginTransResponse, str, Sequence[Key]], list[Answer]]
+
+
+def lookup_over(reader: SnapshotReader, tables: Mapping[str, TableRecord]) -> Lookup:
+    """The campaign's Lookup through the client helper (retina_common/lookup.py) over
+    ``reader``'s channels; ``tables``: the catalog's records (the key columns' types)."""
+    helper = reader.key_lookup()
+
+    def lookup(trans: tpb.BeginTransResponse, table: str, keys: Sequence[Key]
+               ) -> list[Answer]:
+        try:
+            got = helper.get(SCHEMA, table, encode_keys(tables[table], keys), trans=trans)
+        except Exception as exc:  # a status (a node away, expired), or anything else
+            raise refusal_of(exc) from None
+        return [Answer(key, bool(found), row, int(ts)) for key, found, row, ts in
+                zip(keys, got.found.tolist(), got.by_key(), got.commit_ts.tolist(),
+                    strict=True)]
+    return lookup
 
 
 def never_written(table: TableSpec, rng: random.Random) -> Key:
@@ -157,8 +178,10 @@ class KeyLookups:
             answers = self.lookup(trans, table, keys)
         except ReadRefused as exc:
             counts[f"{prefix}refused_{exc.code}"] += 1
-            if exc.code == "ERROR":
-                self.anomalies.append(f"lookup_error: {table} {how}: {exc.detail}")
+            if not is_refusal(exc):  # INTERNAL, INVALID_ARGUMENT, not a status...
+                counts[f"{prefix}errors"] += 1
+                self.anomalies.append(f"lookup_error: {table} at S={trans.timestamp} {how}: "
+                                      f"{exc.code}: {exc.detail}")
             return
         counts[f"{prefix}answered"] += 1
         if len(answers) != len(keys):

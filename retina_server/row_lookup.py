@@ -262,7 +262,7 @@ class RowLookup:
         np.not_equal(files[1:], files[:-1], out=change[1:])
         change[1:] |= rgs[1:] != rgs[:-1]
         starts = np.flatnonzero(change)
-        ends = np.append(starts[1:], len(files))
+        ends = np.append(starts[1:], len(files))[:len(starts)]  # none when nothing located
         kept: list[np.ndarray] = []
         gathered: list[tuple[RowGroupRows, np.ndarray]] = []
         for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
