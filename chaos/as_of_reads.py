@@ -11,6 +11,7 @@ readable point; below it, the refusal is ``FAILED_PRECONDITION snapshot_expired`
 | refusal | benign when |
 |---|---|
 | ``snapshot_expired ... earliest_readable_ts=E`` | S < E, and S is not pinned |
+| the same by a node, for history its recovery rebuilt | S < E, even if S is pinned |
 | ``as_of_time_unmapped`` (by time) | the TransServer restarted since (a crash gap) |
 | UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED at BeginTrans | always (the query gate: counted) |
 | the same codes during the read | a node or the TransServer is away at that moment |
@@ -36,6 +37,9 @@ from retina_common.refusal import AS_OF_TIME_UNMAPPED, SNAPSHOT_EXPIRED, earlies
 
 from .snapshots import VIAS, ReadRefused, SnapshotReaders, TableImage, Taken, compare_taken
 
+# A node's refusal of history its recovery rebuilt from the changelogs
+# (retina_server/read_history.py): the one refusal a pinned S may get.
+REBUILT = "HISTORY_REBUILT_IS_REFUSED"
 # Codes that say "away" (a node, the gate or the TransServer), nothing about history.
 AWAY = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"})
 BY = ("ts", "time", "pin")
@@ -78,10 +82,12 @@ def judge_refusal(s: int, point: AsOfPoint, exc: ReadRefused, how: Circumstances
         earliest = earliest_readable(exc.detail)
         if earliest is None:
             return wrong + " (no earliest readable point named)"
-        if how.pinned:
+        if s >= earliest[0]:
+            return wrong + f" (S is at or above the earliest readable {earliest[0]} it names)"
+        if how.pinned and (how.at_begin or REBUILT not in exc.detail):
             return wrong + " (S is pinned)"
-        return "expired" if s < earliest[0] else \
-            wrong + f" (S is at or above the earliest readable {earliest[0]} it names)"
+        # A pinned S a node's recovery rebuilt: refused by design (docs/history.md).
+        return "rebuilt" if how.pinned else "expired"
     if exc.code == "FAILED_PRECONDITION" and exc.detail.startswith(AS_OF_TIME_UNMAPPED):
         return "unmapped" if point.by == "time" and how.trans_restarted else \
             wrong + " (no TransServer restart since the time was mapped)"
@@ -112,7 +118,7 @@ class AsOfReader:
     def read(self, taken: Taken, point: AsOfPoint, rng: random.Random, how: str,
              history: str, pinned: bool = False) -> str:
         """``taken`` read again AS OF ``point``: ``identical``, ``changed``, ``moved``,
-        ``expired``, ``unmapped``, ``away`` or ``wrong``."""
+        ``expired``, ``rebuilt``, ``unmapped``, ``away`` or ``wrong``."""
         self.counts["as_of_reads"] += 1
         self.counts[f"as_of_by_{point.by}"] += 1
         try:
@@ -158,6 +164,9 @@ class AsOfReader:
         if verdict == "away":
             self.counts[f"as_of_{'gate' if at_begin else 'away'}_{exc.code}"] += 1
             return "away"
+        if verdict == "rebuilt":  # counted with the expired ones, and apart
+            self.counts["as_of_refused_pinned_rebuilt"] += 1
+            verdict = "expired"
         if verdict in ("expired", "unmapped"):
             self.counts[f"as_of_refused_{verdict}"] += 1
             if not at_begin:  # by a node (history a recovery rebuilt), not the TransServer

@@ -71,6 +71,7 @@ class Report:
     # as_of_by_<ts|time|pin>, as_of_answered, as_of_identical, as_of_changed, as_of_rows,
     # as_of_refused_expired, as_of_refused_unmapped (and their _age_s sums: seconds since
     # the snapshot was taken; _by_node: refused by a node, not at BeginTrans),
+    # as_of_refused_pinned_rebuilt (a pinned S in history a node's recovery rebuilt),
     # as_of_refused_wrongly, as_of_point_moved,
     # as_of_gate_<CODE>, as_of_away_<CODE>; pins_created, pins_read, pins_dropped,
     # pin_create_refused_<CODE>, pin_drop_refused_<CODE>, pin_list_refused_<CODE>.
@@ -199,7 +200,8 @@ class Report:
             f"{h['as_of_answered']} (identical {h['as_of_identical']}, CHANGED "
             f"{h['as_of_changed']}; {h['as_of_rows']} rows; mean age {answered_age}s), "
             f"refused expired {h['as_of_refused_expired']} (by a node "
-            f"{h['as_of_refused_expired_by_node']}; mean age {expired_age}s), "
+            f"{h['as_of_refused_expired_by_node']}, of them pinned in history a recovery "
+            f"rebuilt {h['as_of_refused_pinned_rebuilt']}; mean age {expired_age}s), "
             f"time unmapped {h['as_of_refused_unmapped']}, WRONGLY "
             f"{h['as_of_refused_wrongly']}, point MOVED {h['as_of_point_moved']}; gate: "
             f"{_by_code(h, 'as_of_gate_')}; away: {_by_code(h, 'as_of_away_')}",

@@ -43,8 +43,17 @@ def test_expired_is_benign_only_below_the_earliest_readable_point_it_names() -> 
         "as_of_refused_wrongly: AS OF ts 50 of S=50 refused FAILED_PRECONDITION")
     assert "at or above the earliest readable 50" in judge_refusal(50, BY_TS, expired(50),
                                                                    when())
-    # A pinned S is never expired, whatever the refusal names.
+    # A pinned S is never expired by the horizon or a fold, whatever the refusal names...
     assert "(S is pinned)" in judge_refusal(50, BY_TS, expired(90), when(pinned=True))
+    assert "(S is pinned)" in judge_refusal(50, BY_TS, expired(90),
+                                            when(pinned=True, at_begin=False))
+    # ... only refused, by a node, in history its recovery rebuilt (HISTORY_REBUILT_IS_
+    # REFUSED, docs/history.md), which is counted apart.
+    rebuilt = ReadRefused("FAILED_PRECONDITION", str(snapshot_expired(
+        "snapshot 50 is in [48, 60), history rebuilt (HISTORY_REBUILT_IS_REFUSED)", 60)))
+    assert judge_refusal(50, BY_TS, rebuilt, when(pinned=True, at_begin=False)) == "rebuilt"
+    assert judge_refusal(50, BY_TS, rebuilt, when(at_begin=False)) == "expired"
+    assert "(S is pinned)" in judge_refusal(50, BY_TS, rebuilt, when(pinned=True))
     # The refusal must name the point.
     bare = ReadRefused("FAILED_PRECONDITION", "snapshot_expired: gone")
     assert "no earliest readable point" in judge_refusal(50, BY_TS, bare, when())
