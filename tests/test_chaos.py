@@ -453,9 +453,14 @@ def test_fixed_seed_sample_loses_nothing_and_never_serves_outside_ready(tmp_path
     assert history.get("as_of_identical", 0) >= 1, output
     assert history.get("pins_created", 0) >= 1 and history.get("pins_read", 0) >= 1, output
     assert report["snapshots"].get("images_compared", 0) >= 1, output
+    # Keys looked up in every episode once healed, AS OF and during the faults.
+    lookups = report["lookups"]
+    assert lookups.get("lookups", 0) >= 6 * report["episodes"], output
+    assert lookups.get("answered", 0) >= 1 and lookups.get("keys_deleted", 0) >= 1, output
+    assert lookups.get("as_of_answered", 0) >= 1, output
     wrong = [a for a in report["anomalies"] if a["kind"].startswith(("as_of_", "pin_",
-                                                                     "image_"))]
-    assert not wrong, f"AS OF reads or pins wrong ({took:.0f}s):\n{output}"
+                                                                     "image_", "lookup_"))]
+    assert not wrong, f"AS OF reads, pins or lookups wrong ({took:.0f}s):\n{output}"
     assert not report["stopped_early"] or "time budget" in report["stopped_early"], output
     assert result.returncode == 0, f"anomalies ({took:.0f}s):\n{output}"
 
