@@ -41,6 +41,7 @@ bench: setup
 	@$(PY) bench/bench_trans.py
 	@$(PY) bench/bench_dataplane.py
 	@$(PY) bench/bench_dataplane.py --batch 5000 --batches 20
+	@$(PY) bench/bench_lookup.py
 	@$(PY) bench/bench_apply_stages.py
 	@$(PY) bench/bench_write_fence.py
 	@$(PY) bench/bench_history.py

@@ -39,6 +39,7 @@ TOMBSTONE = -1
 # key (INVALID_ARGUMENT) instead of failing in the index (a retryable UNAVAILABLE that
 # would be retried forever).
 MAX_KEY_BYTES = 511 - 20
+_MAX_PREFIX = 511 - 8  # the longest tableId|len|key a version key can have
 _PRUNED_BELOW = b"pruned_below"
 
 
@@ -222,6 +223,8 @@ class PrimaryIndex:
                 found = []
                 for i in order:
                     prefix = prefixes[i]
+                    if len(prefix) > _MAX_PREFIX:
+                        continue  # longer than any key written (MAX_KEY_BYTES): no version
                     moved = prev() if set_range(prefix + bound) else last()
                     if moved and key_at().startswith(prefix):
                         found.append((i, unpack(value_at())[0]))

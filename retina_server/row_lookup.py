@@ -58,7 +58,7 @@ from prometheus_client import Counter, Histogram
 from retina_common import refusal
 from retina_common.catalog import Catalog, TableRecord
 from retina_common.codec import EncodingError, encode_primary_keys, primary_key_problem
-from retina_common.columnar import ColumnarError, decode_key_columns
+from retina_common.columnar import ColumnarError, decode_key_columns, row_count
 from retina_common.log import get_logger
 from retina_common.pb import retina_pb2 as pb
 from retina_common.refusal import Refusal
@@ -69,7 +69,7 @@ from retina_server.row_gather import RowGroupRows, assemble, assemble_few
 from retina_server.row_group_cache import RowGroupCache
 from retina_server.row_moves import MovesInProgress
 from retina_server.visibility import RGVisibility
-from retina_server.write_buffer import Block
+from retina_server.write_buffer import Block, FileState
 
 log = get_logger(component="row_lookup")
 # Answers of up to this many rows are built from Arrow slices, larger ones with numpy
@@ -77,6 +77,7 @@ log = get_logger(component="row_lookup")
 FEW_ROWS = 8
 
 KEYS = Counter("retina_lookup_keys_total", "Keys answered by LookupRows", ["outcome"])
+FOUND, NOT_FOUND = KEYS.labels(outcome="found"), KEYS.labels(outcome="not_found")
 REREADS = Counter("retina_lookup_rereads_total",
                   "LookupRows reads repeated because rows moved meanwhile (RowMoves)")
 SECONDS = Histogram("retina_lookup_seconds", "LookupRows latency on the node",
@@ -125,9 +126,15 @@ def prepare(node: RetinaNode, request: pb.LookupRowsRequest, max_keys: int) -> L
         raise _invalid("timestamp must be the positive snapshot of the read transaction")
     table = node.table(request.schema_name, request.table_name)  # NOT_FOUND if unknown
     table, columns = _columns(node, table, list(request.columns))
+    if request.keys and request.key_columns_arrow:
+        raise _invalid("give the keys either as keys or as key_columns_arrow, not both")
+    try:  # counted before anything is decoded
+        count = len(request.keys) + row_count(request.key_columns_arrow, "key_columns_arrow")
+    except ColumnarError as exc:
+        raise _invalid(f"{table.name}: {exc}") from None
+    if count > max_keys:
+        raise _invalid(f"the request carries {count} keys; the limit is {max_keys}")
     keys = _keys(table, request)
-    if len(keys) > max_keys:
-        raise _invalid(f"the request carries {len(keys)} keys; the limit is {max_keys}")
     _check_owned(node, keys)
     return LookupRequest(table, keys, columns, request.timestamp)
 
@@ -155,8 +162,6 @@ def _keys(table: TableRecord, request: pb.LookupRowsRequest) -> list[bytes]:
     by_name = {c.name: c.type for c in table.columns}
     types = [by_name[c] for c in table.primary_key]
     if request.key_columns_arrow:
-        if request.keys:
-            raise _invalid("give the keys either as keys or as key_columns_arrow, not both")
         try:
             columns = decode_key_columns(request.key_columns_arrow, table)
             return encode_primary_keys(types, columns).to_pylist()
@@ -210,6 +215,10 @@ class FileLocations:
         self._files[file_id] = (uri, record.name)
         return uri, record.name
 
+    def forget(self, file_ids: list[int]) -> None:
+        for file_id in file_ids:
+            self._files.pop(file_id, None)
+
 
 @dataclass(frozen=True)
 class _RowGroup:
@@ -238,8 +247,8 @@ class RowLookup:
                 answer = self._read(request)
                 if moves.unchanged_since(sequence):  # ROW_READS_SEE_NO_MOVE
                     found = int(answer.found.sum())
-                    KEYS.labels(outcome="found").inc(found)
-                    KEYS.labels(outcome="not_found").inc(len(answer.found) - found)
+                    FOUND.inc(found)
+                    NOT_FOUND.inc(len(answer.found) - found)
                     return answer
                 REREADS.inc()
             raise MovesInProgress(f"rows moved under {self._attempts} reads in a row")
@@ -295,7 +304,9 @@ class RowLookup:
             if rg_id >= len(buffered.blocks):
                 raise LookupInconsistent(f"write-buffer file {file_id} has no block {rg_id}")
             block = buffered.blocks[rg_id]
-            return _RowGroup(block.visibility, lambda: self._block_rows(file_id, block))
+            final = buffered.state != FileState.OPEN
+            return _RowGroup(block.visibility,
+                             lambda: self._block_rows(file_id, block, final))
         visibility = self._node.visibility.readable(file_id, rg_id)
         if visibility is None:
             return None
@@ -306,17 +317,21 @@ class RowLookup:
 
         return _RowGroup(visibility, lambda: self._cache.get((file_id, rg_id), load))
 
-    def _block_rows(self, file_id: int, block: Block) -> RowGroupRows:
-        """A write-buffer block's visible rows (VISIBLE_PREFIX), cached under their count:
-        the visible prefix only grows, and a settled block's rows never change. The size
-        is read before the batches, which only ever grow."""
+    def _block_rows(self, file_id: int, block: Block, sealed: bool) -> RowGroupRows:
+        """A write-buffer block's visible rows (VISIBLE_PREFIX; the size is read before the
+        batches, which only ever grow). A block that can take no more rows (full, or its
+        file sealed) holds its row group's final rows: cached under the key the published
+        row group is read by, so its publish costs no decode. A block still growing is
+        decoded for this read only."""
         visible = block.visible_size
 
         def load() -> RowGroupRows:
             batches = list(block.batches)
             return RowGroupRows(pa.Table.from_batches(batches).slice(0, visible))
 
-        return self._cache.get((file_id, block.rg_id, visible), load)
+        if (sealed or visible == block.capacity) and not block.pending:
+            return self._cache.get((file_id, block.rg_id), load)
+        return load()
 
 
 @functools.lru_cache(maxsize=256)
@@ -347,7 +362,14 @@ def _answer(n: int, positions: list[np.ndarray],
 
 
 def row_lookup(node: RetinaNode, catalog: Catalog, cache_bytes: int) -> RowLookup:
-    """The node's RowLookup, its row-group cache told of every file that goes."""
+    """The node's RowLookup; its row-group cache and file locations are told of every file
+    that goes."""
     cache = RowGroupCache(cache_bytes)
-    node.row_moves.on_files_gone = cache.forget_files
-    return RowLookup(node, cache, FileLocations(catalog))
+    files = FileLocations(catalog)
+
+    def gone(file_ids: list[int]) -> None:
+        cache.forget_files(file_ids)
+        files.forget(file_ids)
+
+    node.row_moves.on_files_gone = gone
+    return RowLookup(node, cache, files)

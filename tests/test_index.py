@@ -249,6 +249,7 @@ def test_latest_is_each_keys_row_at_a_snapshot_and_the_prune_horizon_is_durable(
     assert all(primary.latest(1, keys, ts).tolist() == expected(ts) for ts in range(0, 82))
     assert primary.latest(2, keys, 80).tolist() == [TOMBSTONE] * len(keys)  # another table
     assert primary.latest(1, [], 80).tolist() == []
+    assert primary.latest(1, [b"x" * 600, keys[0]], 80).tolist() == [TOMBSTONE, expected(80)[0]]
     assert primary.pruned_below == 0
     assert primary.prune_versions(40, 0) > 0
     assert primary.pruned_below == 40
