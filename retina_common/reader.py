@@ -38,9 +38,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from retina_common import file_names
+from retina_common import exit_codes, file_names
 from retina_common.as_of_point import NEWEST, AsOf, BadPoint, format_ms, parse_as_of
-from retina_common.catalog import Catalog, CatalogError, NotFoundError
+from retina_common.catalog import Catalog, CatalogError, NotFound
 from retina_common.client import channel
 from retina_common.codec import COMMIT_TS, EncodingError
 from retina_common.config import ConfigError, TlsConfig
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         config, topology = load_config_and_topology(args.config)
     except ConfigError as exc:
         print(f"retina-query: {exc}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     reader = SnapshotReader(config.trans.listen, topology, tls=config.tls)
     try:
         snap = reader.read(schema, table, keep_hidden=args.hidden, as_of_ts=as_of.ts,
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         if earliest is not None:
             print(f"retina-query: the earliest readable point is timestamp {earliest[0]} "
                   f"(time {format_ms(earliest[1])})", file=sys.stderr)
-        return 1
+        return exit_codes.FAILED
     finally:
         reader.close()
     rows = snap.table.sort_by([(c, "ascending") for c in snap.table.column_names[:1]])
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     past = "" if as_of == NEWEST else f" (as of {as_of.describe()})"
     print(f"-- {rows.num_rows} rows at snapshot {snap.timestamp}{past} ({snap.files_read} "
           f"files, {snap.buffer_rows} write-buffer rows)", file=sys.stderr)
-    return 0
+    return exit_codes.OK
 
 
 def get_main(argv: list[str]) -> int:
@@ -312,7 +312,7 @@ def get_main(argv: list[str]) -> int:
         finally:
             catalog.close()
         keys = [key_from_text(table, t) for t in texts]
-    except (ConfigError, NotFoundError, EncodingError) as exc:
+    except (ConfigError, NotFound, EncodingError) as exc:
         print(f"retina-query get: {exc}", file=sys.stderr)
         return 2
     except CatalogError as exc:  # the catalog is down: not answered

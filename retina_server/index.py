@@ -149,11 +149,11 @@ class LocalIndexService:
                 orphans += 1
                 continue
             found_keys.append(keys[i])
-            rows = by_rg.get((f, g))
-            if rows is None:
+            rg_rows = by_rg.get((f, g))
+            if rg_rows is None:
                 by_rg[(f, g)] = [o]
             else:
-                rows.append(o)
+                rg_rows.append(o)
         if orphans:
             ORPHANS.inc(orphans)
         return DeleteTargets(found_keys, by_rg)

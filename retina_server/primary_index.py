@@ -181,7 +181,7 @@ class PrimaryIndex:
             log.error("primary_index_read_failed", table=table_id, error=str(exc))
             return None
 
-    def _scan(self, txn: lmdb.Transaction, table_id: int, keys: Sequence[bytes],
+    def _scan(self, txn: lmdb.Transaction[bytes], table_id: int, keys: Sequence[bytes],
               ts: int) -> list[tuple[int | None, int | None]]:
         cursor = txn.cursor(db=self._primary)
         bound, own = _TS.pack(ts + 1), _TS.pack(ts)
@@ -263,7 +263,7 @@ class PrimaryIndex:
         return previous
 
     @contextmanager
-    def _txn(self, write: bool = True) -> Iterator[lmdb.Transaction]:
+    def _txn(self, write: bool = True) -> Iterator[lmdb.Transaction[bytes]]:
         """The open batch (its own writes included) if there is one, else a transaction
         of its own (read-only unless ``write``)."""
         batch = getattr(self._batch, "txn", None)
@@ -338,12 +338,6 @@ class PrimaryIndex:
         """tombstonePrimaryResolved: the keys' rows were deleted at ``ts``."""
         self._write(table_id, ((k, TOMBSTONE, ts) for k in keys), "tombstonePrimaryResolved",
                     keep_previous=False)
-
-    def update_primary_resolved(self, table_id: int, keys: Sequence[bytes],
-                                row_ids: Sequence[int], ts: int) -> None:
-        """updatePrimaryResolved: point resolved keys at their new rows."""
-        self._write(table_id, ((k, r, ts) for k, r in zip(keys, row_ids, strict=True)),
-                    "updatePrimaryResolved")
 
     def restore_primary_entries(self, table_id: int,
                                 previous: Sequence[tuple[bytes, int, bytes | None]]) -> None:

@@ -119,7 +119,7 @@ class LookupAnswer:
 
 # --- validation ------------------------------------------------------------------------------
 def prepare(node: RetinaNode, request: pb.LookupRowsRequest, max_keys: int) -> LookupRequest:
-    """Validate the whole request; raises Refusal (or NotFoundError), changes nothing."""
+    """Validate the whole request; raises Refusal (or NotFound), changes nothing."""
     if not request.schema_name or not request.table_name:
         raise _invalid("schema_name and table_name are required")
     if request.timestamp <= 0:

@@ -30,6 +30,7 @@ from retina_common.catalog import Catalog
 from retina_common.etcd import EtcdStore
 
 from .dataplane import DataPlane
+from .support import delete_prefix
 
 
 @pytest.fixture(scope="session")
@@ -59,9 +60,9 @@ def pg_server(base_dir: Path) -> Iterator[PostgresInstance]:
 @pytest.fixture
 def etcd(etcd_server: EtcdInstance) -> Iterator[EtcdStore]:
     store = EtcdStore([etcd_server.endpoint], timeout_s=5)
-    store.delete_prefix("/pixels/")
+    delete_prefix(store, "/pixels/")
     yield store
-    store.delete_prefix("/pixels/")
+    delete_prefix(store, "/pixels/")
 
 
 @pytest.fixture
