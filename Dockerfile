@@ -21,13 +21,15 @@ RUN apt-get update \
 ENV PATH=/opt/venv/bin:$PATH
 
 WORKDIR /opt/retina
-# Dependencies and build requirements first, from pyproject.toml alone: a source change
-# then rebuilds only the layers below (seconds, no downloads).
-COPY pyproject.toml ./
+# Dependencies and build requirements first, from pyproject.toml alone, at the versions
+# constraints.txt pins (the ones the tests ran with): a source change then rebuilds only
+# the layers below (seconds, no downloads).
+COPY pyproject.toml constraints.txt ./
 RUN python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb')); \
 print('\n'.join(p['project']['dependencies'] + p['build-system']['requires']))" \
         > /tmp/requirements.txt \
- && pip install --no-cache-dir -r /tmp/requirements.txt \
+ && pip install --no-cache-dir -c constraints.txt --upgrade pip \
+ && pip install --no-cache-dir -c constraints.txt -r /tmp/requirements.txt \
  && rm /tmp/requirements.txt
 # setup.py generates the gRPC modules from proto/ while the package is built.
 COPY README.md setup.py MANIFEST.in LICENSE ./

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STATE ?= .retina-cluster
 
-.PHONY: setup demo test test-fast lint bench chaos gc proto cluster-up cluster-down cluster-status cluster-restart-node clean
+.PHONY: setup demo test test-fast lint typecheck bench chaos gc proto cluster-up cluster-down cluster-status cluster-restart-node clean
 
 setup:
 	@bash scripts/setup.sh
@@ -15,8 +15,16 @@ proto: setup
 demo: setup
 	@$(PY) scripts/demo.py $(DEMO_ARGS)
 
+# TEST_WORKERS: pytest-xdist workers, each with its own etcd and PostgreSQL (0: one process).
+TEST_WORKERS ?= 2
+
 test: setup
-	@$(PY) -m pytest $(PYTEST_ARGS)
+	@$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+
+# The tests that start no process (not marked `integration`; tests/process_guard.py fails
+# an unmarked test that starts one): pure logic, under two minutes.
+test-fast: setup
+	@$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
 
 # A seeded fault campaign on a private cluster (docs/chaos.md). Default: a short one;
 # e.g. `make chaos CHAOS_ARGS="--seed 7 --episodes 1000 --json chaos.json"`.
@@ -34,6 +42,11 @@ gc: setup
 
 lint: setup
 	@$(VENV)/bin/ruff check .
+
+# mypy on the runtime packages (retina_common, retina_server, trans_gate, cdc_client,
+# spark_jobs; settings in pyproject.toml, [tool.mypy]).
+typecheck: setup
+	@$(VENV)/bin/mypy
 
 # The figures of docs/performance.md; the 100M-row start is apart (it builds its state for
 # about two minutes): `.venv/bin/python bench/bench_recovery.py --files 10000 --runs 3`.
@@ -103,8 +116,18 @@ cluster-status: setup
 cluster-restart-node: setup
 	@$(VENV)/bin/retina-cluster restart-node $(NODE) --state-dir $(STATE)
 
+# constraints.txt: every Python package pinned (scripts/update_constraints.sh). `constraints`
+# pins what .venv holds; `constraints-upgrade` resolves the newest releases pyproject.toml
+# allows in a throw-away venv (then `make setup` installs them here; run `make test`).
+.PHONY: constraints constraints-upgrade
+constraints:
+	@bash scripts/update_constraints.sh
+
+constraints-upgrade:
+	@bash scripts/update_constraints.sh --upgrade
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache retina_common/pb/*_pb2*.py retina_common/pb/*_pb2*.pyi
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache retina_common/pb/*_pb2*.py retina_common/pb/*_pb2*.pyi
 
 # The containerised cluster (docs/operations.md, "Containerised cluster"), built
 # without an image registry: compose-base debootstraps Debian bookworm into the

@@ -115,7 +115,7 @@ class Settings:
     batch_max_delay_ms: int = 50
     batch_idle_gap_ms: int = 0
     write_lease_ms: int = 15_000
-    replay_mode: int = pb.VNODE
+    replay_mode: pb.ReplayMode = pb.VNODE
     drive_recovery: bool = True
     request_max_rows: int = 10_000
     backoff_max_s: float = 2.0

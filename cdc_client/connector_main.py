@@ -174,12 +174,15 @@ class _Background:
     def _watch(self) -> None:
         while not self._stop.is_set():
             broken = threading.Event()
+
+            def on_broken(_reason: str, b: threading.Event = broken) -> None:
+                b.set()
             try:
                 _kvs, revision = self._etcd.get_prefix(LIFECYCLE_PREFIX)
                 watch = self._etcd.watch_prefix(
                     LIFECYCLE_PREFIX, revision + 1,
                     lambda _e: self._connector.nodes_changed(),
-                    lambda _reason, b=broken: b.set())
+                    on_broken)
             except EtcdError as exc:
                 log.warning("cdc_watch_failed", error=str(exc))
                 self._stop.wait(1)

@@ -174,11 +174,11 @@ def plan(schema: SourceSchema, table: TableRecord) -> list[tuple[str, str]]:
             facts = dict(schema.facts())
         return facts
 
-    for name, col in retina.items():
-        if name in source and not _fits(source[name], col.type):
+    for name, known in retina.items():
+        if name in source and not _fits(source[name], known.type):
             raise UnsupportedSchemaChange(
                 f"{where}: column {name} changed type: the source sends "
-                f"{source[name].source_type}, which Retina's {col.type} column cannot hold "
+                f"{source[name].source_type}, which Retina's {known.type} column cannot hold "
                 "exactly")
     if schema.key_is_primary_key:
         keys = sorted(c.name for c in schema.columns if c.key)
@@ -186,10 +186,10 @@ def plan(schema: SourceSchema, table: TableRecord) -> list[tuple[str, str]]:
             raise UnsupportedSchemaChange(
                 f"{where}: primary key changed: the source's is {keys}, Retina's "
                 f"{list(table.primary_key)}")
-    for name, col in retina.items():
+    for name, known in retina.items():
         # A relation older than the catalog (a transaction re-delivered after a restart
         # that followed the change) lacks an added column the source still has.
-        if name not in source and not (col.since_version > 1 and name in current()):
+        if name not in source and not (known.since_version > 1 and name in current()):
             raise UnsupportedSchemaChange(
                 f"{where}: column {name} was dropped or renamed in the source")
     added = [c for c in schema.columns if c.name not in retina]

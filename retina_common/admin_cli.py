@@ -124,11 +124,11 @@ def _etcd_view(cluster: Cluster) -> dict[str, Any]:
             lifecycle[node] = {"malformed": str(exc)}
     pointers: dict[str, Any] = {}
     for node in cluster.nodes:
-        kv = store.get(checkpoint_slot_key(node, "current"))
-        if kv is None:
+        slot = store.get(checkpoint_slot_key(node, "current"))
+        if slot is None:
             continue
         try:
-            p = Pointer.parse(kv.value)
+            p = Pointer.parse(slot.value)
             pointers[node] = {"checkpoint_id": p.checkpoint_id,
                               "checkpoint_applied_ts": p.checkpoint_applied_ts,
                               "bytes": p.length}
@@ -253,7 +253,7 @@ def cmd_status(cluster: Cluster, args: argparse.Namespace) -> int:
 
 
 # --- replay-ts --------------------------------------------------------------------------
-def _replay_starts(cluster: Cluster, node: str, mode: int) -> dict[str, Any]:
+def _replay_starts(cluster: Cluster, node: str, mode: pb.ReplayMode) -> dict[str, Any]:
     stub = cluster.node(node)
     s = stub.GetRetinaStatus(pb.GetRetinaStatusRequest(), timeout=cluster.timeout_s)
     out: dict[str, Any] = {"state": pb.LifecycleState.Name(s.state), "phase": s.phase,

@@ -59,7 +59,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def cmd_writers_list(cluster: Cluster, args: argparse.Namespace) -> int:
     sources = replay_sources.load(cluster.etcd())
-    rows = [{"writer_id": s.writer_id, "kind": s.kind, "state": s.state.value,
+    rows: list[dict[str, Any]] = [{"writer_id": s.writer_id, "kind": s.kind, "state": s.state.value,
              "schema": s.schema, "changelog_root": s.changelog_root,
              "registered_at_ms": s.registered_at_ms, "gone_at_ms": s.gone_at_ms,
              "gone_reason": s.gone_reason} for s in sorted(sources.values(),

@@ -101,7 +101,7 @@ def requests(schema: str, tables: Mapping[str, TableRecord], rows: Iterable[Chan
         yield _request(schema, current, writer_id)
 
 
-def _request(schema: str, updates: Mapping[object, _Update],
+def _request(schema: str, updates: Mapping[tuple[int, str, int], _Update],
              writer_id: str) -> pb.UpdateRecordRequest:
     return pb.UpdateRecordRequest(schema_name=schema, writer_id=writer_id,
                                   table_update_data=[u.message() for u in updates.values()])

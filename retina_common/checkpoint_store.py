@@ -76,10 +76,6 @@ _SEGMENT = struct.Struct(">qiBqqiqqq")
 _RG = struct.Struct(">qiqqI")
 _CHAIN = struct.Struct(">II")
 _TRAILER = struct.Struct(">QI")
-_HEADER_FIELDS = ("retinaNodeId", "checkpointId", "writerEpoch", "writeTime",
-                  "checkpointAppliedTs", "topologyHash")
-
-
 class CheckpointError(Exception):
     """Base class of checkpoint failures."""
 
@@ -256,7 +252,9 @@ def decode(data: bytes, *, expect_node: str, expect_topology_hash: str) -> Check
     try:
         raw = json.loads(reader.take(header_len))
         gaps = tuple((int(a), int(b)) for a, b in raw.get("historyGaps", ()))
-        header = CheckpointHeader(*(raw[k] for k in _HEADER_FIELDS), history_gaps=gaps)
+        header = CheckpointHeader(raw["retinaNodeId"], raw["checkpointId"], raw["writerEpoch"],
+                                  raw["writeTime"], raw["checkpointAppliedTs"],
+                                  raw["topologyHash"], gaps)
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpoint(f"bad header: {exc}") from None
     if header.retina_node_id != expect_node:
@@ -359,7 +357,7 @@ class CheckpointStore:
         write_durably(self._dir, name, data)
         fp.CHECKPOINT_BODY_WRITE_AFTER.hit()
         current = self._etcd.get(self._current)
-        puts = [(self._current, pointer.to_json(), 0)]
+        puts: list[tuple[str, str | bytes, int]] = [(self._current, pointer.to_json(), 0)]
         if current is not None:
             puts.append((self._previous, current.value, 0))
         fp.CHECKPOINT_POINTER_SWAP_BEFORE.hit()

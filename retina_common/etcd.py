@@ -322,7 +322,9 @@ class PrefixWatch:
             if response.status_code != 200:
                 reason = f"watch refused: HTTP {response.status_code}"
                 return
-            for line in response.iter_lines(chunk_size=None):
+            # chunk_size=None: lines as the data arrives (requests allows it; its
+            # annotations do not say so).
+            for line in response.iter_lines(chunk_size=None):  # type: ignore[call-overload]
                 if self._cancelled.is_set():
                     return
                 if not line.strip():

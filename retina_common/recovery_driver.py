@@ -67,7 +67,7 @@ def replay_requests(node: str, schema: str, writers: Mapping[str, TableWriter],
 def drive_recovery(stub: retina_pb2_grpc.RetinaWorkerServiceStub, *,
                    replay: Callable[[pb.GetRecoveryReplayTsResponse, pb.RecoveryReplayContext],
                                     Iterable[pb.UpdateRecordRequest]] | None = None,
-                   mode: int = pb.VNODE, timeout_s: float = 60,
+                   mode: pb.ReplayMode = pb.VNODE, timeout_s: float = 60,
                    replayed_writers: Sequence[str] | Callable[[], Sequence[str]] = ()
                    ) -> pb.GetRecoveryReplayTsResponse | None:
     """Take one node from RECOVERING to READY; returns the replay starts used

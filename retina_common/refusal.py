@@ -14,13 +14,9 @@ failure (a server that is down or restarting) into :class:`Unreachable`, which
 declares its status the same way and says in our words which server did not
 answer and when to retry.
 
-Naming exception classes, in every package: a class is named for what happened, in
-the protocol's words (``CatalogUnavailable``, ``CatalogOutcomeUnknown``, ``NotFound``,
-``CorruptCheckpoint``, ``ChangelogGap``, ``WriteInDoubt``, ``UnknownTransaction``).
-``Error`` ends a name only where the class stands for a kind rather than one
-condition: the base class of a component's failures (``CatalogError``,
-``CheckpointError``, ``EtcdError``, ``TransError``), or a fault with many causes that
-only its message tells apart (``ConfigError``, ``EncodingError``, ``SourceError``).
+Exception classes in every package are named by one rule (docs/architecture.md,
+"Error conventions"): for what happened (``CatalogUnavailable``, ``NotFound``);
+``Error`` only for a kind (``CatalogError``, ``ConfigError``).
 """
 
 from __future__ import annotations

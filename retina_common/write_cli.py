@@ -28,6 +28,7 @@ import grpc
 
 from retina_common import exit_codes, failpoints
 from retina_common.catalog import CatalogError, NotFound, TableRecord
+from retina_common.client import Row
 from retina_common.codec import EncodingError
 from retina_common.config import ConfigError
 from retina_common.etcd import EtcdError
@@ -117,7 +118,7 @@ def _write(writer: DurableWriter, schema: str, table: str, rows: list[dict[str, 
     try:
         writer.open()
         record = writer.table_record(table)
-        typed_rows = [typed(record, r) for r in rows]
+        typed_rows: list[Row] = [typed(record, r) for r in rows]
         changes = TableChanges(deletes=typed_rows) if delete else TableChanges(typed_rows)
         ts = writer.commit({table: changes})
     except (NotFound, UsageError, KeyError, ReplaySourceError, EncodingError,

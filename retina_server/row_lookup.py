@@ -171,8 +171,8 @@ def _keys(table: TableRecord, request: pb.LookupRowsRequest) -> list[bytes]:
     problem = primary_key_problem(types, keys)
     if problem is not None:
         i, what = problem
-        columns = ", ".join(f"{c} {t}" for c, t in zip(table.primary_key, types, strict=True))
-        raise _invalid(f"{table.name}: key {i} is not a primary key ({columns}): {what}")
+        shape = ", ".join(f"{c} {t}" for c, t in zip(table.primary_key, types, strict=True))
+        raise _invalid(f"{table.name}: key {i} is not a primary key ({shape}): {what}")
     return keys
 
 

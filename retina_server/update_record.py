@@ -223,7 +223,7 @@ def _prepare_one(node: RetinaNode, schema_name: str, tud: pb.TableUpdateData) ->
     else:
         delete_keys = _keys(table, tud, list(tud.delete_data), "delete", node, routes)
         insert_keys = _keys(table, tud, list(tud.insert_data), "insert", node, routes)
-        columns: list[pa.Array] = []
+        columns = []
     if len(set(insert_keys)) != len(insert_keys):
         raise _invalid(f"{tud.table_name}: duplicate keys in one insert batch")
     if insert_keys and not columns:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import grpc
@@ -138,7 +139,7 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
     def StreamUpdateRecord(self, request_iterator: Iterator[pb.UpdateRecordRequest],
                            context: grpc.ServicerContext) -> Iterator[pb.UpdateRecordResponse]:
         for request in request_iterator:
-            yield self._guard(context, lambda r=request: self._update(r), counted=True)
+            yield self._guard(context, partial(self._update, request), counted=True)
 
     def GetWriteBuffer(self, request: pb.GetWriteBufferRequest,
                        context: grpc.ServicerContext) -> pb.GetWriteBufferResponse:

@@ -58,12 +58,15 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 
-want="$(cat pyproject.toml | sha256sum | cut -c1-16)"
+# constraints.txt pins every Python package (scripts/update_constraints.sh says how to
+# update it): a fresh machine installs what the last commit was tested with.
+want="$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)"
 stamp="$venv/.retina-installed"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
-    log "installing the package and its dependencies"
-    "$venv/bin/pip" install -q --disable-pip-version-check --upgrade pip >/dev/null
-    "$venv/bin/pip" install -q --disable-pip-version-check -e ".[dev,spark]"
+    log "installing the package and its dependencies (pinned by constraints.txt)"
+    "$venv/bin/pip" install -q --disable-pip-version-check -c constraints.txt --upgrade pip >/dev/null
+    "$venv/bin/pip" install -q --disable-pip-version-check -c constraints.txt \
+        --build-constraint constraints.txt -e ".[dev,spark]"
     echo "$want" > "$stamp"
 else
     log "virtual environment up to date"

@@ -50,6 +50,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -105,7 +106,7 @@ class ReplayContext:
 
     token: str
     checkpoint_id: int
-    mode: int
+    mode: pb.ReplayMode
 
     def message(self) -> pb.RecoveryReplayContext:
         return pb.RecoveryReplayContext(recovery_attempt_token=self.token,
@@ -203,9 +204,8 @@ def replay_vnode(spec: JobSpec, task: VnodeTask) -> VnodeResult:
         stub = retina_pb2_grpc.RetinaWorkerServiceStub(ch)
         try:
             for request in task_requests(spec, task):
-                call_with_retry(lambda r=request: stub.UpdateRecord(
-                    r, timeout=spec.rpc_timeout_s),
-                    f"UpdateRecord of vnode {task.vnode} to {task.node}")
+                call_with_retry(partial(stub.UpdateRecord, request, timeout=spec.rpc_timeout_s),
+                                f"UpdateRecord of vnode {task.vnode} to {task.node}")
                 sent_rows += changelog_rows(request)
                 sent += 1
                 if spec.context is not None:

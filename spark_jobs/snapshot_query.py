@@ -39,6 +39,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -119,7 +120,7 @@ def read_files(spec: FileReadSpec, refs: Iterable[FileRef]) -> Iterator[tuple[An
             message = tpb.QueryFile(file_id=ref.file_id, name=ref.name, path_uri=ref.path_uri)
             # The reader's own per-file step: rows committed at or before the
             # snapshot, minus what the owner's visibility says is deleted.
-            part = call_with_retry(lambda m=message: reader.read_file(m, trans),
+            part = call_with_retry(partial(reader.read_file, message, trans),
                                    f"reading file {ref.name}")
             yield from rows_of(part, spec.schema)
     finally:

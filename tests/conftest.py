@@ -4,6 +4,12 @@ One etcd and one PostgreSQL server per test session (started exactly like
 ``retina-cluster`` starts them); every test gets a fresh catalog database and
 an empty ``/pixels/`` key space. ``make_plane`` starts a data plane (a
 TransServer and Retina nodes, tests/dataplane.py) with small blocks and files.
+
+The ``integration`` marker: every test that starts a process (etcd, PostgreSQL,
+a TransServer, a node, Spark, a CLI, any subprocess) carries it, and
+``make test-fast`` runs the others. ``tests/process_guard.py`` keeps the marker
+honest: an unmarked test that asks for a process fixture, or starts a process
+itself, fails.
 """
 
 from __future__ import annotations
@@ -30,7 +36,22 @@ from retina_common.catalog import Catalog
 from retina_common.etcd import EtcdStore
 
 from .dataplane import DataPlane
+from .process_guard import pytest_runtest_call, pytest_runtest_setup  # noqa: F401 (hooks)
 from .support import delete_prefix
+
+# Test data (etcd's WAL, the nodes' LMDB/SQLite indexes, changelogs, Parquet files) on a
+# tmpfs when there is one: an fsync there returns at once, where on a shared disk each
+# costs milliseconds, and etcd and the indexes fsync every write. What the tests check
+# survives it: a killed process leaves its writes in the page cache either way, and no
+# test cuts the power. The processes the tests start inherit TMPDIR.
+TMPFS = Path("/dev/shm")
+if TMPFS.is_dir() and os.access(TMPFS, os.W_OK) and shutil.disk_usage(TMPFS).free > 2 << 30:
+    tempfile.tempdir = str(TMPFS)
+    os.environ["TMPDIR"] = str(TMPFS)
+# Spark's JVMs (every job a test runs, and the in-process session) live for seconds: the
+# client compiler alone and one GC thread cost them about a third less CPU than the
+# server compiler's background compiles, on a machine of two cores. Same Spark, same jobs.
+os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 
 
 @pytest.fixture(scope="session")
@@ -97,6 +118,18 @@ def make_plane(tmp_path: Path, etcd: EtcdStore, catalog: Catalog,
     yield make
     for dp in planes:
         dp.stop()
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[object]:
+    """One Spark session (local mode) for every test that runs Spark work in this process
+    (the jobs run as operators run them start their own)."""
+    from spark_jobs.common import spark_session
+
+    session = spark_session("retina-tests", "local[2]",
+                            {"spark.ui.enabled": "false", "spark.driver.memory": "1g"})
+    yield session
+    session.stop()
 
 
 @pytest.fixture

@@ -54,10 +54,12 @@ class RetinaProcess(ChildProcess):
         self.channel: grpc.Channel | None = None
         # "host:port" to serve /metrics on (tests that scrape set it before start).
         self.metrics_listen = "off"
+        # RETINA__SECTION__KEY overrides of the plane's config for this node's next starts.
+        self.env: dict[str, str] = {}
 
     def start(self, failpoints: str = "", wait: bool = True) -> RetinaProcess:
         before = started_count(self.log_path, "retina_server_started")
-        self.spawn(failpoints, {"RETINA__RETINA__LISTEN": self.node,
+        self.spawn(failpoints, {**self.env, "RETINA__RETINA__LISTEN": self.node,
                                 "RETINA__RETINA__METRICS_LISTEN": self.metrics_listen})
         if self.channel is not None:
             self.channel.close()

@@ -27,6 +27,8 @@ from retina_common.pb import trans_pb2 as tpb
 from .dataplane import DataPlane, module_plane
 from .support import ROOT, eventually
 
+pytestmark = pytest.mark.integration
+
 ORDERS = [{"id": i, "customer": f"c{i % 7}", "amount": "1.50", "note": "n"}
           for i in range(1, 401)]
 

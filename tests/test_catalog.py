@@ -63,6 +63,7 @@ def gc_file(catalog: Catalog, path_id: int, seq: int) -> FileRecord:
 
 
 # --- bootstrap ---
+@pytest.mark.integration
 def test_bootstrap_is_idempotent_and_versioned(catalog_dsn: str) -> None:
     cat = Catalog(catalog_dsn)
     assert cat.bootstrap() == 0
@@ -70,6 +71,7 @@ def test_bootstrap_is_idempotent_and_versioned(catalog_dsn: str) -> None:
     cat.close()
 
 
+@pytest.mark.integration
 def test_bootstrap_refuses_a_newer_catalog(catalog: Catalog, catalog_dsn: str) -> None:
     with psycopg2.connect(catalog_dsn) as conn, conn.cursor() as cur:
         cur.execute("UPDATE catalog_version SET version = %s", (CURRENT_VERSION + 1,))
@@ -77,6 +79,7 @@ def test_bootstrap_refuses_a_newer_catalog(catalog: Catalog, catalog_dsn: str) -
         catalog.bootstrap()
 
 
+@pytest.mark.integration
 def test_bootstrap_refuses_an_unversioned_catalog(catalog_dsn: str) -> None:
     with psycopg2.connect(catalog_dsn) as conn, conn.cursor() as cur:
         cur.execute("CREATE TABLE files (id int)")
@@ -84,6 +87,7 @@ def test_bootstrap_refuses_an_unversioned_catalog(catalog_dsn: str) -> None:
         Catalog(catalog_dsn).bootstrap()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("point, committed", [("commit.before", False), ("commit.after", True)])
 def test_kill_during_bootstrap(catalog_dsn: str, tmp_path: Path, point: str,
                                committed: bool) -> None:
@@ -100,6 +104,7 @@ def test_kill_during_bootstrap(catalog_dsn: str, tmp_path: Path, point: str,
     assert json.loads(again.stdout)["previous_version"] == (CURRENT_VERSION if committed else 0)
 
 
+@pytest.mark.integration
 def test_concurrent_bootstraps_serialise(catalog_dsn: str) -> None:
     results: list[int] = []
     errors: list[Exception] = []
@@ -123,6 +128,7 @@ def test_concurrent_bootstraps_serialise(catalog_dsn: str) -> None:
 
 
 # --- schemas and tables ---
+@pytest.mark.integration
 def test_tables_columns_primary_key_and_index_ids(catalog: Catalog) -> None:
     catalog.create_schema("s")
     t1 = catalog.create_table("s", "t1", [ColumnSpec("b", "string"), ColumnSpec("a", "int64"),
@@ -149,6 +155,7 @@ def test_tables_columns_primary_key_and_index_ids(catalog: Catalog) -> None:
     ([ColumnSpec("id", "varchar")], ["id"]),
     ([ColumnSpec("bad name", "int64")], ["bad name"]),
 ])
+@pytest.mark.integration
 def test_malformed_tables_are_refused_and_nothing_is_created(
         catalog: Catalog, columns: list[ColumnSpec], key: list[str]) -> None:
     catalog.create_schema("s")
@@ -158,6 +165,7 @@ def test_malformed_tables_are_refused_and_nothing_is_created(
 
 
 # --- FILES writes and the cleanupAt rule ---
+@pytest.mark.integration
 def test_add_update_delete_report_success_explicitly(catalog: Catalog, path_id: int) -> None:
     added = catalog.add_file(name(seq=1), FileType.TEMPORARY_INGEST, 0, path_id)
     assert added.type == FileType.TEMPORARY_INGEST and added.file_id > 0
@@ -170,6 +178,7 @@ def test_add_update_delete_report_success_explicitly(catalog: Catalog, path_id: 
     assert catalog.get_file(added.file_id) is None
 
 
+@pytest.mark.integration
 def test_write_failures_raise_and_change_nothing(catalog: Catalog, path_id: int) -> None:
     f = regular(catalog, path_id, 1)
     before = all_files(catalog)
@@ -195,6 +204,7 @@ def test_write_failures_raise_and_change_nothing(catalog: Catalog, path_id: int)
     (FileType.REGULAR, 123), (FileType.TEMPORARY_INGEST, 123), (FileType.TEMPORARY_GC, 123),
     (FileType.RETIRED, None),
 ])
+@pytest.mark.integration
 def test_dao_refuses_cleanup_at_violations_before_sql(
         catalog: Catalog, path_id: int, file_type: FileType, cleanup_at: int | None) -> None:
     with pytest.raises(CleanupAtViolation):
@@ -202,6 +212,7 @@ def test_dao_refuses_cleanup_at_violations_before_sql(
     assert all_files(catalog) == []
 
 
+@pytest.mark.integration
 def test_dao_refuses_cleanup_at_violations_on_update(catalog: Catalog, path_id: int) -> None:
     f = regular(catalog, path_id, 1)
     with pytest.raises(CleanupAtViolation):
@@ -225,6 +236,7 @@ def test_dao_refuses_cleanup_at_violations_on_update(catalog: Catalog, path_id: 
     "INSERT INTO files (name, type, num_row_group, path_id, min_row_id, max_row_id) "
     "VALUES ('raw5', 0, 1, {path}, 9, 3)",
 ])
+@pytest.mark.integration
 def test_check_constraints_refuse_raw_sql(catalog: Catalog, catalog_dsn: str, path_id: int,
                                           sql: str) -> None:
     f = regular(catalog, path_id, 1)
@@ -235,6 +247,7 @@ def test_check_constraints_refuse_raw_sql(catalog: Catalog, catalog_dsn: str, pa
     assert all_files(catalog) == before
 
 
+@pytest.mark.integration
 def test_constraint_names_document_the_rules(catalog: Catalog, catalog_dsn: str) -> None:
     with psycopg2.connect(catalog_dsn) as conn, conn.cursor() as cur:
         cur.execute("SELECT conname FROM pg_constraint WHERE conrelid = 'files'::regclass "
@@ -249,6 +262,7 @@ def test_constraint_names_document_the_rules(catalog: Catalog, catalog_dsn: str)
 
 
 # --- enumeration ---
+@pytest.mark.integration
 def test_enumeration_by_type_and_regular_only(catalog: Catalog, path_id: int) -> None:
     other_path = catalog.add_path(catalog.get_table("shop", "orders").table_id,
                                   "file:///data/shop/orders/p1").path_id
@@ -267,6 +281,7 @@ def test_enumeration_by_type_and_regular_only(catalog: Catalog, path_id: int) ->
         catalog.get_files_by_type(path_id, [])
 
 
+@pytest.mark.integration
 def test_temporary_files_due_by_name_age(catalog: Catalog, path_id: int,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     old_ingest = catalog.add_file(name(timedelta(hours=2), seq=1), FileType.TEMPORARY_INGEST, 0,
@@ -281,6 +296,7 @@ def test_temporary_files_due_by_name_age(catalog: Catalog, path_id: int,
     assert "catalog_temporary_file_name_unparsable" in capsys.readouterr().out
 
 
+@pytest.mark.integration
 def test_retired_files_due_by_cleanup_at(catalog: Catalog, path_id: int) -> None:
     now = int(time.time() * 1000)
     due = catalog.add_file(name(seq=1), FileType.RETIRED, 1, path_id, 0, 9, cleanup_at=now - 1)
@@ -290,6 +306,7 @@ def test_retired_files_due_by_cleanup_at(catalog: Catalog, path_id: int) -> None
 
 
 # --- atomicSwapFiles ---
+@pytest.mark.integration
 def test_swap_promotes_new_and_retires_old_together(catalog: Catalog, path_id: int) -> None:
     a, b, keep = (regular(catalog, path_id, i, lo=10 * i) for i in (1, 2, 3))
     new = gc_file(catalog, path_id, 4)
@@ -338,6 +355,7 @@ def _swap_case(catalog: Catalog, path_id: int, case: str) -> tuple[int, list[int
     ("duplicate old", SwapPrecondition.DUPLICATE_OLD_FILES),
     ("new among old", SwapPrecondition.NEW_FILE_AMONG_OLD),
 ])
+@pytest.mark.integration
 def test_swap_preconditions_change_nothing(catalog: Catalog, path_id: int, case: str,
                                            precondition: SwapPrecondition) -> None:
     new_id, old_ids = _swap_case(catalog, path_id, case)
@@ -409,6 +427,7 @@ def _overlapping(catalog_dsn: str, swaps: list[tuple[int, list[int]]],
     return outcomes
 
 
+@pytest.mark.integration
 def test_two_concurrent_swaps_over_a_common_file_have_one_winner(
         catalog: Catalog, catalog_dsn: str, path_id: int, active_failpoints: Callable,
         failpoint_dir: Path) -> None:
@@ -433,6 +452,7 @@ def test_two_concurrent_swaps_over_a_common_file_have_one_winner(
         assert b.file_id in retired
 
 
+@pytest.mark.integration
 def test_two_swaps_of_the_same_new_file_have_one_winner(
         catalog: Catalog, catalog_dsn: str, path_id: int) -> None:
     a, b = regular(catalog, path_id, 1), regular(catalog, path_id, 2, lo=20)
@@ -459,6 +479,7 @@ def cli_config(tmp_path: Path, catalog_dsn: str) -> Path:
     return path
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("point, committed", [("commit.before", False), ("commit.after", True)])
 def test_kill_during_swap(catalog: Catalog, path_id: int, cli_config: Path, point: str,
                           committed: bool) -> None:
@@ -480,6 +501,7 @@ def test_kill_during_swap(catalog: Catalog, path_id: int, cli_config: Path, poin
     assert {f.file_id for f in catalog.get_regular_files(path_id)} == {new.file_id}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("point, committed", [("commit.before", False), ("commit.after", True)])
 def test_kill_during_update_file(catalog: Catalog, path_id: int, cli_config: Path, point: str,
                                  committed: bool) -> None:
@@ -497,6 +519,7 @@ def test_kill_during_update_file(catalog: Catalog, path_id: int, cli_config: Pat
     ("add_file", lambda p, f: ["add-file", str(p), name(seq=9), "TEMPORARY_INGEST"]),
     ("delete_files", lambda p, f: ["delete-files", str(f)]),
 ])
+@pytest.mark.integration
 @pytest.mark.parametrize("point", ["commit.before", "commit.after"])
 def test_kill_during_add_and_delete(catalog: Catalog, path_id: int, cli_config: Path, step: str,
                                     args_of: Callable, point: str) -> None:
@@ -513,6 +536,7 @@ def test_kill_during_add_and_delete(catalog: Catalog, path_id: int, cli_config: 
         assert after == before - {f.file_id}
 
 
+@pytest.mark.integration
 def test_cli_refusals_use_exit_code_1(catalog: Catalog, path_id: int, cli_config: Path) -> None:
     f = regular(catalog, path_id, 1)
     result = _cli(cli_config, "", "update-file", str(f.file_id), "--cleanup-at", "5")
@@ -520,6 +544,7 @@ def test_cli_refusals_use_exit_code_1(catalog: Catalog, path_id: int, cli_config
     assert catalog.get_file(f.file_id) == f
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("column", ["id:int46", "id"])
 def test_cli_a_bad_column_lists_the_valid_types(catalog: Catalog, cli_config: Path,
                                                 column: str) -> None:
@@ -556,6 +581,7 @@ def _backends(dsn: str) -> set[int]:
         conn.close()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("revalidate_after_s", [1e9, 0.0])
 def test_idle_connections_are_reused_and_a_dead_one_is_replaced(
         catalog: Catalog, catalog_dsn: str, monkeypatch: pytest.MonkeyPatch,

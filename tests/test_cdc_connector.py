@@ -29,6 +29,8 @@ from .dataplane import DataPlane
 from .support import eventually, now_ms
 from .test_snapshot_immutable import parked
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def make_cdc(tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str,

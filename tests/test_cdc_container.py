@@ -18,6 +18,8 @@ import pytest
 
 from .support import ROOT, eventually
 
+pytestmark = pytest.mark.integration
+
 WRAPPER = ROOT / "deploy" / "images" / "cdc-entrypoint.sh"
 # Exits with $FAKE_EXIT, or on SIGTERM writes a marker and exits 0 (a clean stop).
 FAKE_CDC = """#!/bin/sh

@@ -23,6 +23,8 @@ from .cdc import CdcPlane, normalise
 from .dataplane import DataPlane
 from .support import ROOT, eventually
 
+pytestmark = pytest.mark.integration
+
 Model = dict[str, dict[bytes, dict[str, Any]]]
 
 

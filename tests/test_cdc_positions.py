@@ -10,6 +10,8 @@ import pytest
 from cdc_client.positions import CommittedPosition, ConnectorFenced, PositionStore
 from retina_common.etcd import EtcdOutcomeUnknown, EtcdStore, EtcdUnavailable
 
+pytestmark = pytest.mark.integration
+
 
 class AnswersLost(EtcdStore):
     """The real etcd, with the next compare-and-put's answer lost after etcd applied it

@@ -255,6 +255,7 @@ def test_gc_groups_are_consecutive_runs_of_one_stream_in_the_nodes_order() -> No
         assert len({(t, v) for t, v, _ in picked}) == len(picked)  # one group per stream
 
 
+@pytest.mark.integration
 def test_a_spark_task_runs_in_a_process_of_its_own_and_a_dead_one_has_no_result() -> None:
     from spark_jobs.common import FileRef
     from spark_jobs.storage_gc_task import RewriteResult, RewriteTask, TaskSpec

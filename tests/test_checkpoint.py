@@ -92,6 +92,7 @@ def bodies_on_disk(tmp_path: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
 
 
+@pytest.mark.integration
 def test_install_swaps_current_and_previous(store: CheckpointStore, tmp_path: Path) -> None:
     assert store.load() is None  # no pointer at all: a fresh node
     store.install(body(1))
@@ -104,6 +105,7 @@ def test_install_swaps_current_and_previous(store: CheckpointStore, tmp_path: Pa
     assert bodies_on_disk(tmp_path) == [f"ckpt-{i:020d}.bin" for i in (2, 3)]
 
 
+@pytest.mark.integration
 def test_a_damaged_current_falls_back_to_previous(store: CheckpointStore, tmp_path: Path) -> None:
     store.install(body(1))
     store.install(body(2))
@@ -120,6 +122,7 @@ def test_a_damaged_current_falls_back_to_previous(store: CheckpointStore, tmp_pa
         store.load()  # both bad: FAILED territory, never "no checkpoint"
 
 
+@pytest.mark.integration
 def test_a_malformed_pointer_is_unusable_not_absent(store: CheckpointStore,
                                                     etcd: EtcdStore) -> None:
     etcd.put(checkpoint_slot_key(NODE, "current"), b"{not json")
@@ -132,6 +135,7 @@ def test_a_malformed_pointer_is_unusable_not_absent(store: CheckpointStore,
     ("checkpoint.pointer_swap.before", 1), ("checkpoint.pointer_swap.after", 2),
     ("checkpoint.cleanup.before", 2),
 ])
+@pytest.mark.integration
 def test_a_crash_at_each_step_leaves_a_usable_checkpoint(
         store: CheckpointStore, tmp_path: Path, active_failpoints, point: str,
         survivor: int) -> None:
@@ -146,6 +150,7 @@ def test_a_crash_at_each_step_leaves_a_usable_checkpoint(
     assert bodies_on_disk(tmp_path) == [f"ckpt-{i:020d}.bin" for i in (survivor, 3)]
 
 
+@pytest.mark.integration
 def test_a_concurrent_writer_is_refused(store: CheckpointStore, tmp_path: Path,
                                         etcd: EtcdStore, active_failpoints,
                                         failpoint_dir: Path) -> None:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import grpc
+import pytest
 import requests
 
 from devtools.cluster import ClusterState, pid_alive, started_count
@@ -21,6 +22,8 @@ from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 
 from .support import ROOT, begin_write, eventually
+
+pytestmark = pytest.mark.integration
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -282,6 +282,7 @@ def event(i: int, version: int) -> dict:
             "ok": (i + version) % 2 == 0}
 
 
+@pytest.mark.integration
 def test_row_and_columnar_forms_write_the_same_rows_through_a_crash_and_replay(
         make_plane) -> None:
     """Transactions alternate between the two forms on the same tables; after each

@@ -87,6 +87,7 @@ def test_a_named_config_whose_topology_is_missing_names_the_topology_file(
     ("retina-write", "retina_common.write_cli", ["--writer", "w", "shop.orders", "--rows",
                                                  '[{"id": 1}]']),
 ])
+@pytest.mark.integration
 def test_every_cluster_cli_without_a_config_says_no_config_given(
         tmp_path: Path, prog: str, module: str, args: list[str]) -> None:
     env = {k: v for k, v in os.environ.items()

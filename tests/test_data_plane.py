@@ -13,6 +13,8 @@ from retina_common.etcd import EtcdStore
 
 from .dataplane import DataPlane
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def plane(tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str

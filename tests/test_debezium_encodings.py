@@ -724,6 +724,7 @@ def expected_readings(cdc: CdcPlane, rows: list[dict[str, Any]]) -> dict:
             "readings": {writer.key(r): stored(r) for r in rows}}
 
 
+@pytest.mark.integration
 def test_connector_stores_debezium_values_in_retina_types(readings_cdc: CdcPlane) -> None:
     cdc = readings_cdc
     table = DebeziumTable("readings", READINGS_PG)
@@ -782,6 +783,7 @@ def test_connector_stores_debezium_values_in_retina_types(readings_cdc: CdcPlane
      "0001.json:7: event without the value of field(s) ['doc'] (op 'c', table "
      "public.readings"),
 ])
+@pytest.mark.integration
 def test_malformed_value_stops_the_connector_with_exit_3(
         readings_cdc: CdcPlane, case: str, override: dict, named: str) -> None:
     cdc = readings_cdc

@@ -109,11 +109,13 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
     ("check", "rules", "deploy/prometheus/alerts.yml"),
     ("test", "rules", "deploy/prometheus/alerts_test.yml"),
 ], ids=["check-config", "check-rules", "test-rules"])
+@pytest.mark.integration
 def test_promtool_accepts_the_deployed_files(args: tuple[str, ...]) -> None:
     result = promtool(*args)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.integration
 def test_promtool_rejects_a_broken_rule(tmp_path: Path) -> None:
     """The checks above can fail: a rule with a PromQL syntax error does not pass."""
     broken = tmp_path / "alerts.yml"
@@ -168,6 +170,7 @@ def test_dashboards_are_well_formed() -> None:
                     assert target["datasource"]["uid"] in uids, where
 
 
+@pytest.mark.integration
 def test_dashboard_queries_parse_as_promql(tmp_path: Path) -> None:
     """Each panel query is valid PromQL: promtool parses it as a recording rule's."""
     rules = [{"record": f"dashboard_check:query_{i}", "expr": expr}
@@ -289,6 +292,7 @@ def _assert_alert_inputs(trans: str, retina: str, connector: str) -> None:
         assert value(connector, "cdc_batch_phase_seconds_count", phase=phase) == batches, phase
 
 
+@pytest.mark.integration
 def test_alerts_and_dashboards_query_exported_metrics(cdc_cluster: CdcPlane) -> None:
     cdc = cdc_cluster
     eventually(cdc.all_ready, 60, "the connector to drive both nodes to READY")

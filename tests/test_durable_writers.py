@@ -33,6 +33,8 @@ from .dataplane import SCHEMA, DataPlane
 from .support import ROOT, eventually
 from .test_cdc_connector import make_cdc  # noqa: F401  (a fixture)
 
+pytestmark = pytest.mark.integration
+
 STRICT = {"anonymous_writes": False, "checkpoint_interval_ms": 3_600_000}
 
 

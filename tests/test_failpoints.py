@@ -76,6 +76,7 @@ def test_times_limits_how_many_hits_act(active_failpoints) -> None:
     point.hit()  # the third acting hit would be the fourth: inert again
 
 
+@pytest.mark.integration
 def test_exit_kills_the_process_without_cleanup() -> None:
     code = ("import atexit, sys\n"
             "atexit.register(lambda: print('cleanup ran'))\n"
@@ -89,6 +90,7 @@ def test_exit_kills_the_process_without_cleanup() -> None:
     assert "survived" not in result.stdout and "cleanup ran" not in result.stdout
 
 
+@pytest.mark.integration
 def test_processes_refuse_to_start_with_a_bad_switch() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "trans_gate"], cwd=ROOT, capture_output=True, text=True,
@@ -111,6 +113,7 @@ def run_once_child(directory: Path) -> subprocess.Popen[str]:
              "RETINA_FAILPOINT_DIR": str(directory), "PATH": "/usr/bin"})
 
 
+@pytest.mark.integration
 def test_once_acts_in_one_process_only_and_a_retry_runs_through(failpoint_dir: Path) -> None:
     """A retried task starts its hit counter again in a new process: with +once only the
     first process to reach the K-th hit acts, even when several race to it."""

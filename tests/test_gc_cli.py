@@ -73,6 +73,7 @@ def test_a_prefix_naming_no_rewrite_says_why(given: str, message: str, code: int
 
 
 # --- against a real cluster -------------------------------------------------------------------
+@pytest.mark.integration
 def test_lineage_json_has_every_field_and_revert_takes_the_prefix_lineage_shows(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(nodes=2, gc_retired_retention_ms=KEEP, sweeper_interval_ms=0)
@@ -114,6 +115,7 @@ def test_lineage_json_has_every_field_and_revert_takes_the_prefix_lineage_shows(
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_a_dry_run_sweep_prints_what_it_would_remove_in_json_and_in_the_table(
         make_plane: Callable[..., DataPlane]) -> None:
     plane = make_plane(sweeper_interval_ms=0)

@@ -284,6 +284,7 @@ def test_a_pinned_gc_floor_limits_the_fold(tmp_path: Path) -> None:
     assert deleted_sets(node, 22, 30) == {k: v for k, v in expected.items() if k[2] >= 22}
 
 
+@pytest.mark.integration
 def test_fold_reaches_write_buffer_blocks(tmp_path: Path, catalog: Catalog) -> None:
     catalog.create_schema("shop")
     table = catalog.create_table("shop", "orders", [ColumnSpec("id", "int64")], ["id"])

@@ -60,6 +60,7 @@ def files(catalog: Catalog) -> dict[int, FileType]:
 
 
 
+@pytest.mark.integration
 def test_files_closing_out_of_order_publish_in_first_block_order(
         make_plane: Callable[..., DataPlane], catalog: Catalog, failpoint_dir: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,6 +119,7 @@ def killed_at_the_second_file(make_plane: Callable[..., DataPlane], catalog: Cat
     return plane, node, ids
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("point", CRASH_POINTS)
 def test_kill_at_each_publish_failpoint(make_plane: Callable[..., DataPlane], catalog: Catalog,
                                         point: str) -> None:
@@ -137,6 +139,7 @@ def test_kill_at_each_publish_failpoint(make_plane: Callable[..., DataPlane], ca
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("point", ["ingest.index_flush.after", "ingest.catalog_regular.before"])
 def test_an_ingest_file_killed_before_its_regular_step_leaves_no_main_index_ranges(
         make_plane: Callable[..., DataPlane], catalog: Catalog, point: str) -> None:
@@ -159,6 +162,7 @@ def test_an_ingest_file_killed_before_its_regular_step_leaves_no_main_index_rang
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_failed_request_is_compensated_and_a_retry_converges(
         make_plane: Callable[..., DataPlane]) -> None:
     # The first primary-index commit after start-up fails (once); the request's
@@ -183,6 +187,7 @@ def test_failed_request_is_compensated_and_a_retry_converges(
                "everything published")
 
 
+@pytest.mark.integration
 def test_shutdown_flush_publishes_through_the_same_publisher(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(block_rows=64)  # nothing fills a block; only the shutdown flushes
@@ -199,6 +204,7 @@ def test_shutdown_flush_publishes_through_the_same_publisher(
     assert {r["id"] for r in plane.read("orders").values()} == set(ids)
 
 
+@pytest.mark.integration
 def test_retina_query_prints_the_snapshot(make_plane: Callable[..., DataPlane]) -> None:
     plane = make_plane()
     plane.commit({"orders": {"inserts": [order(i) for i in range(12)]}})

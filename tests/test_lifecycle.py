@@ -89,6 +89,7 @@ def test_failed_is_final_and_reachable_from_every_phase() -> None:
             sm.transition(Phase.STARTING)
 
 
+@pytest.mark.integration
 def test_announcer_writes_a_leased_fresh_value_and_never_the_token(etcd: EtcdStore) -> None:
     node = "127.0.0.1:40123"
     clock = [1_000]
@@ -107,6 +108,7 @@ def test_announcer_writes_a_leased_fresh_value_and_never_the_token(etcd: EtcdSto
     assert etcd.get(lifecycle_key(node)) is None
 
 
+@pytest.mark.integration
 def test_failed_is_never_replaced_by_a_late_ready(etcd: EtcdStore) -> None:
     node = "127.0.0.1:40124"
     announcer = LifecycleAnnouncer(etcd, node, ttl_s=5)

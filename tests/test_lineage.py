@@ -25,6 +25,8 @@ from .test_recovery_protocol import order
 from .test_recovery_sequences import restart_and_recover
 from .test_storage_gc import advance, biggest_stream, load
 
+pytestmark = pytest.mark.integration
+
 KEEP = 3_600_000  # old files stay retained (revertible) for the whole test
 
 

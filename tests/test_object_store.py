@@ -20,6 +20,8 @@ from retina_common.storage import delete_object, list_objects, read_bytes, write
 from .support import eventually
 from .test_checkpoint import NODE, TOPO, body
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def s3_endpoint() -> Iterator[str]:

@@ -27,6 +27,8 @@ from .dataplane import SCHEMA, DataPlane
 from .support import ROOT
 from .test_recovery_protocol import order
 
+pytestmark = pytest.mark.integration
+
 RAW = "failed to connect to all addresses"
 
 

@@ -13,7 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .support import ROOT
+
+pytestmark = pytest.mark.integration
 
 PAGE = ROOT / "docs" / "operations.md"
 HEADING = "### Quickstart: from `make setup` to a crash and back"

@@ -25,6 +25,8 @@ from retina_common.topology import Topology
 from .dataplane import SCHEMA, DataPlane
 from .support import ROOT, delete_prefix, eventually, rpc_error
 
+pytestmark = pytest.mark.integration
+
 
 def order(i: int, note: str = "") -> dict:
     return {"id": i, "customer": f"c{i % 5}", "amount": Decimal(i) / 4, "note": note or None}

@@ -25,6 +25,8 @@ from .dataplane import DataPlane
 from .support import eventually, rpc_error
 from .test_recovery_protocol import health, lifecycle_state, open_attempt, order
 
+pytestmark = pytest.mark.integration
+
 
 def event(i: int) -> dict:
     return {"tenant": i % 3, "seq": i, "payload": bytes([i % 251]), "ok": i % 2 == 0}

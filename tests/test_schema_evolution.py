@@ -62,6 +62,7 @@ from .support import ROOT, eventually
 
 
 # --- the catalog operation ---------------------------------------------------------------------
+@pytest.mark.integration
 def test_add_column_appends_a_nullable_column_once(catalog: Catalog) -> None:
     catalog.create_schema("evo")
     created = catalog.create_table("evo", "t", [ColumnSpec("id", "int64"),
@@ -98,6 +99,7 @@ def test_add_column_appends_a_nullable_column_once(catalog: Catalog) -> None:
     assert catalog.get_table("evo", "t") == table  # every refusal changed nothing
 
 
+@pytest.mark.integration
 def test_add_column_command(catalog: Catalog, catalog_dsn: str, tmp_path: Path) -> None:
     catalog.create_schema("evo")
     catalog.create_table("evo", "t", [ColumnSpec("id", "int64")], ["id"])
@@ -209,6 +211,7 @@ def test_replica_identity_full_does_not_read_as_a_key_change() -> None:
     assert plan(full, RETINA) == []
 
 
+@pytest.mark.integration
 def test_a_column_whose_old_rows_read_a_dropped_default_is_refused(
         pg_server: PostgresInstance) -> None:
     """ADD COLUMN ... DEFAULT 5 then DROP DEFAULT before the connector gets there: the
@@ -282,6 +285,7 @@ class FirstLookupMisses(dict):
         return super().get(key, default)
 
 
+@pytest.mark.integration
 def test_the_node_never_goes_back_to_an_older_schema_version(
         tmp_path: Path, catalog: Catalog) -> None:
     catalog.create_schema("evo")
@@ -335,6 +339,7 @@ def _order(i: int, tag: str | None = None, *, evolved: bool = False) -> dict[str
     return row
 
 
+@pytest.mark.integration
 def test_retina_takes_rows_of_every_schema_version(
         make_plane: Callable[..., DataPlane], catalog_dsn: str) -> None:
     dp = make_plane(nodes=1, block_rows=2, blocks_per_file=1)  # streams of several files
@@ -476,6 +481,7 @@ def _hwm(cdc: CdcPlane) -> int:
     return began.timestamp
 
 
+@pytest.mark.integration
 def test_add_column_flows_from_the_source_through_restarts_and_gc(
         cdc_plane: CdcPlane, catalog: Catalog, catalog_dsn: str) -> None:
     cdc, source = cdc_plane, cdc_plane.source
@@ -537,6 +543,7 @@ def test_add_column_flows_from_the_source_through_restarts_and_gc(
     cdc.converged(timeout_s=90)
 
 
+@pytest.mark.integration
 def test_a_dropped_column_stops_the_connector_before_its_transaction(
         cdc_plane: CdcPlane) -> None:
     cdc, source = cdc_plane, cdc_plane.source

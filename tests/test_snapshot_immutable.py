@@ -40,6 +40,8 @@ from .support import begin_read, begin_write, eventually, rpc_error
 from .test_recovery_protocol import order
 from .test_storage_gc import advance, biggest_stream, load
 
+pytestmark = pytest.mark.integration
+
 Rows = dict[bytes, dict[str, Any]]
 
 

@@ -36,6 +36,8 @@ from spark_jobs import cdc_replay
 from .dataplane import SCHEMA, DataPlane
 from .support import ROOT, begin_write, eventually
 
+pytestmark = pytest.mark.integration
+
 SPARK_ARGS = ("--conf", "spark.ui.enabled=false", "--conf", "spark.sql.shuffle.partitions=2",
               "--conf", "spark.driver.memory=1g")
 Changes = Mapping[str, Mapping[str, list[dict[str, Any]]]]

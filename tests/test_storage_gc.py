@@ -70,6 +70,7 @@ def all_streams_rewritten(plane: DataPlane) -> list[rpb.CommitGcRewriteResponse]
             for (node, vnode), files in gc.streams(plane, "orders").items()]
 
 
+@pytest.mark.integration
 def test_a_rewrite_reclaims_deleted_rows_and_reads_stay_exact(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane()
@@ -101,6 +102,7 @@ def test_a_rewrite_reclaims_deleted_rows_and_reads_stay_exact(
         assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_a_rewritten_file_keeps_its_place_in_the_stream_over_restarts(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     """A GC output with more row groups than the blocks it spans (row groups of 1 row,
@@ -127,6 +129,7 @@ def test_a_rewritten_file_keeps_its_place_in_the_stream_over_restarts(
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_a_second_pass_compacts_the_rewritten_files_again(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane()
@@ -142,6 +145,7 @@ def test_a_second_pass_compacts_the_rewritten_files_again(
     assert all(len(f) == 1 for f in gc.streams(plane, "orders").values())
 
 
+@pytest.mark.integration
 def test_deletes_racing_the_rewrite_are_never_lost(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane()
@@ -164,6 +168,7 @@ def test_deletes_racing_the_rewrite_are_never_lost(
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_a_read_transaction_older_than_the_rewrite_reads_its_snapshot(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane()
@@ -196,6 +201,7 @@ POST_SWAP = ["catalog.swap.commit.after", "gc.swap.after", "gc.journal.swapped.b
              "gc.journal.swapped.after", "gc.registry.before", "gc.registry.after"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("point", PRE_SWAP + POST_SWAP)
 def test_a_kill_during_the_commit_recovers_to_the_model(
         point: str, make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
@@ -237,6 +243,7 @@ def test_a_kill_during_the_commit_recovers_to_the_model(
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("point", ["gc.journal.checkpointed.before",
                                    "gc.journal.checkpointed.after"])
 def test_a_kill_during_promotion_keeps_the_new_file(
@@ -275,6 +282,7 @@ def swapped_then_killed(plane: DataPlane, catalog: Catalog, delete_every: int
     return node, files, reply
 
 
+@pytest.mark.integration
 def test_a_swapped_rewrite_without_a_checkpoint_rolls_back_and_a_kill_in_the_rollback_is_finished(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(checkpoint_interval_ms=3_600_000)
@@ -304,6 +312,7 @@ ROLLBACK = ["gc.rollback.primary.before", "gc.rollback.primary.after",
             "gc.journal.aborted.after"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("point", ROLLBACK)
 def test_a_kill_during_an_in_place_rollback_is_finished_by_recovery(
         point: str, make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
@@ -332,6 +341,7 @@ def test_a_kill_during_an_in_place_rollback_is_finished_by_recovery(
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_a_journal_error_after_its_record_is_durable_closes_the_record(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     """The INDEX_SWITCHING record is on disk when the write reports an error: the entry is
@@ -350,6 +360,7 @@ def test_a_journal_error_after_its_record_is_durable_closes_the_record(
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_a_swap_whose_answer_was_lost_is_read_back_and_goes_forward(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     """atomicSwapFiles committed but its answer was lost (outcome unknown): the node
@@ -366,6 +377,7 @@ def test_a_swap_whose_answer_was_lost_is_read_back_and_goes_forward(
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_a_swap_that_failed_before_its_commit_rolls_back_and_changes_nothing(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(failpoints="catalog.swap.commit.before=raise*1")
@@ -384,6 +396,7 @@ def test_a_swap_that_failed_before_its_commit_rolls_back_and_changes_nothing(
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_a_failure_before_the_swap_rolls_back_in_place(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(failpoints="gc.swap.before=raise*1")
@@ -408,6 +421,7 @@ def test_a_failure_before_the_swap_rolls_back_in_place(
 
 
 # --- refusals --------------------------------------------------------------------------------
+@pytest.mark.integration
 def test_gc_rpcs_outside_ready_are_unavailable(make_plane: Callable[..., DataPlane]) -> None:
     plane = make_plane(recover=False)
     stub = plane.retinas[plane.nodes[0]].stub
@@ -418,6 +432,7 @@ def test_gc_rpcs_outside_ready_are_unavailable(make_plane: Callable[..., DataPla
         assert rpc_error(call).code() == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.integration
 def test_malformed_and_out_of_protocol_rewrites_are_refused_and_change_nothing(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane()
@@ -467,6 +482,7 @@ def _journal_dir(plane: DataPlane, node: str) -> Path:
     return plane.workdir / "state" / node.replace(":", "-") / "gc_journal"
 
 
+@pytest.mark.integration
 def test_a_corrupt_journal_record_fails_the_node_closed(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane()
@@ -484,6 +500,7 @@ def test_a_corrupt_journal_record_fails_the_node_closed(
     assert not plane.gate_open()
 
 
+@pytest.mark.integration
 def test_a_rollback_without_its_anchors_fails_closed(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(checkpoint_interval_ms=3_600_000)
@@ -498,6 +515,7 @@ def test_a_rollback_without_its_anchors_fails_closed(
     assert "anchor" in plane.status(node).failure_reason
 
 
+@pytest.mark.integration
 def test_gc_rows_without_a_journal_fail_the_node_closed(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane()
@@ -535,6 +553,7 @@ def test_the_jobs_footer_names_its_rewrite_under_the_key_recovery_reads() -> Non
     assert footer[GC_REWRITE_ID_KEY] == b"r-1"
 
 
+@pytest.mark.integration
 def test_a_swapped_rewrite_whose_journal_record_is_lost_fails_the_node_closed(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     """REWRITE_OUTPUTS_HAVE_A_JOURNAL. A rewrite is swapped (new file REGULAR, old files
@@ -586,6 +605,7 @@ def test_a_swapped_rewrite_whose_journal_record_is_lost_fails_the_node_closed(
 
 
 # --- the GC scheduler inside a real node --------------------------------------------------------
+@pytest.mark.integration
 def test_maintenance_folds_and_prunes_and_recovery_still_converges(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(checkpoint_interval_ms=3_600_000, gc_interval_ms=3_600_000)

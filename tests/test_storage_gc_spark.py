@@ -41,7 +41,7 @@ from retina_common.storage import open_parquet, root_uri, write_durably
 from spark_jobs import storage_gc_arrow as gc_arrow
 from spark_jobs import storage_gc_plan as gc_plan
 from spark_jobs import storage_gc_task as gc_task
-from spark_jobs.common import REFUSED_MARK, FileRef, spark_session
+from spark_jobs.common import REFUSED_MARK, FileRef
 
 from .dataplane import SCHEMA, DataPlane
 from .support import ROOT, eventually
@@ -201,14 +201,7 @@ def stand_in() -> Iterator[tuple[str, StandInNode]]:
     server.stop(0)
 
 
-@pytest.fixture(scope="module")
-def spark() -> Iterator[object]:
-    session = spark_session("test-storage-gc", "local[2]",
-                            {"spark.ui.enabled": "false", "spark.driver.memory": "1g"})
-    yield session
-    session.stop()
-
-
+@pytest.mark.integration
 def test_rewrite_tasks_write_one_file_per_group_and_register_it_temporary_gc(
         spark: object, stand_in: tuple[str, StandInNode], catalog: Catalog,
         catalog_dsn: str, tmp_path: Path) -> None:
@@ -406,6 +399,7 @@ def pending_rewrites(plane: DataPlane) -> int:
                for n in plane.nodes)
 
 
+@pytest.mark.integration
 def test_the_job_reclaims_deleted_rows_and_compacts_while_reads_stay_exact(
         make_plane: Callable[..., DataPlane]) -> None:
     plane = make_plane()
@@ -438,6 +432,7 @@ def test_the_job_reclaims_deleted_rows_and_compacts_while_reads_stay_exact(
     assert plane.read("orders") == model
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("point", ["gc.rewrite.write.before", "gc.rewrite.write.after"])
 def test_a_task_killed_around_its_write_leaves_the_table_exact_and_a_rerun_finishes(
         point: str, make_plane: Callable[..., DataPlane]) -> None:
@@ -459,6 +454,7 @@ def test_a_task_killed_around_its_write_leaves_the_table_exact_and_a_rerun_finis
     assert all(n == 1 for n in streams(plane).values())
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("point", ["gc.rewrite.write.before", "gc.rewrite.write.after"])
 def test_spark_retries_a_task_killed_around_its_write_and_every_group_commits(
         point: str, make_plane: Callable[..., DataPlane], failpoint_dir: Path) -> None:
@@ -488,6 +484,7 @@ def test_spark_retries_a_task_killed_around_its_write_and_every_group_commits(
     assert stored_rows(plane) == len(model["orders"])
 
 
+@pytest.mark.integration
 def test_deletes_racing_the_job_are_never_lost(
         make_plane: Callable[..., DataPlane], failpoint_dir: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -531,6 +528,7 @@ def test_deletes_racing_the_job_are_never_lost(
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_a_killed_driver_leaves_the_snapshot_exact_and_a_second_run_completes(
         make_plane: Callable[..., DataPlane], failpoint_dir: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -583,6 +581,7 @@ def test_a_killed_driver_leaves_the_snapshot_exact_and_a_second_run_completes(
     assert all(f.type == FileType.TEMPORARY_GC for f in leftovers)
 
 
+@pytest.mark.integration
 def test_a_dry_run_changes_nothing(make_plane: Callable[..., DataPlane]) -> None:
     plane = make_plane()
     load(plane)
@@ -603,6 +602,7 @@ def test_a_dry_run_changes_nothing(make_plane: Callable[..., DataPlane]) -> None
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_files_restored_from_a_checkpoint_are_rewritten_at_a_cutoff_below_the_restart(
         make_plane: Callable[..., DataPlane]) -> None:
     """An old read transaction holds safeGcTs below the restart of a node. Before
@@ -632,6 +632,7 @@ def test_files_restored_from_a_checkpoint_are_rewritten_at_a_cutoff_below_the_re
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_the_job_decides_without_spark_when_it_cannot_run(
         make_plane: Callable[..., DataPlane]) -> None:
     plane = make_plane()
@@ -654,6 +655,7 @@ def test_the_job_decides_without_spark_when_it_cannot_run(
     assert not files_of(plane, FileType.TEMPORARY_GC)
 
 
+@pytest.mark.integration
 def test_a_stream_whose_rows_are_all_deleted_is_rewritten_to_an_empty_file(
         make_plane: Callable[..., DataPlane]) -> None:
     plane = make_plane()
@@ -674,20 +676,33 @@ def test_a_stream_whose_rows_are_all_deleted_is_rewritten_to_an_empty_file(
     assert stored_rows(plane) == len(plane.model.rows["orders"])
 
 
+@pytest.mark.integration
 def test_a_node_runs_the_job_for_its_own_streams_when_configured(
         make_plane: Callable[..., DataPlane]) -> None:
     """retina.gc_job_interval_ms: the READY node launches the Spark job itself (``--node``
-    itself) and the deleted rows disappear from storage with no operator action."""
-    plane = make_plane(gc_job_interval_ms=2000,
-                       gc_job_args="--schema shop --master local[1] --json")
+    itself) and the deleted rows disappear from storage with no operator action.
+
+    The node is loaded first and restarted with the job on: jobs launched every interval
+    while the small files were still being written would compete with the load for the
+    two cores and take several runs, where one run over the loaded table does it."""
+    plane = make_plane()
     load(plane)
     model = plane.model.rows["orders"]
+    (node,) = plane.nodes
+    plane.retinas[node].stop()
+    plane.retinas[node].env = {"RETINA__RETINA__GC_JOB_INTERVAL_MS": "2000",
+                               "RETINA__RETINA__GC_JOB_ARGS": "--schema shop --master local[1] "
+                                                              "--json"}
+    plane.retinas[node].start()
+    plane.recover(node)
+    assert stored_rows(plane) > len(model)  # the deleted rows are still stored
     eventually(lambda: stored_rows(plane) == len(model), 180,
                "the node's own GC job to reclaim the deleted rows")
     assert plane.read("orders") == model
     assert all(n == 1 for n in streams(plane).values())
 
 
+@pytest.mark.integration
 def test_a_commit_held_by_a_write_buffer_read_leaves_its_group_busy_and_the_run_succeeds(
         make_plane: Callable[..., DataPlane], failpoint_dir: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:

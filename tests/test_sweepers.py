@@ -160,6 +160,7 @@ def assert_swept(plane: DataPlane, catalog: Catalog, node: str, files: list[File
 
 
 # --- the retired-file sweeper --------------------------------------------------------------------
+@pytest.mark.integration
 def test_retired_files_go_once_no_slot_holds_them_and_reads_stay_exact(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(gc_retired_retention_ms=0, sweeper_interval_ms=0)
@@ -202,6 +203,7 @@ def test_retired_files_go_once_no_slot_holds_them_and_reads_stay_exact(
         assert plane.read(table) == plane.model.rows[table]
 
 
+@pytest.mark.integration
 def test_a_reader_that_listed_a_retired_file_keeps_it_until_it_ends(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(gc_retired_retention_ms=0, sweeper_interval_ms=0)
@@ -243,6 +245,7 @@ SWEEP_POINTS = ["sweeper.retired.visibility.before", "sweeper.retired.visibility
                 "sweeper.retired.catalog.before", "sweeper.retired.catalog.after"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("point", SWEEP_POINTS)
 def test_a_kill_at_every_sweeper_step_is_finished_by_the_next_round(
         point: str, make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
@@ -270,6 +273,7 @@ def by_file(reply: rpb.RunSweeperResponse) -> dict[int, tuple[str, str]]:
     return {o.file_id: (o.action, o.reason) for o in reply.objects}
 
 
+@pytest.mark.integration
 def test_a_removal_that_fails_is_skipped_and_retried_after_its_backoff_while_the_rest_go(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     """ONE_FAILURE_NEVER_STALLS_A_SWEEP: a RETIRED file and a TEMPORARY_INGEST leftover
@@ -331,6 +335,7 @@ def test_a_removal_that_fails_is_skipped_and_retried_after_its_backoff_while_the
 
 
 # --- temporary files, checkpoint bodies, orphans -----------------------------------------------
+@pytest.mark.integration
 def test_temporary_files_past_their_ttl_go_unless_something_names_them(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(sweeper_interval_ms=0, gc_prepare_ttl_ms=1_000,
@@ -356,6 +361,7 @@ def test_temporary_files_past_their_ttl_go_unless_something_names_them(
     assert plane.read("orders") == plane.model.rows["orders"]  # live ingest files untouched
 
 
+@pytest.mark.integration
 def test_an_ingest_leftover_past_its_ttl_goes_with_its_main_index_ranges(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     """LEFTOVER_RANGES_GO_WITH_THE_FILE in the temporary sweeper: a TEMPORARY_INGEST row,
@@ -391,6 +397,7 @@ def test_an_ingest_leftover_past_its_ttl_goes_with_its_main_index_ranges(
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_checkpoint_bodies_no_slot_references_are_removed_newer_ones_stay(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(sweeper_interval_ms=0)
@@ -411,6 +418,7 @@ def test_checkpoint_bodies_no_slot_references_are_removed_newer_ones_stay(
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_orphans_are_reported_by_a_dry_run_and_removed_after_their_grace(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(sweeper_interval_ms=0)
@@ -468,6 +476,7 @@ def outcome(reply: rpb.RunSweeperResponse, name: str) -> tuple[str, str] | None:
     return found[0] if found else None
 
 
+@pytest.mark.integration
 def test_the_orphan_pass_refuses_a_grace_below_an_hour_and_asks_the_retention_guard(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     """ORPHAN_GRACE_ABOVE_ANY_COMMIT and the guard: a grace below the minimum is refused
@@ -500,6 +509,7 @@ def test_the_orphan_pass_refuses_a_grace_below_an_hour_and_asks_the_retention_gu
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_an_orphan_candidate_named_before_its_delete_is_kept(
         make_plane: Callable[..., DataPlane], catalog: Catalog, failpoint_dir: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -526,6 +536,7 @@ def test_an_orphan_candidate_named_before_its_delete_is_kept(
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_final_journal_records_go_after_the_lineage_retention_once_settled(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(gc_retired_retention_ms=0, sweeper_interval_ms=0,
@@ -542,6 +553,7 @@ def test_final_journal_records_go_after_the_lineage_retention_once_settled(
     assert plane.read("orders") == plane.model.rows["orders"]
 
 
+@pytest.mark.integration
 def test_sweeper_requests_outside_ready_or_malformed_change_nothing(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(sweeper_interval_ms=0)
@@ -572,6 +584,7 @@ OTHER_POINTS = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("point", list(OTHER_POINTS))
 def test_a_kill_at_every_other_sweeper_delete_is_finished_by_the_next_round(
         point: str, make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:

@@ -194,6 +194,7 @@ def test_catalog_ssl_keys_are_merged_into_the_dsn(pki: Pki) -> None:
     assert params["host"] == "db"
 
 
+@pytest.mark.integration
 def test_a_server_without_its_certificate_exits_2(tmp_path: Path, pki: Pki) -> None:
     config = tmp_path / "retina.toml"
     config.write_text('topology_file = "topology.toml"\n' + section(
@@ -204,6 +205,7 @@ def test_a_server_without_its_certificate_exits_2(tmp_path: Path, pki: Pki) -> N
     assert "tls.cert_file" in done.stdout + done.stderr
 
 
+@pytest.mark.integration
 def test_spark_tasks_get_the_drivers_tls_settings(pki: Pki) -> None:
     tls = pki.tls(server_name_override="trans.retina.test")
     conf = spark_executor_env(tls)
@@ -330,6 +332,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory, pki: Pki, etcd_server: EtcdI
         delete_prefix(store, "/pixels/")
 
 
+@pytest.mark.integration
 def test_node_reaches_ready_through_a_tls_only_trans_server(plane: SecurePlane) -> None:
     # MarkReady waits on the node's own calls to the TransServer (its high
     # watermark), which accepts only TLS with a client certificate.
@@ -339,6 +342,7 @@ def test_node_reaches_ready_through_a_tls_only_trans_server(plane: SecurePlane) 
     assert status.state == rpb.READY, plane.retina.log_tail()
 
 
+@pytest.mark.integration
 def test_tls_client_writes_and_reads_back(plane: SecurePlane) -> None:
     rows = [{"id": i, "owner": f"owner-{i}"} for i in range(5)]
     plane.write(rows)
@@ -346,6 +350,7 @@ def test_tls_client_writes_and_reads_back(plane: SecurePlane) -> None:
     assert [r for r in read if r["id"] < 100] == rows
 
 
+@pytest.mark.integration
 def test_spark_snapshot_query_over_tls(plane: SecurePlane) -> None:
     # The driver's channels and its tasks' (one per published file) all need TLS
     # with the client certificate; the job reads them from the same retina.toml.
@@ -363,6 +368,7 @@ def test_spark_snapshot_query_over_tls(plane: SecurePlane) -> None:
     assert info["count"] == expected.table.num_rows and info["files"] >= 1
 
 
+@pytest.mark.integration
 def test_clients_without_the_right_credentials_are_refused(pki: Pki,
                                                            plane: SecurePlane) -> None:
     refused = {
@@ -418,6 +424,7 @@ def tls_etcd(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[str
         log.close()
 
 
+@pytest.mark.integration
 def test_etcd_store_over_https_with_a_client_certificate(pki: Pki, tls_etcd: str) -> None:
     config = load_config(env={"RETINA__ETCD__ENDPOINTS": tls_etcd,
                               "RETINA__ETCD__CA_FILE": pki.ca,
@@ -439,6 +446,7 @@ def test_etcd_store_over_https_with_a_client_certificate(pki: Pki, tls_etcd: str
         watch.join(5)
 
 
+@pytest.mark.integration
 def test_etcd_store_without_the_right_ca_or_certificate_fails(pki: Pki, tls_etcd: str) -> None:
     with pytest.raises(EtcdUnavailable, match="certificate verify failed"):
         EtcdStore([tls_etcd], 2, ca_file=pki.other_ca, cert_file=pki.client[0],
@@ -471,6 +479,7 @@ def tls_postgres(base_dir: Path, pki: Pki) -> Iterator[PostgresInstance]:
         shutil.rmtree(data, ignore_errors=True)
 
 
+@pytest.mark.integration
 def test_catalog_connects_with_verify_full(pki: Pki, tls_postgres: PostgresInstance) -> None:
     config = load_config(env={"RETINA__CATALOG__DSN": tls_postgres.dsn("retina"),
                               "RETINA__CATALOG__SSLMODE": "verify-full",
@@ -492,6 +501,7 @@ def test_catalog_connects_with_verify_full(pki: Pki, tls_postgres: PostgresInsta
         conn.close()
 
 
+@pytest.mark.integration
 def test_catalog_refuses_a_server_its_ca_did_not_sign(pki: Pki,
                                                       tls_postgres: PostgresInstance) -> None:
     dsn = f"{tls_postgres.dsn('retina')} sslmode=verify-full sslrootcert={pki.other_ca}"

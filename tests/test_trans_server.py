@@ -32,6 +32,8 @@ from .support import (
     rpc_error,
 )
 
+pytestmark = pytest.mark.integration
+
 NODE_A, NODE_B = "127.0.0.1:41001", "127.0.0.1:41002"
 NODES = [NODE_A, NODE_B]
 

@@ -19,6 +19,8 @@ from trans_gate.transactions import (
     WrongTransactionKind,
 )
 
+pytestmark = pytest.mark.integration
+
 
 def counter(etcd: EtcdStore, key: str = TRANS_TIMESTAMP_KEY, block: int = 3) -> DurableCounter:
     c = DurableCounter(etcd, key, block, failpoints.TRANS_TS_BLOCK_PERSIST_BEFORE,

@@ -28,6 +28,8 @@ from retina_common.pb import trans_pb2 as tpb
 from .dataplane import SCHEMA, DataPlane
 from .support import eventually, rpc_error
 
+pytestmark = pytest.mark.integration
+
 BLOCK_ROWS = 16
 VNODE = 3
 # Long enough that the timer never seals the half-full file while the test

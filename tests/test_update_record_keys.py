@@ -149,6 +149,7 @@ def unchanged(plane: DataPlane) -> bool:
     return all(plane.read(t) == plane.model.rows[t] for t in ("orders", "events"))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("send", [unary, streamed], ids=["UpdateRecord", "StreamUpdateRecord"])
 @pytest.mark.parametrize("case", CASES, ids=repr)
 def test_key_disagreeing_with_its_row_refuses_the_whole_request(

@@ -18,6 +18,8 @@ from retina_common.pb import trans_pb2 as tpb
 from .dataplane import SCHEMA, DataPlane, module_plane
 from .support import rpc_error
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory, etcd_server, pg_server) -> Iterator[DataPlane]:

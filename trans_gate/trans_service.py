@@ -77,8 +77,8 @@ class TransService(pb_grpc.TransServiceServicer):
         decision = self._gate.check()
         GATE_DECISION_SECONDS.observe(time.perf_counter() - started)
         if not decision.admitted:
-            for reason in set(decision.refusal_reasons.values()) or {"watch"}:
-                GATE_REFUSALS.labels(reason=str(reason)).inc()
+            for reason in {str(r) for r in decision.refusal_reasons.values()} or {"watch"}:
+                GATE_REFUSALS.labels(reason=reason).inc()
             raise Refusal(grpc.StatusCode.UNAVAILABLE, decision.message)
         return decision
 

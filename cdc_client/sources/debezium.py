@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from cdc_client.source import Op, RowChange, SourceError, SourceTransaction
 from cdc_client.sources.debezium_values import (
@@ -161,7 +161,8 @@ class _OpenTransaction:
     def ordered_changes(self) -> tuple[RowChange, ...]:
         orders = [order for order, _ in self.events]
         if all(isinstance(order, int) for order in orders):
-            return tuple(change for _, change in sorted(self.events, key=lambda e: e[0]))
+            return tuple(change for _, change in sorted(self.events,
+                                                        key=lambda e: cast(int, e[0])))
         return tuple(change for _, change in self.events)  # arrival order is all we have
 
 
@@ -357,7 +358,8 @@ class DebeziumFileSource:
             return
         if change.before is not None:
             old = self._row_key(change.table, change.before)
-            open_tx.rows.pop((change.table, old), None)
+            if old is not None:  # no key, nothing was remembered
+                open_tx.rows.pop((change.table, old), None)
         if change.after is not None:
             new = self._row_key(change.table, change.after)
             if new is not None:

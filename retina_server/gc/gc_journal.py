@@ -149,13 +149,11 @@ class JournalEntry:
     def moved(self, state: JournalState, now_ms: int, reason: str = "") -> JournalEntry:
         if state not in TRANSITIONS[self.state]:
             raise IllegalJournalTransition(f"rewrite {self.rewrite_id}: {self.state} -> {state}")
-        times = {}
-        if state == JournalState.SWAPPED_NOT_CHECKPOINTED:
-            times["completed_at_ms"] = now_ms
-        elif state == JournalState.REVERTED:
-            times["reverted_at_ms"] = now_ms
+        completed = now_ms if state == JournalState.SWAPPED_NOT_CHECKPOINTED \
+            else self.completed_at_ms
+        reverted = now_ms if state == JournalState.REVERTED else self.reverted_at_ms
         return replace(self, state=state, updated_at_ms=now_ms, reason=reason or self.reason,
-                       **times)
+                       completed_at_ms=completed, reverted_at_ms=reverted)
 
 
 def encode(entry: JournalEntry) -> bytes:

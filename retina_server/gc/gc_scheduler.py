@@ -62,6 +62,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import Counter, Gauge
 
@@ -304,7 +305,7 @@ class GcScheduler:
             return max(self._last_fold_ts, self._fold_intent)
 
     # --- status ---
-    def status(self) -> dict[str, object]:
+    def status(self) -> dict[str, Any]:
         """last_fold_ts, last_prune_horizon_ts, rounds (run), skipped_rounds, and what the
         last round did (``last``: a MaintenanceResult or None)."""
         with self._state_lock:

@@ -43,6 +43,7 @@ import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 
 from prometheus_client import Counter, Gauge
 
@@ -299,7 +300,7 @@ class Sweeper:
             path_uri = paths[f.path_id]
             removed = backoff.attempt(
                 str(f.file_id),
-                lambda f=f, uri=path_uri, size=size: self._remove_unless_reverted(f, uri, size),
+                partial(self._remove_unless_reverted, f, path_uri, size),
                 file_id=f.file_id, name=f.name)
             out.append(removed or Swept("retired", f.file_id, f.name, path_uri, "held",
                                         REMOVAL_FAILED, size))

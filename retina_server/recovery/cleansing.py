@@ -38,6 +38,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TypeVar
 
 from prometheus_client import Counter
@@ -161,7 +162,7 @@ def _retire_leftovers(node: RetinaNode, catalog: Catalog, mine: list[FileRecord]
     keep = kept | protected
     for f in mine:
         if f.type == FileType.REGULAR and f.file_id not in keep:
-            retry(lambda f=f: _retire(catalog, f.file_id, now), f"retire file {f.file_id}")
+            retry(partial(_retire, catalog, f.file_id, now), f"retire file {f.file_id}")
             RETIRED.inc()
             retired += 1
             log.info("cleansing_retired", node=node.node_id, file_id=f.file_id)

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from prometheus_client import Gauge
@@ -105,7 +105,7 @@ class RecoveryCoordinator:
                  machine: LifecycleStateMachine, announcer: LifecycleAnnouncer,
                  high_watermark: Callable[[], int], recovery_epoch: int,
                  gc_journal: GcJournal, *, retired_retention_ms: int = 600_000,
-                 checkpoint_listeners: Sequence[Callable[[CheckpointBody], None]] = (),
+                 checkpoint_listeners: Sequence[Callable[[CheckpointBody], object]] = (),
                  loaded_listeners: Sequence[Callable[[set[int]], None]] = ()) -> None:
         self._node = node
         self._gc_journal = gc_journal
@@ -321,7 +321,7 @@ class RecoveryCoordinator:
             CHECKPOINT_INSTALLED.set(time.time())
             return pointer
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> dict[str, Any]:
         phase = self._machine.phase
         return {
             "state": self._machine.state.value,
