@@ -55,12 +55,13 @@ import numpy as np
 import pyarrow as pa
 from prometheus_client import Counter, Histogram
 
+from retina_common import refusal
 from retina_common.catalog import Catalog, TableRecord
 from retina_common.codec import EncodingError, encode_primary_keys, primary_key_problem
 from retina_common.columnar import ColumnarError, decode_key_columns, row_count
 from retina_common.log import get_logger
 from retina_common.pb import retina_pb2 as pb
-from retina_common.refusal import SNAPSHOT_EXPIRED, Refusal
+from retina_common.refusal import Refusal
 from retina_common.schema_evolution import table_schema
 from retina_common.storage import open_parquet
 from retina_server.node import RetinaNode
@@ -94,9 +95,9 @@ def _invalid(message: str) -> Refusal:
 
 
 def snapshot_expired(ts: int, what: str, earliest: int) -> Refusal:
-    return Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                   f"{SNAPSHOT_EXPIRED}: snapshot {ts} is below {what}; "
-                   f"earliest_readable_ts={earliest}; read at a later snapshot")
+    # The one SNAPSHOT_EXPIRED format (retina_common/refusal.py), which clients parse.
+    return refusal.snapshot_expired(f"snapshot {ts} is below {what}; read at a later "
+                                    "snapshot", earliest)
 
 
 @dataclass(frozen=True)
@@ -270,7 +271,7 @@ class RowLookup:
         np.not_equal(files[1:], files[:-1], out=change[1:])
         change[1:] |= rgs[1:] != rgs[:-1]
         starts = np.flatnonzero(change)
-        ends = np.append(starts[1:], len(files))
+        ends = np.append(starts[1:], len(files))[:len(starts)]  # none when nothing located
         kept: list[np.ndarray] = []
         gathered: list[tuple[RowGroupRows, np.ndarray]] = []
         for start, end in zip(starts.tolist(), ends.tolist(), strict=True):

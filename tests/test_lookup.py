@@ -27,7 +27,7 @@ from retina_common.lookup import Lookup, encode_keys, merge_answers
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import main as query_main
-from retina_common.refusal import SNAPSHOT_EXPIRED
+from retina_common.refusal import SNAPSHOT_EXPIRED, earliest_readable
 from retina_server.row_gather import RowGroupRows, assemble, assemble_few
 from retina_server.row_group_cache import RowGroupCache
 from retina_server.row_moves import MovesInProgress, RowMoves
@@ -444,7 +444,9 @@ def test_snapshots_below_folded_visibility_or_pruned_versions_are_refused(
                                                               trans=old))
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert (err.details() or "").startswith(SNAPSHOT_EXPIRED), err.details()
-        earliest = int((err.details() or "").rsplit("earliest_readable_ts=", 1)[1].split(";")[0])
+        named = earliest_readable(err.details() or "")
+        assert named is not None, err.details()
+        earliest = named[0]
         assert first < earliest <= trans.timestamp
         at = tpb.BeginTransResponse(trans_id=trans.trans_id, timestamp=max(
             earliest, done.fold_ts, done.prune_horizon_ts))
