@@ -27,14 +27,16 @@ import psycopg2
 
 from devtools.cluster import ClusterError, pid_alive
 from retina_common import exit_codes
+from retina_common.catalog import Catalog, TableRecord
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
-from retina_common.topology import load_topology
+from retina_common.topology import Topology, load_topology
 
 from . import workload
 from .app_workload import APP_STREAM, AppWriter
+from .as_of_reads import AsOfReader
 from .campaign_cluster import CDC, CDC_NAME, TRANS, WRITER, ChaosCluster
-from .compare import Comparison, FastSnapshotReader, converge
+from .compare import Comparison, FastSnapshotReader, converge, expected_images
 from .faults import (
     FAULTS,
     UNREACHABLE,
@@ -45,10 +47,12 @@ from .faults import (
     relevant_points,
 )
 from .gc_driver import ROW_GROUP_ROWS, journal_states
+from .key_lookups import KeyLookups, lookup_over
+from .pinned_snapshots import PinBook
 from .prober import Prober, ReadinessTracker
 from .repeatable_reads import SnapshotBook
 from .report import Anomaly, Report
-from .snapshots import SnapshotReaders
+from .snapshots import SPECS, SnapshotReaders
 from .sweep import StorageAudit
 
 # 6: the workload changes the source schema only by nullable ADD COLUMNs, which the
@@ -177,15 +181,41 @@ class Campaign:
         # etcd restarts on the same ports, so one client serves the cluster's lifetime.
         self.etcd = EtcdStore([self.cluster.state.etcd.endpoint], 5)
         self.reader = FastSnapshotReader(self.cluster.state.trans_listen, topology, 10)
-        self.book = SnapshotBook(SnapshotReaders(self.reader, self.cluster.state.trans_listen,
-                                                 topology), self.report.snapshots)
         self.prober = Prober(self.cluster.state.trans_listen, topology, self.args.seed)
         self.prober.start()
         self.audit = StorageAudit(self.cluster.state.postgres.dsn())
         self.app = AppWriter(self.cluster, topology, self.etcd)
         self.app.start()
+        self.book = self._snapshot_book(topology)
         self.log(f"chaos: cluster {generation} READY in {time.monotonic() - t0:.1f}s "
                  f"({self.cluster.state_dir}); seed {self.args.seed}")
+
+    def _snapshot_book(self, topology: Topology) -> SnapshotBook:
+        """SNAPSHOT_IS_IMMUTABLE's snapshots, their AS OF re-reads and pins (one cluster)."""
+        assert self.cluster.state is not None and self.app is not None
+        cluster, app = self.cluster, self.app
+        readers = SnapshotReaders(self.reader, cluster.state.trans_listen, topology)
+        def all_ready() -> bool:
+            return cluster.alive(TRANS) and cluster.all_ready()
+
+        as_of = AsOfReader(readers, self.report.history, [],
+                           trans_started_at=lambda: cluster.procs[TRANS].started_at,
+                           all_ready=all_ready)
+        pins = PinBook(readers.channel, as_of, self.report.history, [])
+        lookups = KeyLookups(lookup_over(readers.reader, self._table_records()),
+                             self.report.lookups, [], all_ready=all_ready)
+        return SnapshotBook(readers, self.report.snapshots, as_of, pins,
+                            expected=lambda: expected_images(self._source, [app]),
+                            lookups=lookups)
+
+    def _table_records(self) -> dict[str, TableRecord]:
+        """The catalog's records of the tables the campaign reads (their key columns)."""
+        assert self.cluster.state is not None
+        catalog = Catalog(self.cluster.state.postgres.dsn(), pool_max=1)
+        try:
+            return {name: catalog.get_table(workload.SCHEMA, name) for name in SPECS}
+        finally:
+            catalog.close()
 
     def _close_cluster(self) -> None:
         if self.app is not None:
@@ -276,7 +306,7 @@ class Campaign:
         self._check_gc_journals(episode)
         self._check_storage(episode)
         self._record_breaches(episode)
-        book.after_healing()
+        book.after_healing(comparison.clean)
         self._record_snapshots(episode)
         self.report.episodes += 1
         self.report.episode_seconds.append(time.monotonic() - t0)

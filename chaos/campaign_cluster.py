@@ -70,7 +70,15 @@ RETINA_SETTINGS = {"block_rows": 32, "blocks_per_file": 2, "flush_interval_ms": 
                    "gc_interval_ms": 5000, "sweeper_interval_ms": 2000,
                    "gc_retired_retention_ms": 8000, "gc_lineage_retention_ms": 10_000,
                    "gc_prepare_ttl_ms": 60_000, "temporary_file_ttl_ms": 120_000}
-TRANS_SETTINGS = {"ts_block_size": 32, "write_lease_ms": 5000}
+# History (docs/history.md): AS OF reads reach back 20 s beyond live reads and pins. An
+# episode takes 10 to 20 s, and the campaign reads snapshots of the last five episodes
+# again AS OF their point (chaos/repeatable_reads.py): the previous episode's are mostly
+# still readable (answered exactly), older ones expired (refused snapshot_expired), so
+# both outcomes come up in every few episodes; the sweepers' retired files wait 20 s
+# longer, well inside the storage audit's 90 s.
+HISTORY_RETENTION_MS = 20_000
+TRANS_SETTINGS = {"ts_block_size": 32, "write_lease_ms": 5000,
+                  "history_retention_ms": HISTORY_RETENTION_MS}
 # snapshot_chunk_rows: the rows the source holds before the connector first starts
 # (workload.PRELOADED_ROWS per table) are loaded by its initial snapshot in many chunks.
 CDC_SETTINGS = {"retention_interval_s": 2, "node_check_interval_ms": 250,

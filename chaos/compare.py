@@ -21,6 +21,7 @@ from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import SnapshotReader
 from retina_common.topology import Topology
 
+from .snapshots import TableImage
 from .workload import SCHEMA, Key, Row, TableSpec, current_tables, normalise, source_rows
 
 
@@ -188,6 +189,26 @@ def compare_once(reader: SnapshotReader, source: Callable[[], Any],
                                       f"{exc.details()}")
         tables[model.table.name] = diff_table(model.table, want, got, either)
     return Comparison(tables)
+
+
+def image_of(table: TableSpec, rows: Mapping[Key, Row]) -> TableImage:
+    """Rows over ``table.all_columns`` as a snapshot's image (chaos/snapshots.py)."""
+    return TableImage.of((dict(zip(table.all_columns, row, strict=True))
+                          for row in rows.values()), table.pk)
+
+
+def expected_images(source: Callable[[], Any], models: Sequence[ModelTable] = ()
+                    ) -> dict[str, tuple[TableImage, frozenset[Key]]]:
+    """What a snapshot must hold now, as images: every source table (nothing undecided),
+    then every table ``models`` keep, with the keys they leave undecided. Raises
+    psycopg2.Error when the source does not answer."""
+    out: dict[str, tuple[TableImage, frozenset[Key]]] = {}
+    for table in current_tables(source()):
+        out[table.name] = (image_of(table, source_rows(source(), table)), frozenset())
+    for model in models:
+        want, either = model.expected()
+        out[model.table.name] = (image_of(model.table, want), frozenset(either))
+    return out
 
 
 def lsn(text: str) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import signal
@@ -32,6 +33,7 @@ from . import spark_replay, split_reads, stalls
 from .app_workload import AppWriter
 from .campaign_cluster import CDC, TRANS, ChaosCluster
 from .gc_driver import ROW_GROUP_ROWS, GcDriver, PassResult, maintenance
+from .pinned_snapshots import PinFailpoint
 from .prober import ReadinessTracker
 from .repeatable_reads import SnapshotBook
 from .sweep import (
@@ -96,6 +98,16 @@ GC_REVERT_POINTS = ("gc.revert.",)
 # due: GC passes (retired files, then settled final journal records), planted temporary
 # leftovers (a TEMPORARY_GC / TEMPORARY_INGEST row named two hours ago) and planted orphan
 # objects (chaos/sweep.py). checkpoint.body_delete.* is also reached by every checkpoint.
+# The TransServer's pin points (trans_gate/pins.py): reached only by CreatePin and
+# DropPin, so the wait creates and drops pins (chaos/pinned_snapshots.py, PinFailpoint);
+# once restarted, the pin in flight must be there exactly when the point lies after its
+# etcd write. The time map's points are reached by its flush (every second).
+PIN_POINTS = ("trans.pin.",)
+# The GC horizon's points (trans_gate/history.py): reached when a safeGcTs above the
+# durable horizon is handed out. The nodes' GC rounds ask every 5 s, and only a few of
+# those raise it (the retained snapshot moves with the time map), so the wait asks too,
+# as a GC job's driver does.
+HORIZON_POINTS = ("trans.horizon.",)
 SWEEP_PASSES = {"sweeper.retired.": "retired", "sweeper.temporary.": "temporary",
                 "sweeper.orphan.": "orphans", "sweeper.journal.": "journal",
                 "checkpoint.body_delete.": "checkpoints"}
@@ -430,7 +442,13 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
         result.detail += f" (replaying {node})"
     action: Callable[[], None] | None = None
     deadline_s = FAILPOINT_DEADLINE_S
-    if driving == "pass":
+    pins = PinFailpoint(ctx.cluster.state.trans_listen, point) \
+        if point.startswith(PIN_POINTS) and ctx.cluster.state is not None else None
+    if pins is not None:
+        action = pins.act
+    elif point.startswith(HORIZON_POINTS) and ctx.cluster.state is not None:
+        action = _safe_gc_action(ctx.cluster.state.trans_listen)
+    elif driving == "pass":
         action, deadline_s = _gc_action(ctx, name, result), GC_FAILPOINT_DEADLINE_S
     elif driving == "revert":
         action, deadline_s = _revert_action(ctx, name, result), GC_FAILPOINT_DEADLINE_S
@@ -449,6 +467,9 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
     ctx.cluster.start(name)
     if name == TRANS:
         ctx.cluster.wait_trans()
+    if pins is not None:
+        result.anomalies.extend(pins.check(bool(result.failpoint_hit)))
+        pins.close()
     return result
 
 
@@ -547,10 +568,22 @@ def _drive_until_exit(ctx: FaultContext, name: str, timeout_s: float,
             return code
         ctx.write()
         # Only once the restarted node is READY: before, the gate refuses the pass (or a
-        # stale READY key admits it to a node that is not listening yet).
-        if action is not None and ctx.cluster.alive(name) and node_state(name) == rpb.READY:
+        # stale READY key admits it to a node that is not listening yet). The
+        # TransServer's actions (pins) need it up only.
+        if action is not None and ctx.cluster.alive(name) and \
+                (name == TRANS or node_state(name) == rpb.READY):
             action()
     return ctx.cluster.exit_code(name)
+
+
+def _safe_gc_action(trans_address: str) -> Callable[[], None]:
+    """GetSafeGcTimestamp, as a GC job's driver asks it (the horizon's points)."""
+    def act() -> None:
+        # An error: the TransServer died at the point.
+        with open_channel(trans_address) as chan, contextlib.suppress(grpc.RpcError):
+            trans_pb2_grpc.TransServiceStub(chan).GetSafeGcTimestamp(
+                tpb.GetSafeGcTimestampRequest(), timeout=5)
+    return act
 
 
 def _gc_action(ctx: FaultContext, node: str, result: FaultResult) -> Callable[[], None]:

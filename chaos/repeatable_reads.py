@@ -1,5 +1,6 @@
 """Repeatable reads: every episode's snapshots, held open across its fault and read again
-once it is healed (SNAPSHOT_IS_IMMUTABLE, chaos/snapshots.py).
+once it is healed (SNAPSHOT_IS_IMMUTABLE, chaos/snapshots.py), and read again later AS OF
+their past point (chaos/as_of_reads.py, issue 27).
 
 Per episode, drawn up front from the episode's own random stream (``EpisodePlan``, so
 neither the faults' nor the workload's draws moved):
@@ -11,20 +12,28 @@ neither the faults' nor the workload's draws moved):
 - sometimes **during the fault**, after its n-th workload write (the gate refuses it while
   a node is down: counted); the stall and split-read faults take theirs besides;
 - **once healed** (every table compared equal to the source): every open snapshot is read
-  again at its S, in its own transaction or under a new one (drawn; the open one pins S
-  either way: safeGcTs stays below it, so no fold or rewrite may drop what S sees), by a
-  reader drawn anew (so the two readers are checked against each other too); the
-  episode's transactions are then ended, the held ones when due;
-- then sometimes an **unpinned** snapshot (``AFTER_P``: its transaction ended at once),
-  read again in later episodes under new transactions: by then a fold, a rewrite or a
-  restart has usually made S unreadable, and the read must be refused, never answered
-  differently.
+  again at its S, in its own transaction or in a new transaction AS OF S (drawn; the open
+  one pins S either way: safeGcTs stays below it, so no fold or rewrite may drop what S
+  sees), by a reader drawn anew (so the two readers are checked against each other too);
+  the episode's transactions are then ended, the held ones when due;
+- then **AS OF re-reads** (``AS_OF_REREADS``) of snapshots whose transactions ended, in
+  this episode or in the ``REMEMBER_EPISODES`` before: by timestamp, or by the wall-clock
+  time a snapshot was taken AS OF; with ``trans.history_retention_ms`` set (20 s in the
+  campaign) the recent ones must answer exactly and the older ones be refused
+  ``snapshot_expired`` below the earliest readable point (chaos/as_of_reads.py); the held
+  pins are read, the due ones dropped (chaos/pinned_snapshots.py);
+- last, **the episode's image**: a snapshot of every table and the application writer's
+  table, at the newest snapshot or AS OF a wall-clock time a moment ago
+  (``BY_TIME_P``), compared whole with the source (and the writer's model) when its S is
+  at or above the HWM read after the comparison (``image_differs_from_source``), pinned
+  now and then (``pinned_snapshots.PIN_P``); its transaction ended at once, it is read
+  again AS OF its S (or time, or pin) in later episodes.
 
-An open transaction whose re-read is refused is ended (S is no longer readable: a node
-restarted since, its floor above S; kept, it would only hold safeGcTs below that floor,
-where every GC pass's QueryVisibility is refused). For the same reason every open one is
-read again and ended before a fault that restarts a node and then needs GC passes on it
-(``release``).
+An open transaction whose re-read is refused is ended (S is no longer readable in it: a
+node restarted since, its floor above S; kept, it would only hold safeGcTs below that
+floor, where every GC pass's QueryVisibility is refused). For the same reason every open
+one is read again and ended, and every pin dropped, before a fault that restarts a node
+and then needs GC passes on it (``release``).
 """
 
 from __future__ import annotations
@@ -32,20 +41,26 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from retina_common.pb import trans_pb2 as tpb
+from retina_common.refusal import AS_OF_TIME_UNMAPPED, SNAPSHOT_EXPIRED
 
+from .as_of_reads import AsOfPoint, AsOfReader
+from .key_lookups import AS_OF_P, KeyLookups
+from .pinned_snapshots import PIN_MAX, PIN_P, PinBook
 from .snapshots import (
     VIAS,
     ReadRefused,
     SnapshotReaders,
     TableImage,
     Taken,
-    at_timestamp,
     compare_taken,
+    diff_images,
     duplicates_in,
     is_refusal,
+    tables_imaged,
     tables_taken,
 )
 
@@ -55,15 +70,21 @@ HELD_EPISODES = (2, 4)
 # Held transactions keep their listed files from the sweepers; the storage audit reports
 # a RETIRED file still there 90 s past its cleanupAt.
 HELD_MAX_S = 60.0
-AFTER_P = 1 / 3
 # The fault's workload write a mid-fault snapshot follows (0: none).
 DURING_AT = (0, 0, 0, 0, 1, 2)
-# Unpinned snapshots: read again for this many episodes, at most REMEMBER_MAX kept, at
-# most REREAD_UNPINNED of them per episode. A full read of the five tables takes 0.5 to
-# 1 s on the loaded 2-core machine (a refused one much less): an episode does about four.
+# Ended snapshots: read again AS OF their point for this many episodes, at most
+# REMEMBER_MAX kept, AS_OF_REREADS of them per episode (the newest and one drawn). A full
+# read of the tables takes 0.5 to 1 s on the loaded 2-core machine (a refused one much
+# less): an episode does about six.
 REMEMBER_EPISODES = 5
 REMEMBER_MAX = 8
-REREAD_UNPINNED = 1
+AS_OF_REREADS = 2
+# A re-read AS OF a wall-clock time, when the snapshot was taken AS OF one.
+BY_TIME_REREAD_P = 0.6
+# The episode's image taken AS OF a wall-clock time this long ago (the TransServer's time
+# map samples every 100 ms and is durable every second) rather than at the newest snapshot.
+BY_TIME_P = 0.5
+BY_TIME_LAG_MS = 1500
 HISTORY_MAX = 40
 
 
@@ -77,25 +98,49 @@ class EpisodePlan:
     during: str
     hold: bool  # that snapshot held open for the next episodes too
     hold_episodes: int
-    after: str  # the reader of the unpinned snapshot taken once healed ("": none)
+    after: str  # the reader of the episode's image, taken once healed
+    by_time: bool  # that image taken AS OF a wall-clock time a moment ago
+    pin: bool  # that image pinned (if fewer than PIN_MAX are)
 
     @classmethod
     def draw(cls, rng: random.Random) -> EpisodePlan:
         return cls(rng.choice(VIAS), rng.choice(DURING_AT), rng.choice(VIAS),
-                   rng.random() < HOLD_P, rng.randint(*HELD_EPISODES),
-                   rng.choice(VIAS) if rng.random() < AFTER_P else "")
+                   rng.random() < HOLD_P, rng.randint(*HELD_EPISODES), rng.choice(VIAS),
+                   rng.random() < BY_TIME_P, rng.random() < PIN_P)
+
+
+# The images the episode's image is compared with: table -> the source's (or the model's)
+# image, and the keys a model leaves undecided (chaos/app_model.py), which are skipped.
+Expected = dict[str, tuple[TableImage, frozenset[tuple[object, ...]]]]
 
 
 class SnapshotBook:
-    """One cluster's snapshots: open (pinned), held, unpinned; re-reads; counts (the
-    report's ``snapshots`` counter) and anomaly texts (drained by the campaign)."""
+    """One cluster's snapshots: open, held, remembered (ended); re-reads, AS OF re-reads
+    and pins; counts (the report's ``snapshots`` counter; AS OF reads and pins in
+    ``as_of.counts``) and anomaly texts (drained by the campaign)."""
 
-    def __init__(self, readers: SnapshotReaders, counts: Counter[str]) -> None:
+    def __init__(self, readers: SnapshotReaders, counts: Counter[str],
+                 as_of: AsOfReader | None = None, pins: PinBook | None = None,
+                 expected: Callable[[], Expected] | None = None,
+                 lookups: KeyLookups | None = None) -> None:
+        """``as_of`` (default: one over ``readers`` counting into a counter of its own),
+        ``pins`` and ``lookups`` (default: none) share the book's anomaly list;
+        ``expected``: what the episode's image must hold (default: not compared)."""
         self.readers = readers
         self.counts = counts
-        self.open: list[Taken] = []  # transactions still open: this episode's and held
-        self.unpinned: list[Taken] = []
         self.anomalies: list[str] = []
+        self.as_of = as_of or AsOfReader(readers, Counter(), self.anomalies)
+        self.as_of.anomalies = self.anomalies
+        self.pins = pins
+        if pins is not None:
+            pins.anomalies = self.anomalies
+        self.expected = expected
+        self.lookups = lookups
+        if lookups is not None:
+            lookups.anomalies = self.anomalies
+            self.as_of.on_answered = self._lookups_as_of
+        self.open: list[Taken] = []  # transactions still open: this episode's and held
+        self.remembered: list[Taken] = []  # ended, read again AS OF their point
         self._history: list[tuple[int, str]] = []
         self._next_sid = 1
         self.episode = 0
@@ -126,6 +171,18 @@ class SnapshotBook:
         self._fault_writes += 1
         if self._fault_writes == self.plan.during_at:
             self.take(self.plan.during, "during the fault")
+        before = next((t for t in self.open if t.episode == self.episode
+                       and t.phase == "before the fault" and t.trans is not None), None)
+        if self.lookups is not None and before is not None and before.trans is not None:
+            self.lookups.during_fault(before.trans, before.images, self.rng,
+                                      f"in the transaction of {before.label()}, after the "
+                                      f"fault's write {self._fault_writes}")
+
+    def _lookups_as_of(self, trans: tpb.BeginTransResponse,
+                       images: dict[str, TableImage]) -> None:
+        """Now and then, keys looked up in an AS OF transaction that answered exactly."""
+        if self.lookups is not None and self.rng.random() < AS_OF_P:
+            self.lookups.check(trans, images, self.rng, "AS OF", prefix="as_of_")
 
     def after_fault(self, text: str) -> None:
         """What the fault did (told in a snapshot_changed's detail)."""
@@ -134,30 +191,37 @@ class SnapshotBook:
         self._history.append((self.episode, text))
         del self._history[:-HISTORY_MAX]
 
-    def after_healing(self) -> None:
+    def after_healing(self, compared_equal: bool = True) -> None:
+        """Once healed and compared (``compared_equal``: the comparison found every table
+        equal to the source, so the episode's image is compared with it too)."""
+        # Every comparison read is at or below it.
+        hwm = self.readers.high_watermark() if compared_equal else None
         self.reread("after healing")
-        self._reread_unpinned()
-        if self.plan.after:
-            self.take(self.plan.after, "after healing", pin=False)
+        self._reread_as_of()
+        if self.pins is not None:
+            self.pins.episode(self.episode, self.rng, self.history_since(0))
+        self._episode_image(hwm)
 
     def history_since(self, episode: int) -> str:
         return "; ".join(f"episode {e}: {t}" for e, t in self._history if e >= episode)
 
     def drain(self) -> list[str]:
-        out, self.anomalies = self.anomalies, []
+        out = list(self.anomalies)
+        self.anomalies.clear()  # the list is shared with the AS OF reader and the pins
         return out
 
     def close(self) -> None:
         for taken in list(self.open):
             self._end(taken)
-        self.open, self.unpinned = [], []
+        if self.pins is not None:
+            self.pins.close()
+        self.open, self.remembered = [], []
 
     # --- taking -------------------------------------------------------------------------
-    def take(self, via: str, phase: str, hold_episodes: int = 0,
-             pin: bool = True) -> Taken | None:
+    def take(self, via: str, phase: str, hold_episodes: int = 0) -> Taken | None:
         """A snapshot of every table under a gated transaction of its own, kept open
-        until this episode's re-reads (``hold_episodes`` more with a hold), or ended at
-        once (``pin=False``); None if refused (the gate, a node away: counted)."""
+        until this episode's re-reads (``hold_episodes`` more with a hold); None if
+        refused (the gate, a node away: counted)."""
         try:
             trans = self.readers.begin()
         except ReadRefused as exc:
@@ -169,10 +233,68 @@ class SnapshotBook:
             self._refused("take", exc)
             self.readers.end(trans.trans_id)
             return None
-        if not pin:
-            self.readers.end(trans.trans_id)
-            return self._unpinned(self._remember(via, trans.timestamp, phase, images))
         return self.adopt(via, trans, phase, images, hold_episodes)
+
+    def _episode_image(self, hwm: int | None) -> None:
+        """The episode's image (module docstring): every table and the application
+        writer's, compared with the source when S is at or above ``hwm``, pinned now and
+        then, its transaction ended at once."""
+        time_ms = int(time.time() * 1000) - BY_TIME_LAG_MS if self.plan.by_time else 0
+        try:
+            trans = self.readers.begin(as_of_time_ms=time_ms)
+        except ReadRefused as exc:
+            self._refused("take", exc)
+            return
+        try:
+            images = self.readers.read(self.plan.after, trans, tables_imaged())
+        except ReadRefused as exc:
+            self._refused("take", exc)
+            self.readers.end(trans.trans_id)
+            return
+        taken = self._remember(self.plan.after, trans.timestamp, "once healed", images)
+        taken.time_ms = time_ms
+        self.counts["images_by_time" if time_ms else "images"] += 1
+        expected = None
+        if hwm is not None and trans.timestamp >= hwm:
+            expected = self._compare_with_expected(taken)
+        elif hwm is not None:  # AS OF a time before the comparison's reads: moved since
+            self.counts["images_below_comparison"] += 1
+        else:  # the comparison found differences (reported): nothing to compare with
+            self.counts["images_not_compared"] += 1
+        if self.lookups is not None:
+            self.lookups.check(trans, images, self.rng, "once healed", expected)
+        if self.pins is not None and self.plan.pin and len(self.pins.held) < PIN_MAX:
+            self.pins.create(taken, self.episode, self.rng)
+        self.readers.end(trans.trans_id)
+        self._keep(taken)
+
+    def _compare_with_expected(self, taken: Taken) -> Expected | None:
+        """``taken`` against what the source (and the writer's model) hold now; returns
+        that (None: not known)."""
+        if self.expected is None:
+            return None
+        try:
+            expected = self.expected()
+        except Exception as exc:  # the source just back from an outage: not compared
+            self.counts["images_not_compared"] += 1
+            self.counts[f"images_not_compared_{type(exc).__name__}"] += 1
+            return None
+        self.counts["images_compared"] += 1
+        problems = []
+        for table, (want, undecided) in sorted(expected.items()):
+            got = taken.images.get(table)
+            if got is None:
+                continue
+            diff = diff_images(
+                TableImage({k: v for k, v in want.rows.items() if k not in undecided}),
+                TableImage({k: v for k, v in got.rows.items() if k not in undecided}))
+            if not diff.same:
+                problems.append(f"{table}: {diff.describe()}")
+        if problems:
+            self.anomalies.append(f"image_differs_from_source: {taken.label()}, read once "
+                                  f"the comparison found the source equal: "
+                                  f"{'; '.join(problems)}")
+        return expected
 
     def adopt(self, via: str, trans: tpb.BeginTransResponse, phase: str,
               images: dict[str, TableImage], hold_episodes: int = 0) -> Taken:
@@ -188,19 +310,26 @@ class SnapshotBook:
                   images: dict[str, TableImage]) -> Taken:
         taken = Taken(self._next_sid, via, ts, self.episode, phase, images)
         self._next_sid += 1
+        if self.lookups is not None:
+            self.lookups.saw(images)
         self.counts[f"taken_{via}"] += 1
         self.counts["rows_taken"] += sum(i.count for i in images.values())
         if found := duplicates_in(images, taken.label()):
             self.anomalies.append(found)
         return taken
 
-    def _unpinned(self, taken: Taken) -> Taken:
-        self.unpinned.append(taken)
-        del self.unpinned[:-REMEMBER_MAX]
-        return taken
+    def _keep(self, taken: Taken) -> None:
+        """``taken``, its transaction ended, read again AS OF its point later."""
+        if taken.reported or taken in self.remembered:
+            return
+        self.remembered.append(taken)
+        del self.remembered[:-REMEMBER_MAX]
 
     def _refused(self, what: str, exc: ReadRefused) -> None:
         self.counts[f"{what}_refused_{exc.code}"] += 1
+        marker = exc.detail.split(":", 1)[0]
+        if marker in (SNAPSHOT_EXPIRED, AS_OF_TIME_UNMAPPED):  # an image AS OF a time
+            self.counts[f"{what}_refused_{marker}"] += 1
         if not is_refusal(exc):
             self.anomalies.append(f"snapshot_read_error: a {what} answered {exc.code}: "
                                   f"{exc.detail}")
@@ -213,7 +342,13 @@ class SnapshotBook:
         for taken in self.open:
             (own if self.rng.random() < 0.5 else new).append(taken)
         self.reread_taken(own, phase)
-        self._reread_new(new, phase)
+        for taken in new:
+            outcome = self.as_of.read(
+                taken, AsOfPoint("ts", ts=taken.ts), self.rng,
+                f"in episode {self.episode} {phase}, its own transaction still open",
+                self._history_of(taken))
+            if outcome != "identical":  # S no longer readable in it, or found once
+                self._end(taken)
         for taken in list(self.open):
             if end_all or taken.until_episode <= self.episode or \
                     time.monotonic() - taken.begun_at > HELD_MAX_S:
@@ -237,27 +372,31 @@ class SnapshotBook:
         on it."""
         self._fault_writes = -1
         self.reread(phase, end_all=True)
+        if self.pins is not None:  # a pin holds safeGcTs too
+            self.pins.episode(self.episode, self.rng, "", release=True)
 
-    def _reread_unpinned(self) -> None:
-        self.unpinned = [t for t in self.unpinned
-                         if t.episode >= self.episode - REMEMBER_EPISODES]
-        older = [t for t in self.unpinned if t.episode < self.episode]
-        self._reread_new(self.rng.sample(older, min(REREAD_UNPINNED, len(older))),
-                         "after healing")
-
-    def _reread_new(self, taken: list[Taken], phase: str) -> None:
-        """Each of ``taken`` at its own S, under one new gated transaction."""
-        if not taken:
+    def _reread_as_of(self) -> None:
+        """AS OF re-reads of remembered snapshots: the newest and one more drawn."""
+        self.remembered = [t for t in self.remembered if not t.reported
+                           and t.episode >= self.episode - REMEMBER_EPISODES]
+        if not self.remembered:
             return
-        try:
-            with self.readers.transaction() as trans:
-                for first in taken:
-                    via = self.rng.choice(VIAS)
-                    self._reread(first, at_timestamp(trans, first.ts), via,
-                                 f"re-read {via} under a new transaction (its S="
-                                 f"{trans.timestamp}) in episode {self.episode} {phase}")
-        except ReadRefused as exc:  # the gate: nothing re-read this time
-            self.counts[f"reread_gate_{exc.code}"] += 1
+        chosen = [self.remembered[-1]]
+        others = self.remembered[:-1]
+        chosen += self.rng.sample(others, min(AS_OF_REREADS - 1, len(others)))
+        for taken in chosen:
+            by_time = taken.time_ms and self.rng.random() < BY_TIME_REREAD_P
+            point = AsOfPoint("time", time_ms=taken.time_ms) if by_time else \
+                AsOfPoint("ts", ts=taken.ts)
+            self.as_of.read(taken, point, self.rng, f"in episode {self.episode} after "
+                            "healing", self._history_of(taken), pinned=bool(taken.pin))
+
+    def _history_of(self, taken: Taken) -> str:
+        history = self.history_since(taken.episode)
+        if self._in_fault:  # read again by the fault itself (a stall)
+            history = "; ".join(filter(None, (history, f"episode {self.episode}: its "
+                                                       "fault, under way")))
+        return history
 
     def _reread(self, first: Taken, trans: tpb.BeginTransResponse, via: str,
                 how: str) -> None:
@@ -273,14 +412,11 @@ class SnapshotBook:
                 self._end(first)
             return
         self.counts["rows_reread"] += sum(i.count for i in again.values())
-        history = self.history_since(first.episode)
-        if self._in_fault:  # read again by the fault itself (a stall)
-            history = "; ".join(filter(None, (history, f"episode {self.episode}: its fault, "
-                                                        "under way")))
-        found = compare_taken(first, again, how, history)
+        found = compare_taken(first, again, how, self._history_of(first))
         self.counts["reread_changed" if found else "reread_identical"] += 1
         if found:
             self.anomalies.append(found)
+            first.reported = True
             if first in self.open:  # found once: later re-reads would only repeat it
                 self._end(first)
 
@@ -291,6 +427,7 @@ class SnapshotBook:
             self.open.remove(taken)
         if taken.trans is None:
             return
+        self._keep(taken)
         ended_by_us = self.readers.end(taken.trans.trans_id)
         taken.trans = None
         if taken.held:

@@ -67,6 +67,20 @@ class Report:
     # held_ended, held_ended_by_server, ended_by_server, read_ms_<via>; stall_* (stalled
     # writes) and split_* (split reads).
     snapshots: Counter[str] = field(default_factory=Counter)
+    # AS OF reads and pins (chaos/as_of_reads.py, pinned_snapshots.py): as_of_reads,
+    # as_of_by_<ts|time|pin>, as_of_answered, as_of_identical, as_of_changed, as_of_rows,
+    # as_of_refused_expired, as_of_refused_unmapped (and their _age_s sums: seconds since
+    # the snapshot was taken; _by_node: refused by a node, not at BeginTrans),
+    # as_of_refused_pinned_rebuilt (a pinned S in history a node's recovery rebuilt),
+    # as_of_refused_wrongly, as_of_point_moved,
+    # as_of_gate_<CODE>, as_of_away_<CODE>; pins_created, pins_read, pins_dropped,
+    # pin_create_refused_<CODE>, pin_drop_refused_<CODE>, pin_list_refused_<CODE>.
+    history: Counter[str] = field(default_factory=Counter)
+    # Primary-key lookups (chaos/key_lookups.py), by where they ran: once healed (no
+    # prefix), AS OF (as_of_), during a fault with a node away (fault_down_) or with
+    # every node READY (fault_up_): lookups (calls, one per table), keys,
+    # keys_<present|deleted|never>, answered, found, refused_<CODE>, wrong (keys).
+    lookups: Counter[str] = field(default_factory=Counter)
     # The application writer (chaos/app_workload.py): sent, acknowledged, not_sent (failed
     # before its log append), in_doubt_killed (died in the call at a writer.* point),
     # in_doubt_error (failed after its log append), unknown, in_doubt_resolved (applied
@@ -136,6 +150,7 @@ class Report:
             f"{self.reads_refused}, failed after admission {self.reads_failed})",
             f"  reads outside READY  {self.reads_outside_ready}",
             *self.snapshot_lines(),
+            *self.history_lines(),
             f"  unexpected exits     {len(self.unexpected_exits)}",
         ]
         lines += [f"    {u}" for u in self.unexpected_exits[:20]]
@@ -173,6 +188,38 @@ class Report:
             f"CHANGED {c['split_changed']}, DUPLICATES {c['split_duplicates']}, refused: "
             f"{_by_code(c, 'split_refused_')}",
         ]
+
+    def history_lines(self) -> list[str]:
+        """AS OF reads and pins."""
+        h = self.history
+        answered_age = _ratio(h["as_of_answered_age_s"], h["as_of_answered"])
+        expired_age = _ratio(h["as_of_refused_expired_age_s"], h["as_of_refused_expired"])
+        return [
+            f"  AS OF reads          {h['as_of_reads']} (by ts {h['as_of_by_ts']}, by time "
+            f"{h['as_of_by_time']}, through a pin {h['as_of_by_pin']}): answered "
+            f"{h['as_of_answered']} (identical {h['as_of_identical']}, CHANGED "
+            f"{h['as_of_changed']}; {h['as_of_rows']} rows; mean age {answered_age}s), "
+            f"refused expired {h['as_of_refused_expired']} (by a node "
+            f"{h['as_of_refused_expired_by_node']}, of them pinned in history a recovery "
+            f"rebuilt {h['as_of_refused_pinned_rebuilt']}; mean age {expired_age}s), "
+            f"time unmapped {h['as_of_refused_unmapped']}, WRONGLY "
+            f"{h['as_of_refused_wrongly']}, point MOVED {h['as_of_point_moved']}; gate: "
+            f"{_by_code(h, 'as_of_gate_')}; away: {_by_code(h, 'as_of_away_')}",
+            f"  pins                 created {h['pins_created']}, read {h['pins_read']}, "
+            f"dropped {h['pins_dropped']}; refused: create {_by_code(h, 'pin_create_refused_')}"
+            f", drop {_by_code(h, 'pin_drop_refused_')}",
+            *(f"  lookups {where:13s}{self.lookup_text(prefix)}" for where, prefix in
+              (("once healed", ""), ("AS OF", "as_of_"), ("node away", "fault_down_"),
+               ("in a fault", "fault_up_"))),
+        ]
+
+    def lookup_text(self, prefix: str) -> str:
+        c = self.lookups
+        return (f"{c[prefix + 'keys']} keys in {c[prefix + 'lookups']} lookups (present "
+                f"{c[prefix + 'keys_present']}, deleted {c[prefix + 'keys_deleted']}, never "
+                f"written {c[prefix + 'keys_never']}): answered {c[prefix + 'answered']} "
+                f"({c[prefix + 'found']} keys found), WRONG {c[prefix + 'wrong']} keys, "
+                f"refused: {_by_code(c, prefix + 'refused_')}")
 
     def gc_text(self) -> str:
         g = self.gc
@@ -216,6 +263,10 @@ class Report:
 def _by_code(counts: Counter[str], prefix: str) -> str:
     return ", ".join(f"{k[len(prefix):]} {v}" for k, v in sorted(counts.items())
                      if k.startswith(prefix)) or "none"
+
+
+def _ratio(total: int, count: int) -> str:
+    return f"{total / count:.0f}" if count else "-"
 
 
 def _mean(values: list[float]) -> float:

@@ -48,7 +48,7 @@ from retina_common.topology import Topology
 from spark_jobs.common import TaskError
 from spark_jobs.snapshot_query import plan_snapshot, read_files
 
-from .workload import BY_NAME, SCHEMA, TABLES, Key
+from .workload import APP_TABLE, BY_NAME, SCHEMA, TABLES, Key
 
 SNAPSHOT_IS_IMMUTABLE = "SNAPSHOT_IS_IMMUTABLE"
 # Codes that refuse a read: S is no longer readable exactly (ABORTED: below a node's
@@ -67,7 +67,10 @@ TASKS = 8
 # (an episode, or a held one's few episodes, which extend it); a campaign killed
 # meanwhile pins it no longer than this.
 READ_LEASE_MS = 120_000
+# A refusal's details as kept: long enough for a snapshot_expired's earliest readable point.
+DETAIL_CHARS = 400
 _CODE_IN_TEXT = re.compile(r": ([A-Z_]+): ")
+SPECS = {**BY_NAME, APP_TABLE.name: APP_TABLE}
 
 
 # --- images: a snapshot as row digests ------------------------------------------------------
@@ -164,15 +167,27 @@ def refusal_of(exc: BaseException) -> ReadRefused:
     if isinstance(exc, ReadRefused):
         return exc
     if isinstance(exc, grpc.RpcError):
-        return ReadRefused(exc.code().name, (exc.details() or "")[:240])
+        return ReadRefused(exc.code().name, (exc.details() or "")[:DETAIL_CHARS])
     if isinstance(exc, TaskError):  # the Spark task's wrapped status
-        found = _CODE_IN_TEXT.search(str(exc))
-        return ReadRefused(found.group(1) if found else "ERROR", str(exc)[:240])
-    return ReadRefused("ERROR", f"{type(exc).__name__}: {exc}"[:240])
+        text = str(exc)
+        found = _CODE_IN_TEXT.search(text)
+        if found is None:
+            return ReadRefused("ERROR", text[:DETAIL_CHARS])
+        # The status's own details first (a snapshot_expired starts them), then the task's.
+        return ReadRefused(found.group(1), f"{text[found.end():]} [{text[:found.start()]}]"
+                                           [:DETAIL_CHARS])
+    return ReadRefused("ERROR", f"{type(exc).__name__}: {exc}"[:DETAIL_CHARS])
 
 
 def tables_taken() -> tuple[str, ...]:
+    """The source tables: what the campaign's snapshots read."""
     return tuple(t.name for t in TABLES)
+
+
+def tables_imaged() -> tuple[str, ...]:
+    """The episode's image (chaos/repeatable_reads.py): the source tables and the
+    application writer's."""
+    return (*tables_taken(), APP_TABLE.name)
 
 
 class SnapshotReaders:
@@ -187,15 +202,15 @@ class SnapshotReaders:
         self.timeout_s = timeout_s
         # Milliseconds spent reading snapshots, by reader (the checks' cost).
         self.read_ms: Counter[str] = Counter()
-        self._channel = channel(trans_address)
-        self.trans = trans_pb2_grpc.TransServiceStub(self._channel)
+        self.channel = channel(trans_address)
+        self.trans = trans_pb2_grpc.TransServiceStub(self.channel)
         self._tasks = ThreadPoolExecutor(TASKS, thread_name_prefix="chaos-spark-task")
         self._tables = ThreadPoolExecutor(len(TABLES), thread_name_prefix="chaos-table")
 
     def close(self) -> None:
         self._tables.shutdown(wait=True)
         self._tasks.shutdown(wait=True)
-        self._channel.close()
+        self.channel.close()
 
     @contextmanager
     def transaction(self, lease_ms: int = READ_LEASE_MS) -> Iterator[tpb.BeginTransResponse]:
@@ -207,12 +222,14 @@ class SnapshotReaders:
         finally:
             self.end(trans.trans_id)
 
-    def begin(self, lease_ms: int = READ_LEASE_MS) -> tpb.BeginTransResponse:
-        """A gated read-only transaction; ReadRefused if the gate (or anything) says no."""
+    def begin(self, lease_ms: int = READ_LEASE_MS, *, as_of_ts: int = 0,
+              as_of_time_ms: int = 0, as_of_pin: str = "") -> tpb.BeginTransResponse:
+        """A gated read-only transaction, at the newest snapshot or AS OF a past point
+        (docs/history.md); ReadRefused if the gate (or anything) says no."""
         try:
-            return self.trans.BeginTrans(tpb.BeginTransRequest(read_only=True,
-                                                               lease_ms=lease_ms),
-                                         timeout=self.timeout_s)
+            return self.trans.BeginTrans(tpb.BeginTransRequest(
+                read_only=True, lease_ms=lease_ms, as_of_ts=as_of_ts,
+                as_of_time_ms=as_of_time_ms, as_of_pin=as_of_pin), timeout=self.timeout_s)
         except grpc.RpcError as exc:
             raise refusal_of(exc) from None
 
@@ -231,6 +248,14 @@ class SnapshotReaders:
             self.trans.ExtendTransLease(tpb.ExtendTransLeaseRequest(
                 trans_id=trans_id, lease_ms=lease_ms), timeout=self.timeout_s)
 
+    def high_watermark(self) -> int | None:
+        """The TransServer's HWM now (None if it does not answer)."""
+        try:
+            return self.trans.GetHighWatermark(tpb.GetHighWatermarkRequest(),
+                                               timeout=self.timeout_s).high_watermark
+        except grpc.RpcError:
+            return None
+
     def live(self, trans_id: int) -> bool:
         try:
             return self.trans.GetTransStatus(tpb.GetTransStatusRequest(trans_id=trans_id),
@@ -248,7 +273,7 @@ class SnapshotReaders:
         # of a read is waiting for QueryVisibility answers.
         futures = {t: self._tables.submit(read, trans, t) for t in tables}
         try:
-            return {t: TableImage.of(f.result(), BY_NAME[t].pk) for t, f in futures.items()}
+            return {t: TableImage.of(f.result(), SPECS[t].pk) for t, f in futures.items()}
         except Exception as exc:  # a status, a task's error, a file unreadable
             for f in futures.values():
                 f.cancel()
@@ -272,11 +297,6 @@ class SnapshotReaders:
         return [dict(zip(names, row, strict=True)) for row in rows]
 
 
-def at_timestamp(trans: tpb.BeginTransResponse, ts: int) -> tpb.BeginTransResponse:
-    """``trans`` reading at ``ts`` (at or below its own snapshot)."""
-    return tpb.BeginTransResponse(trans_id=trans.trans_id, timestamp=ts)
-
-
 # --- a snapshot as first read, and a second read of it -------------------------------------
 @dataclass
 class Taken:
@@ -294,11 +314,19 @@ class Taken:
     until_episode: int = 0
     held: bool = False  # open for the next episodes too
     begun_at: float = field(default_factory=time.monotonic)
+    # Taken AS OF this wall-clock time (ms since epoch; 0: at the newest snapshot): it
+    # names S, and is read again by it (chaos/as_of_reads.py).
+    time_ms: int = 0
+    pin: str = ""  # a pin the campaign created at S while it holds it (pinned_snapshots.py)
+    # An anomaly was reported about it (read differently, refused wrongly): not read
+    # again, as later reads would only repeat it.
+    reported: bool = False
 
     def label(self) -> str:
         held = f", held to episode {self.until_episode}" if self.held else ""
-        return (f"S={self.ts} ({self.via} #{self.sid}, first read in episode {self.episode} "
-                f"{self.phase}{held})")
+        at = f" AS OF time {self.time_ms}" if self.time_ms else ""
+        return (f"S={self.ts} ({self.via} #{self.sid}{at}, first read in episode "
+                f"{self.episode} {self.phase}{held})")
 
 
 def compare_taken(first: Taken, again: dict[str, TableImage], how: str,

@@ -49,8 +49,9 @@ ROLLED_BACK_FOR_BUFFER_READ = "rolled back for a write-buffer read"
 # the node stays AWAITING_REPLAY, and a driver replays again with every source.
 SOURCES_NOT_REPLAYED = "EVERY_SOURCE_REPLAYED: replay sources not replayed"
 # The first word of a FAILED_PRECONDITION refusing a read at a point whose history is no
-# longer kept (docs/history.md): below the GC horizon, below a row group's folded base, in
-# the history a node's recovery rebuilt. The details name the earliest readable point as
+# longer kept (docs/history.md): below the GC horizon, below a row group's folded base or
+# the primary-index versions pruned, in the history a node's recovery rebuilt. The
+# details name the earliest readable point as
 # ``earliest_readable_ts=N earliest_readable_time_ms=M`` (M = 0: not known there);
 # :func:`earliest_readable` reads them back. Never a partial, empty or wrong answer.
 SNAPSHOT_EXPIRED = "snapshot_expired"

@@ -237,7 +237,15 @@ class RowLookup:
             moves = self._node.row_moves
             for _ in range(self._attempts):
                 sequence = moves.settled(self._settle_timeout_s)
-                answer = self._read(request)
+                try:
+                    answer = self._read(request)
+                except Exception:
+                    # A file a move took away mid-read (a sweep deleted its object, say):
+                    # read again; the same failure with nothing moved is the answer.
+                    if moves.unchanged_since(sequence):
+                        raise
+                    REREADS.inc()
+                    continue
                 if moves.unchanged_since(sequence):  # ROW_READS_SEE_NO_MOVE
                     found = int(answer.found.sum())
                     FOUND.inc(found)
@@ -264,7 +272,7 @@ class RowLookup:
         np.not_equal(files[1:], files[:-1], out=change[1:])
         change[1:] |= rgs[1:] != rgs[:-1]
         starts = np.flatnonzero(change)
-        ends = np.append(starts[1:], len(files))
+        ends = np.append(starts[1:], len(files))[:len(starts)]  # none when nothing located
         kept: list[np.ndarray] = []
         gathered: list[tuple[RowGroupRows, np.ndarray]] = []
         for start, end in zip(starts.tolist(), ends.tolist(), strict=True):

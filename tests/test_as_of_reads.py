@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
+import pytest
 
 from retina_common.catalog import Catalog, FileType
 from retina_common.pb import retina_pb2 as rpb
@@ -149,6 +150,7 @@ def restart_after(plane: DataPlane, catalog: Catalog, node: str,
     return points, starts.node_replay_from_ts
 
 
+@pytest.mark.integration
 def test_as_of_reads_equal_the_models_history_across_gc_a_revert_sweeps_and_restarts(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(nodes=2, gc_retired_retention_ms=0, sweeper_interval_ms=0,
@@ -218,6 +220,7 @@ def test_as_of_reads_equal_the_models_history_across_gc_a_revert_sweeps_and_rest
     check(plane, [*points, last], readable=[last], refused=points)
 
 
+@pytest.mark.integration
 def test_as_of_a_wall_clock_time_and_a_pin_by_name_read_the_models_table(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(nodes=1, trans={"history_retention_ms": 600_000})
@@ -240,6 +243,7 @@ def test_as_of_a_wall_clock_time_and_a_pin_by_name_read_the_models_table(
     check(plane, [ts for _t, ts in times], readable=[ts for _t, ts in times])
 
 
+@pytest.mark.integration
 def test_retention_moves_the_horizon_past_old_points_and_keeps_recent_ones(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(nodes=1, trans={"history_retention_ms": 3000})
@@ -263,6 +267,7 @@ def test_retention_moves_the_horizon_past_old_points_and_keeps_recent_ones(
     assert found is not None and found[0] >= status.earliest_readable_ts
 
 
+@pytest.mark.integration
 def test_history_a_recovery_rebuilt_is_refused_never_answered_differently(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     """A write the write fence refused is still in its writer's changelog (a durable

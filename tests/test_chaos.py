@@ -22,7 +22,7 @@ from typing import Any
 import psycopg2
 import pytest
 
-from chaos import faults, gc_driver, spark_task, workload
+from chaos import faults, gc_driver, pinned_snapshots, spark_task, workload
 from chaos.app_model import AppModel, Txn
 from chaos.campaign import LATE_FAULT_STREAM, episode_seed, parse_args
 from chaos.compare import diff_table, lsn, position_lsn, widen
@@ -75,6 +75,14 @@ def test_every_catalogue_point_is_armed_or_left_out_with_a_reason() -> None:
             assert role == "retina" and faults.sweep_driving(point), point
         if point.startswith("gc.revert."):
             assert faults.gc_driving(point) == "revert", point
+
+
+def test_the_pin_points_are_armed_in_the_transserver_and_driven_by_pin_calls() -> None:
+    points = [p for p in failpoints.catalogue() if p.startswith("trans.pin.")]
+    assert sorted(points) == sorted(pinned_snapshots.PRESENT_AFTER_CRASH)
+    for point in points:
+        assert point in faults.relevant_points() and faults.process_of(point) == "trans"
+        assert point.startswith(faults.PIN_POINTS)
 
 
 def test_the_sweeper_fault_kinds_reach_every_sweeper_and_revert_point() -> None:
@@ -440,6 +448,21 @@ def test_fixed_seed_sample_loses_nothing_and_never_serves_outside_ready(tmp_path
     assert snaps.get("split_reads", 0) >= 1, output
     changed = [a for a in report["anomalies"] if a["kind"].startswith("snapshot_")]
     assert not changed, f"SNAPSHOT_IS_IMMUTABLE broken ({took:.0f}s):\n{output}"
+    # Issue 27: earlier images read again AS OF their point in every episode, answered
+    # exactly, and one pinned, read through its pin and dropped.
+    history = report["history"]
+    assert history.get("as_of_reads", 0) >= report["episodes"] - 1, output
+    assert history.get("as_of_identical", 0) >= 1, output
+    assert history.get("pins_created", 0) >= 1 and history.get("pins_read", 0) >= 1, output
+    assert report["snapshots"].get("images_compared", 0) >= 1, output
+    # Keys looked up in every episode once healed, AS OF and during the faults.
+    lookups = report["lookups"]
+    assert lookups.get("lookups", 0) >= 6 * report["episodes"], output
+    assert lookups.get("answered", 0) >= 1 and lookups.get("keys_deleted", 0) >= 1, output
+    assert lookups.get("as_of_answered", 0) >= 1, output
+    wrong = [a for a in report["anomalies"] if a["kind"].startswith(("as_of_", "pin_",
+                                                                     "image_", "lookup_"))]
+    assert not wrong, f"AS OF reads, pins or lookups wrong ({took:.0f}s):\n{output}"
     assert not report["stopped_early"] or "time budget" in report["stopped_early"], output
     assert result.returncode == 0, f"anomalies ({took:.0f}s):\n{output}"
 

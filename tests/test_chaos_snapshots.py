@@ -4,10 +4,8 @@ faults are put together. The campaign itself runs in tests/test_chaos.py's sampl
 
 from __future__ import annotations
 
-import contextlib
 import random
 from collections import Counter
-from collections.abc import Iterator, Sequence
 
 import grpc
 import pyarrow as pa
@@ -17,7 +15,6 @@ from chaos.repeatable_reads import EpisodePlan, SnapshotBook
 from chaos.snapshots import (
     REFUSALS,
     ReadRefused,
-    TableImage,
     Taken,
     compare_taken,
     diff_images,
@@ -31,11 +28,8 @@ from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import FILE_ID
 from spark_jobs.common import TaskError
 
-PK = ("id",)
-
-
-def image(*rows: dict[str, object]) -> TableImage:
-    return TableImage.of(rows, PK)
+from .chaos_fakes import FakeReaders as _Readers
+from .chaos_fakes import Status, image
 
 
 def test_a_column_added_after_s_reads_null_and_changes_no_digest() -> None:
@@ -70,20 +64,9 @@ def test_a_split_read_that_only_repeats_rows_is_snapshot_duplicates() -> None:
     assert duplicates_in({"t": ref}, "S=40") == ""
 
 
-class _Status(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode) -> None:
-        self._code = code
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return "why"
-
-
 def test_refusals_are_counted_by_their_code_whichever_reader_got_them() -> None:
-    assert refusal_of(_Status(grpc.StatusCode.ABORTED)).code == "ABORTED"
-    wrapped = TaskError.of(_Status(grpc.StatusCode.FAILED_PRECONDITION), "reading file f")
+    assert refusal_of(Status(grpc.StatusCode.ABORTED)).code == "ABORTED"
+    wrapped = TaskError.of(Status(grpc.StatusCode.FAILED_PRECONDITION), "reading file f")
     assert refusal_of(wrapped).code == "FAILED_PRECONDITION"
     assert refusal_of(OSError("gone")).code == "ERROR"
     assert refusal_of(ReadRefused("NOT_FOUND", "x")).code == "NOT_FOUND"
@@ -106,7 +89,10 @@ def test_an_episodes_snapshots_are_drawn_up_front_from_their_own_stream() -> Non
     assert plans[:5] == [EpisodePlan.draw(random.Random(s)) for s in range(5)]
     assert {p.before for p in plans} == {"gated", "spark"}
     assert any(p.hold for p in plans) and not all(p.hold for p in plans)
-    assert any(p.during_at for p in plans) and any(not p.after for p in plans)
+    assert any(p.during_at for p in plans) and {p.after for p in plans} == {"gated", "spark"}
+    # The episode's image: every episode, some AS OF a wall-clock time, some pinned.
+    assert any(p.by_time for p in plans) and not all(p.by_time for p in plans)
+    assert any(p.pin for p in plans) and not all(p.pin for p in plans)
 
 
 def test_the_new_fault_kinds_are_on_the_menu_and_their_points_in_the_catalogue() -> None:
@@ -150,47 +136,6 @@ def test_a_focused_gc_pass_rewrites_only_streams_and_runs_holding_the_focus() ->
     a, b = random.Random(9), random.Random(9)
     assert gc_driver.pick_streams(listing, node, a, 2) == \
         gc_driver.pick_streams(listing, node, b, 2, frozenset())
-
-
-class _Readers:
-    """SnapshotReaders' interface over a dict: S -> the rows a read at S returns (or a
-    status code, a refusal), and the transactions begun and ended."""
-
-    def __init__(self) -> None:
-        self.answers: dict[int, dict[str, TableImage] | str] = {}
-        self.hwm = 10
-        self.live: set[int] = set()
-        self.next_id = 100
-
-    def begin(self, lease_ms: int = 0) -> tpb.BeginTransResponse:
-        self.next_id += 1
-        self.live.add(self.next_id)
-        return tpb.BeginTransResponse(trans_id=self.next_id, timestamp=self.hwm)
-
-    def end(self, trans_id: int) -> bool:
-        if trans_id not in self.live:
-            return False
-        self.live.remove(trans_id)
-        return True
-
-    def extend(self, trans_id: int, lease_ms: int = 0) -> None:
-        pass
-
-    @contextlib.contextmanager
-    def transaction(self) -> Iterator[tpb.BeginTransResponse]:
-        trans = self.begin()
-        try:
-            yield trans
-        finally:
-            self.end(trans.trans_id)
-
-    def read(self, via: str, trans: tpb.BeginTransResponse,
-             tables: Sequence[str]) -> dict[str, TableImage]:
-        answer = self.answers.get(trans.timestamp, {t: image({"id": 1, "v": "a"})
-                                                    for t in tables})
-        if isinstance(answer, str):
-            raise ReadRefused(answer, "refused")
-        return answer
 
 
 def _book(readers: _Readers) -> SnapshotBook:

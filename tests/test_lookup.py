@@ -514,7 +514,9 @@ def test_snapshots_below_folded_visibility_or_pruned_versions_are_refused(
                                                               trans=old))
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert (err.details() or "").startswith(SNAPSHOT_EXPIRED), err.details()
-        earliest, _time_ms = earliest_readable(err.details() or "") or (0, 0)
+        named = earliest_readable(err.details() or "")
+        assert named is not None, err.details()
+        earliest = named[0]
         assert first < earliest <= trans.timestamp
         at = tpb.BeginTransResponse(trans_id=trans.trans_id, timestamp=max(
             earliest, done.fold_ts, done.prune_horizon_ts))
