@@ -20,10 +20,12 @@ pass over every key has decoded the row groups into the node's row-group cache:
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import one_node
 from one_node import machine, row
@@ -101,9 +103,10 @@ def main() -> None:
             warm_s = warm(lookup, table, args.rows + args.buffered, snap)
             print(f"warm-up: every key once in batches of 10,000 (row groups decoded into the "
                   f"cache): {warm_s:.1f} s")
-            singles(args, rng, lookup, stub, table, snap)
-            batched(args, rng, lookup, stub, table, snap, "the first rows", 0, args.rows)
-            batched(args, rng, lookup, stub, table, snap, "the buffered rows", args.rows,
+            pid = one.state.retina_pids[node]
+            singles(args, rng, lookup, stub, pid, table, snap)
+            batched(args, rng, lookup, stub, pid, table, snap, "the first rows", 0, args.rows)
+            batched(args, rng, lookup, stub, pid, table, snap, "the buffered rows", args.rows,
                     args.rows + args.buffered)
         newest = timed(args.singles // 4, lambda: lookup.get(
             "bench", "orders", encode_keys(table, [rng.randrange(args.rows)])))
@@ -137,27 +140,32 @@ def warm(lookup: KeyLookup, table: TableRecord, rows: int,
 
 
 def singles(args: argparse.Namespace, rng: random.Random, lookup: KeyLookup, stub: Stub,
-            table: TableRecord, snap: tpb.BeginTransResponse) -> None:
+            pid: int, table: TableRecord, snap: tpb.BeginTransResponse) -> None:
     keys = [encode_keys(table, [rng.randrange(args.rows)]) for _ in range(args.singles)]
     it = iter(keys)
     helper = timed(args.singles, lambda: lookup.get("bench", "orders", next(it), trans=snap))
     it = iter(keys)
+    cpu = node_cpu_s(pid)
     direct = timed(args.singles, lambda: stub.LookupRows(rpb.LookupRowsRequest(
         schema_name="bench", table_name="orders", keys=next(it), trans_id=snap.trans_id,
         timestamp=snap.timestamp), timeout=10))
+    cpu = node_cpu_s(pid) - cpu
     print(f"{'one key, client helper':<34} {percentiles(helper)}")
-    print(f"{'one key, stub':<34} {percentiles(direct)}")
+    print(f"{'one key, stub':<34} {percentiles(direct)}; node CPU "
+          f"{cpu / args.singles * 1e6:.0f} us per call")
 
 
 def batched(args: argparse.Namespace, rng: random.Random, lookup: KeyLookup, stub: Stub,
-            table: TableRecord, snap: tpb.BeginTransResponse, what: str, lo: int,
+            pid: int, table: TableRecord, snap: tpb.BeginTransResponse, what: str, lo: int,
             hi: int) -> None:
     batches = [encode_keys(table, [rng.randrange(lo, hi) for _ in range(args.batch)])
                for _ in range(args.batches)]
     it = iter(batches)
+    cpu = node_cpu_s(pid)
     direct = timed(args.batches, lambda: stub.LookupRows(rpb.LookupRowsRequest(
         schema_name="bench", table_name="orders", keys=next(it), trans_id=snap.trans_id,
         timestamp=snap.timestamp), timeout=30))
+    cpu = node_cpu_s(pid) - cpu
     it = iter(batches)
     helper = timed(args.batches, lambda: lookup.get("bench", "orders", next(it), trans=snap))
     keys = args.batch * args.batches
@@ -165,6 +173,16 @@ def batched(args: argparse.Namespace, rng: random.Random, lookup: KeyLookup, stu
         p50 = statistics.median(samples)
         print(f"{'batched, ' + what + ', ' + how:<34} {keys / sum(samples):>9,.0f} keys/s "
               f"overall, {args.batch / p50:>9,.0f} at the p50 batch ({p50 * 1000:.1f} ms)")
+    # What the node itself spent (its process's CPU time, gRPC included): what one core of
+    # this machine answers, whatever else runs on it.
+    print(f"{'  node CPU, ' + what:<34} {cpu / keys * 1e6:>9.1f} us per key: "
+          f"{keys / cpu:,.0f} keys/s per core")
+
+
+def node_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":

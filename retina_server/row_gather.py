@@ -23,7 +23,6 @@ import numpy as np
 import pyarrow as pa
 
 from retina_common.codec import COMMIT_TS
-from retina_common.schema_evolution import conform
 
 
 def _validity(array: pa.Array) -> np.ndarray | None:
@@ -84,12 +83,19 @@ class _Column:
 
 
 class RowGroupRows:
-    """A decoded row group ready for point gathers (one chunk per column)."""
+    """Decoded rows ready for point gathers (one chunk per column): one row group, or
+    consecutive row groups of one file (``counts``: rg id -> its rows, in file order),
+    whose rows are then numbered from the first one's on (:meth:`start`)."""
 
-    def __init__(self, rows: pa.Table) -> None:
+    def __init__(self, rows: pa.Table, counts: dict[int, int] | None = None) -> None:
         rows = rows.combine_chunks()
         self.table = rows  # for a few rows, Arrow slices cost less (assemble_few)
         self.num_rows = rows.num_rows
+        self._starts: dict[int, tuple[int, int]] = {}  # rg id -> (first row, rows)
+        at = 0
+        for rg, count in (counts or {0: rows.num_rows}).items():
+            self._starts[rg] = (at, count)
+            at += count
         self.nbytes = rows.nbytes
         self._columns = {name: _Column(column.chunk(0) if column.num_chunks else
                                        pa.array([], column.type))
@@ -97,6 +103,10 @@ class RowGroupRows:
                                                  strict=True)}
         self.commit_ts = np.frombuffer(self._columns[COMMIT_TS].values, np.int64) \
             if COMMIT_TS in self._columns else np.zeros(self.num_rows, np.int64)
+
+    def start(self, rg_id: int) -> tuple[int, int]:
+        """(the number of row group ``rg_id``'s first row here, its rows)."""
+        return self._starts[rg_id]
 
     def take(self, name: str, rows: np.ndarray) -> _Piece | None:
         """Column ``name`` at ``rows``; None when this row group lacks the column."""
@@ -117,7 +127,13 @@ def assemble_few(schema: pa.Schema, rows: Sequence[tuple[RowGroupRows, int]]) ->
     """A few rows (each a row group and an offset), in that order, as a table of ``schema``:
     zero-copy slices of the decoded row groups, for answers where the numpy arrays of
     :func:`assemble` would cost more than they save."""
-    parts = [conform(group.table.slice(offset, 1), schema) for group, offset in rows]
+    parts = []
+    for group, offset in rows:
+        one = group.table.slice(offset, 1)
+        names = one.schema.names
+        parts.append(pa.Table.from_arrays(
+            [one.column(f.name) if f.name in names else pa.nulls(1, f.type) for f in schema],
+            schema=schema))
     return pa.concat_tables(parts) if parts else schema.empty_table()
 
 

@@ -1,7 +1,7 @@
 """RowGroupCache: decoded row groups of published files, for point reads (LookupRows).
 
-A write-buffer block that can take no more rows is cached under the same key as the row
-group its file will publish (the same rows), so a publish costs lookups no decode.
+A published file is cached in spans of consecutive row groups (row_lookup.py,
+SPAN_ROWS); a write-buffer block that can take no more rows is cached too.
 
 A published file never changes under its file id (a Storage GC rewrite writes a
 new file with a new id; a revert brings the old ids back with their old,
@@ -35,14 +35,15 @@ BYTES = Gauge("retina_lookup_cache_bytes", "Decoded bytes held by the row-group 
 class RowGroupCache:
     def __init__(self, max_bytes: int) -> None:
         self._max_bytes = max_bytes
-        # (file id, rg id) -> the rows of that row group (of a published file, or of a
-        # write-buffer block that can take no more rows: the same rows).
-        self._entries: OrderedDict[tuple[int, int], RowGroupRows] = OrderedDict()
+        # (file id, first rg id) -> a published file's decode span; (file id, rg id, -1)
+        # -> a write-buffer block that can take no more rows.
+        self._entries: OrderedDict[tuple[int, ...], RowGroupRows] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def get(self, key: tuple[int, int], load: Callable[[], RowGroupRows]) -> RowGroupRows:
-        """The rows of row group ``key`` (file id, rg id), decoded by ``load`` on a miss."""
+    def get(self, key: tuple[int, ...], load: Callable[[], RowGroupRows]) -> RowGroupRows:
+        """The rows cached under ``key`` (its file id first), decoded by ``load`` on a
+        miss."""
         with self._lock:
             rows = self._entries.get(key)
             if rows is not None:
@@ -55,7 +56,7 @@ class RowGroupCache:
         self._put(key, rows)
         return rows
 
-    def _put(self, key: tuple[int, int], rows: RowGroupRows) -> None:
+    def _put(self, key: tuple[int, ...], rows: RowGroupRows) -> None:
         size = rows.nbytes
         if size > self._max_bytes:
             return  # larger than the whole cache: served, not kept

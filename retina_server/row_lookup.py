@@ -47,7 +47,7 @@ from memory after that.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -68,7 +68,7 @@ from retina_server.row_gather import RowGroupRows, assemble, assemble_few
 from retina_server.row_group_cache import RowGroupCache
 from retina_server.row_moves import MovesInProgress
 from retina_server.visibility import RGVisibility
-from retina_server.write_buffer import Block, FileState
+from retina_server.write_buffer import Block, FileState, IngestFile
 
 log = get_logger(component="row_lookup")
 # Answers of up to this many rows are built from Arrow slices, larger ones with numpy
@@ -185,16 +185,45 @@ def _check_owned(node: RetinaNode, keys: Sequence[bytes]) -> None:
 
 
 # --- reading ---------------------------------------------------------------------------------
+# A published file is decoded in spans of consecutive row groups of up to this many rows
+# (an ingest file's four blocks are one span): a batch of keys costs one gather per span
+# it touches, and one span is as much as a single lookup decodes.
+SPAN_ROWS = 16_384
+
+
+@dataclass(frozen=True)
+class PublishedFile:
+    """Where a published file's object is, and its decode spans."""
+
+    uri: str
+    name: str
+    spans: tuple[dict[int, int], ...]  # per span: rg id -> rows, in file order
+    span_of: tuple[int, ...]  # per rg id: its span
+
+
+def spans_of(counts: list[int], span_rows: int = SPAN_ROWS) -> tuple[dict[int, int], ...]:
+    """Consecutive row groups, each span at most ``span_rows`` rows (or one row group)."""
+    spans: list[dict[int, int]] = []
+    rows = span_rows
+    for rg, count in enumerate(counts):
+        if rows + count > span_rows:
+            spans.append({})
+            rows = 0
+        spans[-1][rg] = count
+        rows += count
+    return tuple(spans)
+
+
 class FileLocations:
-    """Where a published file's object is: ``(path uri, name)`` by file id, from the
-    catalog once per file (a file id never names another object)."""
+    """Published files by id, from the catalog and their footer once per file (a file id
+    never names another object)."""
 
     def __init__(self, catalog: Catalog) -> None:
         self._catalog = catalog
-        self._files: dict[int, tuple[str, str]] = {}
+        self._files: dict[int, PublishedFile] = {}
         self._paths: dict[int, str] = {}  # path id -> uri
 
-    def of(self, table_id: int, file_id: int) -> tuple[str, str]:
+    def of(self, table_id: int, file_id: int) -> PublishedFile:
         known = self._files.get(file_id)
         if known is not None:
             return known
@@ -205,20 +234,15 @@ class FileLocations:
         if uri is None:
             self._paths.update({p.path_id: p.uri for p in self._catalog.get_paths(table_id)})
             uri = self._paths[record.path_id]
-        self._files[file_id] = (uri, record.name)
-        return uri, record.name
+        meta = open_parquet(uri, record.name).metadata
+        spans = spans_of([meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
+        span_of = tuple(n for n, span in enumerate(spans) for _rg in span)
+        self._files[file_id] = PublishedFile(uri, record.name, spans, span_of)
+        return self._files[file_id]
 
     def forget(self, file_ids: list[int]) -> None:
         for file_id in file_ids:
             self._files.pop(file_id, None)
-
-
-@dataclass(frozen=True)
-class _RowGroup:
-    """One row group a lookup reads: its visibility and its rows (decoded on demand)."""
-
-    visibility: RGVisibility
-    rows: Callable[[], RowGroupRows]
 
 
 class RowLookup:
@@ -273,66 +297,113 @@ class RowLookup:
         change[1:] |= rgs[1:] != rgs[:-1]
         starts = np.flatnonzero(change)
         ends = np.append(starts[1:], len(files))[:len(starts)]  # none when nothing located
-        kept: list[np.ndarray] = []
-        gathered: list[tuple[RowGroupRows, np.ndarray]] = []
-        for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
-            file_id, rg_id = int(files[start]), int(rgs[start])
-            group = self._row_group(table.table_id, file_id, rg_id)
-            if group is None:
-                continue  # an orphan: its row is in no file this node serves
+        # Per row group touched: its visibility check and the decoded unit that holds it
+        # (a Python step each); per unit: one commit-timestamp check and one gather.
+        lengths = ends - starts
+        first = np.zeros(len(starts), np.int64)  # per group: its first row in its unit
+        served = np.ones(len(starts), bool)
+        deleted = np.zeros(len(files), bool)  # per key
+        units: list[RowGroupRows] = []
+        unit_of = np.zeros(len(starts), np.int64)
+        batch = _BatchMemo()
+        for g, (start, end, file_id, rg_id) in enumerate(zip(
+                starts.tolist(), ends.tolist(), files[starts].tolist(), rgs[starts].tolist(),
+                strict=True)):
+            found = self._row_group(table.table_id, file_id, rg_id, batch)
+            if found is None:
+                served[g] = False  # an orphan: its row is in no file this node serves
+                unit_of[g] = max(len(units) - 1, 0)  # keeps key_unit sorted (masked out)
+                continue
+            visibility, rows = found
             rows_at = offsets[start:end]
-            deleted = group.visibility.deleted_among(rows_at, ts)
-            if deleted is None:
-                base = group.visibility.base_timestamp
+            dead = visibility.deleted_among(rows_at, ts)
+            if dead is None:
+                base = visibility.base_timestamp
                 raise snapshot_expired(f"snapshot {ts} is below the visibility base {base} of "
                                        f"file {file_id} row group {rg_id} (deletes up to it "
                                        "are folded together)", base)
-            rows = group.rows()
-            if int(rows_at[-1]) >= rows.num_rows:
+            deleted[start:end] = dead
+            first[g], count = rows.start(rg_id)
+            if int(rows_at[-1]) >= count:
                 raise LookupInconsistent(f"row {int(rows_at[-1])} of file {file_id} row group "
-                                         f"{rg_id} is beyond its {rows.num_rows} rows")
-            live = ~deleted & (rows.commit_ts[rows_at] <= ts)
-            if live.any():
-                kept.append(positions[start:end][live])
-                gathered.append((rows, rows_at[live]))
-        return _answer(len(request.keys), kept, gathered,
+                                         f"{rg_id} is beyond its {count} rows")
+            if not units or units[-1] is not rows:
+                units.append(rows)
+            unit_of[g] = len(units) - 1
+        at = offsets + np.repeat(first, lengths)
+        live = np.repeat(served, lengths) & ~deleted
+        key_unit = np.repeat(unit_of, lengths)
+        # Groups of one unit are consecutive (sorted by file, then row group): so are
+        # its keys.
+        bounds = np.searchsorted(key_unit, np.arange(len(units) + 1))
+        gathered = []
+        for u, rows in enumerate(units):
+            lo, hi = int(bounds[u]), int(bounds[u + 1])
+            unit_at = at[lo:hi]
+            keep = live[lo:hi] & (rows.commit_ts[unit_at] <= ts)
+            if keep.any():
+                gathered.append((rows, unit_at[keep], positions[lo:hi][keep]))
+        return _answer(len(request.keys), gathered,
                        _output_schema(table, tuple(request.columns)))
 
-    def _row_group(self, table_id: int, file_id: int, rg_id: int) -> _RowGroup | None:
-        """Row group ``rg_id`` of a file this node serves, else None (an orphan)."""
-        buffered = self._node.buffer_file(file_id)
+    def _row_group(self, table_id: int, file_id: int, rg_id: int,
+                   batch: _BatchMemo) -> tuple[RGVisibility, RowGroupRows] | None:
+        """Row group ``rg_id`` of a file this node serves (its visibility, and decoded rows
+        that hold it), else None (an orphan). ``batch``: what this read found already."""
+        if file_id != batch.file_id:
+            batch.file_id, batch.buffered = file_id, self._node.buffer_file(file_id)
+        buffered = batch.buffered
         if buffered is not None:  # still in the write buffer: its rows are in memory
             if rg_id >= len(buffered.blocks):
                 raise LookupInconsistent(f"write-buffer file {file_id} has no block {rg_id}")
             block = buffered.blocks[rg_id]
             final = buffered.state != FileState.OPEN
-            return _RowGroup(block.visibility,
-                             lambda: self._block_rows(file_id, block, final))
+            return block.visibility, self._block_rows(file_id, block, final)
         visibility = self._node.visibility.readable(file_id, rg_id)
         if visibility is None:
             return None
+        published = self._files.of(table_id, file_id)
+        counts = published.spans[published.span_of[rg_id]]
+        if batch.span is counts and batch.rows is not None:  # a span's row groups come
+            return visibility, batch.rows  # one after the other
 
         def load() -> RowGroupRows:
-            uri, name = self._files.of(table_id, file_id)
-            return RowGroupRows(open_parquet(uri, name).read_row_group(rg_id))
+            parquet = open_parquet(published.uri, published.name)
+            return RowGroupRows(parquet.read_row_groups(list(counts)), counts)
 
-        return _RowGroup(visibility, lambda: self._cache.get((file_id, rg_id), load))
+        rows = self._cache.get((file_id, next(iter(counts))), load)
+        batch.span, batch.rows = counts, rows
+        return visibility, rows
 
     def _block_rows(self, file_id: int, block: Block, sealed: bool) -> RowGroupRows:
         """A write-buffer block's visible rows (VISIBLE_PREFIX; the size is read before the
         batches, which only ever grow). A block that can take no more rows (full, or its
-        file sealed) holds its row group's final rows: cached under the key the published
-        row group is read by, so its publish costs no decode. A block still growing is
-        decoded for this read only."""
+        file sealed) holds its final rows and is cached; a block still growing is decoded
+        for this read only."""
         visible = block.visible_size
 
         def load() -> RowGroupRows:
             batches = list(block.batches)
-            return RowGroupRows(pa.Table.from_batches(batches).slice(0, visible))
+            return RowGroupRows(pa.Table.from_batches(batches).slice(0, visible),
+                                {block.rg_id: visible})
 
         if (sealed or visible == block.capacity) and not block.pending:
-            return self._cache.get((file_id, block.rg_id), load)
+            return self._cache.get((file_id, block.rg_id, BUFFERED), load)
         return load()
+
+
+BUFFERED = -1  # the third part of a write-buffer block's cache key
+
+
+class _BatchMemo:
+    """What one read found about the file and the span it read last (its row groups come
+    in file, then row-group order), so that each is looked up once a read."""
+
+    def __init__(self) -> None:
+        self.file_id = -1
+        self.buffered: IngestFile | None = None
+        self.span: dict[int, int] | None = None
+        self.rows: RowGroupRows | None = None
 
 
 @functools.lru_cache(maxsize=256)
@@ -341,16 +412,17 @@ def _output_schema(table: TableRecord, columns: tuple[str, ...]) -> pa.Schema:
     return pa.schema([full.field(c) for c in columns])
 
 
-def _answer(n: int, positions: list[np.ndarray],
-            gathered: list[tuple[RowGroupRows, np.ndarray]], schema: pa.Schema) -> LookupAnswer:
+def _answer(n: int, units: list[tuple[RowGroupRows, np.ndarray, np.ndarray]],
+            schema: pa.Schema) -> LookupAnswer:
     """Per key found and commit timestamp, and the found rows in request order."""
     found = np.zeros(n, bool)
     commit_ts = np.zeros(n, np.int64)
-    if not gathered:
+    if not units:
         return LookupAnswer(found, commit_ts, schema.empty_table())
-    where = np.concatenate(positions)
+    where = np.concatenate([positions for _rows, _at, positions in units])
     found[where] = True
-    commit_ts[where] = np.concatenate([rows.commit_ts[at] for rows, at in gathered])
+    commit_ts[where] = np.concatenate([rows.commit_ts[at] for rows, at, _p in units])
+    gathered = [(rows, at) for rows, at, _p in units]
     if len(where) <= FEW_ROWS:
         picked = [(group, int(o)) for group, at in gathered for o in at.tolist()]
         order = np.argsort(where, kind="stable").tolist()

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 import numpy as np
@@ -117,6 +117,8 @@ class RGVisibility:
             if ts < self._base_ts:
                 return None
             base, chain = self._base, self._chain
+            if not base and not chain:  # the usual row group: nothing deleted
+                return np.zeros(len(rows), bool)
             after = ts + 1
             return np.fromiter((r in base or chain.get(r, after) <= ts for r in rows.tolist()),
                                bool, len(rows))
@@ -156,8 +158,9 @@ def restore(entry: RGEntry) -> RGVisibility:
                         {row: ts for ts, row in entry.chain})
 
 
-@dataclass(frozen=True)
-class RGKey:
+class RGKey(NamedTuple):
+    """A tuple: hashed in C (point reads look one up per row group)."""
+
     file_id: int
     rg_id: int
 
@@ -222,7 +225,10 @@ class VisibilityIndex:
         """The visibility of a row group any read may still reach: a replaced or staged
         file's (frozen, looked up first, as QueryVisibility does), else a registered
         file's; None for a row group of no such file."""
-        frozen = self.retired(file_id)
+        with self._lock:
+            frozen = self._retired.get(file_id)
+            if frozen is None:
+                frozen = self._staged.get(file_id)
         if frozen is not None:
             return frozen[rg_id] if 0 <= rg_id < len(frozen) else None
         return self._entries.get(RGKey(file_id, rg_id))

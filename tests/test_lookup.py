@@ -31,6 +31,7 @@ from retina_common.reader import main as query_main
 from retina_common.refusal import SNAPSHOT_EXPIRED, earliest_readable
 from retina_server.row_gather import RowGroupRows, assemble, assemble_few
 from retina_server.row_group_cache import RowGroupCache
+from retina_server.row_lookup import spans_of
 from retina_server.row_moves import MovesInProgress, RowMoves
 
 from .dataplane import SCHEMA, DataPlane
@@ -688,3 +689,12 @@ def test_gathers_of_every_column_type_equal_arrows_take() -> None:
     few = assemble_few(schema, [(RowGroupRows(t), int(p[0])) for t, p in
                                 zip(tables, picks, strict=True)])
     assert few.combine_chunks().equals(expected.take(pa.array([0, 7, 14, 21])).combine_chunks())
+
+
+def test_spans_group_consecutive_row_groups_up_to_the_span_size() -> None:
+    assert spans_of([4096] * 4) == ({0: 4096, 1: 4096, 2: 4096, 3: 4096},)
+    assert spans_of([4096] * 5) == ({0: 4096, 1: 4096, 2: 4096, 3: 4096}, {4: 4096})
+    assert spans_of([50_000, 10, 20_000]) == ({0: 50_000}, {1: 10}, {2: 20_000})
+    assert spans_of([]) == ()
+    rows = RowGroupRows(pa.table({"v": pa.array(np.arange(30), pa.int64())}), {4: 10, 5: 20})
+    assert rows.start(4) == (0, 10) and rows.start(5) == (10, 20)
