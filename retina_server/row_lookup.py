@@ -38,10 +38,11 @@ holds for that key, or none when it holds none. Why it holds:
 * The service refuses while the node is not READY, and refuses an answer when the
   node stopped being READY while it was read (it failed closed).
 
-Costs: one LMDB read transaction per request and three cursor steps per key; one
-vectorised MainIndex lookup; then one visibility check and one Arrow ``take`` per
-row group touched. A published row group is decoded once into the cache and read
-from memory after that.
+Costs: one LMDB read transaction per request and three cursor steps per key (in key
+order); one vectorised MainIndex lookup; one visibility check per row group touched;
+one commit-timestamp check and one numpy gather per column per decode unit touched (a
+published file's span of row groups, SPAN_ROWS, or a write-buffer block). A span is
+decoded once into the cache and read from memory after that.
 """
 
 from __future__ import annotations
