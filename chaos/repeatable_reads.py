@@ -52,12 +52,13 @@ from .key_lookups import AS_OF_P, KeyLookups
 from .pinned_snapshots import PIN_MAX, PIN_P, PinBook
 from .snapshots import (
     VIAS,
+    Expected,
     ReadRefused,
     SnapshotReaders,
     TableImage,
     Taken,
     compare_taken,
-    diff_images,
+    differences_from,
     duplicates_in,
     is_refusal,
     tables_imaged,
@@ -107,11 +108,6 @@ class EpisodePlan:
         return cls(rng.choice(VIAS), rng.choice(DURING_AT), rng.choice(VIAS),
                    rng.random() < HOLD_P, rng.randint(*HELD_EPISODES), rng.choice(VIAS),
                    rng.random() < BY_TIME_P, rng.random() < PIN_P)
-
-
-# The images the episode's image is compared with: table -> the source's (or the model's)
-# image, and the keys a model leaves undecided (chaos/app_model.py), which are skipped.
-Expected = dict[str, tuple[TableImage, frozenset[tuple[object, ...]]]]
 
 
 class SnapshotBook:
@@ -280,16 +276,7 @@ class SnapshotBook:
             self.counts[f"images_not_compared_{type(exc).__name__}"] += 1
             return None
         self.counts["images_compared"] += 1
-        problems = []
-        for table, (want, undecided) in sorted(expected.items()):
-            got = taken.images.get(table)
-            if got is None:
-                continue
-            diff = diff_images(
-                TableImage({k: v for k, v in want.rows.items() if k not in undecided}),
-                TableImage({k: v for k, v in got.rows.items() if k not in undecided}))
-            if not diff.same:
-                problems.append(f"{table}: {diff.describe()}")
+        problems = differences_from(expected, taken.images)
         if problems:
             self.anomalies.append(f"image_differs_from_source: {taken.label()}, read once "
                                   f"the comparison found the source equal: "

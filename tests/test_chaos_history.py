@@ -13,8 +13,8 @@ import pytest
 
 from chaos.as_of_reads import AsOfPoint, AsOfReader, Circumstances, judge_refusal
 from chaos.pinned_snapshots import PinBook, PinFailpoint, listing_problems
-from chaos.repeatable_reads import EpisodePlan, Expected, SnapshotBook
-from chaos.snapshots import ReadRefused, tables_imaged
+from chaos.repeatable_reads import EpisodePlan, SnapshotBook
+from chaos.snapshots import Expected, ReadRefused, tables_imaged
 from retina_common.refusal import snapshot_expired
 
 from .chaos_fakes import FakePinStub, FakeReaders, image
