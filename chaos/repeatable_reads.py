@@ -80,8 +80,10 @@ DURING_AT = (0, 0, 0, 0, 1, 2)
 REMEMBER_EPISODES = 5
 REMEMBER_MAX = 8
 AS_OF_REREADS = 2
-# A re-read AS OF a wall-clock time, when the snapshot was taken AS OF one.
+# A re-read AS OF a wall-clock time, when the snapshot was taken AS OF one; the drawn
+# re-read picks among those this often (the newest snapshot is rarely one of them).
 BY_TIME_REREAD_P = 0.6
+BY_TIME_PICK_P = 0.5
 # The episode's image taken AS OF a wall-clock time this long ago (the TransServer's time
 # map samples every 100 ms and is durable every second) rather than at the newest snapshot.
 BY_TIME_P = 0.5
@@ -370,6 +372,9 @@ class SnapshotBook:
             return
         chosen = [self.remembered[-1]]
         others = self.remembered[:-1]
+        by_time = [t for t in others if t.time_ms]
+        if by_time and self.rng.random() < BY_TIME_PICK_P:  # else they come up rarely
+            others = by_time
         chosen += self.rng.sample(others, min(AS_OF_REREADS - 1, len(others)))
         for taken in chosen:
             by_time = taken.time_ms and self.rng.random() < BY_TIME_REREAD_P
