@@ -1,4 +1,5 @@
-"""The connector's Prometheus metrics (``cdc_`` prefix, ARCHITECTURE.md)."""
+"""The connector's Prometheus metrics (``cdc_`` prefix: docs/architecture.md, "Observability
+conventions")."""
 
 from __future__ import annotations
 

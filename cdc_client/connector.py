@@ -73,14 +73,13 @@ from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.recovery_driver import RecoveryFailed, drive_recovery
 from retina_common.refusal import SOURCES_NOT_REPLAYED
+from retina_common.retry import RETRYABLE_CODES, Backoff
 from retina_common.topology import Topology
 
 log = structlog.get_logger("cdc")
 T = TypeVar("T")
-# CANCELLED: a Retina node shutting down (SIGTERM) cancels the calls in flight; the
-# outcome is unknown exactly as for a lost connection, and a resend converges.
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-             grpc.StatusCode.CANCELLED)
+# The first pause between two attempts (doubled up to Settings.backoff_max_s).
+FIRST_PAUSE_S = 0.05
 
 
 class ConnectorStopped(Exception):
@@ -133,18 +132,6 @@ class Batch:
     transactions: list[SourceTransaction]
     rows: list[list[ChangeRow]]  # per transaction, ts 0 until stamped
     collect_ms: float = 0.0
-
-
-class Backoff:
-    def __init__(self, cap_s: float, stop: threading.Event) -> None:
-        self._delay = 0.05
-        self._cap = cap_s
-        self._stop = stop
-
-    def wait(self) -> None:
-        if self._stop.wait(self._delay):
-            raise ConnectorStopped("stopping")
-        self._delay = min(self._delay * 2, self._cap)
 
 
 class Connector:
@@ -284,7 +271,7 @@ class Connector:
                   what: str) -> T:
         """``call()`` until it succeeds or fails with an error ``retryable``
         rejects (raised as is); backs off in between, stops with the connector."""
-        backoff = Backoff(self.settings.backoff_max_s, self._stop)
+        backoff = Backoff(FIRST_PAUSE_S, self.settings.backoff_max_s)
         while True:
             try:
                 return call()
@@ -292,7 +279,11 @@ class Connector:
                 if not retryable(exc):
                     raise
                 log.warning("cdc_retry", call=what, error=str(exc))
-                backoff.wait()
+                self._pause(backoff)
+
+    def _pause(self, backoff: Backoff) -> None:
+        if backoff.pause(self._stop):
+            raise ConnectorStopped("stopping")
 
     def _begin(self, count: int) -> list[tpb.BeginTransResponse]:
         request = tpb.BeginTransBatchRequest(read_only=False, count=count,
@@ -380,7 +371,7 @@ class Connector:
                     trans_id=trans_id, lease_ms=self.settings.write_lease_ms),
                     timeout=self.settings.rpc_timeout_s)
             except grpc.RpcError as exc:
-                if exc.code() in RETRYABLE:
+                if exc.code() in RETRYABLE_CODES:
                     return
                 raise BatchExpired(f"ExtendTransLease: {exc.code().name}: "
                                    f"{exc.details()}") from None
@@ -415,7 +406,7 @@ class Connector:
     def _send_to_node(self, node: str, rows: list[ChangeRow], ids: list[int],
                       abort: threading.Event) -> None:
         stub = self.nodes[node]
-        backoff = Backoff(self.settings.backoff_max_s, self._stop)
+        backoff = Backoff(FIRST_PAUSE_S, self.settings.backoff_max_s)
         tables = self._table_records()
         while True:
             try:
@@ -428,7 +419,7 @@ class Connector:
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.ABORTED:  # the node's write fence
                     raise BatchExpired(f"UpdateRecord to {node}: {exc.details()}") from None
-                if exc.code() not in RETRYABLE:
+                if exc.code() not in RETRYABLE_CODES:
                     raise ConnectorStopped(f"UpdateRecord to {node} refused: "
                                            f"{exc.code().name}: {exc.details()}") from None
                 log.warning("cdc_node_unavailable", node=node, error=exc.details())
@@ -439,7 +430,7 @@ class Connector:
                 return
             if abort.is_set():
                 raise SendAbandoned(f"send to {node} abandoned: another node failed")
-            backoff.wait()
+            self._pause(backoff)
 
     # --- recovery driver ------------------------------------------------------
     def recover_nodes(self) -> None:
@@ -525,7 +516,7 @@ class Connector:
                         reason="the replay-source registry is unreadable")
             return False
         except grpc.RpcError as exc:
-            if exc.code() in RETRYABLE:  # the node went away again: start over later
+            if exc.code() in RETRYABLE_CODES:  # the node went away again: start over later
                 log.warning("cdc_replay_interrupted", node=node, error=exc.details())
                 return False
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and \
@@ -579,7 +570,7 @@ class Connector:
 
 
 def _unavailable(exc: Exception) -> bool:
-    return isinstance(exc, grpc.RpcError) and exc.code() in RETRYABLE
+    return isinstance(exc, grpc.RpcError) and exc.code() in RETRYABLE_CODES
 
 
 def _ms(seconds: float) -> float:

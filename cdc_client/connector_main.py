@@ -22,7 +22,6 @@ that transaction was applied; docs/cdc.md, "Schema changes", is the procedure).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import signal
 import sys
@@ -39,32 +38,29 @@ from cdc_client.positions import ConnectorFenced, PositionStore
 from cdc_client.schema_change import UnsupportedSchemaChange
 from cdc_client.source import Source, SourceError
 from cdc_client.translate import MalformedChange, TableMap
-from retina_common import failpoints, replay_sources, tls
+from retina_common import exit_codes, failpoints, replay_sources
 from retina_common.catalog import (
     Catalog,
     CatalogOutcomeUnknown,
     CatalogUnavailable,
-    NotFoundError,
+    NotFound,
     TableRecord,
 )
 from retina_common.changelog import Changelog, CorruptChangelog, changelog_root
 from retina_common.changelog_replay import registered_logs
 from retina_common.client import channel
-from retina_common.config import CdcConfig, ConfigError, load_config
+from retina_common.config import CdcConfig, ConfigError
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.keys import LIFECYCLE_PREFIX
 from retina_common.log import configure_logging
 from retina_common.metrics import serve_metrics
 from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
+from retina_common.process_config import load_process_config
 from retina_common.replay_sources import ReplaySourceError
 from retina_common.retry import until_deadline
 from retina_common.topology import Topology, load_topology
 
-STOPPED_BY_REFUSAL = 3
-STOPPED_BY_REPLAY_GAP = 5  # a node needs dropped changelog: an operator rebuilds it
-STOPPED_BY_SCHEMA_CHANGE = 6  # docs/cdc.md "Schema changes": an operator follows the procedure
-CRASHED = 1  # anything else: restart it; it resumes from the committed position
 log = structlog.get_logger("cdc")
 
 
@@ -139,7 +135,7 @@ def table_map(catalog: Catalog, schema: str) -> TableMap:
                 on_retry=lambda exc: log.warning("cdc_catalog_lookup_retry",
                                                  table=f"{schema_name}.{name}",
                                                  error=str(exc)))
-        except NotFoundError:
+        except NotFound:
             return None
 
     def add_column(schema_name: str, name: str, column: str, type_name: str) -> TableRecord:
@@ -205,20 +201,16 @@ class _Background:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="retina-cdc", description=__doc__)
-    parser.add_argument("--config", help="TOML config file (default: $RETINA_CONFIG)")
-    args = parser.parse_args(argv)
     try:
-        config = load_config(args.config)
-        tls.configure(config.tls)  # every channel below (client.channel) uses it
-        failpoints.load_from_env()
+        # Its TLS settings apply to every channel below (client.channel).
+        config, _config_arg = load_process_config("retina-cdc", __doc__, argv)
         topology = load_topology(config.topology_file)
         settings = settings_of(config.cdc, config.retina.max_rows_per_request)
         check_source(config.cdc)
         replay_sources.check_writer_id(config.cdc.name)
     except (ConfigError, failpoints.FailpointError, ReplaySourceError) as exc:
         print(f"retina-cdc: {exc}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     configure_logging("cdc", config.log_level, connector=config.cdc.name)
     stop = threading.Event()
     try:
@@ -235,15 +227,15 @@ def main(argv: list[str] | None = None) -> int:
         source = open_source(config.cdc, committed.position if committed else None, tables)
     except (ConfigError, ReplaySourceError) as exc:
         print(f"retina-cdc: {exc}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     except SourceError as exc:  # the source is reachable but not usable as it is (a slot)
         log.error("cdc_stopped_malformed", error=str(exc), error_type=type(exc).__name__)
-        print(f"retina-cdc: stopped (exit {STOPPED_BY_REFUSAL}, needs an operator): {exc}",
+        print(f"retina-cdc: stopped (exit {exit_codes.REFUSED}, needs an operator): {exc}",
               file=sys.stderr, flush=True)
-        return STOPPED_BY_REFUSAL
+        return exit_codes.REFUSED
     except Exception as exc:  # etcd, catalog, storage, the source connection (psycopg2)
         log.error("cdc_start_failed", error=str(exc), error_type=type(exc).__name__)
-        return 4
+        return exit_codes.UNAVAILABLE
     changelog = Changelog(changelog_root(config))
     trans = trans_pb2_grpc.TransServiceStub(channel(config.trans.listen))
     connector = Connector(source=source, changelog=changelog, positions=positions, trans=trans,
@@ -256,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, OSError) as exc:
         log.error("cdc_start_failed", error=f"cdc.metrics_listen: {exc}")
         source.close()
-        return 2
+        return exit_codes.USAGE
 
     def on_signal(_signum: int, _frame: FrameType | None) -> None:
         stop.set()  # only a flag, as in the Retina server's signal handler
@@ -266,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     _Background(etcd, connector, changelog, topology, config.cdc.retention_interval_s,
                 stop).start()
-    exit_code = [0]
+    exit_code = [exit_codes.OK]
     worker = threading.Thread(target=_run, args=(connector, stop, exit_code), name="connector")
     worker.start()
     while worker.is_alive():
@@ -280,26 +272,26 @@ def _run(connector: Connector, stop: threading.Event, exit_code: list[int]) -> N
         connector.run()
     except ReplayGap as exc:  # before ConnectorStopped, which it is
         log.error("cdc_stopped_replay_gap", node=exc.node, error=str(exc))
-        exit_code[0] = STOPPED_BY_REPLAY_GAP
+        exit_code[0] = exit_codes.REPLAY_GAP
     except UnsupportedSchemaChange as exc:
         log.error("cdc_stopped_schema_change", error=str(exc))
-        print(f"retina-cdc: stopped (exit {STOPPED_BY_SCHEMA_CHANGE}, needs an operator; "
+        print(f"retina-cdc: stopped (exit {exit_codes.SCHEMA_CHANGE}, needs an operator; "
               f"docs/cdc.md, 'Schema changes'): {exc}", file=sys.stderr, flush=True)
-        exit_code[0] = STOPPED_BY_SCHEMA_CHANGE
+        exit_code[0] = exit_codes.SCHEMA_CHANGE
     except (MalformedChange, SourceError, ConnectorFenced, CorruptChangelog) as exc:
         log.error("cdc_stopped_malformed", error=str(exc), error_type=type(exc).__name__)
         # Also on stderr, plainly: a restart stops at the same event again, so a
         # supervisor must not restart on 3; an operator reads this line.
-        print(f"retina-cdc: stopped (exit {STOPPED_BY_REFUSAL}, needs an operator): {exc}",
+        print(f"retina-cdc: stopped (exit {exit_codes.REFUSED}, needs an operator): {exc}",
               file=sys.stderr, flush=True)
-        exit_code[0] = STOPPED_BY_REFUSAL
+        exit_code[0] = exit_codes.REFUSED
     except ConnectorStopped as exc:
         if not stop.is_set():
             log.error("cdc_stopped_refused", error=str(exc))
-            exit_code[0] = STOPPED_BY_REFUSAL
+            exit_code[0] = exit_codes.REFUSED
     except Exception as exc:  # a dependency failed in a way not retried, or a bug
         log.exception("cdc_crashed", error=str(exc), error_type=type(exc).__name__)
-        exit_code[0] = CRASHED
+        exit_code[0] = exit_codes.FAILED
     finally:
         stop.set()
 

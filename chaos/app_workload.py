@@ -32,6 +32,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import IO, Any
 
+from retina_common import exit_codes
 from retina_common.checkpoint_store import CorruptCheckpoint, Pointer
 from retina_common.codec import encode_primary_key
 from retina_common.etcd import EtcdError, EtcdStore
@@ -53,9 +54,8 @@ ANSWER_WAIT_S = 0.5
 OPEN_WAIT_S = 5.0
 SETTLE_S = 30.0  # after healing: open, its last transaction answered
 STOP_S = 30.0  # a stop lets the running transaction finish (a node may be restarting)
-EXIT_AT_FAILPOINT = 137
 # End of input, in doubt after an error (as retina-write), a failpoint.
-EXPECTED_EXITS = (0, 1, EXIT_AT_FAILPOINT)
+EXPECTED_EXITS = (0, 1, exit_codes.KILLED_AT_FAILPOINT)
 LARGE_P = 0.05
 DELETE_P = 0.25
 Answer = dict[str, Any] | None  # None: end of the process's output
@@ -281,9 +281,10 @@ class AppWriter:
         code = self._proc.popen.wait()
         self.exit_code = code
         self.counts[f"exit_{code}"] += 1
-        txn = self.model.died(at_failpoint=code == EXIT_AT_FAILPOINT)
+        at_failpoint = code == exit_codes.KILLED_AT_FAILPOINT
+        txn = self.model.died(at_failpoint=at_failpoint)
         if txn is not None:
-            self.counts["in_doubt_killed" if code == EXIT_AT_FAILPOINT else "unknown"] += 1
+            self.counts["in_doubt_killed" if at_failpoint else "unknown"] += 1
         if code not in EXPECTED_EXITS and not self._killed:
             self._findings.append(("unexpected_exit",
                                    f"the application writer exited {code}"

@@ -36,7 +36,7 @@ from typing import Any, TextIO
 
 import grpc
 
-from retina_common import failpoints
+from retina_common import exit_codes, failpoints
 from retina_common.catalog import CatalogError
 from retina_common.changelog import BatchRecord, LoggedTransaction
 from retina_common.config import load_config
@@ -45,7 +45,9 @@ from retina_common.log import configure_logging
 from retina_common.replay_sources import ReplaySourceError
 from retina_common.writer import DurableWriter, WriteInDoubt, WriteRefused, WriterSettings
 
-EXIT_OK, EXIT_IN_DOUBT, EXIT_DEFECT = 0, 1, 3
+# A defect of the writer itself (an exception it does not expect): the campaign's anomaly.
+# In doubt after a logged failure it exits exit_codes.FAILED, as retina-write does.
+EXIT_DEFECT = 3
 # Like the connector's in the campaign (cluster.CDC_SETTINGS): a writer killed with its
 # transaction open holds the TransServer's high-water mark for this long.
 LEASE_MS = 2000
@@ -102,7 +104,7 @@ def serve(writer: DurableWriter, table: str, commands: TextIO, out: TextIO) -> i
         writer.open()
     except EXPECTED_ERRORS as exc:
         answer(out, {"open_failed": describe(exc)})
-        return EXIT_IN_DOUBT
+        return exit_codes.FAILED
     answer(out, {"opened": True})
     for line in commands:
         command = json.loads(line)
@@ -113,10 +115,10 @@ def serve(writer: DurableWriter, table: str, commands: TextIO, out: TextIO) -> i
             answer(out, {"seq": command["seq"], "error": describe(exc),
                          "logged": watch.logged})
             if watch.logged:
-                return EXIT_IN_DOUBT  # the next process's open applies it
+                return exit_codes.FAILED  # the next process's open applies it
             continue
         answer(out, {"seq": command["seq"], "ts": ts})
-    return EXIT_OK
+    return exit_codes.OK
 
 
 def main(argv: list[str] | None = None) -> int:

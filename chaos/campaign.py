@@ -26,6 +26,7 @@ from typing import Any
 import psycopg2
 
 from devtools.cluster import ClusterError, pid_alive
+from retina_common import exit_codes
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.topology import load_topology
@@ -52,12 +53,14 @@ from .sweep import StorageAudit
 
 # 6: the workload changes the source schema only by nullable ADD COLUMNs, which the
 # connector must follow; a stop on a schema change is a finding.
-CDC_STOP_CODES = {3: "stopped by a malformed source event or a refusal",
-                  6: "stopped by a source schema change it could not follow"}
+CDC_STOP_CODES = {
+    exit_codes.REFUSED: "stopped by a malformed source event or a refusal",
+    exit_codes.SCHEMA_CHANGE: "stopped by a source schema change it could not follow"}
 READY_TIMEOUT_S = 60.0
 # Exit codes that are not findings by themselves: a signal, "restart me" (1), the
 # failpoint's 137, and 4 (a dependency, e.g. PostgreSQL, unreachable at start).
-EXPECTED_EXITS = {0, 1, 4, 137, -9, -15}
+EXPECTED_EXITS = {exit_codes.OK, exit_codes.FAILED, exit_codes.UNAVAILABLE,
+                  exit_codes.KILLED_AT_FAILPOINT, -signal.SIGKILL, -signal.SIGTERM}
 
 
 # The stream of the fault kinds that joined late (faults.LATE_FAULTS), apart from the
@@ -613,13 +616,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM must run the clean-up (the cluster's processes live in their own sessions).
-    signal.signal(signal.SIGTERM, lambda _s, _f: sys.exit(143))
+    signal.signal(signal.SIGTERM, lambda _s, _f: sys.exit(exit_codes.TERMINATED))
     campaign = Campaign(args, log=lambda m: print(m, flush=True))
     try:
         report = campaign.run()
     except ClusterError as exc:
         print(f"retina-chaos: the cluster did not start: {exc}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     except SystemExit:  # SIGTERM: the cluster is already down; report what ran
         campaign.report.stopped_early = "terminated by a signal"
         print(campaign.report.text(), flush=True)
@@ -629,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report.text(), flush=True)
     if args.json:
         report.write_json(args.json)
-    return 1 if report.anomalies else 0
+    return exit_codes.FAILED if report.anomalies else exit_codes.OK
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ from devtools.cluster import (
     start_cluster,
     start_etcd,
     stop_cluster,
-    stop_postgres,
     terminate,
     trans_server_argv,
     wait_for,
@@ -328,9 +327,6 @@ class ChaosCluster:
     def all_ready(self) -> bool:
         return all(s == rpb.READY for s in self.node_states().values())
 
-    def wait_all_ready(self, timeout_s: float) -> None:
-        wait_for(self.all_ready, timeout_s, "every Retina node to be READY", 0.1)
-
     # --- infrastructure restarts -----------------------------------------------------------
     def restart_etcd(self, down_s: float = 0.5) -> None:
         assert self.state is not None
@@ -387,10 +383,6 @@ class ChaosCluster:
 
     def source_connect(self) -> psycopg2.extensions.connection:
         return psycopg2.connect(self.source_dsn, connect_timeout=5)
-
-    def shutdown_postgres(self) -> None:
-        if self.state is not None:
-            stop_postgres(self.state.postgres.data_dir)
 
 
 __all__ = ["APP_WRITER_ID", "CDC", "CDC_NAME", "SOURCE_DB", "TRANS", "WRITER", "ChaosCluster",

@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 import grpc
 
 from devtools.cluster import node_state
-from retina_common import failpoints
+from retina_common import exit_codes, failpoints
 from retina_common.catalog import Catalog, FileType
 from retina_common.codec import encode_primary_key, encode_value
 from retina_common.etcd import EtcdStore
@@ -53,7 +53,7 @@ from .workload import PROBE_TABLE, SCHEMA
 # update_record.*: the write fence's points (issue 25), reached by every UpdateRecord.
 RETINA_PREFIXES = ("ingest.", "index.", "checkpoint.", "recovery.", "catalog.", "etcd.", "gc.",
                    "sweeper.", "update_record.")
-# Points of the Spark job's rewrite task (spark_jobs/storage_gc.py, rewrite_group).
+# Points of the Spark job's rewrite task (spark_jobs/storage_gc_task.py, rewrite_group).
 REWRITER_PREFIXES = ("gc.rewrite.",)
 # Schema evolution: only the connector's Catalog.add_column reaches them, when it reads the
 # first change carrying a column a source ALTER TABLE ADD COLUMN added. The connector is
@@ -119,7 +119,6 @@ GC_FAILPOINT_DEADLINE_S = 25.0
 # TEMPORARY_INGEST files of a crashed node, and a crash right after ingest.alloc leaves one.
 PREPARE = {"catalog.delete_files.commit.before": "ingest.alloc.catalog.after",
            "catalog.delete_files.commit.after": "ingest.alloc.catalog.after"}
-EXIT_AT_FAILPOINT = 137
 
 
 def process_of(point: str) -> str:
@@ -386,7 +385,7 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
         return arm_writer_failpoint(ctx, point, hit_k)
     driving = gc_driving(point)
     sweep_pass = sweep_driving(point)
-    spec = f"{point}=exit({EXIT_AT_FAILPOINT})@{hit_k}"
+    spec = f"{point}=exit({exit_codes.KILLED_AT_FAILPOINT})@{hit_k}"
     result = FaultResult("failpoint", f"{spec}", failpoint=point)
     if (driving or sweep_pass in ("retired", "journal")) and ctx.snapshots is not None:
         # GC passes after a restart: a held read below the node's new floor would stop them.
@@ -403,7 +402,7 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
         time.sleep(ctx.rng.uniform(0.0, 0.4))
     ctx.kill(name, signal.SIGKILL)
     if point in PREPARE:
-        ctx.cluster.start(name, f"{PREPARE[point]}=exit({EXIT_AT_FAILPOINT})@1")
+        ctx.cluster.start(name, f"{PREPARE[point]}=exit({exit_codes.KILLED_AT_FAILPOINT})@1")
         prepared = _drive_until_exit(ctx, name, FAILPOINT_DEADLINE_S)
         result.detail += f" (after {PREPARE[point]}: {prepared})"
         ctx.kill(name, signal.SIGKILL)
@@ -411,11 +410,11 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
         # Leave an open rewrite that no checkpoint holds: a crash inside a GC commit.
         prep = ctx.rng.choices(list(GC_ROLLBACK_PREPARE),
                                weights=list(GC_ROLLBACK_PREPARE.values()))[0]
-        ctx.cluster.start(name, f"{prep}=exit({EXIT_AT_FAILPOINT})@1")
+        ctx.cluster.start(name, f"{prep}=exit({exit_codes.KILLED_AT_FAILPOINT})@1")
         prepared = _drive_until_exit(ctx, name, GC_FAILPOINT_DEADLINE_S,
                                      _gc_action(ctx, name, result))
         result.detail += f" (after {prep}: {prepared})"
-        if prepared != EXIT_AT_FAILPOINT:
+        if prepared != exit_codes.KILLED_AT_FAILPOINT:
             result.notes.append(f"{point}: no GC commit crashed at {prep}: nothing to roll "
                                 "back")
         ctx.kill(name, signal.SIGKILL)
@@ -439,13 +438,13 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
         action, deadline_s = _sweep_action(ctx, name, sweep_pass, hit_k, result), \
             SWEEP_DEADLINE_S
     code = _drive_until_exit(ctx, name, deadline_s, action)
-    result.failpoint_hit = code == EXIT_AT_FAILPOINT
+    result.failpoint_hit = code == exit_codes.KILLED_AT_FAILPOINT
     if name in ctx.cluster.nodes and code is not None:
         ctx.tracker.down(name)
     if code is None:
         result.notes.append(f"{point} not reached within {deadline_s:.0f}s")
         ctx.kill(name, signal.SIGKILL)
-    elif code != EXIT_AT_FAILPOINT:
+    elif code != exit_codes.KILLED_AT_FAILPOINT:
         result.notes.append(f"{name} exited {code} instead of at {point}")
     ctx.cluster.start(name)
     if name == TRANS:
@@ -472,7 +471,7 @@ def arm_rewriter_failpoint(ctx: FaultContext, point: str, hit_k: int,
         # (BUFFER_FETCH_HOLDS_FILE: their commit waits for it); the retried task's group
         # must be able to commit.
         ctx.snapshots.release(f"before {point}")
-    spec = f"{point}=exit({EXIT_AT_FAILPOINT})@1+once"
+    spec = f"{point}=exit({exit_codes.KILLED_AT_FAILPOINT})@1+once"
     directory = ctx.failpoint_dir()
     node = ctx.node()
     result = FaultResult("failpoint", f"{spec} (tasks for {node})", failpoint=point)
@@ -484,8 +483,8 @@ def arm_rewriter_failpoint(ctx: FaultContext, point: str, hit_k: int,
             continue  # the gate would refuse the pass's read transaction
         done = ctx.gc_pass(node, result, max_groups=3, race=0.3, task_failpoints=spec,
                            failpoint_dir=directory, dead_task_retry=dead_task_retry)
-        result.failpoint_hit = EXIT_AT_FAILPOINT in done.task_exits
-        other = sorted({c for c in done.task_exits if c not in (0, EXIT_AT_FAILPOINT)})
+        result.failpoint_hit = exit_codes.KILLED_AT_FAILPOINT in done.task_exits
+        other = sorted({c for c in done.task_exits if c not in (0, exit_codes.KILLED_AT_FAILPOINT)})
         if other:
             result.notes.append(f"rewrite task exited {other} instead of at {point}")
     if not result.failpoint_hit:
@@ -505,7 +504,7 @@ def arm_writer_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResu
     down through the episode's comparison with a node killed and recovered meanwhile
     (the recovery replays the in-doubt transaction on that node only: each of its rows
     present or absent, never another value), and started again in the next episode."""
-    spec = f"{point}=exit({EXIT_AT_FAILPOINT})@{hit_k}"
+    spec = f"{point}=exit({exit_codes.KILLED_AT_FAILPOINT})@{hit_k}"
     result = FaultResult("failpoint", spec, failpoint=point, failpoint_hit=False)
     app = ctx.app
     if app is None:
@@ -519,11 +518,11 @@ def arm_writer_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResu
     while app.running() and time.monotonic() < deadline:
         ctx.write()
     code = None if app.running() else app.exit_code
-    result.failpoint_hit = code == EXIT_AT_FAILPOINT
+    result.failpoint_hit = code == exit_codes.KILLED_AT_FAILPOINT
     if code is None:
         result.notes.append(f"{point} not reached within {FAILPOINT_DEADLINE_S:.0f}s")
         app.stop()
-    elif code != EXIT_AT_FAILPOINT:
+    elif code != exit_codes.KILLED_AT_FAILPOINT:
         result.notes.append(f"the application writer exited {code} instead of at {point}")
     if result.failpoint_hit and ctx.rng.random() < 0.5:
         node = ctx.node()

@@ -47,10 +47,10 @@ from retina_common.client import channel
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
+from retina_common.retry import RETRYABLE_CODES, Backoff
 from retina_common.storage import open_parquet
-from spark_jobs.common import UNAVAILABLE_MARK
-from spark_jobs.storage_gc import (
-    FileRef,
+from spark_jobs.common import UNAVAILABLE_MARK, FileRef
+from spark_jobs.storage_gc_task import (
     RewriteResult,
     RewriteTask,
     TaskSpec,
@@ -68,7 +68,7 @@ ROW_GROUP_ROWS = (8, 40, 65_536)
 # The read transaction outlives the pass by a margin: a killed campaign must not pin
 # safeGcTs for long.
 LEASE_MS = 60_000
-# A commit answered UNAVAILABLE ("is committing") or DEADLINE_EXCEEDED is asked again
+# A commit answered a retryable code (UNAVAILABLE: "is committing") is asked again
 # (a repeated commit answers the same) until this deadline.
 COMMIT_RETRY_S = 30.0
 OPEN_STATES = ("INDEX_SWITCHING", "SWAPPED_NOT_CHECKPOINTED")
@@ -414,20 +414,18 @@ class GcDriver:
         """The commit's answer, a refusal, or None if the node died (outcome unknown:
         recovery decides from the journal)."""
         deadline = time.monotonic() + COMMIT_RETRY_S
-        delay = 0.1
+        backoff = Backoff(0.1, 2.0)
         while True:
             try:
                 return stub.CommitGcRewrite(rpb.CommitGcRewriteRequest(
                     rewrite_id=rewrite_id, new_file_id=new_file_id), timeout=RPC_TIMEOUT_S)
             except grpc.RpcError as exc:
-                retry = exc.code() in (grpc.StatusCode.UNAVAILABLE,
-                                       grpc.StatusCode.DEADLINE_EXCEEDED)
+                retry = exc.code() in RETRYABLE_CODES
                 if retry and not alive():
                     return None
                 if not retry or time.monotonic() >= deadline:
                     return exc
-            time.sleep(delay)  # backoff before asking again, bounded by the deadline
-            delay = min(delay * 2, 2.0)
+            backoff.pause()  # bounded by the deadline
 
     def _refusal(self, what: str, exc: grpc.RpcError, node: str, alive: Callable[[], bool],
                  result: PassResult) -> bool:

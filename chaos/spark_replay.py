@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from devtools.cluster import node_state
-from retina_common import failpoints
+from retina_common import exit_codes, failpoints
 from retina_common.changelog import Changelog, changelog_root
 from retina_common.changelog_replay import changelog_rows
 from spark_jobs.cdc_replay import (
@@ -52,12 +52,11 @@ from spark_jobs.cdc_replay import (
     replay_vnode,
     task_requests,
 )
-from spark_jobs.common import EXIT_OK, EXIT_UNAVAILABLE, load
+from spark_jobs.common import load
 
 from . import spark_task
 
 POINT = failpoints.CDC_REPLAY_REQUEST_AFTER.name
-EXIT_AT_FAILPOINT = 137
 # How long the driver waits for the restarted node to answer and derive its starts.
 WAIT_S = 30.0
 # Items per request (a replace counts two), one drawn per recovery; None: the job's
@@ -149,7 +148,7 @@ class ReplayRecovery:
                 and self._run_all(spec, others[at:])):
             return self.out  # no MarkReady: the node stays RECOVERING for the connector
         code, text = _quietly(lambda: complete(plan, spec, WAIT_S))
-        if code != EXIT_OK:
+        if code != exit_codes.OK:
             self._failed(f"after the tasks: exit {code}: {text}")
             return self.out
         self.out.counts["marked_ready"] += 1
@@ -169,7 +168,7 @@ class ReplayRecovery:
                     self.node, self.config.cdc.replay_mode, WAIT_S, self.topology, changelog))
                 if isinstance(plan, Plan):
                     return plan
-                if plan != EXIT_UNAVAILABLE or time.monotonic() >= deadline:
+                if plan != exit_codes.UNAVAILABLE or time.monotonic() >= deadline:
                     # READY already (exit 0) cannot be: nothing else drives this node.
                     self._failed(f"plan: exit {plan}: {text}")
                     return None
@@ -202,14 +201,14 @@ class ReplayRecovery:
     def _victim(self, spec: JobSpec, victim: Victim) -> bool:
         """The victim dies after ``kill_at`` acknowledged requests, then runs again in a
         new process with the same input and failpoints, and must send everything."""
-        armed = f"{POINT}=exit({EXIT_AT_FAILPOINT})@{victim.kill_at}+once"
+        armed = f"{POINT}=exit({exit_codes.KILLED_AT_FAILPOINT})@{victim.kill_at}+once"
         first = self._run(spec, victim.task, armed)
         if first.exit_code == 0:  # fewer requests than counted: only with none at all
             self.out.counts["victim_not_killed"] += 1
             self.out.notes.append(f"spark replay: vnode {victim.task.vnode} had no request "
                                   f"to die after ({victim.requests} counted)")
             return True
-        if first.exit_code != EXIT_AT_FAILPOINT:
+        if first.exit_code != exit_codes.KILLED_AT_FAILPOINT:
             self._failed(f"victim vnode {victim.task.vnode} exited {first.exit_code}: "
                          f"{first.stderr[-600:]}")
             return False

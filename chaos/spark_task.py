@@ -1,7 +1,7 @@
 """A Spark job's task in a process of its own: ``python -m chaos.spark_task``.
 
 The campaign runs the Spark jobs' drivers in its own process, without a JVM (chaos/gc_driver.py,
-chaos/spark_replay.py), and their tasks (``storage_gc.rewrite_group``,
+chaos/spark_replay.py), and their tasks (``storage_gc_task.rewrite_group``,
 ``cdc_replay.replay_vnode``) here, one process per task attempt, as a Spark executor's
 Python worker runs them: the task's function and its plain arguments are pickled (as Spark
 pickles them, by reference to the module), the failpoints are set for this process alone,

@@ -39,6 +39,7 @@ from devtools.cluster import (
     stop_retina_server,
     wait_for,
 )
+from retina_common import exit_codes
 
 if TYPE_CHECKING:
     from retina_common.pb.retina_pb2 import GetRetinaStatusResponse
@@ -151,7 +152,7 @@ def cmd_start(args: argparse.Namespace, state_dir: Path, state: ClusterState | N
     if state is not None and any(_running(state).values()):
         print(f"a cluster is already running under {state_dir} "
               "(retina-cluster stop first)", file=sys.stderr)
-        return 1
+        return exit_codes.FAILED
     state = start_cluster(state_dir, nodes=_topology_nodes(args),
                           virtual_nodes=args.virtual_nodes)
     if args.retina is None:
@@ -165,7 +166,7 @@ def cmd_start(args: argparse.Namespace, state_dir: Path, state: ClusterState | N
             _print_node(state, node)
         print_replay_hint(state, state.nodes)
     print(f"\nexport RETINA_CONFIG={state_dir.resolve() / 'retina.toml'}")
-    return 0
+    return exit_codes.OK
 
 
 def cmd_status(state: ClusterState) -> int:
@@ -180,7 +181,7 @@ def cmd_status(state: ClusterState) -> int:
         # A node started and not stopped on purpose (stop-node, kill-node) must answer.
         if node in state.retina_pids and status is None:
             healthy = False
-    return 0 if healthy else 1
+    return exit_codes.OK if healthy else exit_codes.FAILED
 
 
 def _signal(name: str) -> int:
@@ -215,7 +216,7 @@ def cmd_node(args: argparse.Namespace, state: ClusterState) -> int:
         _wait_settled(node)
         _print_node(state, node)
         print_replay_hint(state, [node])
-    return 0
+    return exit_codes.OK
 
 
 def parser() -> argparse.ArgumentParser:
@@ -251,16 +252,16 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_start(args, state_dir, state)
         if state is None:
             print(f"no cluster under {state_dir}", file=sys.stderr)
-            return 1
+            return exit_codes.FAILED
         if args.command == "status":
             return cmd_status(state)
         if args.command in NODE_COMMANDS:
             return cmd_node(args, state)
         stop_cluster(state)
-        return 0
+        return exit_codes.OK
     except ClusterError as exc:
         print(f"retina-cluster: {exc}", file=sys.stderr)
-        return 1
+        return exit_codes.FAILED
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from typing import Any
 
 import grpc
 
-from retina_common import admin_writers, file_names, progress
+from retina_common import admin_writers, exit_codes, file_names, progress
 from retina_common.admin_cluster import Cluster
 from retina_common.catalog import CatalogError, FileType
 from retina_common.catalog.cli import parse_file_type
@@ -61,7 +61,6 @@ from retina_common.replay_ts import PLUS_INF
 from retina_common.topology import load_config_and_topology
 
 PROG = "retina-admin"
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MODES = {"vnode": pb.VNODE, "node": pb.NODE}
 
 
@@ -232,7 +231,7 @@ def cmd_status(cluster: Cluster, args: argparse.Namespace) -> int:
         print_status(status)
     for problem in problems:
         _err(problem)
-    return EXIT_FAILED if problems else EXIT_OK
+    return exit_codes.FAILED if problems else exit_codes.OK
 
 
 # --- replay-ts --------------------------------------------------------------------------
@@ -321,14 +320,14 @@ def cmd_mark_ready(cluster: Cluster, args: argparse.Namespace) -> int:
                           "token_hash": token_hash(s.recovery_attempt_token)}, indent=2))
     else:
         print(f"{node}: {state} (recovered from checkpoint {s.checkpoint_id})")
-    return EXIT_OK
+    return exit_codes.OK
 
 
 def _refused(args: argparse.Namespace, node: str, message: str) -> int:
     if args.json:
         print(json.dumps({"node": node, "refused": message}, indent=2))
     _err(f"{node}: {message}")
-    return EXIT_FAILED
+    return exit_codes.FAILED
 
 
 # --- checkpoint -------------------------------------------------------------------------
@@ -368,14 +367,14 @@ def cmd_files(cluster: Cluster, args: argparse.Namespace) -> int:
         catalog = cluster.catalog()
     except CatalogError as exc:
         _err(f"catalog: {type(exc).__name__}: {exc}")
-        return EXIT_FAILED
+        return exit_codes.FAILED
     try:
         record = catalog.get_table(schema, name)
         rows = [_file_row(f, p.uri) for p in catalog.get_paths(record.table_id)
                 for f in catalog.get_files_by_type(p.path_id, types)]
     except CatalogError as exc:
         _err(f"catalog: {type(exc).__name__}: {exc}")
-        return EXIT_FAILED
+        return exit_codes.FAILED
     finally:
         catalog.close()
     if args.node:
@@ -384,14 +383,14 @@ def cmd_files(cluster: Cluster, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"table": args.table, "types": [t.name for t in types],
                           "files": rows}, indent=2))
-        return EXIT_OK
+        return exit_codes.OK
     print_table([[r["file_id"], r["type"], r["node"] or "-",
                   "-" if r["vnode"] is None else r["vnode"], r["row_groups"],
                   _span(r["min_row_id"], r["max_row_id"]), when(r["cleanup_at"] or 0),
                   r["name"]] for r in rows],
                 ["file", "type", "node", "vnode", "rgs", "row_ids", "cleanup_at", "name"])
     print(f"{len(rows)} files")
-    return EXIT_OK
+    return exit_codes.OK
 
 
 def _span(lo: int | None, hi: int | None) -> str:
@@ -473,7 +472,7 @@ def _per_node(cluster: Cluster, args: argparse.Namespace, call: Callable[[str], 
             show(node, view)
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
-    return EXIT_FAILED if failed else EXIT_OK
+    return exit_codes.FAILED if failed else exit_codes.OK
 
 
 # --- arguments --------------------------------------------------------------------------
@@ -556,10 +555,10 @@ def main(argv: list[str] | None = None) -> int:
             cluster.close()
     except UsageError as exc:
         _err(str(exc))
-        return EXIT_USAGE
+        return exit_codes.USAGE
     except EtcdError as exc:
         _err(f"etcd: {exc}")
-        return EXIT_FAILED
+        return exit_codes.FAILED
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from retina_common import replay_sources
+from retina_common import exit_codes, replay_sources
 from retina_common.admin_cluster import Cluster
 from retina_common.changelog import ChangelogGap, CorruptChangelog
 from retina_common.changelog_replay import (
@@ -36,7 +36,6 @@ from retina_common.pb import retina_pb2 as pb
 from retina_common.recovery_driver import RecoveryFailed, drive_recovery
 from retina_common.replay_sources import ReplaySourceError
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MODES = {"vnode": pb.VNODE, "node": pb.NODE}
 # A recovery's requests: the connector's default (cdc.request_max_rows).
 REQUEST_MAX_ROWS = 10_000
@@ -67,16 +66,16 @@ def cmd_writers_list(cluster: Cluster, args: argparse.Namespace) -> int:
                                                             key=lambda s: s.writer_id)]
     if args.json:
         print(json.dumps({"writers": rows}, indent=2))
-        return EXIT_OK
+        return exit_codes.OK
     if not rows:
         print("no registered writers (nothing but anonymous writes, if the nodes allow them)")
-        return EXIT_OK
+        return exit_codes.OK
     width = max(len(r["writer_id"]) for r in rows)
     for r in rows:
         extra = f"  gone: {r['gone_reason']}" if r["state"] == "GONE" else ""
         print(f"{r['writer_id']:<{width}}  {r['kind']:<5}  {r['state']:<6}  "
               f"{r['schema'] or '-':<10}  {r['changelog_root']}{extra}")
-    return EXIT_OK
+    return exit_codes.OK
 
 
 def cmd_writers_gone(cluster: Cluster, args: argparse.Namespace) -> int:
@@ -84,14 +83,14 @@ def cmd_writers_gone(cluster: Cluster, args: argparse.Namespace) -> int:
         source = replay_sources.declare_gone(cluster.etcd(), args.writer, args.reason)
     except ReplaySourceError as exc:
         print(f"retina-admin: {exc}", flush=True)
-        return EXIT_FAILED
+        return exit_codes.FAILED
     if args.json:
         print(json.dumps({"writer_id": source.writer_id, "state": source.state.value,
                           "gone_reason": source.gone_reason}, indent=2))
     else:
         print(f"{source.writer_id}: GONE ({source.gone_reason}). Recovering nodes no longer "
               "wait for its replay; its rows not in a checkpoint are lost on a crash.")
-    return EXIT_OK
+    return exit_codes.OK
 
 
 def cmd_recover(cluster: Cluster, args: argparse.Namespace) -> int:
@@ -108,8 +107,8 @@ def cmd_recover(cluster: Cluster, args: argparse.Namespace) -> int:
     else:
         for node, r in results.items():
             print(f"{node}: {r['outcome']}" + (f" ({r['detail']})" if r.get("detail") else ""))
-    return EXIT_OK if all(r["outcome"] in ("READY", "READY already") for r in results.values()
-                          ) else EXIT_FAILED
+    return exit_codes.OK if all(r["outcome"] in ("READY", "READY already") for r in results.values()
+                          ) else exit_codes.FAILED
 
 
 def _recover(cluster: Cluster, node: str, logs: list[ReplayLog],

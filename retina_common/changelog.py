@@ -314,9 +314,6 @@ class Changelog:
                                              name))
         return out
 
-    def read_segment(self, ref: SegmentRef) -> list[ChangeRow]:
-        return self._read_segments([ref])[ref.vnode]
-
     def _read_segments(self, refs: list[SegmentRef]) -> dict[int, list[ChangeRow]]:
         """The rows of each ref's virtual node; a file several refs share is read (and
         checked) once."""

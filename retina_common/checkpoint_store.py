@@ -241,7 +241,7 @@ def decode(data: bytes, *, expect_node: str, expect_topology_hash: str) -> Check
 
 @dataclass(frozen=True)
 class Pointer:
-    """The JSON value of a slot (ARCHITECTURE.md)."""
+    """The JSON value of a slot (docs/architecture.md, "etcd keys")."""
 
     checkpoint_id: int
     path: str

@@ -1,6 +1,6 @@
 """All etcd access of the project goes through this module (etcd v3 JSON gateway via etcd3gw).
 
-Conventions (ARCHITECTURE.md): leases and locks are never mutual exclusion;
+Conventions (docs/architecture.md, "etcd keys"): leases and locks are never mutual exclusion;
 writes that must not race are compare-and-swap on revisions. A failed write
 is reported as one of two things:
 
@@ -215,12 +215,6 @@ class EtcdStore:
 
     def delete(self, key: str) -> int:
         result = self._post("/kv/deleterange", {"key": _b64(key)}, write=True)
-        return int(result.get("deleted", 0))
-
-    def delete_prefix(self, prefix: str) -> int:
-        result = self._post("/kv/deleterange",
-                            {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))},
-                            write=True)
         return int(result.get("deleted", 0))
 
     def compare_and_put(self, key: str, value: str | bytes, expected_mod_revision: int,

@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 
+from retina_common import exit_codes
 from retina_common.cli_json import message_dict
 from retina_common.client import channel
 from retina_common.config import ConfigError
@@ -34,7 +35,6 @@ from retina_common.pb import retina_pb2_grpc
 from retina_common.topology import load_config_and_topology
 
 PROG = "retina-gc"
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 # `lineage` shows this many digits of a rewrite id (a 32-digit id would make the table
 # twice as wide); `revert` takes any prefix of at least MIN_ID_PREFIX digits that names
 # one rewrite. Two ids sharing 8 digits are rare among the rewrites a lineage keeps, and
@@ -149,23 +149,23 @@ def resolve_rewrite_id(given: str, known: Mapping[str, Iterable[str]],
     prefix = given.strip().lower()
     if not prefix or not set(prefix) <= _HEX_DIGITS:
         raise RewriteIdError(f"{given!r} is not a rewrite id: hex digits, as `retina-gc "
-                             "lineage` prints them", EXIT_USAGE)
+                             "lineage` prints them", exit_codes.USAGE)
     if len(prefix) < MIN_ID_PREFIX:
         raise RewriteIdError(f"rewrite id prefix {prefix} is too short: give at least "
-                             f"{MIN_ID_PREFIX} hex digits", EXIT_USAGE)
+                             f"{MIN_ID_PREFIX} hex digits", exit_codes.USAGE)
     matches = sorted((rid, node) for node, ids in known.items() for rid in ids
                      if rid.startswith(prefix))
     if len(matches) > 1:
         listed = ", ".join(f"{rid} on {node}" for rid, node in matches)
         raise RewriteIdError(f"rewrite id prefix {prefix} is ambiguous, it matches "
                              f"{len(matches)} rewrites: {listed}; give more digits",
-                             EXIT_USAGE)
+                             exit_codes.USAGE)
     if not matches:
         # A node that did not answer may hold it: say so rather than "unknown" alone.
         maybe = (f"; {', '.join(unanswered)} did not answer and may know it"
                  if unanswered else "")
         raise RewriteIdError(f"no node knows a rewrite whose id starts with {prefix} "
-                             f"(`retina-gc lineage` lists them){maybe}", EXIT_FAILED)
+                             f"(`retina-gc lineage` lists them){maybe}", exit_codes.FAILED)
     rid, node = matches[0]
     return node, rid
 
@@ -203,12 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         config, topology = load_config_and_topology(args.config)
     except ConfigError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return exit_codes.USAGE
     nodes = args.node or list(topology.nodes)
     unknown = [n for n in nodes if n not in topology.nodes]
     if unknown:
         print(f"{PROG}: {unknown} not in the topology {list(topology.nodes)}", file=sys.stderr)
-        return EXIT_USAGE
+        return exit_codes.USAGE
     stubs = {n: retina_pb2_grpc.RetinaWorkerServiceStub(channel(n, config.tls)) for n in nodes}
     if args.command == "revert":
         return _revert(stubs, args)
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             show_sweep(node, view)
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
-    return EXIT_FAILED if failed else EXIT_OK
+    return exit_codes.FAILED if failed else exit_codes.OK
 
 
 def _revert(stubs: dict[str, retina_pb2_grpc.RetinaWorkerServiceStub],
@@ -251,13 +251,13 @@ def _revert(stubs: dict[str, retina_pb2_grpc.RetinaWorkerServiceStub],
     except grpc.RpcError as exc:
         print(f"{node}: revert of {rewrite_id} refused: {exc.code().name}: {exc.details()}",
               file=sys.stderr)
-        return EXIT_FAILED
+        return exit_codes.FAILED
     record = message_dict(reply.record)
     if args.json:
         print(json.dumps(record, indent=2, sort_keys=True))
     else:
         show_lineage(node, [record])
-    return EXIT_OK
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

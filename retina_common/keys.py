@@ -1,4 +1,4 @@
-"""The etcd keys of ARCHITECTURE.md, in one place."""
+"""The etcd keys of docs/architecture.md ("etcd keys"), in one place."""
 
 from __future__ import annotations
 

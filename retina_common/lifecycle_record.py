@@ -1,4 +1,4 @@
-"""The value of a Retina lifecycle key (ARCHITECTURE.md, "etcd keys").
+"""The value of a Retina lifecycle key (docs/architecture.md, "etcd keys").
 
 ``{"state", "node", "checkpointId", "recoveryEpoch", "tokenHash", "updatedAtMs"}``.
 Parsing is strict: a value that does not match exactly is *malformed*, and a

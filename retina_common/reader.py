@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from retina_common import file_names
+from retina_common import exit_codes, file_names
 from retina_common.client import channel
 from retina_common.codec import COMMIT_TS
 from retina_common.config import ConfigError, TlsConfig
@@ -210,13 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         config, topology = load_config_and_topology(args.config)
     except ConfigError as exc:
         print(f"retina-query: {exc}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     reader = SnapshotReader(config.trans.listen, topology, tls=config.tls)
     try:
         snap = reader.read(schema, table, keep_hidden=args.hidden)
     except grpc.RpcError as exc:
         print(f"retina-query: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
+        return exit_codes.FAILED
     finally:
         reader.close()
     rows = snap.table.sort_by([(c, "ascending") for c in snap.table.column_names[:1]])
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_rows(rows.slice(0, args.limit)))
     print(f"-- {rows.num_rows} rows at snapshot {snap.timestamp} ({snap.files_read} files, "
           f"{snap.buffer_rows} write-buffer rows)", file=sys.stderr)
-    return 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

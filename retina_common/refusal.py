@@ -1,7 +1,7 @@
 """One refusal type and one mapping from exceptions to gRPC status, for every service.
 
 A :class:`Refusal` is a protocol or input rule saying no: it carries its
-``grpc.StatusCode`` (ARCHITECTURE.md, "Error conventions") and changes
+``grpc.StatusCode`` (docs/architecture.md, "Error conventions") and changes
 nothing. Other exception types say which status they stand for with a
 ``grpc_status`` class attribute (an index backend error is UNAVAILABLE, a
 fenced writer FAILED_PRECONDITION, ...), so that this module needs to know
@@ -13,6 +13,14 @@ The client side of the same convention: :func:`reaching_node` and
 failure (a server that is down or restarting) into :class:`Unreachable`, which
 declares its status the same way and says in our words which server did not
 answer and when to retry.
+
+Naming exception classes, in every package: a class is named for what happened, in
+the protocol's words (``CatalogUnavailable``, ``CatalogOutcomeUnknown``, ``NotFound``,
+``CorruptCheckpoint``, ``ChangelogGap``, ``WriteInDoubt``, ``UnknownTransaction``).
+``Error`` ends a name only where the class stands for a kind rather than one
+condition: the base class of a component's failures (``CatalogError``,
+``CheckpointError``, ``EtcdError``, ``TransError``), or a fault with many causes that
+only its message tells apart (``ConfigError``, ``EncodingError``, ``SourceError``).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from retina_common.catalog import (
     CatalogError,
     CatalogOutcomeUnknown,
     CatalogUnavailable,
-    NotFoundError,
+    NotFound,
 )
 from retina_common.etcd import EtcdError
 
@@ -122,7 +130,7 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     declared = getattr(type(exc), "grpc_status", None)
     if isinstance(declared, grpc.StatusCode):
         return declared, str(exc)
-    if isinstance(exc, NotFoundError):
+    if isinstance(exc, NotFound):
         return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, CatalogUnavailable | CatalogOutcomeUnknown | EtcdError):
         # A dependency is down or its answer was lost: retry the same call.

@@ -26,8 +26,8 @@ from typing import Any
 
 import grpc
 
-from retina_common import failpoints
-from retina_common.catalog import CatalogError, NotFoundError, TableRecord
+from retina_common import exit_codes, failpoints
+from retina_common.catalog import CatalogError, NotFound, TableRecord
 from retina_common.client import Row
 from retina_common.codec import EncodingError
 from retina_common.config import ConfigError
@@ -38,7 +38,6 @@ from retina_common.topology import load_config_and_topology
 from retina_common.writer import DurableWriter, TableChanges, WriteInDoubt, WriteRefused
 
 PROG = "retina-write"
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 class UsageError(Exception):
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = parse_rows(args.rows if args.rows is not None else sys.stdin.read())
     except (UsageError, ConfigError, failpoints.FailpointError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return exit_codes.USAGE
     # The writer's warnings (a node unavailable, an in-doubt transaction sent again) go
     # to stderr, as JSON lines; stdout carries the result alone.
     configure_logging("retina-write", "warning", file=sys.stderr, writer=args.writer)
@@ -107,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         writer = DurableWriter.connect(config, args.writer, schema, topology=topology)
     except (ReplaySourceError, ConfigError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return exit_codes.USAGE
     try:
         return _write(writer, schema, table, rows, args.delete)
     finally:
@@ -122,30 +121,30 @@ def _write(writer: DurableWriter, schema: str, table: str, rows: list[dict[str, 
         typed_rows: list[Row] = [typed(record, r) for r in rows]
         changes = TableChanges(deletes=typed_rows) if delete else TableChanges(typed_rows)
         ts = writer.commit({table: changes})
-    except (NotFoundError, UsageError, KeyError, ReplaySourceError, EncodingError,
+    except (NotFound, UsageError, KeyError, ReplaySourceError, EncodingError,
             grpc.RpcError, WriteRefused, WriteInDoubt, EtcdError, CatalogError) as exc:
         message, code = _failure(exc, f"{schema}.{table}")
         print(f"{PROG}: {message}", file=sys.stderr)
         return code
     print(f"committed {len(rows)} row(s) to {schema}.{table} at ts {ts} "
           f"(writer {writer.writer_id})")
-    return EXIT_OK
+    return exit_codes.OK
 
 
 def _failure(exc: Exception, table: str) -> tuple[str, int]:
     """What to say about a write that did not commit, and the exit code."""
-    if isinstance(exc, NotFoundError):
-        return f"no table {table} in the catalog", EXIT_USAGE
+    if isinstance(exc, NotFound):
+        return f"no table {table} in the catalog", exit_codes.USAGE
     if isinstance(exc, KeyError):
-        return f"a row lacks the key column {exc}", EXIT_USAGE
+        return f"a row lacks the key column {exc}", exit_codes.USAGE
     if isinstance(exc, (UsageError, ReplaySourceError)):
-        return str(exc), EXIT_USAGE
+        return str(exc), exit_codes.USAGE
     if isinstance(exc, EncodingError):
-        return f"refused: {exc}", EXIT_FAILED
+        return f"refused: {exc}", exit_codes.FAILED
     if isinstance(exc, grpc.RpcError):
         return (f"the TransServer answered {exc.code().name}: {exc.details()}; nothing of "
-                "this transaction was logged or sent", EXIT_FAILED)
-    return str(exc), EXIT_FAILED  # WriteRefused, WriteInDoubt (they say so), etcd, catalog
+                "this transaction was logged or sent", exit_codes.FAILED)
+    return str(exc), exit_codes.FAILED  # WriteRefused, WriteInDoubt (they say so), etcd, catalog
 
 
 if __name__ == "__main__":

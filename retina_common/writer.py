@@ -60,15 +60,12 @@ from retina_common.failpoints import (
 from retina_common.log import get_logger
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
+from retina_common.retry import RETRYABLE_CODES, Backoff
 from retina_common.topology import Topology, load_topology
 
 log = get_logger(component="writer")
 
 ACKED_NAME = "acked.json"
-# gRPC codes after which the same request may be sent again: nothing was applied, or
-# what was applied converges under a resend (DELETE + INSERT of the same keys at T).
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-             grpc.StatusCode.CANCELLED)
 RETENTION_EVERY = 200  # commits between two retention passes over the writer's changelog
 
 
@@ -223,7 +220,7 @@ class DurableWriter:
         return writer
 
     def table_record(self, name: str) -> TableRecord:
-        """The catalog's record of a table of the writer's schema (NotFoundError)."""
+        """The catalog's record of a table of the writer's schema (NotFound)."""
         return self._table(name).table
 
     def _records(self) -> dict[str, TableRecord]:
@@ -282,7 +279,7 @@ class DurableWriter:
 
     def _send_one(self, node: str, request: Any, trans_id: int) -> None:
         deadline = time.monotonic() + self.settings.send_deadline_s
-        delay = 0.05
+        backoff = Backoff(0.05, self.settings.backoff_max_s)
         while True:
             try:
                 self._nodes[node].UpdateRecord(request, timeout=self.settings.rpc_timeout_s)
@@ -290,7 +287,7 @@ class DurableWriter:
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.ABORTED:  # the node's write fence
                     raise _Expired(f"UpdateRecord to {node}: {exc.details()}") from None
-                if exc.code() not in RETRYABLE:
+                if exc.code() not in RETRYABLE_CODES:
                     raise WriteRefused(f"UpdateRecord to {node} refused: {exc.code().name}: "
                                        f"{exc.details()} (the transaction is logged and "
                                        "stays in doubt)") from None
@@ -300,8 +297,7 @@ class DurableWriter:
                                        "will be applied") from None
                 log.warning("writer_node_unavailable", node=node, error=exc.details())
             self._extend(trans_id)
-            time.sleep(delay)  # a bounded backoff between attempts, not a synchronisation
-            delay = min(delay * 2, self.settings.backoff_max_s)
+            backoff.pause()
 
     def _extend(self, trans_id: int) -> None:
         try:
@@ -309,7 +305,7 @@ class DurableWriter:
                 trans_id=trans_id, lease_ms=self.settings.lease_ms),
                 timeout=self.settings.rpc_timeout_s)
         except grpc.RpcError as exc:
-            if exc.code() not in RETRYABLE:
+            if exc.code() not in RETRYABLE_CODES:
                 raise _Expired(f"ExtendTransLease: {exc.code().name}") from None
 
     def _commit(self, trans_id: int) -> None:
@@ -317,7 +313,7 @@ class DurableWriter:
             self._trans.CommitTrans(tpb.CommitTransRequest(trans_id=trans_id),
                                     timeout=self.settings.rpc_timeout_s)
         except grpc.RpcError as exc:
-            if exc.code() in RETRYABLE:
+            if exc.code() in RETRYABLE_CODES:
                 raise WriteInDoubt(f"CommitTrans: {exc.code().name}: {exc.details()}; the "
                                    "transaction is logged and will be applied") from None
             # NOT_FOUND / FAILED_PRECONDITION: the lease ran out; do it again.

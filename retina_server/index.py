@@ -698,12 +698,6 @@ class LocalIndexService:
         self._write(table_id, ((k, TOMBSTONE, ts) for k in keys), "tombstonePrimaryResolved",
                     keep_previous=False)
 
-    def update_primary_resolved(self, table_id: int, keys: Sequence[bytes],
-                                row_ids: Sequence[int], ts: int) -> None:
-        """updatePrimaryResolved: point resolved keys at their new rows."""
-        self._write(table_id, ((k, r, ts) for k, r in zip(keys, row_ids, strict=True)),
-                    "updatePrimaryResolved")
-
     def restore_primary_entries(self, table_id: int,
                                 previous: Sequence[tuple[bytes, int, bytes | None]]) -> None:
         """restorePrimaryEntries: undo a putPrimaryEntriesOnly (compensation)."""

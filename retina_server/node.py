@@ -29,7 +29,7 @@ from pyroaring import BitMap
 from retina_common import failpoints as fp
 from retina_common import file_names
 from retina_common.catalog import (
-    AlreadyExistsError,
+    AlreadyExists,
     Catalog,
     FileType,
     TableRecord,
@@ -140,7 +140,7 @@ class RetinaNode:
         The cache only moves forward: a read that raced a newer one (a lookup that
         started before a column was added and finished after it was cached) never
         replaces the newer schema version, or buffered rows would be read without it."""
-        fresh = self.catalog.get_table(schema_name, table_name)  # NotFoundError propagates
+        fresh = self.catalog.get_table(schema_name, table_name)  # NotFound propagates
         key = (schema_name, table_name)
         with self._lock:
             cached = self._tables.get(key)
@@ -167,7 +167,7 @@ class RetinaNode:
         paths = self.catalog.get_paths(table.table_id)
         if not paths:
             uri = file_uri(self._storage_root, f"{table.schema_name}/{table.name}")
-            with contextlib.suppress(AlreadyExistsError):  # another node created it
+            with contextlib.suppress(AlreadyExists):  # another node created it
                 self.catalog.add_path(table.table_id, uri)
             paths = self.catalog.get_paths(table.table_id)
         return paths[0].path_id, paths[0].uri

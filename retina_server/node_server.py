@@ -1,12 +1,14 @@
 """The Retina server process: ``retina-server --config retina.toml``.
 
-The constructor-like part of ``main`` only wires parts together (catalog,
-etcd, node-local index, data plane, lifecycle, checkpoint store, recovery
-coordinator, gRPC). Then the process starts RECOVERING: the gRPC server comes
-up (GetRetinaStatus answers at once), the recovery coordinator loads and
-cleanses the checkpoint and derives the replay starts, and the node waits
-for the CDC side's replay and MarkReady. Background work (flush timer,
-periodic checkpoints) starts only from the READY hooks (mark_ready.py).
+``main`` parses the configuration; :func:`wire` builds and connects the node's
+components (catalog, etcd, node-local index, data plane, lifecycle, checkpoint
+store, recovery coordinator, GC, gRPC) and returns them (:class:`NodeParts`);
+:func:`serve` runs them and :func:`shut_down` stops them. The process starts
+RECOVERING: the gRPC server comes up (GetRetinaStatus answers at once), the
+recovery coordinator loads and cleanses the checkpoint and derives the replay
+starts, and the node waits for the CDC side's replay and MarkReady. Background
+work (flush timer, periodic checkpoints) starts only from the READY hooks
+(recovery/mark_ready.py).
 
 On SIGTERM: health NOT_SERVING, gRPC stops; if READY, the write buffers are
 flushed through the publisher and a final checkpoint is taken; the
@@ -18,25 +20,28 @@ Exit codes: 0 stopped, 2 configuration, 4 a dependency unreachable at start,
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from retina_common import failpoints, tls
+import structlog
+
+from retina_common import exit_codes, failpoints, tls
 from retina_common.catalog import Catalog, CatalogError
 from retina_common.checkpoint_store import CheckpointBody, CheckpointStore
-from retina_common.config import Config, ConfigError, load_config, split_host_port
+from retina_common.config import Config, ConfigError, split_host_port
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.grpc_server import ServerHandle
 from retina_common.lifecycle_record import LifecycleState
 from retina_common.log import configure_logging
 from retina_common.metrics import serve_metrics
 from retina_common.pb import retina_pb2, retina_pb2_grpc, trans_pb2_grpc
+from retina_common.process_config import load_process_config
 from retina_common.replay_ts import derive
 from retina_common.storage import root_uri
 from retina_common.topology import Topology, load_topology
@@ -72,80 +77,88 @@ def _settings(config: Config) -> tuple[str, Topology]:
     return node_id, topology
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="retina-server", description=__doc__)
-    parser.add_argument("--config", help="TOML config file (default: $RETINA_CONFIG)")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config)
-        tls.configure(config.tls)
-        # The GC job the node may launch reads the same file.
-        config_path = os.path.abspath(args.config or os.environ.get("RETINA_CONFIG", ""))
-        failpoints.load_from_env()
-        node_id, topology = _settings(config)
-    except (ConfigError, failpoints.FailpointError) as exc:
-        print(f"retina-server: {exc}", file=sys.stderr)
-        return 2
+@dataclass(frozen=True)
+class NodeParts:
+    """A Retina node's components, wired by :func:`wire`: what serving and stopping use."""
+
+    node_id: str
+    topology: Topology
+    catalog: Catalog
+    index: LocalIndexService
+    node: RetinaNode
+    handle: ServerHandle
+    machine: LifecycleStateMachine
+    announcer: LifecycleAnnouncer
+    recovery: RecoveryCoordinator
+    replay_floor: ReplayFloor
+    stop: threading.Event
+    metrics_listen: str
+
+
+def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> NodeParts:
+    """Build the node's components and connect them. Nothing runs yet: no thread, no
+    RPC served, nothing announced. Raises CatalogError or OSError when a dependency
+    cannot be opened (the catalog, the node's state directory, its listen address)."""
     rc = config.retina
     host, port = split_host_port(node_id)
-    log = configure_logging("retina", config.log_level, node=node_id)
     catalog = Catalog(config.catalog.dsn, pool_max=config.catalog.pool_max,
                       connect_timeout_s=config.catalog.connect_timeout_s)
     etcd = EtcdStore.from_config(config.etcd)
     trans = TransClient(trans_pb2_grpc.TransServiceStub(
         tls.open_channel(config.trans.listen, config.tls)))
-    try:
-        catalog.bootstrap()
-        state_dir = Path(rc.state_dir) / f"{host}-{port}"
-        index = LocalIndexService(state_dir / "index")
-        journal = GcJournal(state_dir / "gc_journal")
-        storage = root_uri(config.storage.root)
-        node = RetinaNode(node_id, topology, catalog, index, storage,
-                          BufferSettings(rc.block_rows, rc.blocks_per_file, rc.flush_interval_ms,
-                                         rc.close_workers), lambda: int(time.time() * 1000))
-        handle = ServerHandle(rc.listen, max_workers=16, service_names=[SERVICE_NAME],
-                              tls=config.tls)
-    except (CatalogError, OSError) as exc:
-        log.error("retina_server_start_failed", error=str(exc), error_type=type(exc).__name__)
-        return 4
+    catalog.bootstrap()
+    state_dir = Path(rc.state_dir) / f"{host}-{port}"
+    index = LocalIndexService(state_dir / "index")
+    journal = GcJournal(state_dir / "gc_journal")
+    storage = root_uri(config.storage.root)
+    node = RetinaNode(node_id, topology, catalog, index, storage,
+                      BufferSettings(rc.block_rows, rc.blocks_per_file, rc.flush_interval_ms,
+                                     rc.close_workers), lambda: int(time.time() * 1000))
+    handle = ServerHandle(rc.listen, max_workers=16, service_names=[SERVICE_NAME],
+                          tls=config.tls)
     machine = LifecycleStateMachine()
     announcer = LifecycleAnnouncer(
         etcd, node_id, rc.lifecycle_ttl_s,
         on_put=lambda state: handle.set_serving(state == LifecycleState.READY))
     stop = threading.Event()
+
+    def is_ready() -> bool:
+        return machine.phase == Phase.READY
+
     checkpoint_store = CheckpointStore(etcd, node_id, storage, topology.topology_hash)
-    recovery = RecoveryCoordinator(
-        node, catalog, checkpoint_store,
-        machine, announcer, trans.high_watermark, index.allocate("recovery_epoch") + 1,
-        journal)
-    node.on_fail_closed = recovery.fail
     gc = StorageGc(node, catalog, journal, trans.safe_gc_ts,
                    GcSettings(rc.gc_retired_retention_ms, rc.gc_prepare_ttl_ms),
-                   trans_live=lambda trans_id: trans.trans_status(trans_id).live)
+                   trans_live=trans.trans_live)
     replay_floor = ReplayFloor()
 
     def observe_checkpoint(body: CheckpointBody) -> None:
         start = derive(body.header.checkpoint_applied_ts, body.segments, node.owned_vnodes, [])
         replay_floor.observe(body.header.checkpoint_id, start.node_replay_from_ts)
 
-    # Observed before promotion: a crash in between leaves a lower floor, never a higher one.
-    recovery.loaded_listeners.append(gc.observe_loaded)
-    recovery.checkpoint_listeners += [
-        observe_checkpoint, lambda body: gc.promote({f.file_id for f in body.files})]
+    recovery = RecoveryCoordinator(
+        node, catalog, checkpoint_store, machine, announcer, trans.high_watermark,
+        index.allocate("recovery_epoch") + 1, journal,
+        retired_retention_ms=rc.gc_retired_retention_ms,
+        # Observed before promotion: a crash in between leaves a lower floor, never a
+        # higher one.
+        loaded_listeners=[gc.observe_loaded],
+        checkpoint_listeners=[observe_checkpoint,
+                              lambda body: gc.promote({f.file_id for f in body.files})])
     scheduler = GcScheduler(node, trans.safe_gc_ts, gc.gc_floor, replay_floor.floor,
-                            rc.gc_interval_ms / 1000, stop,
-                            is_ready=lambda: machine.phase == Phase.READY)
+                            rc.gc_interval_ms / 1000, stop, is_ready=is_ready)
+    # The two cycles of the wiring close here, once both ends exist: a node failing closed
+    # fails its recovery's lifecycle, and a GC prepare reads the scheduler's FOLD_FENCE.
+    node.on_fail_closed = recovery.fail
     gc.fold_fence = scheduler.fold_fence
     lineage = Lineage(node, catalog, journal, gc, rc.gc_retired_retention_ms)
-    recovery.retired_retention_ms = rc.gc_retired_retention_ms
-
     sweeper = Sweeper(node, catalog, journal, checkpoint_store, trans.read_holds,
                       gc.pending_file_names, lineage.lock,
                       SweeperSettings(rc.sweeper_interval_ms / 1000, rc.temporary_file_ttl_ms,
                                       rc.orphan_grace_ms, rc.gc_lineage_retention_ms),
-                      stop, is_ready=lambda: machine.phase == Phase.READY)
+                      stop, is_ready=is_ready)
     job = GcJobLauncher(node_id, config_path, rc.gc_job_interval_ms / 1000, rc.gc_job_args,
-                        stop, is_ready=lambda: machine.phase == Phase.READY)
+                        stop, is_ready=is_ready)
+
     def start_gc() -> None:
         scheduler.start()
         job.start()
@@ -163,67 +176,95 @@ def main(argv: list[str] | None = None) -> int:
                       ReadTransactionGuard(trans.trans_status),
                       rc.max_rows_per_request, gc, scheduler, sweeper, lineage, writers),
         handle.server)
-    metrics_port = serve_metrics(rc.metrics_listen)
+    return NodeParts(node_id, topology, catalog, index, node, handle, machine, announcer,
+                     recovery, replay_floor, stop, rc.metrics_listen)
 
+
+def serve(parts: NodeParts, log: structlog.BoundLogger) -> None:
+    """Serve from RECOVERING until SIGTERM or SIGINT."""
+    metrics_port = serve_metrics(parts.metrics_listen)
     received: list[str] = []
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         # Nothing but a flag here: logging from a signal handler can deadlock on
         # a lock another thread holds.
         received.append(signal.Signals(signum).name)
-        stop.set()
+        parts.stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    recovery = parts.recovery
     try:
         # RECOVERING replaces a crashed predecessor's READY value before anything
         # else, so the gate closes as early as this process can make it.
         recovery.announce()
     except EtcdError as exc:
         log.error("lifecycle_announce_failed", error=str(exc))
-    handle.start()
-    log.info("retina_server_started", listen=handle.address, metrics_port=metrics_port,
-             vnodes=list(topology.vnodes_of(node_id)), topology_hash=topology.topology_hash[:16],
+    parts.handle.start()
+    log.info("retina_server_started", listen=parts.handle.address, metrics_port=metrics_port,
+             vnodes=list(parts.topology.vnodes_of(parts.node_id)),
+             topology_hash=parts.topology.topology_hash[:16],
              recovery_epoch=recovery.recovery_epoch)
-    announcer.start()
+    parts.announcer.start()
     try:
         recovery.run_startup()
     except Exception as exc:  # whatever it is, the node must say FAILED, not hang
         log.error("recovery_start_failed", error=str(exc), error_type=type(exc).__name__)
         recovery.fail(f"start-up failed: {exc}")
     if recovery.attempt.starts is not None:  # the loaded checkpoint bounds the prune horizon
-        replay_floor.observe(recovery.attempt.checkpoint_id,
-                             recovery.attempt.starts.node_replay_from_ts)
+        parts.replay_floor.observe(recovery.attempt.checkpoint_id,
+                                   recovery.attempt.starts.node_replay_from_ts)
     # Wait in slices: a process-directed signal may land on one of gRPC's threads,
     # and then only a main thread that wakes up runs the Python handler.
-    while not stop.wait(0.2):
+    while not parts.stop.wait(0.2):
         pass
     log.info("retina_server_stopping", signal=received[0] if received else None,
-             phase=machine.phase.value)
+             phase=parts.machine.phase.value)
 
-    def shut_down() -> None:
-        handle.set_serving(False)
-        handle.stop()
-        if machine.phase == Phase.READY and node.failure is None:
-            node.shutdown()
-            try:
-                recovery.create_checkpoint()
-            except Exception as exc:
-                log.error("checkpoint_failed", error=str(exc), error_type=type(exc).__name__)
-        announcer.stop(revoke=True)
 
-    worker = threading.Thread(target=shut_down, name="shutdown", daemon=True)
+def shut_down(parts: NodeParts, log: structlog.BoundLogger) -> None:
+    """Stop serving; if READY, flush the write buffers and take a final checkpoint; revoke
+    the lifecycle lease (the gate refuses at once)."""
+    parts.handle.set_serving(False)
+    parts.handle.stop()
+    if parts.machine.phase == Phase.READY and parts.node.failure is None:
+        parts.node.shutdown()
+        try:
+            parts.recovery.create_checkpoint()
+        except Exception as exc:
+            log.error("checkpoint_failed", error=str(exc), error_type=type(exc).__name__)
+    parts.announcer.stop(revoke=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config, config_arg = load_process_config("retina-server", __doc__, argv)
+        # The GC job the node may launch reads the same file.
+        config_path = os.path.abspath(config_arg or os.environ.get("RETINA_CONFIG", ""))
+        node_id, topology = _settings(config)
+    except (ConfigError, failpoints.FailpointError) as exc:
+        print(f"retina-server: {exc}", file=sys.stderr)
+        return exit_codes.USAGE
+    log = configure_logging("retina", config.log_level, node=node_id)
+    try:
+        parts = wire(config, config_path, node_id, topology)
+    except (CatalogError, OSError) as exc:
+        log.error("retina_server_start_failed", error=str(exc), error_type=type(exc).__name__)
+        return exit_codes.UNAVAILABLE
+    serve(parts, log)
+    worker = threading.Thread(target=shut_down, args=(parts, log), name="shutdown", daemon=True)
     worker.start()
     worker.join(SHUTDOWN_DEADLINE_S)
     if worker.is_alive():
         # Whatever blocks, a stop must not hang: exiting now is a crash, and the
         # next start recovers from it like from any other.
         log.error("shutdown_forced", deadline_s=SHUTDOWN_DEADLINE_S)
-        os._exit(5)
-    index.close()
-    catalog.close()
-    log.info("retina_server_stopped", phase=machine.phase.value, failure=node.failure)
-    return 0
+        os._exit(exit_codes.SHUTDOWN_FORCED)
+    parts.index.close()
+    parts.catalog.close()
+    log.info("retina_server_stopped", phase=parts.machine.phase.value,
+             failure=parts.node.failure)
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from retina_common.catalog import (
     FileType,
     FileTypeMismatch,
     InvalidCatalogArgument,
-    NotFoundError,
+    NotFound,
 )
 from retina_common.codec import COMMIT_TS, PARQUET_COMPRESSION
 from retina_common.log import get_logger
@@ -194,7 +194,7 @@ class StreamPublisher:
                     return  # an earlier attempt committed (outcome was unknown)
                 self._on_fatal(f"file {file.file_id} became {exc.actual} before publish")
                 raise
-            except (NotFoundError, ConstraintViolation, InvalidCatalogArgument) as exc:
+            except (NotFound, ConstraintViolation, InvalidCatalogArgument) as exc:
                 # Not transient: the row vanished or the update breaks a catalog rule.
                 self._on_fatal(f"file {file.file_id} cannot be published: {exc}")
                 raise

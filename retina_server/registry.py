@@ -1,7 +1,7 @@
 """IngestFileMetadataRegistry: ingest-path metadata of this node's published files.
 
 The catalog does not hold ``tableId, virtualNodeId, firstBlockId,
-fileMinCommitTs, fileMaxCommitTs`` (specification 001, C01.1): this registry
+fileMinCommitTs, fileMaxCommitTs`` (specification C01.1): this registry
 is their runtime source of truth, the checkpoint body their cross-process one.
 
 Lifecycle rules:

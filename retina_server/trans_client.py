@@ -51,6 +51,10 @@ class TransClient:
         return TransStatus(reply.live, reply.read_only, reply.lease_expires_at_ms,
                            reply.timestamp)
 
+    def trans_live(self, trans_id: int) -> bool:
+        """Whether the transaction is live (not ended, its lease not run out)."""
+        return self.trans_status(trans_id).live
+
     def read_holds(self) -> ReaderHolds:
         reply = self._call(lambda: self._stub.GetReadHolds(pb.GetReadHoldsRequest(),
                                                            timeout=TIMEOUT_S))

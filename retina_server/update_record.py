@@ -1,7 +1,7 @@
 """UpdateRecord: validate a request completely, then apply it in the protocol's order.
 
-Validation (no side effect) refuses, with the status of ARCHITECTURE.md and
-nothing applied: a key timestamp that differs from its TableUpdateData's
+Validation (no side effect) refuses, with the status of docs/architecture.md ("Error
+conventions") and nothing applied: a key timestamp that differs from its TableUpdateData's
 (single-source commit timestamp, C03.6), an unknown table, a wrong primary
 index id, a wrong key count, a value that does not decode, duplicate keys in
 one insert batch, an INSERT whose key bytes are not the encoding of its own
@@ -68,7 +68,7 @@ import pyarrow.compute as pc
 from prometheus_client import Counter
 
 from retina_common import failpoints as fp
-from retina_common.catalog import NotFoundError, TableRecord
+from retina_common.catalog import NotFound, TableRecord
 from retina_common.codec import (
     EncodingError,
     arrow_type,
@@ -195,7 +195,7 @@ def _check_routes(node: RetinaNode, tud: pb.TableUpdateData, keys: list[bytes], 
 def _prepare_one(node: RetinaNode, schema_name: str, tud: pb.TableUpdateData) -> PreparedUpdate:
     try:
         table = node.table(schema_name, tud.table_name)
-    except NotFoundError:
+    except NotFound:
         raise _invalid(f"unknown table {schema_name}.{tud.table_name}") from None
     if tud.primary_index_id != table.primary_index_id:
         raise _invalid(f"{tud.table_name}: primary index {tud.primary_index_id} is not the "

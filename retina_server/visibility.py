@@ -110,10 +110,6 @@ class RGVisibility:
             chain = sorted((t, r) for r, t in self._chain.items())
             return self._base_ts, BitMap(self._base), chain
 
-    def memory_bytes(self) -> int:
-        with self._lock:
-            return len(self._base.serialize()) + 16 * len(self._chain)
-
 
 @dataclass(frozen=True)
 class RGKey:
@@ -156,9 +152,6 @@ class VisibilityIndex:
         if entry is None:
             raise VisibilityError(f"no visibility for file {file_id} rg {rg_id}")
         return entry
-
-    def has_file(self, file_id: int) -> bool:
-        return RGKey(file_id, 0) in self._entries
 
     def row_groups(self, file_id: int) -> list[int]:
         with self._lock:

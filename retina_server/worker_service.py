@@ -164,16 +164,6 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
                 for rg, count, bits in groups])
         return self._guard(context, run)
 
-    def AddWriteBuffer(self, request: pb.AddWriteBufferRequest,
-                       context: grpc.ServicerContext) -> pb.AddWriteBufferResponse:
-        def run() -> pb.AddWriteBufferResponse:
-            self._machine.admit(Request.WRITE)
-            table = self._node.table(request.schema_name, request.table_name)
-            for vnode in sorted(self._node.owned_vnodes):
-                self._node.stream(table, vnode)
-            return pb.AddWriteBufferResponse()
-        return self._guard(context, run)
-
     def GetRetinaStatus(self, request: pb.GetRetinaStatusRequest,
                         context: grpc.ServicerContext) -> pb.GetRetinaStatusResponse:
         s = self._recovery.status()

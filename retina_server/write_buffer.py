@@ -111,10 +111,6 @@ class AppendHandle:
     row_id_start: int
 
 
-class WriteBufferError(Exception):
-    pass
-
-
 class StreamBuffer:
     """One stream's blocks and files. The caller serialises appends with ``lock``."""
 

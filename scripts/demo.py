@@ -49,7 +49,7 @@ from devtools.cluster import (
 )
 from devtools.standin import StandInLifecycle
 from retina_common import file_names
-from retina_common.catalog import Catalog, ColumnSpec, FileType, SwapPreconditionError
+from retina_common.catalog import Catalog, ColumnSpec, FileType, SwapPreconditionFailed
 from retina_common.etcd import EtcdStore
 from retina_common.lifecycle_record import LifecycleState
 from retina_common.log import configure_logging
@@ -115,7 +115,7 @@ def run(state: ClusterState) -> dict[str, Any]:
     try:
         catalog.atomic_swap_files(late.file_id, [ingest.file_id], cleanup_at=1)
         raise DemoFailure("a swap over a RETIRED file was accepted")
-    except SwapPreconditionError as exc:
+    except SwapPreconditionFailed as exc:
         check(exc.precondition.value == "OLD_FILE_NOT_REGULAR",
               f"second swap refused: {exc.precondition.value}")
     regular_ids = sorted(f.file_id for f in catalog.get_regular_files(path.path_id))

@@ -29,7 +29,7 @@ it is a DELETE + INSERT of one key at one timestamp.
 Both modes first compare every virtual node's start with the changelog's
 retention low-watermark (``Changelog.retained_from``): a start below it needs
 batches retention has dropped, so the job sends nothing, never calls
-MarkReady, and exits ``EXIT_REPLAY_GAP`` (5, the connector's code for the
+MarkReady, and exits ``exit_codes.REPLAY_GAP`` (5, the connector's code for the
 same stop). The low-watermark is read again after the tasks, before
 MarkReady, in case retention ran meanwhile.
 
@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from retina_common import progress, replay_sources
+from retina_common import exit_codes, progress, replay_sources
 from retina_common.catalog import Catalog, CatalogError, TableRecord
 from retina_common.changelog import Changelog, ChangelogGap, CorruptChangelog, changelog_root
 from retina_common.changelog_replay import (
@@ -77,11 +77,6 @@ from retina_common.recovery_driver import wait_replay_ready
 from retina_common.replay_sources import ReplaySourceError
 from retina_common.topology import Topology
 from spark_jobs.common import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_REFUSED,
-    EXIT_UNAVAILABLE,
-    EXIT_USAGE,
     REFUSED_MARK,
     TaskError,
     add_spark_arguments,
@@ -101,7 +96,6 @@ PROG = "cdc_replay"
 MODES = {"vnode": pb.VNODE, "node": pb.NODE}
 RPC_TIMEOUT_S = 60.0
 # The next code after spark_jobs.common's, the same as retina-cdc's replay-gap stop.
-EXIT_REPLAY_GAP = 5
 REPLAY_GAP_MARK = "[retina:REPLAY_GAP]"
 
 
@@ -270,16 +264,16 @@ def run_tasks(spark: SparkSession, spec: JobSpec, tasks: Sequence[VnodeTask],
 
 # --- the driver -------------------------------------------------------------------------------
 def replay_gap(changelog: Changelog, starts: Mapping[int, int], what: str) -> int | None:
-    """EXIT_REPLAY_GAP (with the message) if a start lies below the changelog's
+    """exit_codes.REPLAY_GAP (with the message) if a start lies below the changelog's
     low-watermark: replaying what is left would silently lose rows."""
     try:
         changelog.check_retained(starts)
     except CorruptChangelog as exc:
-        return fail(PROG, f"{what}: {exc}", EXIT_FAILED)
+        return fail(PROG, f"{what}: {exc}", exit_codes.FAILED)
     except ChangelogGap as gap:
         return fail(PROG, f"{what}: {gap}. Nothing was sent. Rebuild from the source or "
                           "restore the changelog (docs/operations.md, \"connector stopped "
-                          "with a replay gap\")", EXIT_REPLAY_GAP)
+                          "with a replay gap\")", exit_codes.REPLAY_GAP)
     return None
 
 
@@ -323,19 +317,19 @@ def plan_recovery(node: str, mode_name: str, wait_s: float, topology: Topology,
     """Wait for the node's replay starts and open its attempt; an int is an exit code."""
     if node not in topology.nodes:
         return fail(PROG, f"{node} is not in the topology ({', '.join(topology.nodes)})",
-                    EXIT_USAGE)
+                    exit_codes.USAGE)
     stub = retina_pb2_grpc.RetinaWorkerServiceStub(channel(node))
     try:
         status = wait_replay_ready(stub, wait_s)
     except grpc.RpcError as exc:
         return fail(PROG, f"{node}: GetRetinaStatus: {short_reason(exc)}", exit_code_of(exc))
     except TimeoutError as exc:
-        return fail(PROG, str(exc), EXIT_UNAVAILABLE)
+        return fail(PROG, str(exc), exit_codes.UNAVAILABLE)
     if status.state == pb.READY:
         print(f"{node} is READY already; nothing to replay")
-        return EXIT_OK
+        return exit_codes.OK
     if status.state == pb.FAILED:
-        return fail(PROG, f"{node} is FAILED: {status.failure_reason}", EXIT_REFUSED)
+        return fail(PROG, f"{node} is FAILED: {status.failure_reason}", exit_codes.REFUSED)
     mode = MODES[mode_name]
     context = ReplayContext(status.recovery_attempt_token, status.checkpoint_id, mode)
     try:
@@ -363,9 +357,9 @@ def plan_backfill(args: argparse.Namespace, topology: Topology,
                   changelog: Changelog) -> Plan | int:
     """Every virtual node of every node; every node must be READY."""
     if args.from_ts is None or args.from_ts < 1:
-        return fail(PROG, "--backfill needs --from-ts N (N >= 1)", EXIT_USAGE)
+        return fail(PROG, "--backfill needs --from-ts N (N >= 1)", exit_codes.USAGE)
     if args.to_ts is not None and args.to_ts < args.from_ts:
-        return fail(PROG, "--to-ts must not be below --from-ts", EXIT_USAGE)
+        return fail(PROG, "--to-ts must not be below --from-ts", exit_codes.USAGE)
     gap = replay_gap(changelog, dict.fromkeys(range(topology.virtual_nodes), args.from_ts),
                      "backfill")
     if gap is not None:
@@ -380,11 +374,11 @@ def plan_backfill(args: argparse.Namespace, topology: Topology,
                 return fail(PROG, f"{node}: GetRetinaStatus: {short_reason(exc)}",
                             exit_code_of(exc))
         if status.state == pb.FAILED:
-            return fail(PROG, f"{node} is FAILED: {status.failure_reason}", EXIT_REFUSED)
+            return fail(PROG, f"{node} is FAILED: {status.failure_reason}", exit_codes.REFUSED)
         if status.state != pb.READY:
             return fail(PROG, f"{node} is not READY ({pb.LifecycleState.Name(status.state)}); "
                               "recover it first, backfill writes only to READY nodes",
-                        EXIT_UNAVAILABLE)
+                        exit_codes.UNAVAILABLE)
         accepts_columnar[node] = status.accepts_columnar
     tasks = [VnodeTask(v, topology.node_of_vnode(v), args.from_ts, args.to_ts,
                        accepts_columnar[topology.node_of_vnode(v)])
@@ -400,7 +394,7 @@ def job_spec(config: Config, plan: Plan, max_rows: int | None) -> JobSpec | int:
     try:
         tables = table_records(config)
     except CatalogError as exc:
-        return fail(PROG, f"catalog: {exc}", EXIT_UNAVAILABLE)
+        return fail(PROG, f"catalog: {exc}", exit_codes.UNAVAILABLE)
     others = replay_source_plan(config, plan)
     if isinstance(others, int):
         return others
@@ -435,7 +429,7 @@ def complete(plan: Plan, spec: JobSpec, wait_s: float) -> int:
         except grpc.RpcError as exc:
             return fail(PROG, f"MarkReady: {short_reason(exc)}", exit_code_of(exc))
         print(f"{plan.summary['node']} is READY", flush=True)
-    return EXIT_OK
+    return exit_codes.OK
 
 
 def execute(args: argparse.Namespace, config: Config, plan: Plan) -> int:
@@ -452,12 +446,12 @@ def execute(args: argparse.Namespace, config: Config, plan: Plan) -> int:
                                 progress.reporting(bar, print_progress))
         replay_s = time.monotonic() - job_started
     except Exception as exc:  # a task's CorruptChangelog arrives as Spark's exception text
-        code = EXIT_REPLAY_GAP if REPLAY_GAP_MARK in str(exc) else exit_code_of(exc)
+        code = exit_codes.REPLAY_GAP if REPLAY_GAP_MARK in str(exc) else exit_code_of(exc)
         return fail(PROG, f"replay failed: {short_reason(exc)}", code)
     finally:
         spark.stop()
     code = complete(plan, spec, args.wait_s)
-    if code != EXIT_OK:
+    if code != exit_codes.OK:
         return code
     rows = sum(r.rows for r in results)
     summary = {
@@ -473,7 +467,7 @@ def execute(args: argparse.Namespace, config: Config, plan: Plan) -> int:
           f"Spark start-up {summary['spark_start_s']:.1f} s", flush=True)
     if args.json:
         print(json.dumps(summary), flush=True)
-    return EXIT_OK
+    return exit_codes.OK
 
 
 def parser() -> argparse.ArgumentParser:
@@ -514,11 +508,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.recover and (args.from_ts is not None or args.to_ts is not None):
-        return fail(PROG, "--from-ts / --to-ts apply to --backfill only", EXIT_USAGE)
+        return fail(PROG, "--from-ts / --to-ts apply to --backfill only", exit_codes.USAGE)
     if args.backfill and args.mode is not None:
-        return fail(PROG, "--mode applies to --recover only", EXIT_USAGE)
+        return fail(PROG, "--mode applies to --recover only", exit_codes.USAGE)
     if args.max_rows is not None and args.max_rows < 2:  # a replace is two items
-        return fail(PROG, "--max-rows must be at least 2", EXIT_USAGE)
+        return fail(PROG, "--max-rows must be at least 2", exit_codes.USAGE)
     try:
         config, topology = load(args.config)
         parse_conf(args.conf)
@@ -527,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.mode not in MODES:
                 raise ConfigError(f"cdc.replay_mode: expected vnode or node, got {args.mode!r}")
     except ConfigError as exc:
-        return fail(PROG, str(exc), EXIT_USAGE)
+        return fail(PROG, str(exc), exit_codes.USAGE)
     changelog = Changelog(changelog_root(config))
     plan = (plan_recovery(args.recover, args.mode, args.wait_s, topology, changelog)
             if args.recover else plan_backfill(args, topology, changelog))
@@ -550,13 +544,13 @@ def replay_source_plan(config: Config, plan: Plan) -> tuple[OtherSource, ...] | 
         sources = [s for s in replay_sources.load(etcd).values()
                    if s.active and s.writer_id != config.cdc.name]
     except (EtcdError, ReplaySourceError) as exc:
-        return fail(PROG, f"replay sources: {exc}", EXIT_UNAVAILABLE
-                    if isinstance(exc, EtcdError) else EXIT_USAGE)
+        return fail(PROG, f"replay sources: {exc}", exit_codes.UNAVAILABLE
+                    if isinstance(exc, EtcdError) else exit_codes.USAGE)
     try:
         others = tuple(OtherSource(s.writer_id, s.changelog_root, s.schema,
                                    schema_tables(config, s.schema)) for s in sources)
     except CatalogError as exc:
-        return fail(PROG, f"catalog: {exc}", EXIT_UNAVAILABLE)
+        return fail(PROG, f"catalog: {exc}", exit_codes.UNAVAILABLE)
     starts = {t.vnode: t.from_ts for t in plan.tasks}
     for other in others:
         gap = replay_gap(Changelog(other.changelog_root), starts,

@@ -1,5 +1,6 @@
 """What both Spark drivers share: exit codes, the Spark session, configuration
-loading, gRPC retries inside tasks, and telling a failed Spark job's cause.
+loading, a listed file as tasks get it (:class:`FileRef`), gRPC retries inside
+tasks, and telling a failed Spark job's cause.
 
 Exit codes (every driver): 0 done; 1 the job failed otherwise (a corrupt
 changelog, a bug: the message says what); 2 bad arguments or configuration;
@@ -21,27 +22,21 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
-from retina_common import tls
+from retina_common import exit_codes, tls
 from retina_common.config import Config, ConfigError
+from retina_common.retry import RETRYABLE_CODES, rpc_with_retry
 from retina_common.topology import Topology, load_config_and_topology
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
 DEFAULT_MASTER = "local[2]"
 JVM_START_ATTEMPTS = 3
-# Codes after which the same call may simply be sent again. A request whose
-# deadline passed may or may not have been applied; sending it again is safe
-# because every row is a DELETE + INSERT of one key at one timestamp.
-# CANCELLED: a Retina node shutting down (SIGTERM) cancels the calls in flight; the
-# outcome is unknown exactly as for a lost connection, and a resend converges.
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-             grpc.StatusCode.CANCELLED)
 UNAVAILABLE_MARK = "[retina:UNAVAILABLE]"
 REFUSED_MARK = "[retina:REFUSED]"
 # Quiet, reproducible defaults; --conf overrides any of them.
@@ -55,25 +50,35 @@ T = TypeVar("T")
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Changelog): ")
 
 
+@dataclass(frozen=True)
+class FileRef:
+    """A listed file as both jobs hand it to their tasks: the fields of a QueryFile a task
+    needs (snapshot_query's task rebuilds the message from them)."""
+
+    file_id: int
+    name: str
+    path_uri: str
+
+
 class TaskError(Exception):
     """A task gave up; the message starts with a marker the driver maps to an exit code."""
 
     @classmethod
     def of(cls, exc: grpc.RpcError, what: str) -> TaskError:
-        mark = UNAVAILABLE_MARK if exc.code() in RETRYABLE else REFUSED_MARK
+        mark = UNAVAILABLE_MARK if exc.code() in RETRYABLE_CODES else REFUSED_MARK
         return cls(f"{mark} {what}: {exc.code().name}: {exc.details()}")
 
 
 def exit_code_of(exc: BaseException) -> int:
     """The exit code for a failure, including one that reached us through Spark."""
     if isinstance(exc, grpc.RpcError):
-        return EXIT_UNAVAILABLE if exc.code() in RETRYABLE else EXIT_REFUSED
+        return exit_codes.UNAVAILABLE if exc.code() in RETRYABLE_CODES else exit_codes.REFUSED
     text = str(exc)
     if REFUSED_MARK in text:
-        return EXIT_REFUSED
+        return exit_codes.REFUSED
     if UNAVAILABLE_MARK in text:
-        return EXIT_UNAVAILABLE
-    return EXIT_FAILED
+        return exit_codes.UNAVAILABLE
+    return exit_codes.FAILED
 
 
 def short_reason(exc: BaseException, limit: int = 600) -> str:
@@ -96,20 +101,13 @@ def short_reason(exc: BaseException, limit: int = 600) -> str:
     return (lines[-1] if lines else type(exc).__name__)[:limit]
 
 
-def call_with_retry(call: Callable[[], T], what: str, attempts: int = 6,
-                    first_delay_s: float = 0.2, cap_s: float = 5.0) -> T:
-    """``call()``, sent again with backoff on UNAVAILABLE / DEADLINE_EXCEEDED;
+def call_with_retry(call: Callable[[], T], what: str, attempts: int = 6) -> T:
+    """``call()``, sent again with backoff on a retryable code (RETRYABLE_CODES);
     raises TaskError when it is refused or keeps failing."""
-    delay = first_delay_s
-    for attempt in range(1, attempts + 1):
-        try:
-            return call()
-        except grpc.RpcError as exc:
-            if exc.code() not in RETRYABLE or attempt == attempts:
-                raise TaskError.of(exc, what) from None
-        time.sleep(delay)  # backoff between attempts, not synchronisation
-        delay = min(delay * 2, cap_s)
-    raise AssertionError("unreachable")
+    try:
+        return rpc_with_retry(call, attempts=attempts)
+    except grpc.RpcError as exc:
+        raise TaskError.of(exc, what) from None
 
 
 def load(config_path: str | None) -> tuple[Config, Topology]:

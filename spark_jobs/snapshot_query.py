@@ -39,6 +39,7 @@ import grpc
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from retina_common import exit_codes
 from retina_common import tls as tls_mod
 from retina_common.client import CHANNEL_OPTIONS
 from retina_common.config import Config, ConfigError, TlsConfig
@@ -50,9 +51,7 @@ from retina_common.refusal import Unreachable, reaching_node, reaching_trans_ser
 from retina_common.schema_evolution import conform
 from retina_common.topology import Topology, load_config_and_topology, load_topology
 from spark_jobs.common import (
-    EXIT_OK,
-    EXIT_UNAVAILABLE,
-    EXIT_USAGE,
+    FileRef,
     add_spark_arguments,
     call_with_retry,
     exit_code_of,
@@ -76,15 +75,6 @@ class SparkSnapshot:
     timestamp: int
     files: int  # REGULAR files read, one Spark task each
     buffer_rows: int  # write-buffer rows added from the driver
-
-
-@dataclass(frozen=True)
-class FileRef:
-    """The fields of a QueryFile a task needs (rebuilt as a message in the task)."""
-
-    file_id: int
-    name: str
-    path_uri: str
 
 
 @dataclass(frozen=True)
@@ -257,14 +247,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     schema, dot, table = args.table.partition(".")
     if not dot or not schema or not table:
-        return fail(PROG, "give the table as schema.table", EXIT_USAGE)
+        return fail(PROG, "give the table as schema.table", exit_codes.USAGE)
     if args.output and not args.overwrite and os.path.exists(args.output):
-        return fail(PROG, f"{args.output} exists; pass --overwrite to replace it", EXIT_USAGE)
+        return fail(PROG, f"{args.output} exists; pass --overwrite to replace it", exit_codes.USAGE)
     try:
         config, topology = load(args.config)
         conf = parse_conf(args.conf)
     except ConfigError as exc:
-        return fail(PROG, str(exc), EXIT_USAGE)
+        return fail(PROG, str(exc), exit_codes.USAGE)
     reader = SnapshotReader(config.trans.listen, topology)
     try:
         with ExitStack() as stack:
@@ -272,12 +262,12 @@ def main(argv: list[str] | None = None) -> int:
                 # Through the gate first: a refusal must not even start Spark.
                 trans = stack.enter_context(reader.transaction())
             except Unreachable as exc:  # not the gate: nothing answered at all
-                return fail(PROG, exc.details(), EXIT_UNAVAILABLE)
+                return fail(PROG, exc.details(), exit_codes.UNAVAILABLE)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     return fail(PROG, "the query gate refused a snapshot (a Retina node is not "
                                       f"READY, or the TransServer is down): {exc.details()}",
-                                EXIT_UNAVAILABLE)
+                                exit_codes.UNAVAILABLE)
                 return fail(PROG, f"BeginTrans: {short_reason(exc)}", exit_code_of(exc))
             spark = spark_session(f"retina-snapshot-{args.table}", args.master, conf)
             stack.callback(spark.stop)
@@ -287,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(PROG, f"snapshot read failed: {short_reason(exc)}", exit_code_of(exc))
     finally:
         reader.close()
-    return EXIT_OK
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from retina_common.etcd import EtcdStore
 
 from .dataplane import DataPlane
 from .process_guard import pytest_runtest_call, pytest_runtest_setup  # noqa: F401 (hooks)
+from .support import delete_prefix
 
 # Test data (etcd's WAL, the nodes' LMDB/SQLite indexes, changelogs, Parquet files) on a
 # tmpfs when there is one: an fsync there returns at once, where on a shared disk each
@@ -80,9 +81,9 @@ def pg_server(base_dir: Path) -> Iterator[PostgresInstance]:
 @pytest.fixture
 def etcd(etcd_server: EtcdInstance) -> Iterator[EtcdStore]:
     store = EtcdStore([etcd_server.endpoint], timeout_s=5)
-    store.delete_prefix("/pixels/")
+    delete_prefix(store, "/pixels/")
     yield store
-    store.delete_prefix("/pixels/")
+    delete_prefix(store, "/pixels/")
 
 
 @pytest.fixture

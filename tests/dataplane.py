@@ -33,7 +33,7 @@ from retina_common.retry import until_deadline
 from retina_common.topology import Topology
 from retina_common.writer import DurableWriter, WriterSettings
 
-from .support import ChildProcess, TransServerProcess, eventually
+from .support import ChildProcess, TransServerProcess, delete_prefix, eventually
 
 SCHEMA = "shop"
 TABLES: dict[str, tuple[list[ColumnSpec], list[str]]] = {
@@ -299,7 +299,7 @@ def module_plane(workdir: Path, etcd_endpoint: str, pg_server: PostgresInstance,
     """One data plane for a whole test module (cases that leave it unchanged share it),
     with a catalog database of its own and ``seed`` committed."""
     store = EtcdStore([etcd_endpoint])
-    store.delete_prefix("/pixels/")
+    delete_prefix(store, "/pixels/")
     name = f"t_{uuid.uuid4().hex[:12]}"
     pg_server.create_database(name)
     catalog = Catalog(pg_server.dsn(name))
@@ -313,4 +313,4 @@ def module_plane(workdir: Path, etcd_endpoint: str, pg_server: PostgresInstance,
         dp.stop()
         catalog.close()
         pg_server.drop_database(name)
-        store.delete_prefix("/pixels/")
+        delete_prefix(store, "/pixels/")

@@ -17,7 +17,7 @@ from retina_common.catalog import FileRecord, FileType
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.storage import open_parquet, write_durably
-from spark_jobs.storage_gc import new_file_schema
+from spark_jobs.storage_gc_arrow import new_file_schema
 
 from .dataplane import SCHEMA, DataPlane
 from .support import eventually
@@ -102,7 +102,7 @@ def write_new_file(dp: DataPlane, p: Prepared, row_group_rows: int = 50,
     schema = open_parquet(p.reply.path_uri, p.old[0].name).schema_arrow
     table = pa.concat_tables(parts) if parts else schema.empty_table()
     assert table.num_rows == p.reply.expected_rows
-    # The job's own footer keys (spark_jobs/storage_gc.py _rewrite): recovery reads
+    # The job's own footer keys (spark_jobs/storage_gc_task.py _rewrite): recovery reads
     # ``retina.gc_rewrite_id`` to tell a GC output from an ingest file.
     table = table.cast(new_file_schema(schema, {
         "node": p.node, "vnode": str(p.vnode),

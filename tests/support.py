@@ -41,6 +41,12 @@ def eventually(condition: Callable[[], Any], timeout_s: float, what: str,
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
 
 
+def delete_prefix(store: EtcdStore, prefix: str) -> int:
+    """Delete every key under ``prefix``: a test's clean-up (Retina itself never does)."""
+    keys, _revision = store.get_prefix(prefix)
+    return sum(store.delete(kv.key) for kv in keys)
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 

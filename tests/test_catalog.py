@@ -17,7 +17,7 @@ import pytest
 
 from retina_common import failpoints, file_names
 from retina_common.catalog import (
-    AlreadyExistsError,
+    AlreadyExists,
     Catalog,
     CatalogVersionError,
     CleanupAtViolation,
@@ -26,9 +26,9 @@ from retina_common.catalog import (
     FileType,
     FileTypeMismatch,
     InvalidCatalogArgument,
-    NotFoundError,
+    NotFound,
     SwapPrecondition,
-    SwapPreconditionError,
+    SwapPreconditionFailed,
 )
 from retina_common.catalog.schema import CURRENT_VERSION
 
@@ -139,11 +139,11 @@ def test_tables_columns_primary_key_and_index_ids(catalog: Catalog) -> None:
     assert t1.primary_index_id != t2.primary_index_id
     assert catalog.list_tables("s") == ["t1", "t2"]
     assert catalog.get_table("s", "t1") == t1
-    with pytest.raises(AlreadyExistsError):
+    with pytest.raises(AlreadyExists):
         catalog.create_table("s", "t1", [ColumnSpec("id", "int64")], ["id"])
-    with pytest.raises(NotFoundError):
+    with pytest.raises(NotFound):
         catalog.get_table("s", "nope")
-    with pytest.raises(NotFoundError):
+    with pytest.raises(NotFound):
         catalog.create_table("nope", "t", [ColumnSpec("id", "int64")], ["id"])
 
 
@@ -182,16 +182,16 @@ def test_add_update_delete_report_success_explicitly(catalog: Catalog, path_id: 
 def test_write_failures_raise_and_change_nothing(catalog: Catalog, path_id: int) -> None:
     f = regular(catalog, path_id, 1)
     before = all_files(catalog)
-    with pytest.raises(NotFoundError):
+    with pytest.raises(NotFound):
         catalog.update_file(999_999, file_type=FileType.REGULAR)
     with pytest.raises(FileTypeMismatch):  # e.g. a concurrent retire won
         catalog.update_file(f.file_id, file_type=FileType.REGULAR,
                             expected_type=FileType.TEMPORARY_INGEST)
-    with pytest.raises(NotFoundError, match="nothing deleted"):
+    with pytest.raises(NotFound, match="nothing deleted"):
         catalog.delete_files([f.file_id, 999_999])
-    with pytest.raises(NotFoundError):
+    with pytest.raises(NotFound):
         catalog.add_file(name(seq=2), FileType.TEMPORARY_INGEST, 0, 424242)
-    with pytest.raises(AlreadyExistsError):
+    with pytest.raises(AlreadyExists):
         catalog.add_file(f.name, FileType.TEMPORARY_INGEST, 0, path_id)
     with pytest.raises(InvalidCatalogArgument, match="row-id hull"):
         catalog.add_file(name(seq=3), FileType.REGULAR, 1, path_id)
@@ -360,7 +360,7 @@ def test_swap_preconditions_change_nothing(catalog: Catalog, path_id: int, case:
                                            precondition: SwapPrecondition) -> None:
     new_id, old_ids = _swap_case(catalog, path_id, case)
     before = all_files(catalog)
-    with pytest.raises(SwapPreconditionError) as err:
+    with pytest.raises(SwapPreconditionFailed) as err:
         catalog.atomic_swap_files(new_id, old_ids, cleanup_at=1)
     assert err.value.precondition == precondition
     assert all_files(catalog) == before
@@ -442,7 +442,7 @@ def test_two_concurrent_swaps_over_a_common_file_have_one_winner(
         winners = [o for o in outcomes if not isinstance(o, Exception)]
         losers = [o for o in outcomes if isinstance(o, Exception)]
         assert len(winners) == 1 and len(losers) == 1, outcomes
-        assert isinstance(losers[0], SwapPreconditionError)
+        assert isinstance(losers[0], SwapPreconditionFailed)
         assert losers[0].precondition == SwapPrecondition.OLD_FILE_NOT_REGULAR
         won = winners[0]
         lost_new = g2 if won.new_file.file_id == g1.file_id else g1

@@ -14,9 +14,8 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from cdc_client.changelog_pruning import run_retention
-from cdc_client.connector_main import STOPPED_BY_REPLAY_GAP
 from devtools.cluster import PostgresInstance, free_port
-from retina_common import failpoints
+from retina_common import exit_codes, failpoints
 from retina_common.catalog import Catalog, FileType
 from retina_common.changelog import Changelog
 from retina_common.changelog_retention import horizon
@@ -358,7 +357,7 @@ def test_a_replay_gap_stops_the_connector_and_the_node_stays_recovering(
                         expected_type=FileType.REGULAR)
     cdc.plane.retinas[victim].start()
 
-    assert cdc.cdc.wait_exit(90) == STOPPED_BY_REPLAY_GAP == 5, cdc.cdc.log_tail()
+    assert cdc.cdc.wait_exit(90) == exit_codes.REPLAY_GAP == 5, cdc.cdc.log_tail()
     gap = cdc.cdc.logged("cdc_replay_gap")[-1]
     assert gap["node"] == victim and gap["retained_from_ts"] == retained
     assert gap["needed_ts"] <= oldest.min_commit_ts < retained
@@ -371,7 +370,7 @@ def test_a_replay_gap_stops_the_connector_and_the_node_stays_recovering(
     assert replays_of(cdc, victim, "cdc_replay_done") == dones
     # A restart finds the same gap: it is not a transient failure.
     cdc.cdc.start()
-    assert cdc.cdc.wait_exit(90) == STOPPED_BY_REPLAY_GAP, cdc.cdc.log_tail()
+    assert cdc.cdc.wait_exit(90) == exit_codes.REPLAY_GAP, cdc.cdc.log_tail()
     assert cdc.plane.status(victim).state == rpb.RECOVERING
     assert replays_of(cdc, victim, "cdc_replay_done") == dones
 

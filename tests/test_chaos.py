@@ -249,7 +249,8 @@ def test_gc_groups_are_consecutive_runs_of_one_stream_in_the_nodes_order() -> No
 
 @pytest.mark.integration
 def test_a_spark_task_runs_in_a_process_of_its_own_and_a_dead_one_has_no_result() -> None:
-    from spark_jobs.storage_gc import FileRef, RewriteResult, RewriteTask, TaskSpec
+    from spark_jobs.common import FileRef
+    from spark_jobs.storage_gc_task import RewriteResult, RewriteTask, TaskSpec
 
     spec = TaskSpec("dbname=x", 5, 42, 40)
     task = RewriteTask(0, "r1", "127.0.0.1:1000", "chaos.tags", 2,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fnmatch
 import re
 import tomllib
+from pathlib import Path
 
 from .support import ROOT
 
@@ -22,6 +23,11 @@ BACKTICKED = re.compile(r"`([^`\n]+)`")
 # Words and slashes only: no spaces, URLs (":"), placeholders ("<host>") or etcd keys.
 PATH_LIKE = re.compile(r"[\w.*-]+(/[\w.*-]+)*/?")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+# What a fresh clone does not have: the notes outside the repository the project began from.
+# Their facts are written into docs/ (docs/architecture.md is the map); nothing cites them.
+OUTSIDE = re.compile(r"ARCHITECTURE\.md|\.\./shared\b|\bseeds/|\b(seed|specification) 00\d\b")
+CITING = (".py", ".pyi", ".md", ".proto", ".toml", ".cfg", ".ini", ".txt", ".sh", ".yml", ".yaml",
+          ".json", "Makefile", "Dockerfile")
 
 
 def repository_paths() -> list[str]:
@@ -86,9 +92,28 @@ def test_the_readme_lists_every_console_command() -> None:
     assert sorted(set(scripts) - set(BACKTICKED.findall(listed))) == []
 
 
+def test_nothing_cites_a_file_outside_the_repository() -> None:
+    """Product code, docs, tests, benchmarks and build files; this file shows the patterns."""
+    this = Path(__file__).resolve()
+    cited = []
+    for relative in repository_paths():
+        path = ROOT / relative
+        if relative.endswith("/") or not relative.endswith(CITING) or path.resolve() == this:
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if OUTSIDE.search(line):
+                cited.append(f"{relative}:{number}: {line.strip()}")
+    assert cited == []
+
+
 def test_the_check_catches_a_path_outside_the_repository() -> None:
     # The checks above pass on the current docs; this one shows they can fail.
     paths = repository_paths()
     text = "see `../shared/ARCHITECTURE.md`, `retina/gc_job.py`, `retina_server/gc/gc_job.py`"
     assert [s for s in cited_paths(text) if not exists(s, paths)] == \
         ["../shared/ARCHITECTURE.md", "retina/gc_job.py"]
+    citing = ["see ARCHITECTURE.md", "(seed 003: Pinot)", "specification 001, C01.1",
+              "the seeds/ notes", "../shared"]
+    assert [s for s in citing if OUTSIDE.search(s)] == citing
+    own = ["docs/architecture.md", "specification C01.1", "seeds 1130 and 1131", "--seed 223"]
+    assert [s for s in own if OUTSIDE.search(s)] == []

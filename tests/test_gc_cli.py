@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
+from retina_common import exit_codes
 from retina_common.catalog import Catalog
-from retina_common.gc_cli import EXIT_FAILED, EXIT_USAGE, RewriteIdError, resolve_rewrite_id
+from retina_common.gc_cli import RewriteIdError, resolve_rewrite_id
 from retina_common.pb import retina_pb2 as rpb
 
 from . import gc
@@ -51,7 +52,7 @@ def test_a_unique_prefix_resolves_to_the_full_id_and_its_node() -> None:
 def test_an_ambiguous_prefix_is_refused_listing_every_candidate() -> None:
     with pytest.raises(RewriteIdError) as refused:
         resolve_rewrite_id(A[:12], {"n1:1": [A], "n2:2": [B, C]})
-    assert refused.value.exit_code == EXIT_USAGE
+    assert refused.value.exit_code == exit_codes.USAGE
     assert str(refused.value) == (
         f"rewrite id prefix {A[:12]} is ambiguous, it matches 2 rewrites: {A} on n1:1, "
         f"{B} on n2:2; give more digits")
@@ -59,10 +60,10 @@ def test_an_ambiguous_prefix_is_refused_listing_every_candidate() -> None:
 
 @pytest.mark.parametrize("given, message, code", [
     ("2e645a", "rewrite id prefix 2e645a is too short: give at least 8 hex digits",
-     EXIT_USAGE),
-    ("2e645a26-4ad1", "'2e645a26-4ad1' is not a rewrite id: hex digits", EXIT_USAGE),
+     exit_codes.USAGE),
+    ("2e645a26-4ad1", "'2e645a26-4ad1' is not a rewrite id: hex digits", exit_codes.USAGE),
     ("0123abcd", "no node knows a rewrite whose id starts with 0123abcd (`retina-gc lineage` "
-                 "lists them); n3:3 did not answer and may know it", EXIT_FAILED),
+                 "lists them); n3:3 did not answer and may know it", exit_codes.FAILED),
 ])
 def test_a_prefix_naming_no_rewrite_says_why(given: str, message: str, code: int) -> None:
     with pytest.raises(RewriteIdError) as refused:

@@ -1,4 +1,4 @@
-"""The fixed etcd keys of ARCHITECTURE.md and the secret-hash convention."""
+"""The fixed etcd keys of docs/architecture.md ("etcd keys") and the secret-hash convention."""
 
 from __future__ import annotations
 

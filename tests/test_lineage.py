@@ -1,4 +1,5 @@
-"""Lineage and revert of Storage GC rewrites (issue 11, seed 003): a completed rewrite is
+"""Lineage and revert of Storage GC rewrites (issue 11, after Apache Pinot's consistent push
+and rollback): a completed rewrite is
 swapped back in one catalog transaction with the same crash safety as the forward commit;
 deletes that reached the new file's rows land on the old rows; queries list the old or the
 new file set, never a mix; a kill at every revert step is finished by recovery, including

@@ -17,9 +17,10 @@ import grpc
 import pytest
 
 from devtools.cluster import free_port
+from retina_common import exit_codes
 from retina_common.config import TlsConfig
 from retina_common.refusal import transport_lost
-from spark_jobs.common import EXIT_UNAVAILABLE, exit_code_of, short_reason
+from spark_jobs.common import exit_code_of, short_reason
 from spark_jobs.snapshot_query import plan_snapshot
 
 from .dataplane import SCHEMA, DataPlane
@@ -61,7 +62,7 @@ def test_a_read_admitted_before_its_node_died_names_the_node(
     for lost in (read.value, planned.value):
         assert lost.code() == grpc.StatusCode.UNAVAILABLE and transport_lost(lost)
         assert lost.details() == unreachable_node(dead)
-    assert exit_code_of(planned.value) == EXIT_UNAVAILABLE
+    assert exit_code_of(planned.value) == exit_codes.UNAVAILABLE
     assert short_reason(planned.value) == f"UNAVAILABLE: {unreachable_node(dead)}"
 
 

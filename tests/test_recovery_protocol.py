@@ -23,7 +23,7 @@ from retina_common.pb import retina_pb2 as rpb
 from retina_common.topology import Topology
 
 from .dataplane import SCHEMA, DataPlane
-from .support import ROOT, eventually, rpc_error
+from .support import ROOT, delete_prefix, eventually, rpc_error
 
 pytestmark = pytest.mark.integration
 
@@ -312,7 +312,7 @@ def test_no_checkpoint_but_regular_files_fails_closed(make_plane: Callable[..., 
     workload(plane, random.Random(16), 10, 0)
     eventually(lambda: catalog.get_files_by_type(None, [FileType.REGULAR]), 20, "a publish")
     plane.retinas[node].kill9()
-    etcd.delete_prefix("/pixels/retina/recovery/checkpoint/")
+    delete_prefix(etcd, "/pixels/retina/recovery/checkpoint/")
     plane.retinas[node].start()
     failed = eventually(lambda: (s := plane.status(node)).state == rpb.FAILED and s, 30,
                         "the node to fail closed")

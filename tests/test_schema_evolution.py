@@ -22,7 +22,6 @@ import grpc
 import pyarrow as pa
 import pytest
 
-from cdc_client.connector_main import STOPPED_BY_SCHEMA_CHANGE
 from cdc_client.schema_change import (
     NUMERIC,
     ColumnFacts,
@@ -34,12 +33,13 @@ from cdc_client.schema_change import (
     plan,
 )
 from devtools.cluster import PostgresInstance
+from retina_common import exit_codes
 from retina_common.catalog import (
-    AlreadyExistsError,
+    AlreadyExists,
     Catalog,
     ColumnSpec,
     InvalidCatalogArgument,
-    NotFoundError,
+    NotFound,
     TableRecord,
 )
 from retina_common.client import TableWriter
@@ -52,7 +52,8 @@ from retina_common.topology import Topology
 from retina_server.index import LocalIndexService
 from retina_server.node import BufferSettings, RetinaNode
 from retina_server.write_buffer import SettleMode
-from spark_jobs import storage_gc as spark_gc
+from spark_jobs import storage_gc_task as spark_gc
+from spark_jobs.common import FileRef
 
 from . import gc
 from .cdc import CdcPlane, SourceDb
@@ -83,13 +84,13 @@ def test_add_column_appends_a_nullable_column_once(catalog: Catalog) -> None:
     refusals: list[tuple[Callable[[], Any], type[Exception], str]] = [
         (lambda: catalog.add_column("evo", "t", "flag", "boolean", nullable=False),
          InvalidCatalogArgument, "only a nullable column"),
-        (lambda: catalog.add_column("evo", "t", "note", "int64"), AlreadyExistsError,
+        (lambda: catalog.add_column("evo", "t", "note", "int64"), AlreadyExists,
          "already has a column note of type string, not int64"),
         (lambda: catalog.add_column("evo", "t", "x", "uuid"), InvalidCatalogArgument,
          "unknown column type"),
         (lambda: catalog.add_column("evo", "t", "bad name", "string"), InvalidCatalogArgument,
          "bad column name"),
-        (lambda: catalog.add_column("evo", "nope", "x", "string"), NotFoundError,
+        (lambda: catalog.add_column("evo", "nope", "x", "string"), NotFound,
          "does not exist"),
     ]
     for call, error, message in refusals:
@@ -405,7 +406,7 @@ def test_retina_takes_rows_of_every_schema_version(
         result = spark_gc.rewrite_group(
             spark_gc.TaskSpec(catalog_dsn, 5, prepared.trans_id, 16),
             spark_gc.RewriteTask(0, reply.rewrite_id, node, f"{SCHEMA}.orders", vnode,
-                                 tuple(spark_gc.FileRef(f.file_id, f.name, reply.path_uri)
+                                 tuple(FileRef(f.file_id, f.name, reply.path_uri)
                                        for f in files), 0, reply.file_name, reply.path_id,
                                  reply.path_uri, reply.cutoff_ts, reply.expected_rows,
                                  reply.schema_version))
@@ -457,7 +458,7 @@ def _spark_rewrite(cdc: CdcPlane, catalog_dsn: str) -> int:
             reply = prepared.reply
             task = spark_gc.RewriteTask(
                 0, reply.rewrite_id, node, f"{SCHEMA}.orders", vnode,
-                tuple(spark_gc.FileRef(f.file_id, f.name, reply.path_uri) for f in files), 0,
+                tuple(FileRef(f.file_id, f.name, reply.path_uri) for f in files), 0,
                 reply.file_name, reply.path_id, reply.path_uri, reply.cutoff_ts,
                 reply.expected_rows, reply.schema_version)
             result = spark_gc.rewrite_group(
@@ -555,7 +556,7 @@ def test_a_dropped_column_stops_the_connector_before_its_transaction(
     _sql(source, "ALTER TABLE orders DROP COLUMN note")
     _sql(source, "INSERT INTO orders (id, customer) VALUES (200001, 'after the drop')",
          "DELETE FROM orders WHERE id = (SELECT min(id) FROM orders)")
-    assert cdc.cdc.wait_exit(60) == STOPPED_BY_SCHEMA_CHANGE, cdc.cdc.log_tail()
+    assert cdc.cdc.wait_exit(60) == exit_codes.SCHEMA_CHANGE, cdc.cdc.log_tail()
     stopped = cdc.cdc.logged("cdc_stopped_schema_change")
     assert stopped and "public.orders" in stopped[0]["error"]
     assert "column note was dropped or renamed" in stopped[0]["error"]

@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from retina_common import failpoints, replay_sources
+from retina_common import exit_codes, failpoints, replay_sources
 from retina_common.catalog import Catalog, FileType
 from retina_common.changelog import DELETE, REPLACE, Changelog, ChangeRow, LoggedTransaction
 from retina_common.changelog_replay import node_starts
@@ -32,7 +32,6 @@ from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 from spark_jobs import cdc_replay
-from spark_jobs.cdc_replay import EXIT_REPLAY_GAP
 
 from .dataplane import SCHEMA, DataPlane
 from .support import ROOT, begin_write, eventually
@@ -365,14 +364,14 @@ def test_cdc_replay_exits_5_on_a_replay_gap_and_sends_nothing(logged: LoggedPlan
 
     backfill = run_job("spark_jobs.cdc_replay", "--config", logged.config, "--backfill",
                        "--from-ts", "1")
-    assert backfill.returncode == EXIT_REPLAY_GAP == 5, backfill.stdout + backfill.stderr
+    assert backfill.returncode == exit_codes.REPLAY_GAP == 5, backfill.stdout + backfill.stderr
     assert "replay gap" in backfill.stderr and f"ts >= {retained} only" in backfill.stderr
     assert {t: plane.read(t) for t in rows} == rows  # nothing was written
 
     plane.retinas[victim].kill9()
     plane.retinas[victim].start()
     recover = run_job("spark_jobs.cdc_replay", "--config", logged.config, "--recover", victim)
-    assert recover.returncode == EXIT_REPLAY_GAP, recover.stdout + recover.stderr
+    assert recover.returncode == exit_codes.REPLAY_GAP, recover.stdout + recover.stderr
     assert f"{victim} stays RECOVERING" in recover.stderr and "replay gap" in recover.stderr
     assert "is READY" not in recover.stdout
     status = plane.status(victim)

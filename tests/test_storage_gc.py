@@ -19,7 +19,7 @@ from retina_common.codec import COMMIT_TS, GC_REWRITE_ID_KEY
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import HIDDEN
-from spark_jobs.storage_gc import new_file_schema
+from spark_jobs.storage_gc_arrow import new_file_schema
 
 from . import gc
 from .dataplane import SCHEMA, DataPlane

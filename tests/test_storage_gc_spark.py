@@ -38,8 +38,10 @@ from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.storage import open_parquet, root_uri, write_durably
-from spark_jobs import storage_gc as gc
-from spark_jobs.common import REFUSED_MARK
+from spark_jobs import storage_gc_arrow as gc_arrow
+from spark_jobs import storage_gc_plan as gc_plan
+from spark_jobs import storage_gc_task as gc_task
+from spark_jobs.common import REFUSED_MARK, FileRef
 
 from .dataplane import SCHEMA, DataPlane
 from .support import ROOT, eventually
@@ -50,45 +52,46 @@ MiB = 1 << 20
 
 # --- the plan -------------------------------------------------------------------------------
 def stats(seq: int, size: int = MiB, rows: int = 100, deleted: int = 0, vnode: int = 0,
-          node: str = NODE) -> gc.FileStats:
+          node: str = NODE) -> gc_plan.FileStats:
     name = file_names.make(node, datetime(2024, 1, 2, 3, 4, 5, tzinfo=UTC), seq, vnode)
-    return gc.FileStats(gc.FileRef(1000 * vnode + seq, name, "file:///x"), node, vnode, seq,
-                        size, rows, deleted)
+    return gc_plan.FileStats(FileRef(1000 * vnode + seq, name, "file:///x"), node, vnode, seq,
+                             size, rows, deleted)
 
 
-def seqs(groups: list[gc.Group]) -> list[tuple[str, list[int]]]:
+def seqs(groups: list[gc_plan.Group]) -> list[tuple[str, list[int]]]:
     return [(g.kind, [f.position for f in g.files]) for g in groups]
 
 
-LIMITS = gc.Thresholds(deleted_threshold=0.2, small_file_bytes=8 * MiB,
-                       target_file_bytes=20 * MiB)
+LIMITS = gc_plan.Thresholds(deleted_threshold=0.2, small_file_bytes=8 * MiB,
+                            target_file_bytes=20 * MiB)
 
 
 def test_a_file_over_the_deleted_threshold_is_a_group_of_one() -> None:
     files = [stats(1, 50 * MiB, deleted=20), stats(2, 50 * MiB, deleted=19),
              stats(3, 50 * MiB, deleted=100)]
-    assert seqs(gc.plan_stream("s", "t", files, LIMITS)) == [("deleted", [1]), ("deleted", [3])]
+    assert seqs(gc_plan.plan_stream("s", "t", files, LIMITS)) == [("deleted", [1]),
+                                                                  ("deleted", [3])]
 
 
 def test_nothing_deleted_is_never_a_candidate_even_at_threshold_zero() -> None:
-    limits = gc.Thresholds(0.0, 8 * MiB, 20 * MiB)
-    assert gc.plan_stream("s", "t", [stats(1, 50 * MiB), stats(2, 50 * MiB)], limits) == []
+    limits = gc_plan.Thresholds(0.0, 8 * MiB, 20 * MiB)
+    assert gc_plan.plan_stream("s", "t", [stats(1, 50 * MiB), stats(2, 50 * MiB)], limits) == []
 
 
 def test_runs_of_small_files_merge_up_to_the_target_in_seq_order() -> None:
     # 6 small files of 6 MiB: 3 fit in 20 MiB; listed out of order.
     files = [stats(s, 6 * MiB) for s in (5, 1, 3, 2, 6, 4)]
-    assert seqs(gc.plan_stream("s", "t", files, LIMITS)) == [("small", [1, 2, 3]),
-                                                           ("small", [4, 5, 6])]
+    assert seqs(gc_plan.plan_stream("s", "t", files, LIMITS)) == [("small", [1, 2, 3]),
+                                                                  ("small", [4, 5, 6])]
     # Deleted rows make a file count for less in the merged size.
     files = [stats(s, 6 * MiB, deleted=75 if s == 2 else 0) for s in (1, 2, 3, 4)]
-    assert seqs(gc.plan_stream("s", "t", files, LIMITS)) == [("small", [1, 2, 3, 4])]
+    assert seqs(gc_plan.plan_stream("s", "t", files, LIMITS)) == [("small", [1, 2, 3, 4])]
 
 
 def test_a_large_clean_file_separates_runs_and_a_lone_small_file_stays() -> None:
     files = [stats(1, MiB), stats(2, MiB), stats(3, 50 * MiB), stats(4, MiB),
              stats(5, 50 * MiB), stats(6, MiB, deleted=30), stats(7, 50 * MiB, deleted=40)]
-    assert seqs(gc.plan_stream("s", "t", files, LIMITS)) == [
+    assert seqs(gc_plan.plan_stream("s", "t", files, LIMITS)) == [
         ("small", [1, 2]), ("deleted", [6]), ("deleted", [7])]
 
 
@@ -100,7 +103,7 @@ def test_plan_table_keeps_streams_apart_and_leaves_a_stream_with_a_skipped_file_
     listed = [f.ref for f in a + b + other]
     usable = [f for f in a + b + other
               if not (f.vnode == 0 and f.position == 3 and f.node == NODE)]
-    groups = gc.plan_table("s", "t", usable, listed, LIMITS)
+    groups = gc_plan.plan_table("s", "t", usable, listed, LIMITS)
     assert [(g.node, g.vnode, [f.position for f in g.files]) for g in groups] == [
         (NODE, 1, [1, 2]), ("127.0.0.1:18891", 0, [1, 2])]
     for g in groups:  # one stream per group
@@ -116,10 +119,10 @@ def bitmap(deleted: list[int], rows: int) -> bytes:
 
 
 def test_deleted_mask_reads_little_endian_bits_and_pads_a_short_bitmap() -> None:
-    mask = gc.deleted_mask(bitmap([0, 3, 9], 12), 12)
+    mask = gc_arrow.deleted_mask(bitmap([0, 3, 9], 12), 12)
     assert list(np.flatnonzero(mask)) == [0, 3, 9]
-    assert list(np.flatnonzero(gc.deleted_mask(b"\x02", 20))) == [1]
-    assert gc.deleted_mask(b"", 5).tolist() == [False] * 5
+    assert list(np.flatnonzero(gc_arrow.deleted_mask(b"\x02", 20))) == [1]
+    assert gc_arrow.deleted_mask(b"", 5).tolist() == [False] * 5
 
 
 def parquet_file(path: Path, ids: list[int], row_group: int) -> pq.ParquetFile:
@@ -141,32 +144,32 @@ def visibility(deleted_by_rg: dict[int, list[int]], rows_by_rg: dict[int, int]
 def test_surviving_rows_keep_file_order_and_the_commit_ts(tmp_path: Path) -> None:
     parquet = parquet_file(tmp_path / "a.parquet", list(range(10)), row_group=4)  # 4, 4, 2
     vis = visibility({0: [1, 2], 2: [1]}, {0: 4, 1: 4, 2: 2})
-    rows, dropped = gc.surviving_rows(parquet, vis, "a")
+    rows, dropped = gc_arrow.surviving_rows(parquet, vis, "a")
     assert dropped == 3
     assert rows.column("id").to_pylist() == [0, 3, 4, 5, 6, 7, 8]
     assert rows.column(COMMIT_TS).to_pylist() == [100, 103, 104, 105, 106, 107, 108]
-    assert gc.deleted_count(vis) == (10, 3)
+    assert gc_arrow.deleted_count(vis) == (10, 3)
 
 
 def test_surviving_rows_refuse_a_file_its_visibility_does_not_describe(tmp_path: Path) -> None:
     parquet = parquet_file(tmp_path / "a.parquet", list(range(10)), row_group=5)
-    with pytest.raises(gc.RewriteError, match="row group 1 has 5 rows"):
-        gc.surviving_rows(parquet, visibility({}, {0: 5, 1: 6}), "a")
-    with pytest.raises(gc.RewriteError, match="visibility for"):
-        gc.surviving_rows(parquet, visibility({}, {0: 5}), "a")
+    with pytest.raises(gc_arrow.RewriteError, match="row group 1 has 5 rows"):
+        gc_arrow.surviving_rows(parquet, visibility({}, {0: 5, 1: 6}), "a")
+    with pytest.raises(gc_arrow.RewriteError, match="visibility for"):
+        gc_arrow.surviving_rows(parquet, visibility({}, {0: 5}), "a")
 
 
 def test_encode_parquet_writes_row_groups_of_the_asked_size_and_none_for_no_rows() -> None:
     rows = pa.table({"id": pa.array(range(10), pa.int64()),
                      COMMIT_TS: pa.array(range(10), pa.int64())})
-    schema = gc.new_file_schema(rows.schema, {"gc_rewrite_id": "r1"})
-    meta = pq.ParquetFile(pa.BufferReader(gc.encode_parquet(rows, schema, 4))).metadata
+    schema = gc_arrow.new_file_schema(rows.schema, {"gc_rewrite_id": "r1"})
+    meta = pq.ParquetFile(pa.BufferReader(gc_arrow.encode_parquet(rows, schema, 4))).metadata
     assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [4, 4, 2]
     assert meta.schema.to_arrow_schema().metadata[b"retina.gc_rewrite_id"] == b"r1"
-    empty = gc.encode_parquet(rows.slice(0, 0), schema, 4)
+    empty = gc_arrow.encode_parquet(rows.slice(0, 0), schema, 4)
     assert pq.ParquetFile(pa.BufferReader(empty)).metadata.num_row_groups == 0
-    with pytest.raises(gc.RewriteError):
-        gc.new_file_schema(pa.schema([("id", pa.int64())]), {})
+    with pytest.raises(gc_arrow.RewriteError):
+        gc_arrow.new_file_schema(pa.schema([("id", pa.int64())]), {})
 
 
 # --- the rewrite task in Spark local mode, against a stand-in node ---------------------------
@@ -219,23 +222,23 @@ def test_rewrite_tasks_write_one_file_per_group_and_register_it_temporary_gc(
         deleted = {0: [i for i in range(10) if i % 3 == 0], 1: [i for i in range(10)
                                                                  if (i + 10) % 3 == 0]}
         node.files[record.file_id] = visibility(deleted, {0: 10, 1: 10})
-        refs.append(gc.FileRef(record.file_id, name, path.uri))
+        refs.append(FileRef(record.file_id, name, path.uri))
         expected_ids += [x for i, x in enumerate(ids) if i % 3 != 0]
-    spec = gc.TaskSpec(catalog_dsn, 5, trans_id=77, row_group_rows=16)
+    spec = gc_task.TaskSpec(catalog_dsn, 5, trans_id=77, row_group_rows=16)
 
-    def task(rewrite_id: str, files: tuple[gc.FileRef, ...], seq: int, expected: int
-             ) -> gc.RewriteTask:
-        return gc.RewriteTask(0, rewrite_id, address, "s.t", 0, files, 123,
-                              file_names.make(address, stamp, seq, 0), path.path_id, path.uri,
-                              cutoff_ts=555, expected_rows=expected)
+    def task(rewrite_id: str, files: tuple[FileRef, ...], seq: int, expected: int
+             ) -> gc_task.RewriteTask:
+        return gc_task.RewriteTask(0, rewrite_id, address, "s.t", 0, files, 123,
+                                   file_names.make(address, stamp, seq, 0), path.path_id,
+                                   path.uri, cutoff_ts=555, expected_rows=expected)
 
     # Reversed order on purpose: the new file follows the order it is given.
     good = task("r-good", tuple(reversed(refs)), 50, len(expected_ids))
     short = task("r-short", (refs[0],), 51, 999)  # the node expects other figures
-    unknown = task("r-unknown", (gc.FileRef(424242, refs[0].name, path.uri),), 52, 0)
-    results: dict[str, gc.RewriteResult] = {}
-    gc.run_rewrites(spark, spec, [good, short, unknown],
-                    lambda t, r: results.setdefault(t.rewrite_id, r))
+    unknown = task("r-unknown", (FileRef(424242, refs[0].name, path.uri),), 52, 0)
+    results: dict[str, gc_task.RewriteResult] = {}
+    gc_task.run_rewrites(spark, spec, [good, short, unknown],
+                         lambda t, r: results.setdefault(t.rewrite_id, r))
 
     assert set(results) == {"r-good", "r-short", "r-unknown"}
     ok = results["r-good"]
@@ -262,7 +265,7 @@ def test_rewrite_tasks_write_one_file_per_group_and_register_it_temporary_gc(
     assert short.file_name not in names and unknown.file_name not in names
 
     # A retried task (same rewrite) reuses its TEMPORARY_GC row and writes the same file.
-    again = gc.rewrite_group(spec, good)
+    again = gc_task.rewrite_group(spec, good)
     assert again.new_file_id == ok.new_file_id and not again.error
     assert len([f for f in catalog.get_files_by_type(path.path_id, list(FileType))
                 if f.name == good.file_name]) == 1
@@ -270,7 +273,7 @@ def test_rewrite_tasks_write_one_file_per_group_and_register_it_temporary_gc(
     catalog.update_file(ok.new_file_id, file_type=FileType.REGULAR, min_row_id=0,
                         max_row_id=100)
     (tmp_path / "data" / good.file_name).write_bytes(b"committed bytes")
-    late = gc.rewrite_group(spec, good)
+    late = gc_task.rewrite_group(spec, good)
     assert "not TEMPORARY_GC" in late.error
     assert (tmp_path / "data" / good.file_name).read_bytes() == b"committed bytes"
 

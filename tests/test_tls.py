@@ -54,7 +54,7 @@ from retina_common.tls import ENV_VAR, open_channel, spark_executor_env
 from retina_common.topology import Topology
 
 from .dataplane import RetinaProcess
-from .support import ROOT, TransServerProcess, eventually, rpc_error
+from .support import ROOT, TransServerProcess, delete_prefix, eventually, rpc_error
 
 SCHEMA = "sec"
 # Every channel of a test gets its own subchannels: gRPC shares them between channels
@@ -289,7 +289,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory, pki: Pki, etcd_server: EtcdI
           pg_server: PostgresInstance) -> Iterator[SecurePlane]:
     workdir = tmp_path_factory.mktemp("tls-plane")
     store = EtcdStore([etcd_server.endpoint])
-    store.delete_prefix("/pixels/")
+    delete_prefix(store, "/pixels/")
     dbname = f"t_{uuid.uuid4().hex[:12]}"
     pg_server.create_database(dbname)
     dsn = pg_server.dsn(dbname)
@@ -329,7 +329,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory, pki: Pki, etcd_server: EtcdI
         trans.stop()
         catalog.close()
         pg_server.drop_database(dbname)
-        store.delete_prefix("/pixels/")
+        delete_prefix(store, "/pixels/")
 
 
 @pytest.mark.integration

@@ -7,18 +7,21 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
+import psycopg2
 import pytest
 import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from devtools.cluster import EtcdInstance, free_port, start_etcd, terminate
+from devtools.cluster import EtcdInstance, PostgresInstance, free_port, start_etcd, terminate
 from retina_common.catalog import Catalog, ColumnSpec, FileType
 from retina_common.etcd import EtcdStore
 from retina_common.keys import lifecycle_key
 from retina_common.lifecycle_record import LifecycleState
+from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 
+from .dataplane import SCHEMA, DataPlane
 from .support import (
     TransServerProcess,
     begin_read,
@@ -417,6 +420,57 @@ def test_safe_gc_ts_stays_below_live_reads(trans: TransServerProcess, etcd: Etcd
     err = rpc_error(lambda: stub.MarkTransOffloaded(
         tpb.MarkTransOffloadedRequest(trans_id=begin_write(stub).trans_id)))
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+# --- one error path: a catalog condition answers as on a node ---
+def set_catalog_connections(pg_server: PostgresInstance, dsn: str, allowed: bool) -> None:
+    """Let PostgreSQL take connections to the catalog's database, or refuse them all (the
+    open ones are ended): the catalog is down for every process, nothing else is."""
+    dbname = dict(part.split("=", 1) for part in dsn.split())["dbname"]
+    conn = psycopg2.connect(pg_server.dsn("postgres"), connect_timeout=5)
+    try:
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            cur.execute(f'ALTER DATABASE "{dbname}" ALLOW_CONNECTIONS {str(allowed).lower()}')
+            if not allowed:
+                cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                            "WHERE datname = %s", (dbname,))
+    finally:
+        conn.close()
+
+
+def unknown_table_answers(plane: DataPlane, read: tpb.BeginTransResponse
+                          ) -> list[tuple[grpc.StatusCode, str]]:
+    """What the TransServer (ListQueryFiles) and the node (GetWriteBuffer) answer for a
+    table the catalog must be asked about: the status and the details."""
+    table = "no_such_table"
+    listed = rpc_error(lambda: plane.trans.stub().ListQueryFiles(tpb.ListQueryFilesRequest(
+        trans_id=read.trans_id, schema_name=SCHEMA, table_name=table), timeout=10))
+    buffered = rpc_error(lambda: plane.retinas[plane.nodes[0]].stub.GetWriteBuffer(
+        rpb.GetWriteBufferRequest(trans_id=read.trans_id, timestamp=read.timestamp,
+                                  schema_name=SCHEMA, table_name=table), timeout=10))
+    return [(err.code(), err.details() or "") for err in (listed, buffered)]
+
+
+def test_a_catalog_outage_answers_as_on_a_node(make_plane: Callable[..., DataPlane],
+                                               pg_server: PostgresInstance,
+                                               catalog_dsn: str) -> None:
+    """Both servers map catalog failures through retina_common/refusal.py: for the same
+    catalog condition (a table it does not know; then the catalog refusing connections;
+    then the catalog back) the TransServer answers the status and the words a node does."""
+    plane = make_plane()
+    read = begin_read(plane.trans.stub())
+    before = unknown_table_answers(plane, read)
+    assert [code for code, _ in before] == [grpc.StatusCode.NOT_FOUND] * 2, before
+    assert before[0][1] == before[1][1]
+    set_catalog_connections(pg_server, catalog_dsn, allowed=False)
+    try:
+        during = unknown_table_answers(plane, read)
+    finally:
+        set_catalog_connections(pg_server, catalog_dsn, allowed=True)
+    assert [code for code, _ in during] == [grpc.StatusCode.UNAVAILABLE] * 2, during
+    assert all(details.startswith("CatalogUnavailable: ") for _, details in during), during
+    assert unknown_table_answers(plane, read) == before
 
 
 # --- operability: health, reflection, metrics ---

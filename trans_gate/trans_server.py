@@ -7,7 +7,6 @@ topology) passed in. Exit codes: 0 clean stop, 2 configuration error,
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import threading
@@ -17,15 +16,16 @@ from typing import Any
 
 from prometheus_client import Gauge
 
-from retina_common import failpoints, tls
+from retina_common import exit_codes, failpoints, tls
 from retina_common.catalog import Catalog, CatalogError
-from retina_common.config import Config, ConfigError, load_config
+from retina_common.config import Config, ConfigError
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.grpc_server import ServerHandle
 from retina_common.keys import TRANS_ID_KEY, TRANS_TIMESTAMP_KEY
 from retina_common.log import configure_logging
 from retina_common.metrics import serve_metrics
 from retina_common.pb import trans_pb2, trans_pb2_grpc
+from retina_common.process_config import load_process_config
 from retina_common.topology import load_topology
 from trans_gate.gate import LifecycleWatcher, NodeAvailability, QueryAvailabilityGate
 from trans_gate.timestamps import CounterCorrupt, DurableCounter
@@ -49,7 +49,7 @@ class TransServer:
         self._config = config
         self._log = log
         self._stop = threading.Event()
-        self.exit_code = 0
+        self.exit_code = exit_codes.OK
         tls.check_server(config.tls)
         store = EtcdStore.from_config(config.etcd)
         tc = config.trans
@@ -113,7 +113,7 @@ class TransServer:
 
     def _fenced(self) -> None:
         self._log.critical("trans_server_fenced", action="stopping")
-        self.exit_code = 3
+        self.exit_code = exit_codes.REFUSED
         self._stop.set()
 
     def request_stop(self, *_: object) -> None:
@@ -134,26 +134,21 @@ class TransServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="retina-trans", description=__doc__)
-    parser.add_argument("--config", help="TOML config file (default: $RETINA_CONFIG)")
-    args = parser.parse_args(argv)
     try:
-        config = load_config(args.config)
-        tls.configure(config.tls)
-        failpoints.load_from_env()
+        config, _config_arg = load_process_config("retina-trans", __doc__, argv)
     except (ConfigError, failpoints.FailpointError) as exc:
         print(f"retina-trans: {exc}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     log = configure_logging("trans", config.log_level)
     try:
         server = TransServer(config, log)
         server.start()
     except ConfigError as exc:
         log.error("trans_server_config_error", error=str(exc))
-        return 2
+        return exit_codes.USAGE
     except (EtcdError, CatalogError, CounterCorrupt, OSError) as exc:
         log.error("trans_server_start_failed", error=str(exc), error_type=type(exc).__name__)
-        return 4
+        return exit_codes.UNAVAILABLE
 
     def on_signal(_signum: int, _frame: FrameType | None) -> None:
         server.request_stop()  # only a flag: no logging from a signal handler

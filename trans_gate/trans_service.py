@@ -1,23 +1,27 @@
-"""TransService over gRPC: maps calls onto the transaction table, the gate and the catalog."""
+"""TransService over gRPC: maps calls onto the transaction table, the gate and the catalog.
+
+Every RPC runs inside :meth:`TransService._guard`, so every failure, a refusal of ours, a
+catalog or etcd error, or a bug, is answered through the one mapping of
+retina_common/refusal.py, with the status a Retina node gives the same condition.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from retina_common.catalog import Catalog, CatalogError, CatalogUnavailable, NotFoundError
-from retina_common.etcd import EtcdError
+from retina_common.catalog import Catalog, CatalogError
 from retina_common.log import get_logger
 from retina_common.pb import trans_pb2 as pb
 from retina_common.pb import trans_pb2_grpc as pb_grpc
-from retina_common.refusal import abort
+from retina_common.refusal import Refusal, abort, status_of
 from trans_gate.gate import GateDecision, QueryAvailabilityGate
 from trans_gate.timestamps import CounterFenced
-from trans_gate.transactions import Transaction, TransactionTable, TransError, TransKind
+from trans_gate.transactions import Transaction, TransactionTable, TransKind
 
 log = get_logger(component="trans_service")
 
@@ -30,10 +34,9 @@ GATE_DECISION_SECONDS = Histogram(
     buckets=(0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01))
 HWM_GAUGE = Gauge("trans_high_watermark", "Current high watermark")
 LIST_FILES_TOTAL = Counter("trans_list_query_files_total", "ListQueryFiles calls", ["outcome"])
-
-def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    context.abort(code, message)
-    raise AssertionError("unreachable")  # context.abort raises
+# The ListQueryFiles outcome label of a catalog failure, by the status it answers.
+_CATALOG_OUTCOMES = {grpc.StatusCode.NOT_FOUND: "not_found",
+                     grpc.StatusCode.UNAVAILABLE: "catalog_unavailable"}
 
 
 class TransService(pb_grpc.TransServiceServicer):
@@ -45,34 +48,35 @@ class TransService(pb_grpc.TransServiceServicer):
         self._on_fenced = on_fenced
 
     # --- helpers ---------------------------------------------------------------------
-    def _call(self, context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
+    def _guard(self, context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
+        """``fn()``, the body of an RPC; any failure answers with its status (refusal.py)."""
         try:
             return fn()
-        except TransError as exc:
-            abort(context, exc)
         except CounterFenced as exc:
             self._on_fenced()
-            _abort(context, grpc.StatusCode.UNAVAILABLE,
-                   f"this TransServer was fenced by another instance: {exc}")
-        except EtcdError as exc:  # a block allocation found etcd away: retry later
+            abort(context, Refusal(grpc.StatusCode.UNAVAILABLE,
+                                   f"this TransServer was fenced by another instance: {exc}"))
+        except Exception as exc:
+            code, _message = status_of(exc)
+            if code == grpc.StatusCode.INTERNAL:  # a bug or an injected fault: say so
+                log.error("rpc_internal_error", error=str(exc), error_type=type(exc).__name__)
             abort(context, exc)
 
-    def _gate_check(self, context: grpc.ServicerContext) -> GateDecision:
+    def _gate_check(self) -> GateDecision:
         started = time.perf_counter()
         decision = self._gate.check()
         GATE_DECISION_SECONDS.observe(time.perf_counter() - started)
         if not decision.admitted:
             for reason in {str(r) for r in decision.refusal_reasons.values()} or {"watch"}:
                 GATE_REFUSALS.labels(reason=reason).inc()
-            _abort(context, grpc.StatusCode.UNAVAILABLE, decision.message)
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, decision.message)
         return decision
 
-    def _begin(self, read_only: bool, count: int, lease_ms: int,
-               context: grpc.ServicerContext) -> list[Transaction]:
+    def _begin(self, read_only: bool, count: int, lease_ms: int) -> list[Transaction]:
         kind = TransKind.READ if read_only else TransKind.WRITE
         if read_only:
-            self._gate_check(context)
-        created = self._call(context, lambda: self._table.begin(kind, count, lease_ms))
+            self._gate_check()
+        created = self._table.begin(kind, count, lease_ms)
         BEGIN_TOTAL.labels(kind=kind.value).inc(len(created))
         return created
 
@@ -81,94 +85,112 @@ class TransService(pb_grpc.TransServiceServicer):
         return pb.BeginTransResponse(trans_id=trans.trans_id, timestamp=trans.timestamp,
                                      lease_expires_at_ms=trans.lease_expires_at_ms)
 
+    def _commit(self, trans_ids: list[int]) -> int:
+        hwm = self._table.commit(trans_ids)
+        END_TOTAL.labels(kind="any", outcome="committed").inc(len(trans_ids))
+        HWM_GAUGE.set(hwm)
+        return hwm
+
+    def _rollback(self, trans_id: int) -> int:
+        hwm = self._table.rollback(trans_id)
+        END_TOTAL.labels(kind="any", outcome="rolled_back").inc()
+        HWM_GAUGE.set(hwm)
+        return hwm
+
     # --- RPCs -----------------------------------------------------------------------------
     def BeginTrans(self, request: pb.BeginTransRequest,
                    context: grpc.ServicerContext) -> pb.BeginTransResponse:
-        (trans,) = self._begin(request.read_only, 1, request.lease_ms, context)
-        return self._response(trans)
+        def run() -> pb.BeginTransResponse:
+            (trans,) = self._begin(request.read_only, 1, request.lease_ms)
+            return self._response(trans)
+        return self._guard(context, run)
 
     def BeginTransBatch(self, request: pb.BeginTransBatchRequest,
                         context: grpc.ServicerContext) -> pb.BeginTransBatchResponse:
-        created = self._begin(request.read_only, request.count, request.lease_ms, context)
-        return pb.BeginTransBatchResponse(transactions=[self._response(t) for t in created])
+        def run() -> pb.BeginTransBatchResponse:
+            created = self._begin(request.read_only, request.count, request.lease_ms)
+            return pb.BeginTransBatchResponse(transactions=[self._response(t) for t in created])
+        return self._guard(context, run)
 
     def CommitTrans(self, request: pb.CommitTransRequest,
                     context: grpc.ServicerContext) -> pb.CommitTransResponse:
-        hwm = self._call(context, lambda: self._table.commit([request.trans_id]))
-        END_TOTAL.labels(kind="any", outcome="committed").inc()
-        HWM_GAUGE.set(hwm)
-        return pb.CommitTransResponse(high_watermark=hwm)
+        return self._guard(context, lambda: pb.CommitTransResponse(
+            high_watermark=self._commit([request.trans_id])))
 
     def CommitTransBatch(self, request: pb.CommitTransBatchRequest,
                          context: grpc.ServicerContext) -> pb.CommitTransBatchResponse:
-        hwm = self._call(context, lambda: self._table.commit(request.trans_ids))
-        END_TOTAL.labels(kind="any", outcome="committed").inc(len(request.trans_ids))
-        HWM_GAUGE.set(hwm)
-        return pb.CommitTransBatchResponse(high_watermark=hwm)
+        return self._guard(context, lambda: pb.CommitTransBatchResponse(
+            high_watermark=self._commit(list(request.trans_ids))))
 
     def RollbackTrans(self, request: pb.RollbackTransRequest,
                       context: grpc.ServicerContext) -> pb.RollbackTransResponse:
-        hwm = self._call(context, lambda: self._table.rollback(request.trans_id))
-        END_TOTAL.labels(kind="any", outcome="rolled_back").inc()
-        HWM_GAUGE.set(hwm)
-        return pb.RollbackTransResponse(high_watermark=hwm)
+        return self._guard(context, lambda: pb.RollbackTransResponse(
+            high_watermark=self._rollback(request.trans_id)))
 
     def ExtendTransLease(self, request: pb.ExtendTransLeaseRequest,
                          context: grpc.ServicerContext) -> pb.ExtendTransLeaseResponse:
-        expires = self._call(context,
-                             lambda: self._table.extend_lease(request.trans_id, request.lease_ms))
-        return pb.ExtendTransLeaseResponse(lease_expires_at_ms=expires)
+        return self._guard(context, lambda: pb.ExtendTransLeaseResponse(
+            lease_expires_at_ms=self._table.extend_lease(request.trans_id, request.lease_ms)))
 
     def MarkTransOffloaded(self, request: pb.MarkTransOffloadedRequest,
                            context: grpc.ServicerContext) -> pb.MarkTransOffloadedResponse:
-        self._call(context, lambda: self._table.mark_offloaded(request.trans_id))
-        return pb.MarkTransOffloadedResponse()
+        def run() -> pb.MarkTransOffloadedResponse:
+            self._table.mark_offloaded(request.trans_id)
+            return pb.MarkTransOffloadedResponse()
+        return self._guard(context, run)
 
     def GetHighWatermark(self, request: pb.GetHighWatermarkRequest,
                          context: grpc.ServicerContext) -> pb.GetHighWatermarkResponse:
-        return pb.GetHighWatermarkResponse(high_watermark=self._table.high_watermark())
+        return self._guard(context, lambda: pb.GetHighWatermarkResponse(
+            high_watermark=self._table.high_watermark()))
 
     def GetSafeGcTimestamp(self, request: pb.GetSafeGcTimestampRequest,
                            context: grpc.ServicerContext) -> pb.GetSafeGcTimestampResponse:
-        return pb.GetSafeGcTimestampResponse(safe_gc_ts=self._table.safe_gc_ts())
+        return self._guard(context, lambda: pb.GetSafeGcTimestampResponse(
+            safe_gc_ts=self._table.safe_gc_ts()))
 
     def GetTransStatus(self, request: pb.GetTransStatusRequest,
                        context: grpc.ServicerContext) -> pb.GetTransStatusResponse:
-        trans = self._table.status(request.trans_id)
-        if trans is None:
-            return pb.GetTransStatusResponse(live=False)
-        return pb.GetTransStatusResponse(live=True, read_only=trans.kind == TransKind.READ,
-                                         timestamp=trans.timestamp,
-                                         lease_expires_at_ms=trans.lease_expires_at_ms)
+        def run() -> pb.GetTransStatusResponse:
+            trans = self._table.status(request.trans_id)
+            if trans is None:
+                return pb.GetTransStatusResponse(live=False)
+            return pb.GetTransStatusResponse(live=True, read_only=trans.kind == TransKind.READ,
+                                             timestamp=trans.timestamp,
+                                             lease_expires_at_ms=trans.lease_expires_at_ms)
+        return self._guard(context, run)
 
     def ListQueryFiles(self, request: pb.ListQueryFilesRequest,
                        context: grpc.ServicerContext) -> pb.ListQueryFilesResponse:
+        return self._guard(context, lambda: self._list_query_files(request))
+
+    def _list_query_files(self, request: pb.ListQueryFilesRequest) -> pb.ListQueryFilesResponse:
         """REGULAR files of a table, only for a live read-only transaction, and only
         while the gate is still open (a node that left READY closes planning too)."""
         if not request.schema_name or not request.table_name:
             LIST_FILES_TOTAL.labels(outcome="invalid").inc()
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                   "schema_name and table_name are required")
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          "schema_name and table_name are required")
         try:
-            trans = self._call(context, lambda: self._table.live_read(request.trans_id))
+            trans = self._table.live_read(request.trans_id)
         except Exception:
             LIST_FILES_TOTAL.labels(outcome="refused").inc()
             raise
         decision = self._gate.check()
         if not decision.admitted:
             LIST_FILES_TOTAL.labels(outcome="gate_closed").inc()
-            _abort(context, grpc.StatusCode.UNAVAILABLE, decision.message)
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, decision.message)
         # LISTED_FILES_HELD: in flight from before the catalog read until the files
         # are recorded on the transaction, so no sweeper removes one in between.
-        self._call(context, lambda: self._table.listing_started(request.trans_id))
+        self._table.listing_started(request.trans_id)
         files: list[pb.QueryFile] = []
         try:
-            return self._list_files(request, context, trans.timestamp, files)
+            return self._list_files(request, trans.timestamp, files)
         finally:
             self._table.listing_done(request.trans_id, [f.file_id for f in files])
 
-    def _list_files(self, request: pb.ListQueryFilesRequest, context: grpc.ServicerContext,
-                    snapshot_ts: int, files: list[pb.QueryFile]) -> pb.ListQueryFilesResponse:
+    def _list_files(self, request: pb.ListQueryFilesRequest, snapshot_ts: int,
+                    files: list[pb.QueryFile]) -> pb.ListQueryFilesResponse:
         try:
             table = self._catalog.get_table(request.schema_name, request.table_name)
             for path in self._catalog.get_paths(table.table_id):
@@ -177,33 +199,32 @@ class TransService(pb_grpc.TransServiceServicer):
                         file_id=f.file_id, name=f.name, path_id=path.path_id, path_uri=path.uri,
                         num_row_group=f.num_row_group, min_row_id=f.min_row_id or 0,
                         max_row_id=f.max_row_id or 0))
-        except NotFoundError as exc:
-            LIST_FILES_TOTAL.labels(outcome="not_found").inc()
-            _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
-        except CatalogUnavailable as exc:
-            LIST_FILES_TOTAL.labels(outcome="catalog_unavailable").inc()
-            _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
         except CatalogError as exc:
-            LIST_FILES_TOTAL.labels(outcome="catalog_error").inc()
-            _abort(context, grpc.StatusCode.INTERNAL, str(exc))
+            code, _message = status_of(exc)
+            LIST_FILES_TOTAL.labels(outcome=_CATALOG_OUTCOMES.get(code, "catalog_error")).inc()
+            raise
         LIST_FILES_TOTAL.labels(outcome="ok").inc()
         return pb.ListQueryFilesResponse(snapshot_ts=snapshot_ts, files=files)
 
     def GetReadHolds(self, request: pb.GetReadHoldsRequest,
                      context: grpc.ServicerContext) -> pb.GetReadHoldsResponse:
-        holds = self._table.read_holds()
-        return pb.GetReadHoldsResponse(
-            file_ids=sorted(holds.file_ids), listings_in_flight=holds.listings_in_flight,
-            live_read_transactions=holds.live_reads,
-            oldest_read_snapshot_ts=-1 if holds.oldest_snapshot_ts is None
-            else holds.oldest_snapshot_ts)
+        def run() -> pb.GetReadHoldsResponse:
+            holds = self._table.read_holds()
+            return pb.GetReadHoldsResponse(
+                file_ids=sorted(holds.file_ids), listings_in_flight=holds.listings_in_flight,
+                live_read_transactions=holds.live_reads,
+                oldest_read_snapshot_ts=-1 if holds.oldest_snapshot_ts is None
+                else holds.oldest_snapshot_ts)
+        return self._guard(context, run)
 
     def GetQueryGateStatus(self, request: pb.GetQueryGateStatusRequest,
                            context: grpc.ServicerContext) -> pb.GetQueryGateStatusResponse:
-        # The decision itself, not a re-derivation: an operator sees what BeginTrans sees.
-        snapshot = self._gate.snapshot
-        decision = self._gate.check(snapshot)
-        return pb.GetQueryGateStatusResponse(
-            admitted=decision.admitted, message=decision.message,
-            nodes={n: str(a) for n, a in decision.nodes.items()},
-            watch_healthy=snapshot.watch_healthy, revision=snapshot.revision)
+        def run() -> pb.GetQueryGateStatusResponse:
+            # The decision itself, not a re-derivation: an operator sees what BeginTrans sees.
+            snapshot = self._gate.snapshot
+            decision = self._gate.check(snapshot)
+            return pb.GetQueryGateStatusResponse(
+                admitted=decision.admitted, message=decision.message,
+                nodes={n: str(a) for n, a in decision.nodes.items()},
+                watch_healthy=snapshot.watch_healthy, revision=snapshot.revision)
+        return self._guard(context, run)

@@ -58,6 +58,7 @@ from cdc_client.sources.pgoutput import (
     replication_dsn,
     vanished,
 )
+from retina_common.retry import Backoff
 
 log = structlog.get_logger("cdc")
 
@@ -502,7 +503,7 @@ class PostgresSource:
         column added in the transaction is not in the catalog yet (the campaign's
         connector stopped, exit 6, on its own ADD COLUMN). Visibility never goes
         back, so once a snapshot sees the transaction, every later statement does."""
-        started, pause, warned = time.monotonic(), 0.001, False
+        started, backoff, warned = time.monotonic(), Backoff(0.001, 0.1), False
         with self._lookup_connection().cursor() as cur:
             while True:
                 # txid_current_snapshot, not pg_current_snapshot: the same text, and
@@ -517,8 +518,7 @@ class PostgresSource:
                                 reason="committed in WAL, not yet visible (synchronous "
                                        "replication waiting for a standby?)")
                     warned = True
-                time.sleep(pause)  # bounded back-off; the commit is durable, it will show
-                pause = min(pause * 2, 0.1)
+                backoff.pause()  # the commit is durable, it will show
 
     def _refuse_if_synchronous_standby(self, cur: Any) -> None:
         """A commit that waits for this very connection (its walsender is a synchronous

@@ -2,7 +2,7 @@
 
 from retina_common.catalog.catalog import Catalog
 from retina_common.catalog.errors import (
-    AlreadyExistsError,
+    AlreadyExists,
     CatalogError,
     CatalogOutcomeUnknown,
     CatalogUnavailable,
@@ -11,9 +11,9 @@ from retina_common.catalog.errors import (
     ConstraintViolation,
     FileTypeMismatch,
     InvalidCatalogArgument,
-    NotFoundError,
+    NotFound,
     SwapPrecondition,
-    SwapPreconditionError,
+    SwapPreconditionFailed,
 )
 from retina_common.catalog.model import (
     ColumnSpec,
@@ -26,9 +26,9 @@ from retina_common.catalog.model import (
 )
 
 __all__ = [
-    "AlreadyExistsError", "Catalog", "CatalogError", "CatalogOutcomeUnknown",
+    "AlreadyExists", "Catalog", "CatalogError", "CatalogOutcomeUnknown",
     "CatalogUnavailable", "CatalogVersionError", "CleanupAtViolation", "ColumnSpec",
     "ConstraintViolation", "FileRecord", "FileType", "FileTypeMismatch",
-    "InvalidCatalogArgument", "NotFoundError", "PathRecord", "SchemaRecord", "SwapPrecondition",
-    "SwapPreconditionError", "SwapResult", "TableRecord",
+    "InvalidCatalogArgument", "NotFound", "PathRecord", "SchemaRecord", "SwapPrecondition",
+    "SwapPreconditionFailed", "SwapResult", "TableRecord",
 ]

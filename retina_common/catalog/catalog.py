@@ -33,16 +33,16 @@ import psycopg2.pool
 from retina_common import file_names
 from retina_common.catalog import schema as catalog_schema
 from retina_common.catalog.errors import (
-    AlreadyExistsError,
+    AlreadyExists,
     CatalogError,
     CatalogOutcomeUnknown,
     CatalogUnavailable,
     ConstraintViolation,
     FileTypeMismatch,
     InvalidCatalogArgument,
-    NotFoundError,
+    NotFound,
     SwapPrecondition,
-    SwapPreconditionError,
+    SwapPreconditionFailed,
 )
 from retina_common.catalog.model import (
     ColumnRecord,
@@ -96,7 +96,7 @@ def _table_in(cur: Any, schema_name: str, name: str, *, lock: bool = False) -> T
                 (schema_name, name))
     row = cur.fetchone()
     if row is None:
-        raise NotFoundError(f"table {schema_name}.{name} does not exist")
+        raise NotFound(f"table {schema_name}.{name} does not exist")
     cur.execute("SELECT column_id, name, type, ordinal, pk_position, since_version FROM columns "
                 "WHERE table_id = %s ORDER BY ordinal", (row[0],))
     columns = tuple(ColumnRecord(*c) for c in cur.fetchall())
@@ -306,7 +306,7 @@ class Catalog:
             cur.execute("SELECT schema_id FROM schemas WHERE name = %s", (schema_name,))
             row = cur.fetchone()
             if row is None:
-                raise NotFoundError(f"schema {schema_name!r} does not exist")
+                raise NotFound(f"schema {schema_name!r} does not exist")
             cur.execute("INSERT INTO tables (schema_id, name) VALUES (%s, %s) RETURNING table_id",
                         (row[0], name))
             table_id = cur.fetchone()[0]
@@ -348,7 +348,7 @@ class Catalog:
             existing = next((c for c in table.columns if c.name == column), None)
             if existing is not None:
                 if existing.type != col_type:
-                    raise AlreadyExistsError(
+                    raise AlreadyExists(
                         f"{schema_name}.{table_name} already has a column {column} of type "
                         f"{existing.type}, not {col_type}")
                 return table
@@ -449,7 +449,7 @@ class Catalog:
                         (file_id,))
             row = cur.fetchone()
             if row is None:
-                raise NotFoundError(f"file {file_id} does not exist")
+                raise NotFound(f"file {file_id} does not exist")
             current = _file(row)
             if expected_type is not None and current.type != expected_type:
                 raise FileTypeMismatch(file_id, FileType(expected_type).name, current.type.name)
@@ -484,7 +484,7 @@ class Catalog:
             deleted = {r[0] for r in cur.fetchall()}
             missing = sorted(set(ids) - deleted)
             if missing:
-                raise NotFoundError(f"files {missing} do not exist; nothing deleted")
+                raise NotFound(f"files {missing} do not exist; nothing deleted")
             return len(deleted)
 
         return self._transaction(body, before_commit=CATALOG_DELETE_FILES_COMMIT_BEFORE,
@@ -498,18 +498,18 @@ class Catalog:
         Row locks are taken in ascending file-id order (no deadlock between
         swaps); the preconditions are checked on the locked rows, so of two
         concurrent swaps over a common file exactly one commits and the other
-        raises :class:`SwapPreconditionError`.
+        raises :class:`SwapPreconditionFailed`.
         """
         old_list = list(old_file_ids)
         old = sorted(set(old_list))
         if not old:
-            raise SwapPreconditionError(SwapPrecondition.NO_OLD_FILES, None, "no old file")
+            raise SwapPreconditionFailed(SwapPrecondition.NO_OLD_FILES, None, "no old file")
         if len(old) != len(old_list):
-            raise SwapPreconditionError(SwapPrecondition.DUPLICATE_OLD_FILES, None,
-                                        f"old file ids repeat: {old_list}")
+            raise SwapPreconditionFailed(SwapPrecondition.DUPLICATE_OLD_FILES, None,
+                                         f"old file ids repeat: {old_list}")
         if new_file_id in old:
-            raise SwapPreconditionError(SwapPrecondition.NEW_FILE_AMONG_OLD, new_file_id,
-                                        f"file {new_file_id} is both new and old")
+            raise SwapPreconditionFailed(SwapPrecondition.NEW_FILE_AMONG_OLD, new_file_id,
+                                         f"file {new_file_id} is both new and old")
         check_cleanup_at(FileType.RETIRED, cleanup_at)
 
         def body(cur: Any) -> SwapResult:
@@ -519,21 +519,22 @@ class Catalog:
             rows = {r.file_id: r for r in map(_file, cur.fetchall())}
             new = rows.get(new_file_id)
             if new is None:
-                raise SwapPreconditionError(SwapPrecondition.NEW_FILE_MISSING, new_file_id,
-                                            f"new file {new_file_id} does not exist")
+                raise SwapPreconditionFailed(SwapPrecondition.NEW_FILE_MISSING, new_file_id,
+                                             f"new file {new_file_id} does not exist")
             if new.type != FileType.TEMPORARY_GC:
-                raise SwapPreconditionError(SwapPrecondition.NEW_FILE_NOT_TEMPORARY_GC, new_file_id,
-                                            f"new file {new_file_id} is {new.type.name}")
+                raise SwapPreconditionFailed(
+                    SwapPrecondition.NEW_FILE_NOT_TEMPORARY_GC, new_file_id,
+                    f"new file {new_file_id} is {new.type.name}")
             for file_id in old:
                 row = rows.get(file_id)
                 if row is None:
-                    raise SwapPreconditionError(SwapPrecondition.OLD_FILE_MISSING, file_id,
-                                                f"old file {file_id} does not exist")
+                    raise SwapPreconditionFailed(SwapPrecondition.OLD_FILE_MISSING, file_id,
+                                                 f"old file {file_id} does not exist")
                 if row.type != FileType.REGULAR:
-                    raise SwapPreconditionError(SwapPrecondition.OLD_FILE_NOT_REGULAR, file_id,
-                                                f"old file {file_id} is {row.type.name}")
+                    raise SwapPreconditionFailed(SwapPrecondition.OLD_FILE_NOT_REGULAR, file_id,
+                                                 f"old file {file_id} is {row.type.name}")
                 if row.path_id != new.path_id:
-                    raise SwapPreconditionError(
+                    raise SwapPreconditionFailed(
                         SwapPrecondition.PATH_MISMATCH, file_id,
                         f"old file {file_id} is in path {row.path_id}, new file in {new.path_id}")
             cur.execute(f"UPDATE files SET type = %s WHERE file_id = %s RETURNING {_FILE_COLUMNS}",
@@ -563,7 +564,7 @@ class Catalog:
           lost answer); nothing changes;
         * ``"reverted"``: the new file was REGULAR and every old one RETIRED.
 
-        Any other combination raises :class:`SwapPreconditionError` and changes
+        Any other combination raises :class:`SwapPreconditionFailed` and changes
         nothing: the catalog disagrees with the GC journal.
         """
         old = sorted(set(old_file_ids))
@@ -580,14 +581,14 @@ class Catalog:
             if new is None and old_types == {FileType.REGULAR}:
                 return "not_swapped"  # an earlier attempt already discarded the new file
             if new is None:
-                raise SwapPreconditionError(
+                raise SwapPreconditionFailed(
                     SwapPrecondition.NEW_FILE_MISSING, new_file_id,
                     f"revert: new file {new_file_id} is gone but the old files are "
                     f"{sorted(t.name if t else 'missing' for t in old_types)}")
             if new.type == FileType.RETIRED and old_types == {FileType.REGULAR}:
                 return "already"
             if new.type != FileType.REGULAR or old_types != {FileType.RETIRED}:
-                raise SwapPreconditionError(
+                raise SwapPreconditionFailed(
                     SwapPrecondition.OLD_FILE_NOT_REGULAR, new_file_id,
                     f"revert: new file {new_file_id} is {new.type.name}, old files are "
                     f"{sorted(t.name if t else 'missing' for t in old_types)}")
@@ -687,9 +688,9 @@ def _check_hull(file_type: FileType, min_row_id: int | None, max_row_id: int | N
 
 def _translate(exc: psycopg2.Error) -> CatalogError:
     if isinstance(exc, psycopg2.errors.UniqueViolation):
-        return AlreadyExistsError(str(exc).strip())
+        return AlreadyExists(str(exc).strip())
     if isinstance(exc, psycopg2.errors.ForeignKeyViolation):
-        return NotFoundError(f"referenced object does not exist: {str(exc).strip()}")
+        return NotFound(f"referenced object does not exist: {str(exc).strip()}")
     if isinstance(exc, psycopg2.errors.CheckViolation | psycopg2.errors.NotNullViolation):
         return ConstraintViolation(str(exc).strip())
     if isinstance(exc, psycopg2.OperationalError | psycopg2.InterfaceError):

@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from retina_common import failpoints
+from retina_common import exit_codes, failpoints
 from retina_common.catalog import (
     Catalog,
     CatalogError,
@@ -167,17 +167,17 @@ def main(argv: list[str] | None = None) -> int:
         failpoints.load_from_env()
     except (ConfigError, failpoints.FailpointError) as exc:
         print(f"retina-catalog: {exc}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     catalog = Catalog(config.catalog.dsn, connect_timeout_s=config.catalog.connect_timeout_s)
     try:
         print(json.dumps(_json(_run(catalog, args)), indent=2))
-        return 0
+        return exit_codes.OK
     except CatalogOutcomeUnknown as exc:
         print(f"retina-catalog: outcome unknown: {exc}", file=sys.stderr)
-        return 3
+        return exit_codes.OUTCOME_UNKNOWN
     except (CatalogError, argparse.ArgumentTypeError) as exc:
         print(f"retina-catalog: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return exit_codes.FAILED
     finally:
         catalog.close()
 

@@ -17,7 +17,7 @@ class CatalogOutcomeUnknown(CatalogError):
     """The connection broke during COMMIT: the change may or may not be durable.
 
     Re-read the catalog before deciding, and never delete a file that the
-    possibly-committed change may reference (ARCHITECTURE.md).
+    possibly-committed change may reference (docs/architecture.md, "Durability conventions").
     """
 
 
@@ -25,11 +25,11 @@ class CatalogVersionError(CatalogError):
     """The database holds a catalog schema this code does not know."""
 
 
-class NotFoundError(CatalogError):
+class NotFound(CatalogError):
     """A schema, table, path or file does not exist."""
 
 
-class AlreadyExistsError(CatalogError):
+class AlreadyExists(CatalogError):
     """The object exists already (unique name)."""
 
 
@@ -66,7 +66,7 @@ class SwapPrecondition(StrEnum):
     PATH_MISMATCH = "PATH_MISMATCH"
 
 
-class SwapPreconditionError(CatalogError):
+class SwapPreconditionFailed(CatalogError):
     """atomicSwapFiles refused: the named precondition failed and nothing changed."""
 
     def __init__(self, precondition: SwapPrecondition, file_id: int | None, detail: str) -> None:

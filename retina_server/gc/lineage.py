@@ -1,4 +1,4 @@
-"""Lineage and revert of Storage GC rewrites (seed 003: Pinot's consistent push and rollback).
+"""Lineage and revert of Storage GC rewrites (Apache Pinot's consistent push and rollback).
 
 Every rewrite is a lineage record, read from its GC journal entry:
 

@@ -1,6 +1,6 @@
 """The retention guard: the one rule every sweeper asks before it removes a file.
 
-A file is physically removed only when all of these hold (seed 002, HUDI-7779:
+A file is physically removed only when all of these hold (Apache Hudi's HUDI-7779:
 a cleaner must never remove what a reader can still need):
 
 * CLEANUP_AT_PASSED: a RETIRED file's cleanupAt has passed (a temporary file's

@@ -72,7 +72,7 @@ from retina_common.catalog import (
     FileType,
     TableRecord,
 )
-from retina_common.catalog.errors import SwapPreconditionError
+from retina_common.catalog.errors import SwapPreconditionFailed
 from retina_common.codec import COMMIT_TS, GC_REWRITE_ID_KEY, EncodingError, encode_primary_keys
 from retina_common.log import get_logger
 from retina_common.refusal import HELD_BY_BUFFER_READ, ROLLED_BACK_FOR_BUFFER_READ, Refusal
@@ -789,7 +789,7 @@ class StorageGc:
             if state != "swapped":
                 progress.swapped = False
                 raise RuntimeError("atomicSwapFiles did not commit (re-read)") from None
-        except SwapPreconditionError as exc:
+        except SwapPreconditionFailed as exc:
             raise _refuse(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
         except CatalogUnavailable as exc:
             raise _refuse(grpc.StatusCode.UNAVAILABLE, f"catalog unavailable: {exc}") from exc

@@ -49,7 +49,7 @@ from prometheus_client import Counter, Gauge
 
 from retina_common import failpoints as fp
 from retina_common import file_names
-from retina_common.catalog import Catalog, FileRecord, FileType, NotFoundError
+from retina_common.catalog import Catalog, FileRecord, FileType, NotFound
 from retina_common.checkpoint_store import CheckpointStore
 from retina_common.log import get_logger
 from retina_common.storage import delete_object, object_size
@@ -385,5 +385,5 @@ def _size(path_uri: str, name: str) -> int:
 
 def _delete_row(catalog: Catalog, file_id: int) -> None:
     """deleteFiles for one file; a row already gone is a repeated step, not an error."""
-    with contextlib.suppress(NotFoundError):
+    with contextlib.suppress(NotFound):
         catalog.delete_files([file_id])

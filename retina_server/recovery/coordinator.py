@@ -33,7 +33,7 @@ import hmac
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -104,13 +104,15 @@ class RecoveryCoordinator:
     def __init__(self, node: RetinaNode, catalog: Catalog, store: CheckpointStore,
                  machine: LifecycleStateMachine, announcer: LifecycleAnnouncer,
                  high_watermark: Callable[[], int], recovery_epoch: int,
-                 gc_journal: GcJournal) -> None:
+                 gc_journal: GcJournal, *, retired_retention_ms: int = 600_000,
+                 checkpoint_listeners: Sequence[Callable[[CheckpointBody], object]] = (),
+                 loaded_listeners: Sequence[Callable[[set[int]], None]] = ()) -> None:
         self._node = node
         self._gc_journal = gc_journal
         # Told every checkpoint this process publishes (GC promotion, the replay floor).
-        self.checkpoint_listeners: list[Callable[[CheckpointBody], object]] = []
+        self._checkpoint_listeners = list(checkpoint_listeners)
         # Told the file ids of the checkpoint the start-up loaded (GC promotion).
-        self.loaded_listeners: list[Callable[[set[int]], None]] = []
+        self._loaded_listeners = list(loaded_listeners)
         self._catalog = catalog
         self._store = store
         self._machine = machine
@@ -125,7 +127,7 @@ class RecoveryCoordinator:
         self.last_checkpoint_write_time_ms = 0
         self.startup_retry_s = 120.0
         # cleanupAt of a new file a recovered revert retires (retina.gc_retired_retention_ms).
-        self.retired_retention_ms = 600_000
+        self._retired_retention_ms = retired_retention_ms
 
     # --- lifecycle plumbing -----------------------------------------------------------
     def _move(self, phase: Phase, reason: str = "") -> None:
@@ -236,13 +238,13 @@ class RecoveryCoordinator:
         catalog; returns the catalog's files as they are afterwards."""
         self._gc_journal.load()
         checkpointed = {f.file_id for f in loaded.body.files} if loaded else set()
-        for listener in self.loaded_listeners:
+        for listener in self._loaded_listeners:
             listener(checkpointed)
         decisions = self._retry(lambda: decide(self._node, self._catalog, self._gc_journal,
                                                checkpointed, files), "GC journal decisions")
         reverts = self._retry(lambda: recover_reverts(
             self._node, self._catalog, self._gc_journal, loaded.body if loaded else None,
-            self.retired_retention_ms), "GC reverts")
+            self._retired_retention_ms), "GC reverts")
         if decisions or reverts:
             log.info("gc_recovery_decided", node=self._node.node_id,
                      decisions=[(d.rewrite_id, d.state_before, d.decision) for d in decisions],
@@ -306,7 +308,7 @@ class RecoveryCoordinator:
             pointer = self._store.install(body)
             self.last_checkpoint = pointer
             self.last_checkpoint_write_time_ms = body.header.write_time_ms
-            for listener in self.checkpoint_listeners:
+            for listener in self._checkpoint_listeners:
                 try:
                     listener(body)
                 except Exception as exc:  # the checkpoint stands; the next one retries
