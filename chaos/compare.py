@@ -21,7 +21,7 @@ from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import SnapshotReader
 from retina_common.topology import Topology
 
-from .snapshots import TableImage
+from .snapshots import Expected, TableImage
 from .workload import SCHEMA, Key, Row, TableSpec, current_tables, normalise, source_rows
 
 
@@ -198,11 +198,11 @@ def image_of(table: TableSpec, rows: Mapping[Key, Row]) -> TableImage:
 
 
 def expected_images(source: Callable[[], Any], models: Sequence[ModelTable] = ()
-                    ) -> dict[str, tuple[TableImage, frozenset[Key]]]:
+                    ) -> Expected:
     """What a snapshot must hold now, as images: every source table (nothing undecided),
     then every table ``models`` keep, with the keys they leave undecided. Raises
     psycopg2.Error when the source does not answer."""
-    out: dict[str, tuple[TableImage, frozenset[Key]]] = {}
+    out: Expected = {}
     for table in current_tables(source()):
         out[table.name] = (image_of(table, source_rows(source(), table)), frozenset())
     for model in models:

@@ -41,7 +41,15 @@ from retina_common.lookup import encode_keys
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import SnapshotReader
 
-from .snapshots import SPECS, ReadRefused, TableImage, is_refusal, refusal_of, row_digest
+from .snapshots import (
+    SPECS,
+    Expected,
+    ReadRefused,
+    TableImage,
+    is_refusal,
+    refusal_of,
+    row_digest,
+)
 from .workload import SCHEMA, Key, TableSpec
 
 PRESENT = 6
@@ -146,7 +154,7 @@ class KeyLookups:
 
     def check(self, trans: tpb.BeginTransResponse, images: Mapping[str, TableImage],
               rng: random.Random, how: str,
-              expected: Mapping[str, tuple[TableImage, frozenset[Key]]] | None = None,
+              expected: Expected | None = None,
               prefix: str = "") -> None:
         """Look up a sample of every table's keys in ``trans`` (reading at
         ``trans.timestamp``); judge each answer against ``images`` (read in ``trans``)

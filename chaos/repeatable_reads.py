@@ -52,12 +52,13 @@ from .key_lookups import AS_OF_P, KeyLookups
 from .pinned_snapshots import PIN_MAX, PIN_P, PinBook
 from .snapshots import (
     VIAS,
+    Expected,
     ReadRefused,
     SnapshotReaders,
     TableImage,
     Taken,
     compare_taken,
-    diff_images,
+    differences_from,
     duplicates_in,
     is_refusal,
     tables_imaged,
@@ -79,8 +80,10 @@ DURING_AT = (0, 0, 0, 0, 1, 2)
 REMEMBER_EPISODES = 5
 REMEMBER_MAX = 8
 AS_OF_REREADS = 2
-# A re-read AS OF a wall-clock time, when the snapshot was taken AS OF one.
+# A re-read AS OF a wall-clock time, when the snapshot was taken AS OF one; the drawn
+# re-read picks among those this often (the newest snapshot is rarely one of them).
 BY_TIME_REREAD_P = 0.6
+BY_TIME_PICK_P = 0.5
 # The episode's image taken AS OF a wall-clock time this long ago (the TransServer's time
 # map samples every 100 ms and is durable every second) rather than at the newest snapshot.
 BY_TIME_P = 0.5
@@ -107,11 +110,6 @@ class EpisodePlan:
         return cls(rng.choice(VIAS), rng.choice(DURING_AT), rng.choice(VIAS),
                    rng.random() < HOLD_P, rng.randint(*HELD_EPISODES), rng.choice(VIAS),
                    rng.random() < BY_TIME_P, rng.random() < PIN_P)
-
-
-# The images the episode's image is compared with: table -> the source's (or the model's)
-# image, and the keys a model leaves undecided (chaos/app_model.py), which are skipped.
-Expected = dict[str, tuple[TableImage, frozenset[tuple[object, ...]]]]
 
 
 class SnapshotBook:
@@ -280,16 +278,7 @@ class SnapshotBook:
             self.counts[f"images_not_compared_{type(exc).__name__}"] += 1
             return None
         self.counts["images_compared"] += 1
-        problems = []
-        for table, (want, undecided) in sorted(expected.items()):
-            got = taken.images.get(table)
-            if got is None:
-                continue
-            diff = diff_images(
-                TableImage({k: v for k, v in want.rows.items() if k not in undecided}),
-                TableImage({k: v for k, v in got.rows.items() if k not in undecided}))
-            if not diff.same:
-                problems.append(f"{table}: {diff.describe()}")
+        problems = differences_from(expected, taken.images)
         if problems:
             self.anomalies.append(f"image_differs_from_source: {taken.label()}, read once "
                                   f"the comparison found the source equal: "
@@ -383,6 +372,9 @@ class SnapshotBook:
             return
         chosen = [self.remembered[-1]]
         others = self.remembered[:-1]
+        by_time = [t for t in others if t.time_ms]
+        if by_time and self.rng.random() < BY_TIME_PICK_P:  # else they come up rarely
+            others = by_time
         chosen += self.rng.sample(others, min(AS_OF_REREADS - 1, len(others)))
         for taken in chosen:
             by_time = taken.time_ms and self.rng.random() < BY_TIME_REREAD_P

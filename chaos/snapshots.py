@@ -142,6 +142,27 @@ def diff_images(first: TableImage, again: TableImage) -> ImageDiff:
     return diff
 
 
+# What a snapshot must hold: table -> the source's (or a model's) image, and the keys the
+# model leaves undecided (chaos/app_model.py), which are not compared.
+Expected = dict[str, tuple[TableImage, frozenset[Key]]]
+
+
+def differences_from(expected: Expected, images: dict[str, TableImage]) -> list[str]:
+    """Per table of ``images`` that ``expected`` knows, how it differs from it (lost: in
+    the source only, extra: in the snapshot only), undecided keys left out."""
+    problems = []
+    for table, (want, undecided) in sorted(expected.items()):
+        got = images.get(table)
+        if got is None:
+            continue
+        diff = diff_images(
+            TableImage({k: v for k, v in want.rows.items() if k not in undecided}),
+            TableImage({k: v for k, v in got.rows.items() if k not in undecided}))
+        if not diff.same:
+            problems.append(f"{table}: {diff.describe()}")
+    return problems
+
+
 # --- reading a snapshot ---------------------------------------------------------------------
 class ReadRefused(Exception):
     """A read answered with a status instead of rows; ``code`` is its gRPC name (or

@@ -13,8 +13,8 @@ import pytest
 
 from chaos.as_of_reads import AsOfPoint, AsOfReader, Circumstances, judge_refusal
 from chaos.pinned_snapshots import PinBook, PinFailpoint, listing_problems
-from chaos.repeatable_reads import EpisodePlan, Expected, SnapshotBook
-from chaos.snapshots import ReadRefused, tables_imaged
+from chaos.repeatable_reads import EpisodePlan, SnapshotBook
+from chaos.snapshots import Expected, ReadRefused, tables_imaged
 from retina_common.refusal import snapshot_expired
 
 from .chaos_fakes import FakePinStub, FakeReaders, image
@@ -175,17 +175,17 @@ def test_an_image_taken_as_of_a_time_is_read_again_by_that_time() -> None:
     assert first.time_ms and first.ts == 10
     readers.times[first.time_ms] = 10
     readers.hwm = 20
-    for episode in range(5, 9):  # by time now and then (BY_TIME_REREAD_P)
+    for episode in range(5, 10):  # by time now and then (BY_TIME_PICK_P, _REREAD_P)
         _episode(book, episode)
         book.after_healing()
     assert book.as_of.counts["as_of_by_time"] >= 1 and book.drain() == []
     # The time now resolves elsewhere: the point moved.
     readers.times[first.time_ms] = 9
-    for episode in range(9, 13):
-        _episode(book, episode)
-        book.after_healing()
-    moved = [t for t in book.drain() if t.startswith("as_of_point_moved")]
-    assert len(moved) == 1 and "named S=10" in moved[0]
+    outcome = book.as_of.read(first, AsOfPoint("time", time_ms=first.time_ms),
+                              random.Random(1), "again", "")
+    (moved,) = book.drain()
+    assert outcome == "moved" and moved.startswith("as_of_point_moved: AS OF time")
+    assert "began at S=9, but it named S=10" in moved and first.reported
 
 
 def test_the_episodes_image_is_compared_with_the_source_when_it_is_recent_enough() -> None:
