@@ -230,19 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", choices=["table", "json", "count"], default="table")
     parser.add_argument("--limit", type=int, default=50)
     parser.add_argument("--hidden", action="store_true", help="include _commit_ts")
-    point = parser.add_mutually_exclusive_group()
-    point.add_argument("--as-of", metavar="TS|TIME",
-                       help="read a past snapshot: a timestamp (81234) or an ISO 8601 time "
-                            "(2026-11-27T09:00:00Z; no zone: local time); docs/history.md")
-    point.add_argument("--pin", metavar="NAME", help="read the snapshot a named pin holds")
+    _point_arguments(parser)
     args = parser.parse_args(argv)
     schema, dot, table = args.table.partition(".")
     if not dot:
         parser.error("give the table as schema.table")
-    try:
-        as_of = parse_as_of(args.as_of) if args.as_of else AsOf(pin=args.pin or "")
-    except BadPoint as exc:
-        parser.error(str(exc))
+    as_of = _point(parser, args)
     try:
         config, topology = load_config_and_topology(args.config)
     except ConfigError as exc:
@@ -253,12 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         snap = reader.read(schema, table, keep_hidden=args.hidden, as_of_ts=as_of.ts,
                            as_of_time_ms=as_of.time_ms, as_of_pin=as_of.pin)
     except grpc.RpcError as exc:
-        print(f"retina-query: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        earliest = earliest_readable(exc.details() or "")
-        if earliest is not None:
-            print(f"retina-query: the earliest readable point is timestamp {earliest[0]} "
-                  f"(time {format_ms(earliest[1])})", file=sys.stderr)
-        return exit_codes.FAILED
+        return _not_answered("retina-query", exc)
     finally:
         reader.close()
     rows = snap.table.sort_by([(c, "ascending") for c in snap.table.column_names[:1]])
@@ -273,6 +261,32 @@ def main(argv: list[str] | None = None) -> int:
     print(f"-- {rows.num_rows} rows at snapshot {snap.timestamp}{past} ({snap.files_read} "
           f"files, {snap.buffer_rows} write-buffer rows)", file=sys.stderr)
     return exit_codes.OK
+
+
+def _point_arguments(parser: argparse.ArgumentParser) -> None:
+    point = parser.add_mutually_exclusive_group()
+    point.add_argument("--as-of", metavar="TS|TIME",
+                       help="read a past snapshot: a timestamp (81234) or an ISO 8601 time "
+                            "(2026-11-27T09:00:00Z; no zone: local time); docs/history.md")
+    point.add_argument("--pin", metavar="NAME", help="read the snapshot a named pin holds")
+
+
+def _point(parser: argparse.ArgumentParser, args: argparse.Namespace) -> AsOf:
+    """The snapshot ``--as-of`` / ``--pin`` name (NEWEST without either)."""
+    try:
+        return parse_as_of(args.as_of) if args.as_of else AsOf(pin=args.pin or "")
+    except BadPoint as exc:
+        parser.error(str(exc))
+
+
+def _not_answered(prog: str, exc: grpc.RpcError) -> int:
+    """Say why a read was not answered (and, past the history kept, from where it can be)."""
+    print(f"{prog}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    earliest = earliest_readable(exc.details() or "")
+    if earliest is not None:
+        print(f"{prog}: the earliest readable point is timestamp {earliest[0]} "
+              f"(time {format_ms(earliest[1])})", file=sys.stderr)
+    return exit_codes.FAILED
 
 
 def get_main(argv: list[str]) -> int:
@@ -292,10 +306,12 @@ def get_main(argv: list[str]) -> int:
     parser.add_argument("--config", help="TOML config file (default: $RETINA_CONFIG)")
     parser.add_argument("--format", choices=["table", "json"], default="table",
                         help="json: one line per key: key, found, commit_ts, row")
+    _point_arguments(parser)
     args = parser.parse_args(argv)
     schema, dot, table_name = args.table.partition(".")
     if not dot:
         parser.error("give the table as schema.table")
+    as_of = _point(parser, args)
     texts = list(args.keys)
     if args.keys_file:
         with sys.stdin if args.keys_file == "-" else open(args.keys_file) as lines:
@@ -314,16 +330,17 @@ def get_main(argv: list[str]) -> int:
         keys = [key_from_text(table, t) for t in texts]
     except (ConfigError, NotFound, EncodingError) as exc:
         print(f"retina-query get: {exc}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     except CatalogError as exc:  # the catalog is down: not answered
         print(f"retina-query get: catalog: {exc}", file=sys.stderr)
-        return 1
+        return exit_codes.FAILED
     reader = SnapshotReader(config.trans.listen, topology, tls=config.tls)
     try:
-        got = reader.key_lookup().get(schema, table_name, keys, columns=columns)
+        with reader.transaction(as_of) as trans:
+            got = reader.key_lookup().get(schema, table_name, keys, columns=columns,
+                                          trans=trans)
     except grpc.RpcError as exc:
-        print(f"retina-query get: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
+        return _not_answered("retina-query get", exc)
     finally:
         reader.close()
     if args.format == "json":
@@ -336,9 +353,10 @@ def get_main(argv: list[str]) -> int:
         for text, hit in zip(texts, got.found.tolist(), strict=True):
             if not hit:
                 print(f"-- not found: {text}", file=sys.stderr)
-    print(f"-- {int(got.found.sum())} of {len(keys)} keys found at snapshot {got.timestamp}",
-          file=sys.stderr)
-    return 0
+    past = "" if as_of == NEWEST else f" (as of {as_of.describe()})"
+    print(f"-- {int(got.found.sum())} of {len(keys)} keys found at snapshot {got.timestamp}"
+          f"{past}", file=sys.stderr)
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

@@ -55,13 +55,12 @@ import numpy as np
 import pyarrow as pa
 from prometheus_client import Counter, Histogram
 
-from retina_common import refusal
 from retina_common.catalog import Catalog, TableRecord
 from retina_common.codec import EncodingError, encode_primary_keys, primary_key_problem
 from retina_common.columnar import ColumnarError, decode_key_columns, row_count
 from retina_common.log import get_logger
 from retina_common.pb import retina_pb2 as pb
-from retina_common.refusal import Refusal
+from retina_common.refusal import Refusal, snapshot_expired
 from retina_common.schema_evolution import table_schema
 from retina_common.storage import open_parquet
 from retina_server.node import RetinaNode
@@ -92,12 +91,6 @@ class LookupInconsistent(Exception):
 
 def _invalid(message: str) -> Refusal:
     return Refusal(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-
-def snapshot_expired(ts: int, what: str, earliest: int) -> Refusal:
-    # The one SNAPSHOT_EXPIRED format (retina_common/refusal.py), which clients parse.
-    return refusal.snapshot_expired(f"snapshot {ts} is below {what}; read at a later "
-                                    "snapshot", earliest)
 
 
 @dataclass(frozen=True)
@@ -244,7 +237,15 @@ class RowLookup:
             moves = self._node.row_moves
             for _ in range(self._attempts):
                 sequence = moves.settled(self._settle_timeout_s)
-                answer = self._read(request)
+                try:
+                    answer = self._read(request)
+                except Exception:
+                    # A file a move took away mid-read (a sweep deleted its object, say):
+                    # read again; the same failure with nothing moved is the answer.
+                    if moves.unchanged_since(sequence):
+                        raise
+                    REREADS.inc()
+                    continue
                 if moves.unchanged_since(sequence):  # ROW_READS_SEE_NO_MOVE
                     found = int(answer.found.sum())
                     FOUND.inc(found)
@@ -259,8 +260,8 @@ class RowLookup:
         row_ids = index.primary.latest(table.table_id, request.keys, ts)
         horizon = index.primary.pruned_below  # read after the versions: see PrimaryIndex
         if ts < horizon:
-            raise snapshot_expired(ts, f"the primary index's pruning horizon {horizon}",
-                                   horizon)
+            raise snapshot_expired(f"snapshot {ts} is below the primary index's pruning "
+                                   f"horizon {horizon} (versions below it are gone)", horizon)
         positions = np.flatnonzero(row_ids >= 0)
         located, files, rgs, offsets = index.main.locate(row_ids[positions])
         order = np.lexsort((offsets[located], rgs[located], files[located]))
@@ -283,9 +284,9 @@ class RowLookup:
             deleted = group.visibility.deleted_among(rows_at, ts)
             if deleted is None:
                 base = group.visibility.base_timestamp
-                raise snapshot_expired(ts, f"the visibility base {base} of file {file_id} "
-                                           f"row group {rg_id} (deletes up to it are folded)",
-                                       base)
+                raise snapshot_expired(f"snapshot {ts} is below the visibility base {base} of "
+                                       f"file {file_id} row group {rg_id} (deletes up to it "
+                                       "are folded together)", base)
             rows = group.rows()
             if int(rows_at[-1]) >= rows.num_rows:
                 raise LookupInconsistent(f"row {int(rows_at[-1])} of file {file_id} row group "

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
+import pytest
 
 from retina_common.catalog import Catalog, FileType
 from retina_common.pb import retina_pb2 as rpb
@@ -120,6 +121,36 @@ def rewrite_every_stream(plane: DataPlane) -> list[tuple[str, rpb.CommitGcRewrit
     return done
 
 
+def sweep_replaced(plane: DataPlane, catalog: Catalog) -> None:
+    """Sweep every file a rewrite replaced (two checkpoints first on every node: neither
+    slot names a replaced file any more)."""
+    path = catalog.get_paths(plane.tables["orders"].table_id)[0]
+
+    def swept() -> bool:
+        for n in plane.nodes:
+            plane.checkpoint(n)
+            plane.checkpoint(n)
+            plane.retinas[n].stub.RunSweeper(rpb.RunSweeperRequest(passes=["retired"]),
+                                             timeout=60)
+        return not catalog.get_files_by_type(path.path_id, [FileType.RETIRED])
+
+    eventually(swept, 60, "the replaced files to be swept", interval_s=1)
+
+
+def restart_after(plane: DataPlane, catalog: Catalog, node: str,
+                  steps: range) -> tuple[list[int], int]:
+    """A checkpoint of ``node``, ``steps`` committed after it, then a kill and a recovery:
+    the steps' points and the node's replay start (nodeReplayFromTs)."""
+    plane.checkpoint(node)
+    points = [step(plane, catalog, n) for n in steps]
+    plane.retinas[node].kill9()
+    plane.retinas[node].start()
+    starts = plane.recover(node)
+    assert starts is not None
+    return points, starts.node_replay_from_ts
+
+
+@pytest.mark.integration
 def test_as_of_reads_equal_the_models_history_across_gc_a_revert_sweeps_and_restarts(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(nodes=2, gc_retired_retention_ms=0, sweeper_interval_ms=0,
@@ -144,17 +175,7 @@ def test_as_of_reads_equal_the_models_history_across_gc_a_revert_sweeps_and_rest
     node, reply = rewrites[0]
     assert revert(plane, node, reply.rewrite_id).record.status == "REVERTED"
     check(plane, points, readable=retained)
-    path = catalog.get_paths(plane.tables["orders"].table_id)[0]
-
-    def swept() -> bool:
-        for n in plane.nodes:  # two checkpoints: neither slot names a replaced file
-            plane.checkpoint(n)
-            plane.checkpoint(n)
-            plane.retinas[n].stub.RunSweeper(rpb.RunSweeperRequest(passes=["retired"]),
-                                             timeout=60)
-        return not catalog.get_files_by_type(path.path_id, [FileType.RETIRED])
-
-    eventually(swept, 60, "the replaced files to be swept", interval_s=1)
+    sweep_replaced(plane, catalog)
     assert lineage(plane, node)[reply.rewrite_id].status == "REVERTED"
     points += [step(plane, catalog, n) for n in range(10, 12)]
     retained = [p for p in points if p >= pinned]
@@ -164,17 +185,12 @@ def test_as_of_reads_equal_the_models_history_across_gc_a_revert_sweeps_and_rest
     # (history included); what the recovery rebuilt, up to MarkReady's fresh timestamp,
     # is refused; later points read again.
     node = plane.nodes[0]
-    plane.checkpoint(node)
-    gap = [step(plane, catalog, n) for n in range(12, 14)]
+    gap, replay_from = restart_after(plane, catalog, node, range(12, 14))
     points += gap
-    plane.retinas[node].kill9()
-    plane.retinas[node].start()
-    starts = plane.recover(node)
-    assert starts is not None
-    below = [p for p in retained if p < starts.node_replay_from_ts]
+    below = [p for p in retained if p < replay_from]
     assert below  # the checkpoint's history
     rebuilt = [(r.from_ts, r.to_ts) for r in plane.status(node).rebuilt_history]
-    assert rebuilt[0][0] == starts.node_replay_from_ts
+    assert rebuilt[0][0] == replay_from
     assert all(any(lo <= p < hi for lo, hi in rebuilt) for p in gap)
     check(plane, points, readable=below, refused=gap)
     after = [step(plane, catalog, n) for n in range(14, 16)]
@@ -204,6 +220,7 @@ def test_as_of_reads_equal_the_models_history_across_gc_a_revert_sweeps_and_rest
     check(plane, [*points, last], readable=[last], refused=points)
 
 
+@pytest.mark.integration
 def test_as_of_a_wall_clock_time_and_a_pin_by_name_read_the_models_table(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(nodes=1, trans={"history_retention_ms": 600_000})
@@ -226,6 +243,7 @@ def test_as_of_a_wall_clock_time_and_a_pin_by_name_read_the_models_table(
     check(plane, [ts for _t, ts in times], readable=[ts for _t, ts in times])
 
 
+@pytest.mark.integration
 def test_retention_moves_the_horizon_past_old_points_and_keeps_recent_ones(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(nodes=1, trans={"history_retention_ms": 3000})
@@ -249,6 +267,7 @@ def test_retention_moves_the_horizon_past_old_points_and_keeps_recent_ones(
     assert found is not None and found[0] >= status.earliest_readable_ts
 
 
+@pytest.mark.integration
 def test_history_a_recovery_rebuilt_is_refused_never_answered_differently(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     """A write the write fence refused is still in its writer's changelog (a durable

@@ -44,6 +44,7 @@ def expired(call) -> tuple[int, int]:
     return found
 
 
+@pytest.mark.integration
 def test_the_horizon_is_durable_monotonic_and_bounds_as_of_reads(etcd: EtcdStore) -> None:
     clock = [0]
     t = table(etcd, clock)
@@ -66,6 +67,7 @@ def test_the_horizon_is_durable_monotonic_and_bounds_as_of_reads(etcd: EtcdStore
     expired(lambda: again.begin_as_of(hwm - 1))
 
 
+@pytest.mark.integration
 def test_safe_gc_ts_is_durable_before_it_is_answered(etcd: EtcdStore, active_failpoints) -> None:
     clock = [0]
     t = table(etcd, clock)
@@ -81,6 +83,7 @@ def test_safe_gc_ts_is_durable_before_it_is_answered(etcd: EtcdStore, active_fai
     assert int(etcd.get(GC_HORIZON_KEY).value) == hwm - 1
 
 
+@pytest.mark.integration
 def test_concurrent_hand_outs_store_the_largest(etcd: EtcdStore) -> None:
     clock = [0]
     t = table(etcd, clock)
@@ -99,6 +102,7 @@ def test_concurrent_hand_outs_store_the_largest(etcd: EtcdStore) -> None:
     assert int(etcd.get(GC_HORIZON_KEY).value) == max(given) == t.horizon()
 
 
+@pytest.mark.integration
 def test_another_writer_moving_the_horizon_fences(etcd: EtcdStore) -> None:
     clock = [0]
     t = table(etcd, clock)
@@ -110,6 +114,7 @@ def test_another_writer_moving_the_horizon_fences(etcd: EtcdStore) -> None:
         t.safe_gc_ts()
 
 
+@pytest.mark.integration
 def test_a_corrupt_horizon_is_refused(etcd: EtcdStore) -> None:
     from trans_gate.history import HorizonCorrupt
     etcd.put(GC_HORIZON_KEY, "soon")
@@ -118,6 +123,7 @@ def test_a_corrupt_horizon_is_refused(etcd: EtcdStore) -> None:
                   failpoints.TRANS_HORIZON_PERSIST_AFTER).load()
 
 
+@pytest.mark.integration
 def test_a_pin_holds_its_snapshot_until_dropped(etcd: EtcdStore) -> None:
     clock = [1000]
     t = table(etcd, clock)
@@ -145,6 +151,7 @@ def test_a_pin_holds_its_snapshot_until_dropped(etcd: EtcdStore) -> None:
     assert etcd.get(pin_key("late")) is None
 
 
+@pytest.mark.integration
 def test_a_pin_whose_write_fails_holds_nothing(etcd: EtcdStore, active_failpoints) -> None:
     clock = [0]
     t = table(etcd, clock)
@@ -157,6 +164,7 @@ def test_a_pin_whose_write_fails_holds_nothing(etcd: EtcdStore, active_failpoint
     assert pins.all() == [] and t.safe_gc_ts() == hwm - 1
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", ["", "a/b", "x" * 129, "sp ace"])
 def test_bad_pin_names_are_refused(etcd: EtcdStore, name: str) -> None:
     t = table(etcd, [0])
@@ -165,6 +173,7 @@ def test_bad_pin_names_are_refused(etcd: EtcdStore, name: str) -> None:
     assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
+@pytest.mark.integration
 def test_retention_keeps_the_snapshot_of_that_long_ago(etcd: EtcdStore) -> None:
     clock = [10_000]
     samples: list[tuple[int, int]] = []  # (wall, hwm): a stand-in time map

@@ -73,6 +73,7 @@ def wait_flushed(stub) -> None:
      grpc.StatusCode.OUT_OF_RANGE),
     ({"read_only": True, "as_of_pin": "nobody"}, grpc.StatusCode.NOT_FOUND),
 ])
+@pytest.mark.integration
 def test_malformed_or_impossible_as_of_requests_are_refused_and_begin_nothing(
         trans_factory: TransFactory, request_fields: dict, code: grpc.StatusCode) -> None:  # noqa: F811
     server = server_of(trans_factory).start()
@@ -87,6 +88,7 @@ def test_malformed_or_impossible_as_of_requests_are_refused_and_begin_nothing(
     assert history(stub).horizon_ts == before.horizon_ts
 
 
+@pytest.mark.integration
 def test_as_of_reads_stay_admitted_above_the_horizon_and_are_refused_at_or_below_it(
         trans_factory: TransFactory) -> None:  # noqa: F811
     server = server_of(trans_factory).start()
@@ -113,6 +115,7 @@ def test_as_of_reads_stay_admitted_above_the_horizon_and_are_refused_at_or_below
     expired(lambda: as_of(stub, as_of_time_ms=time_ms - 1))
 
 
+@pytest.mark.integration
 def test_a_wall_clock_time_resolves_to_the_newest_commit_at_or_before_it(
         trans_factory: TransFactory) -> None:  # noqa: F811
     server = server_of(trans_factory).start()
@@ -127,6 +130,7 @@ def test_a_wall_clock_time_resolves_to_the_newest_commit_at_or_before_it(
         assert as_of(stub, as_of_time_ms=time_ms).timestamp == ts
 
 
+@pytest.mark.integration
 def test_pins_and_the_horizon_survive_kill9_and_a_dropped_pin_releases_history(
         trans_factory: TransFactory, etcd: EtcdStore) -> None:  # noqa: F811
     server = server_of(trans_factory).start()
@@ -172,6 +176,7 @@ def test_pins_and_the_horizon_survive_kill9_and_a_dropped_pin_releases_history(
         grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.integration
 def test_safe_gc_ts_is_unavailable_while_etcd_is_away_and_nothing_is_handed_out(
         trans_factory: TransFactory, base_dir: Path) -> None:  # noqa: F811
     from devtools.cluster import free_port, start_etcd, terminate
@@ -195,6 +200,7 @@ def test_safe_gc_ts_is_unavailable_while_etcd_is_away_and_nothing_is_handed_out(
 
 
 # --- crash windows (docs/write-paths/history.md) ----------------------------------------------
+@pytest.mark.integration
 def test_a_crash_leaves_unmapped_times_and_a_clean_stop_does_not(
         trans_factory: TransFactory, failpoint_dir: Path,  # noqa: F811
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -232,6 +238,7 @@ def test_a_crash_leaves_unmapped_times_and_a_clean_stop_does_not(
     assert len(history(stub).time_gaps) == 1
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("point", ["trans.horizon.persist.before",
                                    "trans.horizon.persist.after"])
 def test_kill_while_the_horizon_is_persisted(trans_factory: TransFactory,  # noqa: F811
@@ -260,6 +267,7 @@ def test_kill_while_the_horizon_is_persisted(trans_factory: TransFactory,  # noq
     assert safe_gc(stub) >= stored
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("point", ["trans.pin.create.before", "trans.pin.create.after",
                                    "trans.pin.drop.before", "trans.pin.drop.after"])
 def test_kill_while_a_pin_is_created_or_dropped(trans_factory: TransFactory,  # noqa: F811
@@ -306,6 +314,7 @@ def test_kill_while_a_pin_is_created_or_dropped(trans_factory: TransFactory,  # 
         assert stub.DropPin(tpb.DropPinRequest(name="p"), timeout=10).dropped == stored
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("point", ["trans.time_map.flush.before",
                                    "trans.time_map.flush.after"])
 def test_kill_while_the_time_map_is_flushed(trans_factory: TransFactory,  # noqa: F811

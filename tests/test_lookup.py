@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from retina_common.as_of_point import AsOf
 from retina_common.catalog import Catalog
 from retina_common.codec import arrow_type
 from retina_common.lookup import Lookup, encode_keys, merge_answers
@@ -34,6 +35,13 @@ from retina_server.row_moves import MovesInProgress, RowMoves
 
 from .dataplane import SCHEMA, DataPlane
 from .support import begin_write, eventually, rpc_error
+from .test_as_of_reads import (
+    maintenance,
+    restart_after,
+    rewrite_every_stream,
+    step,
+    sweep_replaced,
+)
 from .test_lineage import revert
 from .test_recovery_protocol import order
 from .test_recovery_sequences import restart_and_recover
@@ -134,6 +142,7 @@ def rows_of(reply: rpb.LookupRowsResponse) -> pa.Table:
 
 
 # --- exact answers ---------------------------------------------------------------------------
+@pytest.mark.integration
 def test_lookups_equal_the_model_and_the_snapshot_read(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(nodes=2)
@@ -180,6 +189,7 @@ def test_lookups_equal_the_model_and_the_snapshot_read(
             1 for i in mine if plane.writers["orders"].key({"id": i}) in model)
 
 
+@pytest.mark.integration
 def test_one_transaction_answers_the_same_under_concurrent_writes(
         make_plane: Callable[..., DataPlane]) -> None:
     plane = make_plane(nodes=2)
@@ -230,6 +240,7 @@ def test_one_transaction_answers_the_same_under_concurrent_writes(
         assert got.by_key() == [model.get(k) for k in keys]
 
 
+@pytest.mark.integration
 def test_lookups_stay_exact_across_gc_a_revert_a_sweep_and_two_restarts(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(gc_retired_retention_ms=0, sweeper_interval_ms=0,
@@ -267,7 +278,70 @@ def test_lookups_stay_exact_across_gc_a_revert_a_sweep_and_two_restarts(
     assert check(plane) > 0
 
 
+def check_as_of(plane: DataPlane, points: Iterable[int], *, readable: Iterable[int] = (),
+                refused: Iterable[int] = ()) -> set[int]:
+    """Every key of orders looked up in an AS OF transaction at every point: the model's
+    table then (and the AS OF snapshot read, at a point that must be readable), or refused
+    snapshot_expired. Returns the points refused."""
+    assert plane.reader is not None
+    lookup = plane.reader.key_lookup()
+    keys = keys_of(plane, "orders")
+    must = set(readable)
+    out = set()
+    for ts in points:
+        try:
+            with plane.reader.transaction(AsOf(ts=ts)) as trans:
+                got = lookup.get(SCHEMA, "orders", keys, trans=trans)
+                if ts in must:
+                    assert_exact(plane, got, "orders", trans)
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, (ts, exc.details())
+            assert (exc.details() or "").startswith(SNAPSHOT_EXPIRED), (ts, exc.details())
+            out.add(ts)
+            continue
+        assert got.timestamp == ts
+        model = model_at(plane, ts)["orders"]
+        assert got.by_key() == [model.get(k) for k in keys], f"AS OF {ts}"
+    assert not out & must, f"refused though retained: {sorted(out & must)}"
+    assert set(refused) <= out, f"answered though gone: {sorted(set(refused) - out)}"
+    return out
+
+
+@pytest.mark.integration
+def test_as_of_lookups_equal_the_models_history_across_gc_a_sweep_and_two_restarts(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    """A lookup takes any live read transaction: in an AS OF one it reads the keys as
+    they were (docs/history.md says how far back), exactly or refused."""
+    plane = make_plane(nodes=2, gc_retired_retention_ms=0, sweeper_interval_ms=0,
+                       gc_interval_ms=1000)
+    stub = plane.trans.stub()
+    # A pin before the first point holds every later one (the nodes' GC rounds would
+    # otherwise move the horizon past them within a second).
+    first = stub.GetHighWatermark(tpb.GetHighWatermarkRequest(), timeout=10).high_watermark
+    stub.CreatePin(tpb.CreatePinRequest(name="all", ts=first), timeout=10)
+    points = [step(plane, catalog, n) for n in range(7)]
+    check_as_of(plane, points, readable=points)
+    assert rewrite_every_stream(plane)
+    maintenance(plane)
+    check_as_of(plane, points, readable=points)  # the rows in the rewritten files
+    sweep_replaced(plane, catalog)
+    check_as_of(plane, points, readable=points)
+    # Two restarts in a row: below the replay start the checkpoint's history answers,
+    # what the recovery rebuilt is refused, later points read again.
+    node = plane.nodes[0]
+    gap, replay_from = restart_after(plane, catalog, node, range(7, 9))
+    below = [p for p in points if p < replay_from]
+    points += gap
+    assert below
+    check_as_of(plane, points, readable=below, refused=gap)
+    restart_and_recover(plane, node)
+    later = [step(plane, catalog, n) for n in range(9, 11)]
+    points += later
+    check_as_of(plane, points, readable=[*below, *later], refused=gap)
+
+
 # --- refusals --------------------------------------------------------------------------------
+@pytest.mark.integration
 def test_a_node_that_is_not_ready_refuses_and_a_restart_ends_old_snapshots(
         make_plane: Callable[..., DataPlane]) -> None:
     plane = make_plane(recover=False)
@@ -315,6 +389,7 @@ def send_at(plane: DataPlane, ts: int, rows: list[dict[str, Any]]) -> None:
             schema_name=SCHEMA, table_update_data=datas), timeout=30)
 
 
+@pytest.mark.integration
 def test_malformed_lookups_are_refused_and_change_nothing(
         make_plane: Callable[..., DataPlane]) -> None:
     # No checkpoint or GC round raises the write fence behind the test's back.
@@ -419,6 +494,7 @@ def prunable(plane: DataPlane, catalog: Catalog) -> None:
     advance(plane)
 
 
+@pytest.mark.integration
 def test_snapshots_below_folded_visibility_or_pruned_versions_are_refused(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(checkpoint_interval_ms=3_600_000, gc_interval_ms=3_600_000)
@@ -448,6 +524,7 @@ def test_snapshots_below_folded_visibility_or_pruned_versions_are_refused(
         assert_exact(plane, got, "orders", trans, at.timestamp)
 
 
+@pytest.mark.integration
 def test_a_kill_after_the_prune_horizon_is_recorded_recovers_to_the_model(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     plane = make_plane(checkpoint_interval_ms=3_600_000, gc_interval_ms=3_600_000,
@@ -470,13 +547,18 @@ def test_a_kill_after_the_prune_horizon_is_recorded_recovers_to_the_model(
 
 
 # --- the command line ------------------------------------------------------------------------
+@pytest.mark.integration
 def test_retina_query_get_prints_the_rows_of_keys_in_their_order(
         make_plane: Callable[..., DataPlane], capsys: pytest.CaptureFixture[str]) -> None:
     plane = make_plane(nodes=2)
-    plane.commit({"orders": {"inserts": [order(i) for i in range(10)]},
-                  "events": {"inserts": [event(i) for i in range(6)]}})
+    first, _ = plane.commit({"orders": {"inserts": [order(i) for i in range(10)]},
+                             "events": {"inserts": [event(i) for i in range(6)]}})
+    plane.trans.stub().CreatePin(tpb.CreatePinRequest(name="before", ts=first), timeout=10)
     plane.commit({"orders": {"deletes": [{"id": 4}]}})
     config = ["--config", str(plane.config_path)]
+    assert query_main(["get", f"{SCHEMA}.orders", "4", "--pin", "before", *config]) == 0
+    past = capsys.readouterr()  # the row as it was before its delete
+    assert past.out.splitlines()[2].split()[0] == "4" and "as of pin before" in past.err
     assert query_main(["get", f"{SCHEMA}.orders", "3", "4", "99", '{"id": 1}', "--format",
                        "json", *config]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

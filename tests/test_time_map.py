@@ -67,6 +67,7 @@ def test_a_damaged_chunk_is_refused(damage) -> None:
         decode_chunk(damage(data))
 
 
+@pytest.mark.integration
 def test_a_time_resolves_to_the_hwm_of_the_latest_sample_at_or_before_it(
         etcd: EtcdStore) -> None:
     clock = Clock()
@@ -109,6 +110,7 @@ def run(etcd: EtcdStore, clock: Clock, hwms: list[int], *, chunk_samples: int = 
     return m
 
 
+@pytest.mark.integration
 def test_a_crash_leaves_a_gap_that_is_refused_and_a_clean_stop_does_not(
         etcd: EtcdStore) -> None:
     clock = Clock()
@@ -136,6 +138,7 @@ def test_a_crash_leaves_a_gap_that_is_refused_and_a_clean_stop_does_not(
     assert third.gaps() == [(last_flush, restart)]
 
 
+@pytest.mark.integration
 def test_rotated_chunks_reload_exactly_and_a_lost_chunk_is_a_gap(etcd: EtcdStore) -> None:
     clock = Clock()
     t0 = clock.now
@@ -160,6 +163,7 @@ def test_rotated_chunks_reload_exactly_and_a_lost_chunk_is_a_gap(etcd: EtcdStore
     assert lossy.resolve(t0 + 100 * 30) == 1030
 
 
+@pytest.mark.integration
 def test_pruning_forgets_chunks_at_or_below_the_horizon(etcd: EtcdStore) -> None:
     clock = Clock()
     t0 = clock.now
