@@ -27,7 +27,9 @@ neither the faults' nor the workload's draws moved):
   (``BY_TIME_P``), compared whole with the source (and the writer's model) when its S is
   at or above the HWM read after the comparison (``image_differs_from_source``), pinned
   now and then (``pinned_snapshots.PIN_P``); its transaction ended at once, it is read
-  again AS OF its S (or time, or pin) in later episodes.
+  again AS OF its S (or time, or pin) in later episodes. An image AS OF a time that is
+  refused (a node's recovery rebuilt that history) is taken at the newest snapshot
+  instead (``images_by_time_fell_back``): every episode has one, and its lookups.
 
 An open transaction whose re-read is refused is ended (S is no longer readable in it: a
 node restarted since, its floor above S; kept, it would only hold safeGcTs below that
@@ -238,17 +240,17 @@ class SnapshotBook:
         writer's, compared with the source when S is at or above ``hwm``, pinned now and
         then, its transaction ended at once."""
         time_ms = int(time.time() * 1000) - BY_TIME_LAG_MS if self.plan.by_time else 0
-        try:
-            trans = self.readers.begin(as_of_time_ms=time_ms)
-        except ReadRefused as exc:
-            self._refused("take", exc)
+        taking = self._take_image(time_ms)
+        if taking is None and time_ms:
+            # A moment ago may lie in history a node's recovery rebuilt (refused
+            # snapshot_expired, HISTORY_REBUILT_IS_REFUSED): the image is taken at the
+            # newest snapshot instead, so every episode has one (and its lookups).
+            self.counts["images_by_time_fell_back"] += 1
+            time_ms = 0
+            taking = self._take_image(time_ms)
+        if taking is None:
             return
-        try:
-            images = self.readers.read(self.plan.after, trans, tables_imaged())
-        except ReadRefused as exc:
-            self._refused("take", exc)
-            self.readers.end(trans.trans_id)
-            return
+        trans, images = taking
         taken = self._remember(self.plan.after, trans.timestamp, "once healed", images)
         taken.time_ms = time_ms
         self.counts["images_by_time" if time_ms else "images"] += 1
@@ -265,6 +267,22 @@ class SnapshotBook:
             self.pins.create(taken, self.episode, self.rng)
         self.readers.end(trans.trans_id)
         self._keep(taken)
+
+    def _take_image(self, time_ms: int
+                    ) -> tuple[tpb.BeginTransResponse, dict[str, TableImage]] | None:
+        """The image's transaction (AS OF ``time_ms`` when set) and every table read in
+        it; None when refused (counted, the transaction ended)."""
+        try:
+            trans = self.readers.begin(as_of_time_ms=time_ms)
+        except ReadRefused as exc:
+            self._refused("take", exc)
+            return None
+        try:
+            return trans, self.readers.read(self.plan.after, trans, tables_imaged())
+        except ReadRefused as exc:
+            self._refused("take", exc)
+            self.readers.end(trans.trans_id)
+            return None
 
     def _compare_with_expected(self, taken: Taken) -> Expected | None:
         """``taken`` against what the source (and the writer's model) hold now; returns

@@ -498,10 +498,12 @@ def test_spark_retry_sample_loses_nothing(tmp_path: Path) -> None:
     assert (report["lost"], report["duplicated"], report["phantom"],
             report["mismatched"]) == (0, 0, 0, 0), output
     assert report["rows_compared"] > 0 and report["reads_outside_ready"] == 0, output
+    # .get: a count never reached is a failed assertion that shows the run's anomalies
+    # (a retry that exited non-zero is one, spark_replay_failed), not a KeyError.
     replay, gc = report["replay"], report["gc"]
-    assert replay["tasks_killed"] == replay["tasks_retried"] == 1, output
-    assert replay["retries_acknowledged"] == replay["marked_ready"] == 1, output
-    assert gc["task_retried"] >= 1 and gc["retry_committed"] >= 1, output
+    assert replay.get("tasks_killed") == replay.get("tasks_retried") == 1, output
+    assert replay.get("retries_acknowledged") == replay.get("marked_ready") == 1, output
+    assert gc.get("task_retried", 0) >= 1 and gc.get("retry_committed", 0) >= 1, output
     assert returncode == 0, f"anomalies:\n{output}"
 
 

@@ -535,13 +535,16 @@ def test_a_killed_driver_leaves_the_snapshot_exact_and_a_second_run_completes(
     monkeypatch.setenv(failpoints.DIR_VAR, str(failpoint_dir))
     # The first commit goes through, the second waits in the node: the driver is
     # certainly mid-job (one group committed, others prepared, written or running)
-    # when it is killed. Prepared rewrites the dead driver never ends expire quickly.
-    plane = make_plane(failpoints=f"{SWITCHING}=block@2", gc_prepare_ttl_ms=20_000)
+    # when it is killed. Prepared rewrites the dead driver never ends lapse with its read
+    # transaction, whose short lease the live driver renews: a TTL alone (20 s once) also
+    # lapsed the rewrites of a live driver slowed by a loaded machine.
+    plane = make_plane(failpoints=f"{SWITCHING}=block@2", gc_prepare_ttl_ms=600_000)
     deleted = load(plane)
     model = plane.model.snapshot()["orders"]
     log = failpoint_dir / "job.log"
     with open(log, "w") as out:
-        job = subprocess.Popen(job_argv(plane), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        job = subprocess.Popen(job_argv(plane, "--lease-ms", "10000"), cwd=ROOT, stdout=out,
+                               stderr=subprocess.STDOUT,
                                env={**os.environ, "PYSPARK_PYTHON": sys.executable})
     spark_processes: list[int] = []
     try:
@@ -564,8 +567,9 @@ def test_a_killed_driver_leaves_the_snapshot_exact_and_a_second_run_completes(
                 os.kill(pid, signal.SIGKILL)
     failpoints.release(failpoint_dir, SWITCHING)
     assert plane.read("orders") == model  # exact, whatever the kill interrupted
-    eventually(lambda: pending_rewrites(plane) == 0, 90,
-               "the dead driver's prepared rewrites to expire", interval_s=0.5)
+    # Its lease ends 10 s after the kill; the next maintenance round (every 30 s) drops them.
+    eventually(lambda: pending_rewrites(plane) == 0, 120,
+               "the dead driver's prepared rewrites to lapse with its lease", interval_s=0.5)
     assert plane.read("orders") == model
 
     second = run_gc(plane)
