@@ -35,7 +35,13 @@ from retina_common.etcd import EtcdError
 from retina_common.log import configure_logging
 from retina_common.replay_sources import ReplaySourceError
 from retina_common.topology import load_config_and_topology
-from retina_common.writer import DurableWriter, TableChanges, WriteInDoubt, WriteRefused
+from retina_common.writer import (
+    DurableWriter,
+    TableChanges,
+    WriteInDoubt,
+    WriteRefused,
+    WriterSettings,
+)
 
 PROG = "retina-write"
 
@@ -88,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("table", help="SCHEMA.TABLE")
     parser.add_argument("--rows", help="a JSON array of row objects (default: stdin)")
     parser.add_argument("--delete", action="store_true", help="delete the rows' keys")
+    parser.add_argument("--lease-ms", type=int, default=WriterSettings.lease_ms,
+                        help="the write transaction's lease (default %(default)s): if this "
+                             "process dies mid-commit, reads wait at most this long for it")
     args = parser.parse_args(argv)
     try:
         failpoints.load_from_env()
@@ -96,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         if not schema or not table:
             raise UsageError(f"table {args.table!r}: expected SCHEMA.TABLE")
         rows = parse_rows(args.rows if args.rows is not None else sys.stdin.read())
+        if args.lease_ms < 1000:
+            raise UsageError(f"--lease-ms {args.lease_ms}: at least 1000")
     except (UsageError, ConfigError, failpoints.FailpointError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return exit_codes.USAGE
@@ -103,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     # to stderr, as JSON lines; stdout carries the result alone.
     configure_logging("retina-write", "warning", file=sys.stderr, writer=args.writer)
     try:
-        writer = DurableWriter.connect(config, args.writer, schema, topology=topology)
+        writer = DurableWriter.connect(config, args.writer, schema, topology=topology,
+                                       settings=WriterSettings(lease_ms=args.lease_ms))
     except (ReplaySourceError, ConfigError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return exit_codes.USAGE

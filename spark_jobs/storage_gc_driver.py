@@ -56,7 +56,9 @@ PLANNED, COMMITTED, REFUSED, FAILED = "PLANNED", "COMMITTED", "REFUSED", "FAILED
 # pair holds yet, or the cutoff is below a fold under way, or a read holds an old file
 # through its write-buffer fetch): left for the next run.
 BUSY = "BUSY"
-# How long a commit held for a write-buffer reader is asked again before the group is BUSY.
+# How long commits held for write-buffer readers are asked again before their groups are
+# BUSY: one window per run, opened by the first held commit (readers are short; a run with
+# many groups of held files waits this once, not once per group).
 HELD_RETRY_S = 10.0
 # Codes after which a node has said no for a reason of its own: reported, not fatal.
 _NOT_OURS = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
@@ -195,6 +197,8 @@ class StorageGcJob:
         self.thresholds = Thresholds(args.deleted_threshold, args.small_file_bytes,
                                      args.target_file_bytes)
         self.state = JobState()
+        self._held_lock = threading.Lock()
+        self._held_until: float | None = None  # the run's held-commit window (HELD_RETRY_S)
         # The driver's bar over the groups while rewrites run (stderr, terminals only).
         self._bar: Any = None
         self._trans_channel = channel(config.trans.listen)
@@ -381,19 +385,27 @@ class StorageGcJob:
         """CommitGcRewrite. A repeated commit of a committed rewrite answers the same, so a
         lost answer (deadline) is simply asked again; a commit held for a reader that got
         rows of an old file from a write buffer (BUFFER_FETCH_HOLDS_FILE: reads are short)
-        is asked again for up to HELD_RETRY_S before the group is left for the next run."""
+        is asked again within the run's held window (HELD_RETRY_S) before the group is
+        left for the next run."""
         request = rpb.CommitGcRewriteRequest(rewrite_id=task.rewrite_id,
                                              new_file_id=result.new_file_id)
-        deadline = time.monotonic() + HELD_RETRY_S
         backoff = Backoff(0.2, 2.0)
         while True:
             try:
                 return rpc_with_retry(lambda: self.nodes[task.node].CommitGcRewrite(
                     request, timeout=RPC_TIMEOUT_S))
             except grpc.RpcError as exc:
-                if not _held_by_reader(exc) or time.monotonic() + backoff.next_s > deadline:
+                if not _held_by_reader(exc) or time.monotonic() + backoff.next_s > \
+                        self._held_window():
                     raise
             backoff.pause()
+
+    def _held_window(self) -> float:
+        """The end of the run's held-commit window, opened now if it is not yet."""
+        with self._held_lock:
+            if self._held_until is None:
+                self._held_until = time.monotonic() + HELD_RETRY_S
+            return self._held_until
 
     def run(self) -> int:
         args = self.args

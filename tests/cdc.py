@@ -134,13 +134,23 @@ class SourceDb:
             worker.join(120)
 
     def drop(self) -> None:
-        with psycopg2.connect(self.pg.dsn("postgres")) as conn:
-            conn.autocommit = True
+        """Drop the database and its replication slots (DROP DATABASE refuses while a slot
+        names it). A killed connector's walsender lets its slot go a moment later."""
+        conn = psycopg2.connect(self.pg.dsn("postgres"))
+        conn.autocommit = True
+        try:
             with conn.cursor() as cur:
-                cur.execute("SELECT pg_drop_replication_slot(slot_name) FROM "
-                            "pg_replication_slots WHERE database = %s AND NOT active",
-                            (self.name,))
-        conn.close()
+                def all_dropped() -> bool:
+                    cur.execute("SELECT pg_drop_replication_slot(slot_name) FROM "
+                                "pg_replication_slots WHERE database = %s AND NOT active",
+                                (self.name,))
+                    cur.execute("SELECT count(*) FROM pg_replication_slots WHERE database = %s",
+                                (self.name,))
+                    row = cur.fetchone()
+                    return row is not None and row[0] == 0
+                eventually(all_dropped, 30, f"the replication slots of {self.name} to go")
+        finally:
+            conn.close()
         self.pg.drop_database(self.name)
 
 

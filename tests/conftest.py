@@ -117,7 +117,7 @@ def make_plane(tmp_path: Path, etcd: EtcdStore, catalog: Catalog,
 
     yield make
     for dp in planes:
-        dp.stop()
+        dp.stop(kill=True)
 
 
 @pytest.fixture(scope="session")

@@ -222,14 +222,18 @@ class DataPlane:
                              nodes=nodes, changelog_root=str(root / writer_id),
                              settings=settings).open()
 
-    def stop(self) -> None:
+    def stop(self, kill: bool = False) -> None:
+        """Stop every process: gracefully (SIGTERM, a node checkpoints on its way out), or
+        with SIGKILL when the plane is discarded (a fixture's teardown: its state is
+        thrown away, so nothing waits for a last checkpoint)."""
         for channel in self._writer_channels:
             channel.close()
         if self.reader is not None:
             self.reader.close()
-        for proc in self.retinas.values():
-            proc.stop()
-        self.trans.stop()
+        for proc in [*self.retinas.values(), self.trans]:
+            if kill:
+                proc.kill9()
+            proc.stop()  # closes its channel (a killed process: nothing left to stop)
 
     # --- writing -------------------------------------------------------------------
     def commit(self, changes: Mapping[str, Mapping[str, Iterable[Mapping[str, Any]]]],
@@ -313,7 +317,7 @@ def module_plane(workdir: Path, etcd_endpoint: str, pg_server: PostgresInstance,
         dp.commit(seed)
         yield dp
     finally:
-        dp.stop()
+        dp.stop(kill=True)
         catalog.close()
         pg_server.drop_database(name)
         delete_prefix(store, "/pixels/")

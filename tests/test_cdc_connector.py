@@ -55,9 +55,9 @@ def make_cdc(tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str
 
     yield make
     for cdc in made:
-        cdc.cdc.terminate()
+        cdc.cdc.kill9()
     for plane in planes:
-        plane.stop()
+        plane.stop(kill=True)
     for source in sources:
         source.drop()
 

@@ -45,9 +45,9 @@ def make_cdc(tmp_path: Path, etcd: EtcdStore, catalog: Catalog,
 
     yield make
     for cdc in made:
-        cdc.cdc.terminate()
+        cdc.cdc.kill9()
     for plane in planes:
-        plane.stop()
+        plane.stop(kill=True)
 
 
 def change(table: str, op: str, before: dict | None, after: dict | None, txid: str,

@@ -226,11 +226,12 @@ def crash_recover_and_read(plane: DataPlane, victim: str) -> dict[bytes, dict[st
 
 def run_write(plane: DataPlane, writer_id: str, rows: list[dict[str, Any]],
               failpoint: str = "") -> subprocess.CompletedProcess[str]:
-    """``retina-write`` in a process of its own (JSON rows: payload as text)."""
+    """``retina-write`` in a process of its own (JSON rows: payload as text). Its lease is
+    short: a killed writer's transaction holds the HWM (and every read) back for it."""
     text = json.dumps([{**r, "payload": r["payload"].decode()} for r in rows])
     return subprocess.run(
         [sys.executable, "-m", "retina_common.write_cli", "--config", str(plane.config_path),
-         "--writer", writer_id, f"{SCHEMA}.events", "--rows", text],
+         "--writer", writer_id, f"{SCHEMA}.events", "--rows", text, "--lease-ms", "5000"],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
         env={**os.environ, "RETINA_FAILPOINTS": failpoint})
 

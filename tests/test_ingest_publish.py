@@ -38,7 +38,7 @@ def make_plane(tmp_path: Path, etcd: EtcdStore, catalog: Catalog,
 
     yield make
     for dp in planes:
-        dp.stop()
+        dp.stop(kill=True)
 
 
 def order(i: int) -> dict:

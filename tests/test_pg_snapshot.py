@@ -316,8 +316,8 @@ def make_cdc(tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str
 
     yield make
     for cdc in made:
-        cdc.cdc.terminate()
-        cdc.plane.stop()
+        cdc.cdc.kill9()
+        cdc.plane.stop(kill=True)
         assert cdc.source is not None
         cdc.source.drop()
 

@@ -538,7 +538,8 @@ def test_a_killed_driver_leaves_the_snapshot_exact_and_a_second_run_completes(
     # when it is killed. Prepared rewrites the dead driver never ends lapse with its read
     # transaction, whose short lease the live driver renews: a TTL alone (20 s once) also
     # lapsed the rewrites of a live driver slowed by a loaded machine.
-    plane = make_plane(failpoints=f"{SWITCHING}=block@2", gc_prepare_ttl_ms=600_000)
+    plane = make_plane(failpoints=f"{SWITCHING}=block@2", gc_prepare_ttl_ms=600_000,
+                       gc_interval_ms=2_000)
     deleted = load(plane)
     model = plane.model.snapshot()["orders"]
     log = failpoint_dir / "job.log"
@@ -567,7 +568,7 @@ def test_a_killed_driver_leaves_the_snapshot_exact_and_a_second_run_completes(
                 os.kill(pid, signal.SIGKILL)
     failpoints.release(failpoint_dir, SWITCHING)
     assert plane.read("orders") == model  # exact, whatever the kill interrupted
-    # Its lease ends 10 s after the kill; the next maintenance round (every 30 s) drops them.
+    # Its lease ends 10 s after the kill; the next maintenance round (every 2 s) drops them.
     eventually(lambda: pending_rewrites(plane) == 0, 120,
                "the dead driver's prepared rewrites to lapse with its lease", interval_s=0.5)
     assert plane.read("orders") == model
@@ -712,9 +713,9 @@ def test_a_commit_held_by_a_write_buffer_read_leaves_its_group_busy_and_the_run_
         monkeypatch: pytest.MonkeyPatch) -> None:
     """BUFFER_FETCH_HOLDS_FILE as the job sees it: a live read got rows of a file from its
     write buffer before the file was published. The commit of that file's group is refused
-    ABORTED (held), asked again for HELD_RETRY_S, then the group is left BUSY for the next
-    run: the run exits 0, nothing changed, reads exact. Once the reader has ended, the next
-    run commits every group."""
+    ABORTED (held), asked again within the run's one HELD_RETRY_S window, then the group is
+    left BUSY for the next run: the run exits 0, nothing changed, reads exact. Once the
+    reader has ended, the next run commits every group."""
     monkeypatch.setenv(failpoints.DIR_VAR, str(failpoint_dir))
     plane = make_plane(failpoints="ingest.close.before=block")  # files stay in the buffers
     assert plane.reader is not None
