@@ -99,14 +99,14 @@ def main(argv: list[str] | None = None) -> int:
                              "process dies mid-commit, reads wait at most this long for it")
     args = parser.parse_args(argv)
     try:
+        if args.lease_ms < 1000:
+            raise UsageError(f"--lease-ms {args.lease_ms}: at least 1000")
         failpoints.load_from_env()
         config, topology = load_config_and_topology(args.config)
         schema, _, table = args.table.partition(".")
         if not schema or not table:
             raise UsageError(f"table {args.table!r}: expected SCHEMA.TABLE")
         rows = parse_rows(args.rows if args.rows is not None else sys.stdin.read())
-        if args.lease_ms < 1000:
-            raise UsageError(f"--lease-ms {args.lease_ms}: at least 1000")
     except (UsageError, ConfigError, failpoints.FailpointError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return exit_codes.USAGE
