@@ -49,6 +49,7 @@ EARLIEST_READABLE_TIME = Gauge("trans_earliest_readable_time_ms",
                                "The earliest wall-clock time an AS OF read resolves (0: none)")
 PINS = Gauge("trans_pins", "Named pins")
 OLDEST_PIN = Gauge("trans_oldest_pin_ts", "The lowest pinned timestamp (-1: no pin)")
+HISTORY_RETENTION = Gauge("trans_history_retention_ms", "trans.history_retention_ms as configured")
 
 
 def now_ms() -> int:
@@ -100,6 +101,7 @@ class TransServer:
             retained=retained_snapshot(tc.history_retention_ms,
                                        self.time_map.hwm_at_or_before, now_ms),
             time_of=self.time_map.earliest_time_at_or_above)
+        HISTORY_RETENTION.set(tc.history_retention_ms)
         self.time_map.start(self.table.high_watermark())
         # This incarnation's start is durable before anything commits: a crash before the
         # next flush leaves a gap from here, never a stretch read as quiet.
