@@ -189,10 +189,22 @@ class DataPlane:
             if not transport_lost(exc):
                 raise exc
 
-        return until_deadline(
+        starts = until_deadline(
             lambda: drive_recovery(proc.stub, mode=mode, replay=lambda starts, ctx:
                                    self.replay_requests(node, starts, mode, ctx)),
             transient=(grpc.RpcError,), deadline_s=60, on_retry=give_up_unless_transport_lost)
+        # MarkReady has answered; the TransServer's gate learns READY through its etcd
+        # watch a moment later. Until then a read is refused UNAVAILABLE (clients retry):
+        # callers that read next wait for it here.
+        eventually(lambda: self.gate_sees(node) in ("READY", None), 15,
+                   f"the query gate to see {node} READY")
+        return starts
+
+    def gate_sees(self, node: str) -> str | None:
+        """What the TransServer's gate says of ``node`` (None: it does not watch it)."""
+        status = self.trans.stub().GetQueryGateStatus(tpb.GetQueryGateStatusRequest(),
+                                                       timeout=5)
+        return status.nodes.get(node)
 
     def checkpoint(self, node: str) -> rpb.CreateCheckpointResponse:
         return self.retinas[node].stub.CreateCheckpoint(rpb.CreateCheckpointRequest(), timeout=30)

@@ -147,8 +147,6 @@ def restart_after(plane: DataPlane, catalog: Catalog, node: str,
     plane.retinas[node].start()
     starts = plane.recover(node)
     assert starts is not None
-    # MarkReady has answered; the TransServer's gate learns READY through its etcd watch.
-    eventually(plane.gate_open, 15, "the query gate to admit after MarkReady")
     return points, starts.node_replay_from_ts
 
 
@@ -200,7 +198,6 @@ def test_as_of_reads_equal_the_models_history_across_gc_a_revert_sweeps_and_rest
     plane.retinas[node].kill9()  # again, without a checkpoint of its own since READY
     plane.retinas[node].start()
     plane.recover(node)
-    eventually(plane.gate_open, 15, "the query gate to admit after MarkReady")
     check(plane, points, readable=below, refused=gap)
     later = [step(plane, catalog, n) for n in range(16, 18)]
     points += later

@@ -336,7 +336,6 @@ def test_as_of_lookups_equal_the_models_history_across_gc_a_sweep_and_two_restar
     assert below
     check_as_of(plane, points, readable=below, refused=gap)
     restart_and_recover(plane, node)
-    eventually(plane.gate_open, 15, "the query gate to admit after MarkReady")
     later = [step(plane, catalog, n) for n in range(9, 11)]
     points += later
     check_as_of(plane, points, readable=[*below, *later], refused=gap)
