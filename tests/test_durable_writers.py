@@ -51,7 +51,8 @@ def keyed(plane: DataPlane, table: str, rows: Mapping[Any, Mapping[str, Any]] | 
 def read(plane: DataPlane, table: str) -> dict[bytes, dict[str, Any]]:
     """One gated snapshot of ``table``. After a restart, a snapshot below the node's read
     floor is refused ABORTED until the HWM passes it: a writer killed with its transaction
-    open holds the HWM for that transaction's lease (15 s). Begin again until admitted."""
+    open holds the HWM for that transaction's lease (5 s: run_write). Begin again until
+    admitted."""
     def attempt() -> dict[bytes, dict[str, Any]] | None:
         try:
             return plane.read(table)
