@@ -33,8 +33,12 @@ from retina_common.changelog_replay import (
 )
 from retina_common.columnar import min_columnar_rows
 from retina_common.pb import retina_pb2 as pb
-from retina_common.pb import trans_pb2 as tpb
-from retina_common.recovery_driver import RecoveryFailed, drive_recovery
+from retina_common.recovery_driver import (
+    GATE_WAIT_S,
+    RecoveryFailed,
+    await_gate_ready,
+    drive_recovery,
+)
 from retina_common.replay_sources import ReplaySourceError
 
 MODES = {"vnode": pb.VNODE, "node": pb.NODE}
@@ -103,7 +107,13 @@ def cmd_recover(cluster: Cluster, args: argparse.Namespace) -> int:
         results = {node: _recover(cluster, node, logs, args) for node in cluster.nodes}
     finally:
         catalog.close()
-    _await_gate(cluster, [n for n, r in results.items() if r["outcome"] == "READY"], results)
+    # A query run right after `recover` is admitted: the gate has seen the nodes READY.
+    unseen = await_gate_ready(cluster.trans, [n for n, r in results.items()
+                                              if r["outcome"] == "READY"],
+                              rpc_timeout_s=cluster.timeout_s)
+    for node, state in unseen.items():
+        results[node]["detail"] = (f"READY, but the query gate still sees it {state} after "
+                                   f"{GATE_WAIT_S:.0f}s")
     if args.json:
         print(json.dumps({"nodes": results}, indent=2))
     else:
@@ -111,35 +121,6 @@ def cmd_recover(cluster: Cluster, args: argparse.Namespace) -> int:
             print(f"{node}: {r['outcome']}" + (f" ({r['detail']})" if r.get("detail") else ""))
     return exit_codes.OK if all(r["outcome"] in ("READY", "READY already") for r in results.values()
                           ) else exit_codes.FAILED
-
-
-# How long `recover` waits for the query gate to see the nodes it made READY.
-GATE_WAIT_S = 15.0
-
-
-def _await_gate(cluster: Cluster, nodes: list[str], results: dict[str, dict[str, Any]]
-                ) -> None:
-    """MarkReady has answered; the TransServer's gate learns READY through its etcd watch
-    a moment later, and refuses reads (UNAVAILABLE) until then. Wait for it, so a query
-    run right after `recover` is admitted; a node the gate still does not see READY at
-    the deadline is noted (its lifecycle key or heartbeat: `retina-admin status`)."""
-    deadline = time.monotonic() + GATE_WAIT_S
-    pending = set(nodes)
-    seen: dict[str, str] = {}
-    while pending:
-        try:
-            status = cluster.trans.GetQueryGateStatus(
-                tpb.GetQueryGateStatusRequest(), timeout=cluster.timeout_s)
-            seen = dict(status.nodes)
-            pending = {n for n in pending if seen.get(n, "READY") != "READY"}
-        except grpc.RpcError as exc:
-            seen = {n: f"TransServer {exc.code().name}" for n in pending}
-        if not pending or time.monotonic() >= deadline:
-            break
-        time.sleep(0.05)  # polling interval, bounded by the deadline
-    for node in pending:
-        results[node]["detail"] = (f"READY, but the query gate still sees it "
-                                   f"{seen.get(node, 'unknown')} after {GATE_WAIT_S:.0f}s")
 
 
 def _recover(cluster: Cluster, node: str, logs: list[ReplayLog],

@@ -16,9 +16,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import grpc
+
 from retina_common.client import TableWriter, requests_by_node
 from retina_common.pb import retina_pb2 as pb
-from retina_common.pb import retina_pb2_grpc
+from retina_common.pb import retina_pb2_grpc, trans_pb2, trans_pb2_grpc
 
 # One committed source transaction: (timestamp, {table: {"deletes"|"inserts"|"replaces": rows}})
 ChangelogEntry = tuple[int, Mapping[str, Mapping[str, Iterable[Mapping[str, Any]]]]]
@@ -39,6 +41,35 @@ def wait_replay_ready(stub: retina_pb2_grpc.RetinaWorkerServiceStub,
             raise TimeoutError(f"{status.node_id} did not derive its replay starts "
                                f"within {timeout_s}s (phase {status.phase})")
         time.sleep(0.05)
+
+
+# How long a driver waits, after MarkReady, for the query gate to see the node READY.
+GATE_WAIT_S = 15.0
+
+
+def await_gate_ready(trans: trans_pb2_grpc.TransServiceStub, nodes: Iterable[str],
+                     wait_s: float = GATE_WAIT_S, rpc_timeout_s: float = 10
+                     ) -> dict[str, str]:
+    """MarkReady has answered; the TransServer's query gate learns READY through its etcd
+    watch a moment later and refuses reads (UNAVAILABLE) until then. Wait for it, so a
+    query run right after a recovery is admitted. Returns what the gate still says of
+    each node it does not see READY by ``wait_s`` (empty: all seen; a node the gate
+    does not watch counts as seen)."""
+    deadline = time.monotonic() + wait_s
+    pending = set(nodes)
+    seen: dict[str, str] = {}
+    while pending:
+        try:
+            status = trans.GetQueryGateStatus(trans_pb2.GetQueryGateStatusRequest(),
+                                              timeout=rpc_timeout_s)
+            seen = dict(status.nodes)
+            pending = {n for n in pending if seen.get(n, "READY") != "READY"}
+        except grpc.RpcError as exc:
+            seen = {n: f"unknown (TransServer {exc.code().name})" for n in pending}
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)  # polling interval, bounded by the deadline
+    return {n: seen.get(n, "unknown") for n in sorted(pending)}
 
 
 def replay_requests(node: str, schema: str, writers: Mapping[str, TableWriter],

@@ -72,8 +72,8 @@ from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.failpoints import CDC_REPLAY_REQUEST_AFTER
 from retina_common.log import token_hash
 from retina_common.pb import retina_pb2 as pb
-from retina_common.pb import retina_pb2_grpc
-from retina_common.recovery_driver import wait_replay_ready
+from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
+from retina_common.recovery_driver import GATE_WAIT_S, await_gate_ready, wait_replay_ready
 from retina_common.replay_sources import ReplaySourceError
 from retina_common.topology import Topology
 from spark_jobs.common import (
@@ -432,6 +432,15 @@ def complete(plan: Plan, spec: JobSpec, wait_s: float) -> int:
     return exit_codes.OK
 
 
+def _await_gate(config: Config, node: str) -> None:
+    """The node is READY; wait until the TransServer's query gate sees it so too."""
+    with channel(config.trans.listen) as ch:
+        unseen = await_gate_ready(trans_pb2_grpc.TransServiceStub(ch), [node])
+    for name, state in unseen.items():
+        print(f"{PROG}: {name} is READY, but the query gate still sees it {state} after "
+              f"{GATE_WAIT_S:.0f}s (retina-admin status)", file=sys.stderr, flush=True)
+
+
 def execute(args: argparse.Namespace, config: Config, plan: Plan) -> int:
     spec = job_spec(config, plan, args.max_rows)
     if isinstance(spec, int):
@@ -453,6 +462,8 @@ def execute(args: argparse.Namespace, config: Config, plan: Plan) -> int:
     code = complete(plan, spec, args.wait_s)
     if code != exit_codes.OK:
         return code
+    if plan.context is not None:  # --recover: a query run right after the job is admitted
+        _await_gate(config, plan.summary["node"])
     rows = sum(r.rows for r in results)
     summary = {
         "mode": plan.mode, **plan.summary, "vnodes": len(results), "rows": rows,

@@ -27,7 +27,12 @@ from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import SnapshotReader
-from retina_common.recovery_driver import drive_recovery, replay_requests, wait_replay_ready
+from retina_common.recovery_driver import (
+    await_gate_ready,
+    drive_recovery,
+    replay_requests,
+    wait_replay_ready,
+)
 from retina_common.refusal import transport_lost
 from retina_common.retry import until_deadline
 from retina_common.topology import Topology
@@ -195,16 +200,10 @@ class DataPlane:
             transient=(grpc.RpcError,), deadline_s=60, on_retry=give_up_unless_transport_lost)
         # MarkReady has answered; the TransServer's gate learns READY through its etcd
         # watch a moment later. Until then a read is refused UNAVAILABLE (clients retry):
-        # callers that read next wait for it here.
-        eventually(lambda: self.gate_sees(node) in ("READY", None), 15,
-                   f"the query gate to see {node} READY")
+        # callers that read next wait for it here, as `retina-admin recover` does.
+        unseen = await_gate_ready(self.trans.stub(), [node])
+        assert not unseen, f"the query gate does not see {node} READY: {unseen}"
         return starts
-
-    def gate_sees(self, node: str) -> str | None:
-        """What the TransServer's gate says of ``node`` (None: it does not watch it)."""
-        status = self.trans.stub().GetQueryGateStatus(tpb.GetQueryGateStatusRequest(),
-                                                       timeout=5)
-        return status.nodes.get(node)
 
     def checkpoint(self, node: str) -> rpb.CreateCheckpointResponse:
         return self.retinas[node].stub.CreateCheckpoint(rpb.CreateCheckpointRequest(), timeout=30)
