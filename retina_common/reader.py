@@ -230,12 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", choices=["table", "json", "count"], default="table")
     parser.add_argument("--limit", type=int, default=50)
     parser.add_argument("--hidden", action="store_true", help="include _commit_ts")
-    _point_arguments(parser)
-    args = parser.parse_args(argv)
-    schema, dot, table = args.table.partition(".")
-    if not dot:
-        parser.error("give the table as schema.table")
-    as_of = _point(parser, args)
+    args, schema, table, as_of = _parse_table_and_point(parser, argv)
     try:
         config, topology = load_config_and_topology(args.config)
     except ConfigError as exc:
@@ -269,6 +264,18 @@ def _point_arguments(parser: argparse.ArgumentParser) -> None:
                        help="read a past snapshot: a timestamp (81234) or an ISO 8601 time "
                             "(2026-11-27T09:00:00Z; no zone: local time); docs/history.md")
     point.add_argument("--pin", metavar="NAME", help="read the snapshot a named pin holds")
+
+
+def _parse_table_and_point(parser: argparse.ArgumentParser, argv: list[str] | None
+                           ) -> tuple[argparse.Namespace, str, str, AsOf]:
+    """Both commands' common part: the point arguments added, ``argv`` parsed, the
+    ``schema.table`` argument split, the snapshot named."""
+    _point_arguments(parser)
+    args = parser.parse_args(argv)
+    schema, dot, table = args.table.partition(".")
+    if not dot:
+        parser.error("give the table as schema.table")
+    return args, schema, table, _point(parser, args)
 
 
 def _point(parser: argparse.ArgumentParser, args: argparse.Namespace) -> AsOf:
@@ -306,12 +313,7 @@ def get_main(argv: list[str]) -> int:
     parser.add_argument("--config", help="TOML config file (default: $RETINA_CONFIG)")
     parser.add_argument("--format", choices=["table", "json"], default="table",
                         help="json: one line per key: key, found, commit_ts, row")
-    _point_arguments(parser)
-    args = parser.parse_args(argv)
-    schema, dot, table_name = args.table.partition(".")
-    if not dot:
-        parser.error("give the table as schema.table")
-    as_of = _point(parser, args)
+    args, schema, table_name, as_of = _parse_table_and_point(parser, argv)
     texts = list(args.keys)
     if args.keys_file:
         with sys.stdin if args.keys_file == "-" else open(args.keys_file) as lines:

@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -85,6 +84,7 @@ from spark_jobs.common import (
     fail,
     load,
     parse_conf,
+    run_reported,
     short_reason,
     spark_session,
 )
@@ -222,43 +222,19 @@ def run_tasks(spark: SparkSession, spec: JobSpec, tasks: Sequence[VnodeTask],
               on_done: Callable[[VnodeResult], None]) -> list[VnodeResult]:
     """Run one Spark task per virtual node; ``on_done`` is called on the driver as
     each one finishes. Raises whatever the Spark job raised."""
-    from spark_jobs.accumulators import KeyedResults  # needs pyspark: the driver only
-
-    sc = spark.sparkContext
-    progress = sc.accumulator({}, KeyedResults())
-
-    def run_partition(items: Any) -> None:
-        for task in items:
-            result = replay_vnode(spec, task)
-            progress.add({result.vnode: (result.rows, result.requests)})
-
-    rdd = sc.parallelize(list(tasks), max(1, len(tasks)))
-    failure: list[BaseException] = []
-
-    def job() -> None:
-        try:
-            rdd.foreachPartition(run_partition)
-        except BaseException as exc:
-            failure.append(exc)
-
-    runner = threading.Thread(target=job, name="spark-replay-job", daemon=True)
-    runner.start()
     seen: dict[int, VnodeResult] = {}
-    try:
-        while True:
-            finished = not runner.is_alive()  # read before the value: nothing is missed
-            for vnode, (rows, count) in sorted(dict(progress.value).items()):
-                if vnode not in seen:
-                    seen[vnode] = VnodeResult(vnode, rows, count)
-                    on_done(seen[vnode])
-            if finished:
-                break
-            runner.join(0.2)
-    except KeyboardInterrupt:
-        sc.cancelAllJobs()
-        raise
-    if failure:
-        raise failure[0]
+
+    def done(vnode: Any, counts: Any) -> None:
+        seen[vnode] = VnodeResult(vnode, *counts)
+        on_done(seen[vnode])
+
+    def work(task: VnodeTask) -> tuple[int, tuple[int, int]]:
+        result = replay_vnode(spec, task)
+        return result.vnode, (result.rows, result.requests)
+
+    failure = run_reported(spark, tasks, work, done, "spark-replay-job")
+    if failure is not None:
+        raise failure
     return [seen[t.vnode] for t in tasks]
 
 

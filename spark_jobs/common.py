@@ -20,10 +20,11 @@ import argparse
 import os
 import re
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -172,6 +173,51 @@ def spark_session(app_name: str, master: str | None, conf: dict[str, str]) -> Sp
             time.sleep(attempt)  # backoff between start attempts, not synchronisation
     spark.sparkContext.setLogLevel("ERROR")
     return spark
+
+
+def run_reported(spark: SparkSession, items: Sequence[Any],
+                 work: Callable[[Any], tuple[Hashable, Any]],
+                 on_result: Callable[[Hashable, Any], None], name: str) -> BaseException | None:
+    """One Spark task per item; each task's ``(key, value)`` reaches the driver through an
+    accumulator, and ``on_result`` runs on the driver as each one arrives (a GC commit
+    goes out while the other tasks still run). Returns what the Spark job raised (None:
+    every task ran); Ctrl-C cancels the job."""
+    from spark_jobs.accumulators import KeyedResults  # needs pyspark: the driver only
+
+    sc = spark.sparkContext
+    progress = sc.accumulator({}, KeyedResults())
+
+    def run_partition(part: Iterable[Any]) -> None:
+        for item in part:
+            key, value = work(item)
+            progress.add({key: value})
+
+    rdd = sc.parallelize(list(items), max(1, len(items)))
+    failure: list[BaseException] = []
+
+    def job() -> None:
+        try:
+            rdd.foreachPartition(run_partition)
+        except BaseException as exc:
+            failure.append(exc)
+
+    runner = threading.Thread(target=job, name=name, daemon=True)
+    runner.start()
+    seen: set[Hashable] = set()
+    try:
+        while True:
+            finished = not runner.is_alive()  # read before the value: nothing is missed
+            for key, value in dict(progress.value).items():
+                if key not in seen:
+                    seen.add(key)
+                    on_result(key, value)
+            if finished:
+                break
+            runner.join(0.2)
+    except KeyboardInterrupt:
+        sc.cancelAllJobs()
+        raise
+    return failure[0] if failure else None
 
 
 def fail(prog: str, message: str, code: int) -> int:

@@ -7,12 +7,11 @@ returns is plain, picklable data.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import pyarrow as pa
@@ -43,6 +42,7 @@ from spark_jobs.common import (
     FileRef,
     TaskError,
     call_with_retry,
+    run_reported,
     short_reason,
 )
 from spark_jobs.storage_gc_arrow import (
@@ -238,46 +238,20 @@ def run_rewrites(spark: SparkSession, spec: TaskSpec, tasks: Sequence[RewriteTas
     """One Spark task per group; ``on_done`` runs on the driver as each one finishes (the
     commit goes out while the other tasks still run). A group whose task never reported
     (the Spark job itself failed) gets a result with the Spark failure as its error."""
-    from spark_jobs.accumulators import KeyedResults  # needs pyspark: the driver only
-
-    sc = spark.sparkContext
-    progress = sc.accumulator({}, KeyedResults())
     by_id = {t.rewrite_id: t for t in tasks}
-
-    def run_partition(items: Iterable[RewriteTask]) -> Iterator[RewriteResult]:
-        for task in items:
-            result = rewrite_group(spec, task)
-            progress.add({result.rewrite_id: result})
-            yield result
-
-    rdd = sc.parallelize(list(tasks), max(1, len(tasks)))
-    failure: list[BaseException] = []
-
-    def job() -> None:
-        try:
-            rdd.mapPartitions(run_partition).collect()
-        except BaseException as exc:
-            failure.append(exc)
-
-    runner = threading.Thread(target=job, name="spark-gc-job", daemon=True)
-    runner.start()
     seen: set[str] = set()
-    try:
-        while True:
-            finished = not runner.is_alive()  # read before the value: nothing is missed
-            for rewrite_id, result in dict(progress.value).items():
-                if rewrite_id not in seen:
-                    seen.add(rewrite_id)
-                    on_done(by_id[rewrite_id], result)
-            if finished:
-                break
-            runner.join(0.2)
-    except KeyboardInterrupt:
-        sc.cancelAllJobs()
-        raise
+
+    def done(rewrite_id: Any, result: Any) -> None:
+        seen.add(rewrite_id)
+        on_done(by_id[rewrite_id], result)
+
+    def work(task: RewriteTask) -> tuple[str, RewriteResult]:
+        return task.rewrite_id, rewrite_group(spec, task)
+
+    failure = run_reported(spark, tasks, work, done, "spark-gc-job")
     for task in tasks:
         if task.rewrite_id not in seen:
-            reason = short_reason(failure[0]) if failure else "the Spark task never reported"
+            reason = short_reason(failure) if failure else "the Spark task never reported"
             on_done(task, RewriteResult(task.rewrite_id, error=f"Spark: {reason}"))
 
 
