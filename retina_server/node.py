@@ -42,6 +42,7 @@ from retina_common.topology import Topology
 from retina_server.index import LocalIndexService
 from retina_server.publisher import IngestPipeline, StreamPublisher
 from retina_server.read_history import ReadHistory
+from retina_server.refused_writes import RefusedWrites
 from retina_server.registry import IngestFileMetadataRegistry, RegistryError
 from retina_server.row_moves import RowMoves
 from retina_server.visibility import RGVisibility, VisibilityError, VisibilityIndex
@@ -107,6 +108,8 @@ class RetinaNode:
         # Which past snapshots this process answers after its recovery
         # (SNAPSHOTS_END_AT_RESTART, HISTORY_REBUILT_IS_REFUSED: read_history.py).
         self.history = ReadHistory(node_id)
+        # What the write fence refused, durably: recovery replay skips it (refused_writes.py).
+        self.refused = RefusedWrites(index.primary)
         # BUFFER_FETCH_HOLDS_FILE: file id -> {read transaction: its snapshot} for every
         # write-buffer file a GetWriteBuffer read (gc/rewrites.py).
         self._buffer_reads: dict[int, dict[int, int]] = {}

@@ -170,7 +170,8 @@ def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> 
     writers = RegisteredWriters(etcd, anonymous_writes=rc.anonymous_writes)
     barrier = MarkReadyBarrier(machine, recovery.entry, recovery.check_attempt, hooks,
                                recovery.announce_ready,
-                               RestartFence(node, trans.fresh_timestamp),
+                               RestartFence(node, trans.fresh_timestamp,
+                                            writers.replay_complete),
                                check_sources=writers.check_replayed)
     retina_pb2_grpc.add_RetinaWorkerServiceServicer_to_server(
         RetinaService(node, recovery, barrier, machine,

@@ -71,7 +71,7 @@ def _split_prefix(prefix: bytes) -> tuple[int, bytes]:
 class PrimaryIndex:
     def __init__(self, path: Path, *, map_size: int = 8 << 30) -> None:
         self._env = lmdb.open(str(path), map_size=map_size, sync=True, metasync=True,
-                              max_dbs=3)
+                              max_dbs=4)  # the fourth: refused_writes.py
         # Versions: tableId|len|key|ts -> rowId or TOMBSTONE; and ts|tableId|len|key -> ''
         # so that recovery can drop everything written after a replay start.
         self._primary = self._env.open_db(b"primary_versions")
@@ -86,6 +86,23 @@ class PrimaryIndex:
 
     def close(self) -> None:
         self._env.close()
+
+    @property
+    def env(self) -> lmdb.Environment:
+        """The LMDB environment: refused_writes.py keeps its records in a named database
+        of it (durable per write transaction, like the versions)."""
+        return self._env
+
+    def has_versions_at(self, ts: int) -> bool:
+        """Whether any key has a version (a row or a tombstone) written at exactly ``ts``:
+        whether a write at ``ts`` changed anything in this index."""
+        start = _TS.pack(ts)
+        try:
+            with self._env.begin(db=self._by_ts) as txn:
+                cursor = txn.cursor(db=self._by_ts)
+                return bool(cursor.set_range(start)) and cursor.key()[:8] == start
+        except lmdb.Error as exc:
+            raise IndexBackendError(f"primary index read failed: {exc}") from exc
 
     def switch_primary(self, table_id: int, keys: Sequence[bytes], from_rows: Sequence[int],
                        to_rows: Sequence[int]) -> int:

@@ -17,7 +17,8 @@ An ordinary request (no RecoveryReplayContext) is then admitted by the node's wr
 fence under its stream locks (write_fence.py, LATE_WRITES_FENCED): if any of its
 timestamps is at or below the write floor (a read at or above it was answered, or the
 HWM passed it), it is refused ABORTED with nothing applied, and the writer redoes the
-batch at a new timestamp.
+batch at a new timestamp. Before that answer the refusal is recorded durably, so that a
+recovery replay skips those timestamps (refused_writes.py).
 
 Apply, per TableUpdateData in request order (section 5, "Unified write order"):
 
@@ -92,6 +93,7 @@ from retina_server.main_index import RowIdRange
 from retina_server.node import NodeFailedClosed, RetinaNode, Stream
 from retina_server.primary_index import MAX_KEY_BYTES
 from retina_server.write_buffer import AppendHandle, SettleMode
+from retina_server.write_fence import Fenced
 
 PARTS = Counter("retina_update_record_parts_total",
                 "TableUpdateData that passed validation, by wire form (docs/encoding.md)",
@@ -379,10 +381,11 @@ def _check_no_live_inserts(node: RetinaNode, updates: list[PreparedUpdate]) -> N
             live[(tid, key)] = True
 
 
-def apply(node: RetinaNode, updates: list[PreparedUpdate], *,
-          fenced: bool = True) -> pb.UpdateRecordResponse:
-    """Apply a validated request. ``fenced``: an ordinary write, admitted only above the
-    write floor (LATE_WRITES_FENCED); a recovery replay passes False."""
+def apply(node: RetinaNode, updates: list[PreparedUpdate], *, fenced: bool = True,
+          writer_id: str = "") -> pb.UpdateRecordResponse:
+    """Apply a validated request. ``fenced``: an ordinary write (of ``writer_id``),
+    admitted only above the write floor (LATE_WRITES_FENCED; refused: recorded first,
+    refused_writes.py); a recovery replay passes False."""
     node.check_writable()
     streams = {(u.table.table_id, u.vnode): node.stream(u.table, u.vnode) for u in updates}
     order = [streams[k] for k in sorted(streams)]
@@ -397,7 +400,11 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate], *,
             # Checked under the stream locks: a write that waited for them behind a GC
             # commit is refused if a read passed its timestamp meanwhile, and one admitted
             # here finishes (settle included) before such a read looks.
-            stack.enter_context(node.fence.admit(min(u.ts for u in updates)))
+            try:
+                stack.enter_context(node.fence.admit(min(u.ts for u in updates)))
+            except Fenced:
+                _record_refusal(node, updates, writer_id)
+                raise
             fp.UPDATE_RECORD_FENCE_AFTER.hit()
         try:
             with node.index.primary.write_batch():
@@ -424,6 +431,15 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate], *,
     for stream in order:
         node.submit_sealed(stream)
     return response
+
+
+def _record_refusal(node: RetinaNode, updates: list[PreparedUpdate], writer_id: str) -> None:
+    """REFUSED_IS_RECORDED_BEFORE_ANSWERED (refused_writes.py): every timestamp of the
+    refused request, once the writes admitted at or below them have finished (a part of
+    the same transaction still applying must be seen: SKIP_ONLY_WHAT_CHANGED_NOTHING)."""
+    stamps = {u.ts for u in updates}
+    node.fence.wait_admitted(max(stamps), "recording a refused write")
+    node.refused.record(writer_id, stamps)
 
 
 class _TruncateTargets:

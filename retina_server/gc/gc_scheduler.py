@@ -31,7 +31,9 @@ growing with the history:
    truncation commute). Until two checkpoints are observed the floor is 0 and
    nothing is pruned. Pruning is incremental: the scheduler remembers the last
    horizon and the next round only looks at keys written since (from 0 after
-   each process start); the horizon never moves down.
+   each process start); the horizon never moves down. The write fence's refusal
+   records (refused_writes.py) below ``replayFloor`` go too: no replay asks for
+   them.
 
 FOLD_FENCE (a pin racing a round): the round announces the highest timestamp
 it may fold to (safeGcTs) *before* it reads ``gcFloor``, lowers the
@@ -253,6 +255,8 @@ class GcScheduler:
                 self._since = horizon
             PRUNED.inc(pruned)
             HORIZON_TS.set(horizon)
+        # No replay starts below the replay floor: the refusals below it are never asked.
+        node.refused.prune_below(replay)
         versions = node.index.primary.primary_version_count()
         PRIMARY_VERSIONS.set(versions)
         emit = log.info if folded or pruned else log.debug
