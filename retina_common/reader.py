@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 from retina_common import exit_codes, file_names
 from retina_common.as_of_point import NEWEST, AsOf, BadPoint, format_ms, parse_as_of
 from retina_common.catalog import Catalog, CatalogError, NotFound
+from retina_common.change_feed import ChangeFeedReader
 from retina_common.client import channel
 from retina_common.codec import COMMIT_TS, EncodingError
 from retina_common.config import ConfigError, TlsConfig
@@ -85,6 +86,11 @@ class SnapshotReader:
         """Primary-key lookups over this reader's channels and read transactions."""
         return KeyLookup(self.topology, self.node, self.transaction, timeout_s=self._timeout,
                          keys_per_request=keys_per_request)
+
+    def change_feed(self) -> ChangeFeedReader:
+        """Change-feed reads over this reader's channels (retina_common/change_feed.py)."""
+        return ChangeFeedReader(self.topology, self._trans_address, self._trans, self.node,
+                                timeout_s=max(self._timeout, 60))
 
     def close(self) -> None:
         self._trans_channel.close()

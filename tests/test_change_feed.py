@@ -1,0 +1,157 @@
+"""The change feed (docs/change-feed.md) against the model's history, change by change, with
+real TransServer, Retina nodes, etcd and PostgreSQL: inserts, updates (and updates that
+changed nothing), deletes, whole commits across pages, stable ordinals, refusals."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from retina_common.catalog import Catalog
+from retina_common.change_feed import ChangesExpired, Commit, decode_cursor
+from retina_common.pb import retina_pb2 as rpb
+from retina_common.pb import trans_pb2 as tpb
+from retina_common.refusal import CHANGES_EXPIRED
+
+from .dataplane import SCHEMA, DataPlane
+from .feed_model import apply_changes, expected_changes, feed_changes
+from .support import rpc_error
+from .test_as_of_reads import hand_out_safe_gc_ts, maintenance, step
+from .test_recovery_protocol import order
+
+ORDER_COLUMNS = ("id", "customer", "amount", "note")
+
+
+def history(plane: DataPlane, table: str) -> list[tuple[int, dict[bytes, dict[str, Any]]]]:
+    return [(ts, snap[table]) for ts, snap in plane.model.history]
+
+
+def read_feed(plane: DataPlane, table: str, from_ts: int, **options: Any) -> list[Commit]:
+    assert plane.reader is not None
+    return list(plane.reader.change_feed().read(SCHEMA, table, from_ts, **options))
+
+
+def check_feed(plane: DataPlane, table: str, from_ts: int, columns: tuple[str, ...],
+               **options: Any) -> list[Commit]:
+    """The feed above ``from_ts`` equals the model's history commit by commit, and turns
+    the model's table at ``from_ts`` into its newest table."""
+    commits = read_feed(plane, table, from_ts, **options)
+    writer = plane.writers[table]
+    got = feed_changes([(c.ts, c.changes) for c in commits], writer.key, columns)
+    last = commits[-1].ts if commits else from_ts
+    want = expected_changes(history(plane, table), from_ts, last, columns)
+    assert got == want, f"the feed of {table} above {from_ts} differs from the model"
+    start: dict[bytes, dict[str, Any]] = {}
+    for ts, rows in history(plane, table):
+        if ts > from_ts:
+            break
+        start = rows
+    final = apply_changes(start, got, columns)
+    assert final == {k: tuple((c, r.get(c)) for c in columns)
+                     for k, r in plane.model.rows[table].items()}
+    return commits
+
+
+@pytest.mark.integration
+def test_the_feed_equals_the_models_history_change_by_change(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane(nodes=2)
+    points = [step(plane, catalog, n) for n in range(4)]
+    # An update that changed nothing (the same row again) and one that did, in one commit.
+    same = plane.model.rows["orders"][plane.writers["orders"].key({"id": 13})]
+    plane.commit({"orders": {"replaces": [dict(same), order(14, note="changed")]}})
+    points.append(step(plane, catalog, 4))
+
+    start = points[0] - 1
+    commits = check_feed(plane, "orders", start, ORDER_COLUMNS)
+    assert {c.ts for c in commits} <= set(points) | {plane.model.history[4][0]}
+    kinds = {r["_change_type"] for c in commits for r in c.changes.to_pylist()}
+    assert kinds == {"insert", "update_before", "update_after", "delete"}
+    check_feed(plane, "events", start, ("tenant", "seq", "payload", "ok"))
+    # From any cursor on, and read again: the same commits, the same ordinals.
+    for cursor in points[:3]:
+        check_feed(plane, "orders", cursor, ORDER_COLUMNS)
+    again = read_feed(plane, "orders", start)
+    assert [(c.ts, c.changes.to_pylist()) for c in again] == \
+        [(c.ts, c.changes.to_pylist()) for c in commits]
+    # Pages of one change still deliver whole commits.
+    paged = read_feed(plane, "orders", start, page_changes=1)
+    assert [(c.ts, c.changes.to_pylist()) for c in paged] == \
+        [(c.ts, c.changes.to_pylist()) for c in commits]
+
+    # The update that changed nothing, kept on request.
+    unchanged_ts = plane.model.history[4][0]
+    kept = read_feed(plane, "orders", unchanged_ts - 1, to_ts=unchanged_ts,
+                     keep_unchanged=True)
+    rows = kept[0].changes.to_pylist()
+    ids = sorted((r["_change_type"], r["id"]) for r in rows)
+    assert ids == [("update_after", 13), ("update_after", 14),
+                   ("update_before", 13), ("update_before", 14)]
+    dropped = read_feed(plane, "orders", unchanged_ts - 1, to_ts=unchanged_ts)
+    assert sorted((r["_change_type"], r["id"]) for r in dropped[0].changes.to_pylist()) == \
+        [("update_after", 14), ("update_before", 14)]
+    # Columns: the key always, then the ones asked for.
+    narrow = read_feed(plane, "orders", start, columns=["note"])
+    assert narrow[0].changes.column_names == ["_change_type", "_commit_ts", "_ordinal",
+                                              "_source_position", "id", "note"]
+    # A cursor names its table; it resumes where it says.
+    assert decode_cursor(commits[1].cursor, SCHEMA, "orders") == commits[1].ts
+    check_feed(plane, "orders", decode_cursor(commits[1].cursor), ORDER_COLUMNS)
+
+
+@pytest.mark.integration
+def test_a_cursor_older_than_the_history_kept_is_refused_naming_the_earliest(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane(nodes=2)
+    points = [step(plane, catalog, n) for n in range(3)]
+    horizon = hand_out_safe_gc_ts(plane)  # the horizon moves to the HWM - 1
+    maintenance(plane)
+    assert horizon >= points[-1] - 1
+    with pytest.raises(ChangesExpired) as refused:
+        read_feed(plane, "orders", points[0])
+    assert CHANGES_EXPIRED in str(refused.value)
+    assert refused.value.earliest == horizon
+    # From the earliest cursor named: answered, exactly.
+    later = [step(plane, catalog, n) for n in range(3, 5)]
+    commits = check_feed(plane, "orders", refused.value.earliest, ORDER_COLUMNS)
+    assert [c.ts for c in commits][-2:] == later
+
+
+@pytest.mark.integration
+def test_malformed_or_unheld_reads_are_refused_and_change_nothing(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    plane = make_plane(nodes=1)
+    first = step(plane, catalog, 0)
+    stub = plane.retinas[plane.nodes[0]].stub
+    trans = plane.trans.stub()
+    current = trans.BeginTrans(tpb.BeginTransRequest(read_only=True), timeout=10)
+    hold = trans.BeginTrans(tpb.BeginTransRequest(read_only=True, as_of_ts=first),
+                            timeout=10)
+
+    def ask(**fields: Any) -> grpc.RpcError:
+        request = rpb.ReadChangesRequest(**{
+            "schema_name": SCHEMA, "table_name": "orders", "from_ts": first - 1,
+            "to_ts": current.timestamp, "trans_id": current.trans_id,
+            "timestamp": current.timestamp, "hold_trans_id": hold.trans_id, **fields})
+        return rpc_error(lambda: list(stub.ReadChanges(request, timeout=10)))
+
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    assert ask(hold_trans_id=0).code() == invalid
+    assert ask(from_ts=first - 2).code() == invalid  # the hold does not hold it
+    assert ask(to_ts=first - 2).code() == invalid  # not a range
+    assert ask(to_ts=current.timestamp + 1).code() == invalid  # after the snapshot
+    assert ask(page_changes=-1).code() == invalid
+    assert ask(columns=["nope"]).code() == invalid
+    assert ask(table_name="nope").code() == grpc.StatusCode.NOT_FOUND
+    assert ask(trans_id=0).code() == invalid
+    # A good request after them: every change of the commit, nothing else changed.
+    replies = list(stub.ReadChanges(rpb.ReadChangesRequest(
+        schema_name=SCHEMA, table_name="orders", from_ts=first - 1, to_ts=current.timestamp,
+        trans_id=current.trans_id, timestamp=current.timestamp,
+        hold_trans_id=hold.trans_id), timeout=10))
+    assert sum(r.change_count for r in replies) == len(plane.model.rows["orders"])
+    assert replies[-1].through_ts == current.timestamp
+    check_feed(plane, "orders", first - 1, ORDER_COLUMNS)
