@@ -131,9 +131,11 @@ class ChangeFeedReader:
     # --- one range ------------------------------------------------------------------------------
     def read(self, schema: str, table: str, from_ts: int, *, to_ts: int = 0,
              columns: Sequence[str] = (), keep_unchanged: bool = False,
-             page_changes: int = 0, heartbeat: bool = False) -> Iterator[Commit]:
+             page_changes: int = 0, heartbeat: bool = False,
+             vnodes: Sequence[int] = ()) -> Iterator[Commit]:
         """The commits in ``(from_ts, to_ts]`` (``to_ts`` 0: up to the newest snapshot), in
-        commit order; with ``heartbeat``, then a change-less commit at the range's end."""
+        commit order; with ``heartbeat``, then a change-less commit at the range's end.
+        ``vnodes``: only the changes of these virtual nodes (a commit's part on them)."""
         with ExitStack() as stack:
             current = stack.enter_context(self._transaction(tpb.BeginTransRequest(
                 read_only=True)))
@@ -145,8 +147,9 @@ class ChangeFeedReader:
                 schema_name=schema, table_name=table, from_ts=from_ts, to_ts=end,
                 columns=list(columns), trans_id=current.trans_id,
                 timestamp=current.timestamp, keep_unchanged_updates=keep_unchanged,
-                page_changes=page_changes, hold_trans_id=hold.trans_id),
-                timeout=self._timeout_s) for node in self._topology.nodes}
+                page_changes=page_changes, hold_trans_id=hold.trans_id,
+                virtual_nodes=owned), timeout=self._timeout_s)
+                for node, owned in self._nodes(vnodes).items()}
             last = from_ts
             for ts, changes in _merged(streams):
                 last = ts
@@ -169,6 +172,15 @@ class ChangeFeedReader:
                 yield commit
             if not changed:
                 time.sleep(poll_s)  # nothing new for this table: ask again in a moment
+
+    def _nodes(self, vnodes: Sequence[int]) -> dict[str, list[int]]:
+        """The nodes to ask and their virtual nodes to read (empty: all of theirs)."""
+        if not vnodes:
+            return {node: [] for node in self._topology.nodes}
+        by_node: dict[str, list[int]] = {}
+        for vnode in sorted(set(vnodes)):
+            by_node.setdefault(self._topology.node_of_vnode(vnode), []).append(vnode)
+        return by_node
 
     # --- transactions ---------------------------------------------------------------------------
     @contextmanager

@@ -97,6 +97,7 @@ class ChangesRequest:
     to_ts: int
     keep_unchanged: bool
     page_changes: int
+    vnodes: frozenset[int]  # the virtual nodes read (every one of this node's)
 
 
 def prepare(node: RetinaNode, request: pb.ReadChangesRequest) -> ChangesRequest:
@@ -112,9 +113,15 @@ def prepare(node: RetinaNode, request: pb.ReadChangesRequest) -> ChangesRequest:
     table = node.table(request.schema_name, request.table_name)  # NOT_FOUND if unknown
     table, asked = asked_columns(node, table, list(request.columns))
     columns = [*table.primary_key, *(c for c in asked if c not in table.primary_key)]
+    vnodes = frozenset(request.virtual_nodes) or node.owned_vnodes
+    foreign = sorted(vnodes - node.owned_vnodes)
+    if foreign:
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"virtual node(s) {foreign} are not {node.node_id}'s (it has "
+                      f"{sorted(node.owned_vnodes)}): ask their owners")
     return ChangesRequest(table, columns, request.from_ts, request.to_ts,
                           request.keep_unchanged_updates,
-                          request.page_changes or DEFAULT_PAGE_CHANGES)
+                          request.page_changes or DEFAULT_PAGE_CHANGES, vnodes)
 
 
 @dataclass
@@ -177,7 +184,8 @@ class ChangeFeed:
 
     def _read(self, request: ChangesRequest) -> pa.Table:
         parts = [self._stream_changes(request, s)
-                 for s in self._node.streams_of_table(request.table.table_id)]
+                 for s in self._node.streams_of_table(request.table.table_id)
+                 if s.vnode in request.vnodes]
         schema = output_schema(request.table, tuple(request.columns))
         changes = [p for p in parts if p.num_rows]
         if not changes:
