@@ -21,7 +21,14 @@ from retina_common.refusal import CHANGES_EXPIRED
 from .dataplane import SCHEMA, DataPlane
 from .feed_model import apply_changes, expected_changes, feed_changes
 from .support import rpc_error
-from .test_as_of_reads import hand_out_safe_gc_ts, maintenance, step
+from .test_as_of_reads import (
+    hand_out_safe_gc_ts,
+    maintenance,
+    rewrite_every_stream,
+    step,
+    sweep_replaced,
+)
+from .test_lineage import revert
 from .test_recovery_protocol import order
 
 ORDER_COLUMNS = ("id", "customer", "amount", "note")
@@ -198,3 +205,41 @@ def test_retina_query_changes_prints_commits_and_a_cursor_that_resumes(
     assert query_main(["changes", f"{SCHEMA}.orders", "--from", str(first - 1),
                        *config]) == 1
     assert "changes_expired" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_the_feed_stays_exact_across_gc_a_revert_sweeps_and_node_kills(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    """A consumer-like cursor held by a pin (the registry holds it the same way): the feed
+    above it is the model's history, change by change, after every rewrite, fold, revert,
+    sweep and kill; Storage GC and recovery add no change."""
+    plane = make_plane(nodes=2, gc_retired_retention_ms=0, sweeper_interval_ms=0,
+                       gc_interval_ms=1000)
+    stub = plane.trans.stub()
+    points = [step(plane, catalog, n) for n in range(3)]
+    cursor = points[1]
+    stub.CreatePin(tpb.CreatePinRequest(name="consumer", ts=cursor + 1), timeout=10)
+    points += [step(plane, catalog, n) for n in range(3, 8)]
+    assert hand_out_safe_gc_ts(plane) == cursor
+    before = check_feed(plane, "orders", cursor, ORDER_COLUMNS)
+
+    def same_commits() -> None:
+        now = check_feed(plane, "orders", cursor, ORDER_COLUMNS)
+        assert [(c.ts, c.changes.to_pylist()) for c in now[:len(before)]] == \
+            [(c.ts, c.changes.to_pylist()) for c in before]
+        check_feed(plane, "events", cursor, ("tenant", "seq", "payload", "ok"))
+
+    rewrites = rewrite_every_stream(plane)
+    assert rewrites
+    assert maintenance(plane) == [cursor] * len(plane.nodes)
+    same_commits()
+    node, reply = rewrites[0]
+    assert revert(plane, node, reply.rewrite_id).record.status == "REVERTED"
+    same_commits()
+    sweep_replaced(plane, catalog)
+    points += [step(plane, catalog, n) for n in range(8, 10)]
+    same_commits()
+    # A cursor below the pin's hold is refused, naming the earliest.
+    with pytest.raises(ChangesExpired) as refused:
+        read_feed(plane, "orders", points[0])
+    assert refused.value.earliest == cursor
