@@ -4,7 +4,9 @@ The feed is derived from what the node already stores, with no change log of its
 (docs/change-feed.md, "Why derived"):
 
 * an INSERT is a row whose ``_commit_ts`` is in the range: every row carries it, in a
-  write-buffer block, an ingest file and a Storage GC output alike;
+  write-buffer block, an ingest file and a Storage GC output alike; a row in its row
+  group's base bitmap although committed after the base (hidden by a recovery's rewind:
+  cleansing.py) was in no snapshot and is none;
 * a DELETE is a deletion-chain item ``(row, ts)`` in the range (visibility.py keeps every
   delete above a row group's base, in memory and in checkpoints); its before image is the
   deleted row itself, still in its file;
@@ -242,6 +244,9 @@ class ChangeFeed:
                 if may_insert:
                     committed = rows.commit_ts[first:first + count]
                     offsets = np.flatnonzero((committed > low) & (committed <= high))
+                    # Rows the rewind hid (in the base, committed after it) were in no
+                    # snapshot: their replayed copies are the inserts.
+                    offsets = offsets[~visibility.in_base(offsets)]
                     if len(offsets):
                         inserted.add(rows, first + offsets, committed[offsets], first_block,
                                      rg_id, offsets.astype(np.int64))

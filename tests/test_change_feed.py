@@ -243,3 +243,4 @@ def test_the_feed_stays_exact_across_gc_a_revert_sweeps_and_node_kills(
     with pytest.raises(ChangesExpired) as refused:
         read_feed(plane, "orders", points[0])
     assert refused.value.earliest == cursor
+
