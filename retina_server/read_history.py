@@ -26,8 +26,8 @@ declared GONE (its changelog is not replayed). Then the range starts at E, as be
   answered below X only outside every inexact range ``[R, X)`` (``[E, X)`` without
   REPLAY_IS_COMPLETE) this node ever had (they are kept in its checkpoints and dropped
   once a fold passed them); inside one it is refused snapshot_expired. Below R it is
-  answered from the checkpoint's history and the replay. A replay that applied nothing
-  leaves no range.
+  answered from the checkpoint's history (the replay applied nothing there). A replay
+  that applied nothing leaves no range.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import pytest
 
 from retina_common import failpoints, storage
 from retina_common.catalog import Catalog
+from retina_common.change_feed import ChangesExpired
 from retina_common.changelog import Changelog
 from retina_common.etcd import EtcdStore
 from retina_common.pb import trans_pb2 as tpb
@@ -30,8 +31,10 @@ from retina_common.refusal import SNAPSHOT_EXPIRED
 from retina_common.writer import WriterSettings
 
 from .dataplane import SCHEMA, DataPlane
+from .feed_model import expected_changes, feed_changes
 from .support import begin_read, begin_write, eventually
 from .test_as_of_reads import published
+from .test_change_feed import read_feed
 from .test_durable_writers import STRICT, admin, event, keyed, read
 from .test_snapshot_immutable import parked
 
@@ -39,6 +42,7 @@ pytestmark = pytest.mark.integration
 
 Rows = dict[bytes, dict[str, Any]]
 FENCE = "update_record.fence.before"
+EVENT_COLUMNS = ("tenant", "seq", "payload", "ok")
 
 
 def rows_on(plane: DataPlane, node: str, n: int) -> list[tuple[int, int]]:
@@ -87,6 +91,20 @@ def check(plane: DataPlane, model: list[tuple[int, Rows]], points: Iterable[int]
         else:
             assert got == want, f"AS OF {ts} differs from what readers saw"
     return refused
+
+
+def feed_served(plane: DataPlane, model: list[tuple[int, Rows]], from_ts: int,
+                to_ts: int) -> bool:
+    """The change feed over ``(from_ts, to_ts]`` equals the model commit by commit (True),
+    or is refused changes_expired (False): never a different change."""
+    try:
+        commits = read_feed(plane, "events", from_ts, to_ts=to_ts)
+    except ChangesExpired:
+        return False
+    got = feed_changes([(c.ts, c.changes) for c in commits], plane.writers["events"].key,
+                       EVENT_COLUMNS)
+    assert got == expected_changes(model, from_ts, to_ts, EVENT_COLUMNS), (from_ts, to_ts)
+    return True
 
 
 def restart(plane: DataPlane, node: str, failpoint: str = "") -> None:
@@ -162,23 +180,31 @@ def test_a_fenced_write_is_not_replayed_and_the_history_around_it_stays_across_t
         points = [t0, t - 1, t, t + 1, t_redo - 1, t_redo, t_redo + 1]
         if not die_at:
             assert check(plane, model, points) == set()  # what readers saw before the crash
+            assert feed_served(plane, model, t0 - 1, t_redo)
             assert log_has(plane, victim, "refused_write_recorded")
 
         # Two restarts in a row; the first one's READY checkpoint fails, so the second
         # replays from the same checkpoint again (the record must still be there).
         restart(plane, victim, "checkpoint.body_write.before=raise*1")
         refused_first = check(plane, model, points)
+        served_first = feed_served(plane, model, t0 - 1, t_redo - 1)
+        assert not feed_served(plane, model, t0 - 1, t_redo)
         restart(plane, victim)
         refused_second = check(plane, model, points)
+        served_second = feed_served(plane, model, t0 - 1, t_redo - 1)
+        assert not feed_served(plane, model, t0 - 1, t_redo)
         assert read(plane, "events") == after
-        for refused in (refused_first, refused_second):
+        for refused, served in ((refused_first, served_first),
+                                (refused_second, served_second)):
             if die_at == "refused_writes.record.before":
                 # No record: the replay applies the batch at T, which no reader of the
                 # first process saw: from T on the node refuses (never answers otherwise).
-                assert t in refused
+                assert t in refused and not served
             else:
-                # Recorded: skipped by the replay; below T' the node answers exactly.
+                # Recorded: skipped by the replay; below T' the node answers exactly, the
+                # change feed included (no change at T).
                 assert not refused & {p for p in points if p < t_redo}, refused
+                assert served
             assert t_redo in refused  # the replay applied T': inexact from there on
         if die_at != "refused_writes.record.before":
             assert log_has(plane, victim, "replay_refused_write_skipped")
