@@ -5,9 +5,11 @@ its writer redoes the batch at a new timestamp T'. Both T and T' are in the writ
 durable changelog (a writer logs before it sends), so a recovery replay would apply the
 batch at T as well, and the rebuilt history would hold a change at T that no reader of
 this node ever saw (docs/history.md, "Restarts"). So before the node answers ABORTED it
-records every timestamp of the request, durably (one LMDB write transaction in the
-primary index's environment, database ``refused_writes``), and recovery replay skips
-those timestamps (replay_admission.py).
+records every timestamp of the request at or below the floor that refused it, durably
+(one LMDB write transaction in the primary index's environment, database
+``refused_writes``), and recovery replay skips those timestamps (replay_admission.py).
+A timestamp of the request above the floor (a CDC batch spans several) is not recorded:
+nothing stops it from being admitted later.
 
 Invariants:
 
@@ -22,11 +24,12 @@ Invariants:
   floor rose; or the replay of a process before this one) is recorded as *partial*, and
   replay applies it as it always did. Every applied write leaves a version at its
   timestamp unless it changed nothing, and after the refusal nothing is applied at that
-  timestamp any more on this node (the floor never falls while the process lives, and
-  replays happen only before READY), so skipping a non-partial timestamp rebuilds
-  exactly what readers saw. The check waits for every admitted write at or below the
-  request's timestamps first (FENCE_WAITS_FOR_ADMITTED), so an earlier part still in
-  its apply is seen.
+  timestamp any more on this node (it is at or below the floor, which never falls while
+  the process lives; a later process raises its floor to the HWM at MarkReady, and every
+  floor is at most the HWM of its time; replays skip it by the record), so skipping a
+  non-partial timestamp rebuilds exactly what readers saw. The check waits for every
+  admitted write at or below the request's timestamps first (FENCE_WAITS_FOR_ADMITTED),
+  so an earlier part still in its apply is seen.
 * A timestamp identifies one transaction of one writer (the TransServer issues each
   timestamp once), so replay matches on the timestamp alone: replay requests do not
   name their writer (changelog_replay.merged_replay_requests), and needn't. The writer

@@ -402,8 +402,8 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate], *, fenced: bool = Tru
             # here finishes (settle included) before such a read looks.
             try:
                 stack.enter_context(node.fence.admit(min(u.ts for u in updates)))
-            except Fenced:
-                _record_refusal(node, updates, writer_id)
+            except Fenced as fenced_by:
+                _record_refusal(node, updates, writer_id, fenced_by.floor)
                 raise
             fp.UPDATE_RECORD_FENCE_AFTER.hit()
         try:
@@ -433,11 +433,13 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate], *, fenced: bool = Tru
     return response
 
 
-def _record_refusal(node: RetinaNode, updates: list[PreparedUpdate], writer_id: str) -> None:
+def _record_refusal(node: RetinaNode, updates: list[PreparedUpdate], writer_id: str,
+                    floor: int) -> None:
     """REFUSED_IS_RECORDED_BEFORE_ANSWERED (refused_writes.py): every timestamp of the
-    refused request, once the writes admitted at or below them have finished (a part of
-    the same transaction still applying must be seen: SKIP_ONLY_WHAT_CHANGED_NOTHING)."""
-    stamps = {u.ts for u in updates}
+    refused request at or below the floor that refused it (a later one may still be
+    admitted), once the writes admitted at or below them have finished (a part of the
+    same transaction still applying must be seen: SKIP_ONLY_WHAT_CHANGED_NOTHING)."""
+    stamps = {u.ts for u in updates if u.ts <= floor}
     node.fence.wait_admitted(max(stamps), "recording a refused write")
     node.refused.record(writer_id, stamps)
 

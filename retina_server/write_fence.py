@@ -55,10 +55,12 @@ DEFAULT_WAIT_S = 30.0
 
 class Fenced(Refusal):
     """ABORTED by LATE_WRITES_FENCED: nothing of the write was applied (update_record.py
-    records the refusal before it answers: refused_writes.py)."""
+    records the refusal before it answers: refused_writes.py). ``floor``: the write floor
+    that refused it; no timestamp at or below it is ever admitted on this node again."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, floor: int) -> None:
         super().__init__(grpc.StatusCode.ABORTED, message)
+        self.floor = floor
 
 
 class WriteFence:
@@ -126,7 +128,7 @@ class WriteFence:
             log.warning("write_fenced", node=self._node_id, ts=ts, floor=floor, why=why)
             raise Fenced(f"write fence: timestamp {ts} is at or below {self._node_id}'s "
                          f"write floor {floor} ({why}): its transaction has ended; redo "
-                         "the batch at a new timestamp")
+                         "the batch at a new timestamp", floor)
         try:
             yield
         finally:

@@ -18,7 +18,8 @@ from retina_server.gc.gc_scheduler import GcScheduler, ReplayFloor
 from retina_server.index import LocalIndexService
 from retina_server.recovery.replay_admission import REFUSED_SKIPPED, to_apply
 from retina_server.refused_writes import RefusedWrites
-from retina_server.update_record import PreparedUpdate
+from retina_server.update_record import PreparedUpdate, _record_refusal
+from retina_server.write_fence import Fenced
 
 from .test_gc_scheduler import bare_node
 
@@ -117,3 +118,17 @@ def test_a_gc_round_prunes_the_records_below_the_replay_floor_only(tmp_path: Pat
     floor.observe(2, 8)
     sched.run_once()
     assert sorted(node.refused.records()) == [9]
+
+
+def test_a_refused_request_records_only_its_timestamps_at_or_below_the_floor(
+        tmp_path: Path) -> None:
+    """A CDC request spans several transactions: the fence refuses it whole when its lowest
+    timestamp is at or below the floor, but one above the floor may still be admitted
+    later, so only the ones at or below it are recorded (then never applied here)."""
+    node = bare_node(tmp_path)
+    node.fence.raise_to(10, "a read at 10")
+    with pytest.raises(Fenced) as refused, node.fence.admit(5):
+        pass
+    assert refused.value.floor == 10
+    _record_refusal(node, [update(5), update(10), update(12)], "cdc", refused.value.floor)
+    assert node.refused.records() == {5: (False, "cdc"), 10: (False, "cdc")}
