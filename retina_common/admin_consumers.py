@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 
-from retina_common.admin_cluster import Cluster
+from retina_common.admin_cluster import Cluster, report_dropped, rpc_failed
 from retina_common.as_of_point import format_ms
 from retina_common.consumers import ConsumerClient, ConsumerState
 
-EXIT_OK, EXIT_FAILED = 0, 1
+EXIT_OK = 0
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -49,45 +49,39 @@ def _client(cluster: Cluster) -> ConsumerClient:
     return ConsumerClient(cluster.trans, cluster.timeout_s)
 
 
-def _failed(exc: grpc.RpcError, what: str) -> int:
-    print(f"retina-admin: {what}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-    return EXIT_FAILED
-
-
-def _show(c: ConsumerState, args: argparse.Namespace) -> None:
+def _answer(args: argparse.Namespace, call: Callable[[], ConsumerState]) -> int:
+    """Run a register or commit; print the consumer it answers."""
+    try:
+        c = call()
+    except grpc.RpcError as exc:
+        return rpc_failed(exc, f"consumer {args.name}")
     if args.json:
         print(json.dumps(c.to_dict(), indent=2))
     else:
         print(f"consumer {c.name} at cursor {c.cursor_ts}"
               + (f" ({c.table})" if c.table else "")
               + f", {c.lag_ms} ms / {c.lag_commits} commit(s) behind")
+    return EXIT_OK
 
 
 def cmd_consumer_register(cluster: Cluster, args: argparse.Namespace) -> int:
     client = _client(cluster)
-    try:
+
+    def register() -> ConsumerState:
         cursor = client.high_watermark() if args.cursor is None else args.cursor
-        consumer = client.register(args.name, cursor, args.table)
-    except grpc.RpcError as exc:
-        return _failed(exc, f"consumer {args.name}")
-    _show(consumer, args)
-    return EXIT_OK
+        return client.register(args.name, cursor, args.table)
+    return _answer(args, register)
 
 
 def cmd_consumer_commit(cluster: Cluster, args: argparse.Namespace) -> int:
-    try:
-        consumer = _client(cluster).commit(args.name, args.cursor)
-    except grpc.RpcError as exc:
-        return _failed(exc, f"consumer {args.name}")
-    _show(consumer, args)
-    return EXIT_OK
+    return _answer(args, lambda: _client(cluster).commit(args.name, args.cursor))
 
 
 def cmd_consumer_list(cluster: Cluster, args: argparse.Namespace) -> int:
     try:
         listed = _client(cluster).list()
     except grpc.RpcError as exc:
-        return _failed(exc, "consumers")
+        return rpc_failed(exc, "consumers")
     if args.json:
         print(json.dumps({"consumers": [c.to_dict() for c in listed.consumers],
                           "max_consumer_lag_ms": listed.max_consumer_lag_ms}, indent=2))
@@ -108,11 +102,5 @@ def cmd_consumer_drop(cluster: Cluster, args: argparse.Namespace) -> int:
     try:
         dropped = _client(cluster).drop(args.name)
     except grpc.RpcError as exc:
-        return _failed(exc, f"consumer {args.name}")
-    if args.json:
-        print(json.dumps({"name": args.name, "dropped": dropped}))
-    elif dropped:
-        print(f"consumer {args.name} dropped")
-    else:
-        print(f"retina-admin: no consumer named {args.name}", file=sys.stderr)
-    return EXIT_OK if dropped else EXIT_FAILED
+        return rpc_failed(exc, f"consumer {args.name}")
+    return report_dropped("consumer", args.name, dropped, args.json)

@@ -1,6 +1,6 @@
 """Registered change-feed consumers at a real TransServer process (etcd and PostgreSQL real,
 the query gate off): register, commit, drop and list; the hold on safeGcTs across SIGKILL
-restarts; the lag drop; SIGKILL at every durable step (docs/write-paths/history.md, C1-C4)."""
+restarts; the lag drop; SIGKILL at every durable step (docs/write-paths/history.md, H4)."""
 
 from __future__ import annotations
 
@@ -240,7 +240,7 @@ def test_a_consumer_lagging_past_the_limit_is_dropped_and_its_hold_released(
     assert sorted(listed(stub)) == ["dead", "live"]
 
 
-# --- crash windows (docs/write-paths/history.md, C1-C4) -------------------------------------
+# --- crash windows (docs/write-paths/history.md, H4) -------------------------------------
 @pytest.mark.parametrize("point", [
     "trans.consumer.register.before", "trans.consumer.register.after",
     "trans.consumer.commit.before", "trans.consumer.commit.after",

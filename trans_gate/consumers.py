@@ -6,7 +6,7 @@ consumer holds safeGcTs at or below C (transactions.py, SAFE_GC_BELOW_READERS; f
 happens at safeGcTs, NO_READ_BELOW_FOLD). It is the mechanism of the pins (pins.py) with a
 cursor that moves forward. Consumers live in etcd under
 ``/pixels/trans/history/consumers/<name>`` (:class:`ConsumerStore`); :class:`Consumers`
-orders memory and etcd so that every crash is safe (docs/write-paths/history.md, C1-C4):
+orders memory and etcd so that every crash is safe (docs/write-paths/history.md, H4):
 
 * register: admit and hold in memory first, under the transaction table's lock, where
   ``horizon <= C <= HWM`` is checked (CONSUMER_AT_OR_ABOVE_HORIZON: below the horizon the
