@@ -172,7 +172,7 @@ class Consumers:
             self._consumers = dict(loaded)
         return sorted(loaded.values(), key=lambda c: c.name)
 
-    def register(self, name: str, cursor: int, table: str) -> Consumer:
+    def register(self, name: str, cursor: int, table: str = "") -> Consumer:
         check_name(name)
         check_cursor(name, cursor)
         check_table(table)

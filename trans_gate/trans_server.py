@@ -163,7 +163,11 @@ class TransServer:
             HWM_GAUGE.set(self.table.high_watermark())
             SAFE_GC.set(self.table.peek_safe_gc_ts())
             self._history_gauges()
-            self._check_consumers()
+            try:
+                self._check_consumers()
+            except Exception as exc:  # never stop the lease reaper; a consumer kept holds more
+                self._log.error("consumer_check_failed", error=str(exc),
+                                error_type=type(exc).__name__)
             snapshot, now = self.gate.snapshot, now_ms()
             for node in self.gate.expected_nodes:
                 ready = self.gate.availability(node, snapshot, now) == NodeAvailability.READY

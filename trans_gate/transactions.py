@@ -248,6 +248,14 @@ class TransactionTable:
         with self._lock:
             self._cursors.pop(name, None)
 
+    def _record_committed(self, ts: int) -> None:
+        """Keep the record ascending; commits mostly end in timestamp order (an append)."""
+        writes = self._committed_writes
+        if not writes or ts > writes[-1]:
+            writes.append(ts)
+        else:
+            insort(writes, ts)
+
     def committed_writes_above(self, ts: int) -> int:
         """Write transactions committed above ``ts`` in this incarnation (those of an
         earlier one are not known: the count starts at this TransServer's start)."""
@@ -286,7 +294,7 @@ class TransactionTable:
             for trans in live:
                 self._end(trans, EndReason.COMMITTED)
                 if trans.kind == TransKind.WRITE:
-                    insort(self._committed_writes, trans.timestamp)
+                    self._record_committed(trans.timestamp)
             return self._compute_hwm()
 
     def rollback(self, trans_id: int) -> int:
