@@ -55,17 +55,15 @@ SOURCES_NOT_REPLAYED = "EVERY_SOURCE_REPLAYED: replay sources not replayed"
 # ``earliest_readable_ts=N earliest_readable_time_ms=M`` (M = 0: not known there);
 # :func:`earliest_readable` reads them back. Never a partial, empty or wrong answer.
 SNAPSHOT_EXPIRED = "snapshot_expired"
-# The first word of a FAILED_PRECONDITION refusing a change-feed cursor whose changes are
-# no longer all kept (docs/change-feed.md): a cursor C asks for every change committed
-# above C, which needs every deletion-chain item above C, so C below the GC horizon (or
-# below a row group's folded base) is refused, never answered with a gap. The details
-# name the lowest cursor still accepted as ``earliest_cursor_ts=N``;
-# :func:`earliest_cursor` reads it back.
-CHANGES_EXPIRED = "changes_expired"
 # The first word of a FAILED_PRECONDITION refusing an AS OF wall-clock time the
 # TransServer's time map cannot place (it was down, or had crashed, then): pass a
 # timestamp, or a time outside the gaps `retina-admin status` lists.
 AS_OF_TIME_UNMAPPED = "as_of_time_unmapped"
+# The first word of a FAILED_PRECONDITION refusing a change-feed cursor whose changes are
+# no longer kept (docs/change-feed.md): the details name the earliest cursor the feed
+# answers as ``earliest_cursor_ts=N``; :func:`earliest_cursor` reads it back. Never a
+# silent gap, never a full scan in its place.
+CHANGES_EXPIRED = "changes_expired"
 
 
 class Refusal(Exception):
@@ -157,18 +155,17 @@ def earliest_readable(details: str) -> tuple[int, int] | None:
     return (int(found.group(1)), int(found.group(2))) if found else None
 
 
-def changes_expired(message: str, earliest_ts: int) -> Refusal:
-    """The refusal of a change-feed cursor whose changes are gone (CHANGES_EXPIRED);
-    ``earliest_ts`` is the lowest cursor still accepted: every change above it is kept."""
+def changes_expired(what: str, earliest_ts: int) -> Refusal:
+    """The refusal of a change-feed cursor whose changes are gone (CHANGES_EXPIRED)."""
     return Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                   f"{CHANGES_EXPIRED}: {message}; earliest_cursor_ts={earliest_ts}")
+                   f"{CHANGES_EXPIRED}: {what}; earliest_cursor_ts={earliest_ts}")
 
 
 _EARLIEST_CURSOR = re.compile(r"earliest_cursor_ts=(\d+)")
 
 
 def earliest_cursor(details: str) -> int | None:
-    """earliest_cursor_ts of a CHANGES_EXPIRED refusal's details; None for any other
+    """The earliest cursor a CHANGES_EXPIRED refusal's details name; None for any other
     status text."""
     if not details.startswith(CHANGES_EXPIRED):
         return None
