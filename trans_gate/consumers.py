@@ -98,7 +98,7 @@ class Consumer(JsonRecord):
 
 @dataclass(frozen=True)
 class Lag:
-    ms: int  # wall-clock age of the oldest change above the cursor (0: none)
+    ms: int  # how long ago the HWM passed the cursor (0: it has not)
     commits: int  # write transactions committed above the cursor (this incarnation's)
 
 
