@@ -100,7 +100,7 @@ class TransConfig:
     time_map_sample_ms: int = 100
     time_map_flush_ms: int = 1000
     # Change-feed consumers (docs/change-feed.md): a registered consumer's cursor holds
-    # safeGcTs until the oldest change above it is older than this; then the consumer is
+    # safeGcTs until the HWM passed it longer ago than this; then the consumer is
     # dropped (its hold released), so one dead consumer cannot stop all cleanup. An hour,
     # like history_retention_ms: what a restarted consumer or a paged person needs.
     max_consumer_lag_ms: int = 3_600_000

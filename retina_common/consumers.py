@@ -24,7 +24,7 @@ class ConsumerState:
     table: str
     created_ms: int
     renewed_ms: int
-    lag_ms: int  # wall-clock age of the oldest change above the cursor (0: none)
+    lag_ms: int  # how long ago the high watermark passed the cursor (0: it has not)
     lag_commits: int  # write transactions committed above it (since the TransServer's start)
 
     @classmethod

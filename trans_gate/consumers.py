@@ -262,7 +262,7 @@ class Consumers:
         cursor = consumer.cursor_ts
         if cursor >= self._holder.high_watermark():
             return Lag(0, 0)
-        since = self._time_of(cursor + 1)  # when the oldest change above it was visible
+        since = self._time_of(cursor + 1)  # when the HWM passed the cursor
         ms = max(0, self._clock_ms() - since) if since else 0
         return Lag(ms, self._holder.committed_writes_above(cursor))
 

@@ -53,7 +53,7 @@ OLDEST_PIN = Gauge("trans_oldest_pin_ts", "The lowest pinned timestamp (-1: no p
 HISTORY_RETENTION = Gauge("trans_history_retention_ms", "trans.history_retention_ms as configured")
 CONSUMERS = Gauge("retina_consumers", "Registered change-feed consumers")
 CONSUMER_LAG_MS = Gauge("retina_consumer_lag_ms",
-                        "Wall-clock age of the oldest change above a consumer's cursor",
+                        "How long ago the high watermark passed a consumer's cursor",
                         ["consumer"])
 CONSUMER_LAG_COMMITS = Gauge("retina_consumer_lag_commits",
                              "Write transactions committed above a consumer's cursor "
