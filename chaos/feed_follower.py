@@ -4,7 +4,7 @@ the replica against the snapshot the feed ends at.
 
 The follower starts with a snapshot (every table read whole at S0, the replica) and then
 follows from S0, as a consumer that starts with a snapshot does. Its cursor is held the way
-a registered consumer's is: a pin (``chaos-feed``) at cursor + 1, moved forward after each
+a registered consumer's is: a pin (``chaos-feed-<cursor>``) at the cursor, moved forward after each
 read, so Storage GC, folds and the 20 s history retention never pass it.
 
 Once healed, per episode (every node READY, the connector caught up):
@@ -87,10 +87,11 @@ class FeedFollower:
                 self._trans.DropPin(tpb.DropPinRequest(name=self._pin), timeout=10)
 
     def _move_pin(self, cursor: int) -> None:
-        """Hold safeGcTs at or below ``cursor``: the new pin at cursor + 1 first, then the
-        old one dropped (a failure in between holds more, never less)."""
+        """Hold safeGcTs below ``cursor`` (a pin at it: at cursor + 1 would be above the
+        HWM when nothing was committed since): the new pin first, then the old one dropped
+        (a failure in between holds more, never less)."""
         name = f"{PIN}-{cursor}"
-        self._trans.CreatePin(tpb.CreatePinRequest(name=name, ts=cursor + 1), timeout=10)
+        self._trans.CreatePin(tpb.CreatePinRequest(name=name, ts=cursor), timeout=10)
         old, self._pin = self._pin, name
         if old:
             with contextlib.suppress(grpc.RpcError):  # a later move drops it again
@@ -171,8 +172,14 @@ class FeedFollower:
         differ = [k for k in image.keys() | replica.keys() if image.get(k) != replica.get(k)]
         if differ:
             self.counts["lost"] += len(differ)
+            only_feed = sorted((k for k in differ if k not in image), key=repr)
+            only_snapshot = sorted((k for k in differ if k not in replica), key=repr)
+            changed = sorted((k for k in differ if k in image and k in replica), key=repr)
             self._anomaly("feed_lost", f"{name}: the feed up to {end} leaves {len(differ)} "
-                          f"keys unlike the snapshot (e.g. {sorted(differ, key=repr)[:3]})")
+                          f"keys unlike the snapshot: {len(only_feed)} the snapshot lacks "
+                          f"{only_feed[:3]}, {len(only_snapshot)} the replica lacks "
+                          f"{only_snapshot[:3]}, {len(changed)} with other values "
+                          f"{changed[:3]}")
             self._replica[name] = image  # go on from the snapshot
 
     def _reread_previous(self) -> None:
