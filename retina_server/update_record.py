@@ -91,6 +91,7 @@ from retina_server.index_errors import IndexBackendError
 from retina_server.main_index import RowIdRange
 from retina_server.node import NodeFailedClosed, RetinaNode, Stream
 from retina_server.primary_index import MAX_KEY_BYTES
+from retina_server.source_positions import MAX_POSITION_BYTES
 from retina_server.write_buffer import AppendHandle, SettleMode
 
 PARTS = Counter("retina_update_record_parts_total",
@@ -107,6 +108,7 @@ class PreparedUpdate:
     insert_keys: list[bytes]
     insert_columns: list[pa.Array]
     truncate: bool = False  # every live key of (table, vnode) deleted first
+    source_position: str = ""  # the commit's source position (source_positions.py)
 
 
 def _invalid(message: str) -> Refusal:
@@ -123,6 +125,7 @@ def prepare(node: RetinaNode, request: pb.UpdateRecordRequest,
     rows = sum(_rows(t) for t in request.table_update_data)
     if rows > max_rows:
         raise _invalid(f"request carries {rows} rows; the limit is {max_rows}")
+    _check_source_positions(request)
     prepared = [_prepare_one(node, request.schema_name, tud)
                 for tud in request.table_update_data]
     columnar = sum(1 for t in request.table_update_data
@@ -130,6 +133,23 @@ def prepare(node: RetinaNode, request: pb.UpdateRecordRequest,
     PARTS.labels(form="columnar").inc(columnar)
     PARTS.labels(form="row").inc(len(prepared) - columnar)
     return prepared
+
+
+def _check_source_positions(request: pb.UpdateRecordRequest) -> None:
+    """ONE_POSITION_PER_TS: every TableUpdateData of one timestamp carries the same
+    source position (one timestamp is one source transaction), of at most
+    MAX_POSITION_BYTES."""
+    seen: dict[int, str] = {}
+    for tud in request.table_update_data:
+        position = tud.source_position
+        if len(position.encode()) > MAX_POSITION_BYTES:
+            raise _invalid(f"{tud.table_name}: source_position of {len(position.encode())} "
+                           f"bytes; the limit is {MAX_POSITION_BYTES}")
+        first = seen.setdefault(tud.timestamp, position)
+        if first != position:
+            raise _invalid(f"{tud.table_name}: source_position {position!r} at timestamp "
+                           f"{tud.timestamp} differs from {first!r} of the same timestamp "
+                           "in this request (one timestamp is one source transaction)")
 
 
 def _rows(tud: pb.TableUpdateData) -> int:
@@ -241,7 +261,7 @@ def _prepare_one(node: RetinaNode, schema_name: str, tud: pb.TableUpdateData) ->
                 raise _invalid(f"{tud.table_name}.{column.name}: {exc}") from None
         _check_keys_match_rows(table, tud.table_name, insert_keys, columns)
     return PreparedUpdate(table, vnode, tud.timestamp, delete_keys, insert_keys, columns,
-                          tud.truncate)
+                          tud.truncate, tud.source_position)
 
 
 def _columnar_deletes(node: RetinaNode, tud: pb.TableUpdateData,
@@ -379,10 +399,11 @@ def _check_no_live_inserts(node: RetinaNode, updates: list[PreparedUpdate]) -> N
             live[(tid, key)] = True
 
 
-def apply(node: RetinaNode, updates: list[PreparedUpdate], *,
-          fenced: bool = True) -> pb.UpdateRecordResponse:
+def apply(node: RetinaNode, updates: list[PreparedUpdate], *, fenced: bool = True,
+          writer_id: str = "") -> pb.UpdateRecordResponse:
     """Apply a validated request. ``fenced``: an ordinary write, admitted only above the
-    write floor (LATE_WRITES_FENCED); a recovery replay passes False."""
+    write floor (LATE_WRITES_FENCED); a recovery replay passes False. ``writer_id``: the
+    request's, stored with its source positions."""
     node.check_writable()
     streams = {(u.table.table_id, u.vnode): node.stream(u.table, u.vnode) for u in updates}
     order = [streams[k] for k in sorted(streams)]
@@ -412,6 +433,9 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate], *,
                                          deleted_rows=deleted, inserted_rows=inserted)
                     response.deleted_rows += deleted
                     response.inserted_rows += inserted
+                # POSITION_DURABLE_WITH_APPLY: in the batch, committed with the versions.
+                node.source_positions.put(writer_id, {u.ts: u.source_position
+                                                      for u in updates if u.source_position})
         except BaseException as exc:
             for stream, u, handles in staged:
                 _compensate(node, stream, u, handles)

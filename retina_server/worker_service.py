@@ -97,7 +97,7 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             updates = prepare(self._node, request, self._max_rows)
             self._writers.admit(request.writer_id)  # WRITES_HAVE_A_REPLAY_SOURCE
             self._node.check_writable()
-            response = apply(self._node, updates)
+            response = apply(self._node, updates, writer_id=request.writer_id)
         response.request_id = request.request_id
         APPLIED_ROWS.labels(op="delete").inc(response.deleted_rows)
         APPLIED_ROWS.labels(op="insert").inc(response.inserted_rows)
@@ -117,7 +117,7 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             updates = prepare(self._node, request, self._max_rows)
             applied = replay_admission.to_apply(updates, starts, mode)
             self._node.check_writable()
-            return apply(self._node, applied, fenced=False)
+            return apply(self._node, applied, fenced=False, writer_id=request.writer_id)
 
     def _admit_read(self, ts: int, trans_id: int, snapshot_read: bool) -> int:
         """READY, a live read transaction whose snapshot is not below ``ts`` and that this
