@@ -8,7 +8,9 @@ state the replay starts from, however far ahead of the checkpoint it was when
 the process died.
 
 This module answers in row ids only; where a row id lives is the MainIndex's
-(main_index.py), and the two meet in the facade (index.py).
+(main_index.py), and the two meet in the facade (index.py). The node's source
+positions (source_positions.py) are a named database of the same environment
+(``open_store``), written in the same request transaction and pruned with it.
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@ index id, a wrong key count, a value that does not decode, duplicate keys in
 one insert batch, an INSERT whose key bytes are not the encoding of its own
 key columns (or whose key column is NULL), a key that does not route to the
 named virtual node, a virtual node this node does not own, an oversized
-request, and a standalone INSERT of a key that is live (ALREADY_EXISTS: a CDC
-insert is always sent as DELETE + INSERT, so a retried one converges instead).
+request, a source position over MAX_POSITION_BYTES or two different positions at one
+timestamp (ONE_POSITION_PER_TS), and a standalone INSERT of a key that is live
+(ALREADY_EXISTS: a CDC insert is always sent as DELETE + INSERT, so a retried one
+converges instead).
 A TableUpdateData in the columnar form (``retina_common.columnar``: Arrow IPC
 key and row streams) is decoded and validated in full first; its keys are
 computed from the rows' key columns, and every rule above applies to it too.
@@ -41,10 +43,12 @@ Apply, per TableUpdateData in request order (section 5, "Unified write order"):
   and no visible row behind, and the sealed file can close.
 
 Every primary-index write of a request is one durable LMDB transaction (one
-fsync per request): the inserts' rows become visible only after it
-committed, so "putPrimaryEntriesOnly before publishPendingAppend(visible)" holds for the
-durable state too. If the commit fails, every staged insert of the request
-is compensated; DELETE effects already applied to visibility stay, and a
+fsync per request; the request's source positions are put in it too:
+POSITION_DURABLE_WITH_APPLY, source_positions.py). The inserts' rows become
+visible only after it committed, so "putPrimaryEntriesOnly before
+publishPendingAppend(visible)" holds for the durable state too. If the commit
+fails, every staged insert of the request is compensated; DELETE effects
+already applied to visibility stay, and a
 retry converges over them (re-deleting changes nothing).
 
 A CDC replace is a DELETE and an INSERT of the same key in one
