@@ -116,12 +116,20 @@ def main() -> None:
 
 
 def prune_positions(node: RetinaNode, count: int) -> None:
-    """Store ``count`` positions (below every timestamp above), then time dropping them
-    in one transaction, as a GC round's prune does (PrimaryIndex.prune_versions)."""
+    """Store ``count`` positions (below every timestamp above), one ``put`` per request
+    as UpdateRecord does (timed: its cost in a request, the shared commit aside), then
+    time dropping them in one transaction, as a GC round's prune does
+    (PrimaryIndex.prune_versions)."""
+    put = node.source_positions.put
+    spent = 0.0
     for start in range(1, count + 1, 10_000):
         with node.index.primary.write_batch():
-            node.source_positions.put("bench", {ts: f"0/{ts:X}" for ts in
-                                                range(start, min(start + 10_000, count + 1))})
+            t0 = time.perf_counter()
+            for ts in range(start, min(start + 10_000, count + 1)):
+                put("bench", {ts: f"0/{ts:X}"})
+            spent += time.perf_counter() - t0
+    print(f"put      {spent / count * 1e6:.1f} µs per request's position (in its write "
+          "batch, before the batch's one commit)")
     t0 = time.perf_counter()
     with node.index.primary.transaction() as txn:
         dropped = node.source_positions.drop_below(txn, count + 1)

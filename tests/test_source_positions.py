@@ -129,6 +129,22 @@ def test_a_prune_drops_the_positions_below_its_horizon_with_it(tmp_path: Path) -
     assert positions.count() == 0 and index.pruned_below == 100
 
 
+def test_a_prune_whose_horizon_transaction_fails_records_and_drops_nothing(
+        tmp_path: Path) -> None:
+    index, positions = store(tmp_path / "p.lmdb")
+    positions.put("w", {ts: f"p{ts}" for ts in range(1, 6)})
+
+    def failing(txn: object, horizon: int) -> None:
+        positions.drop_below(txn, horizon)  # type: ignore[arg-type]
+        raise OSError("the disk went away mid-transaction")
+
+    with pytest.raises(OSError):
+        index.prune_versions(4, 0, below_horizon=failing)
+    assert positions.count() == 5 and index.pruned_below == 0  # one transaction: neither
+    index.prune_versions(4, 0, below_horizon=positions.drop_below)
+    assert sorted(positions.positions(range(1, 6))) == [4, 5] and index.pruned_below == 4
+
+
 def test_a_gc_round_prunes_the_node_s_positions_below_its_horizon(tmp_path: Path) -> None:
     node = bare_node(tmp_path)
     for ts in range(1, 11):
