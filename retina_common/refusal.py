@@ -59,6 +59,11 @@ SNAPSHOT_EXPIRED = "snapshot_expired"
 # TransServer's time map cannot place (it was down, or had crashed, then): pass a
 # timestamp, or a time outside the gaps `retina-admin status` lists.
 AS_OF_TIME_UNMAPPED = "as_of_time_unmapped"
+# The first word of a FAILED_PRECONDITION refusing a change-feed cursor whose changes are
+# no longer kept (docs/change-feed.md): the details name the earliest cursor the feed
+# answers as ``earliest_cursor_ts=N``; :func:`earliest_cursor` reads it back. Never a
+# silent gap, never a full scan in its place.
+CHANGES_EXPIRED = "changes_expired"
 
 
 class Refusal(Exception):
@@ -148,6 +153,24 @@ def earliest_readable(details: str) -> tuple[int, int] | None:
         return None
     found = _EARLIEST.search(details)
     return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def changes_expired(what: str, earliest_ts: int) -> Refusal:
+    """The refusal of a change-feed cursor whose changes are gone (CHANGES_EXPIRED)."""
+    return Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                   f"{CHANGES_EXPIRED}: {what}; earliest_cursor_ts={earliest_ts}")
+
+
+_EARLIEST_CURSOR = re.compile(r"earliest_cursor_ts=(\d+)")
+
+
+def earliest_cursor(details: str) -> int | None:
+    """The earliest cursor a CHANGES_EXPIRED refusal's details name; None for any other
+    status text."""
+    if not details.startswith(CHANGES_EXPIRED):
+        return None
+    found = _EARLIEST_CURSOR.search(details)
+    return int(found.group(1)) if found else None
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:

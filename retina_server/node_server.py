@@ -45,6 +45,7 @@ from retina_common.process_config import load_process_config
 from retina_common.replay_ts import derive
 from retina_common.storage import root_uri
 from retina_common.topology import Topology, load_topology
+from retina_server.change_feed import ChangeFeed
 from retina_server.gc.gc_job import GcJobLauncher, require_spark
 from retina_server.gc.gc_journal import GcJournal
 from retina_server.gc.gc_scheduler import GcScheduler, ReplayFloor
@@ -175,11 +176,12 @@ def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> 
                                recovery.announce_ready,
                                RestartFence(node, trans.fresh_timestamp),
                                check_sources=writers.check_replayed)
+    lookup = row_lookup(node, catalog, rc.lookup_cache_mb << 20)
     retina_pb2_grpc.add_RetinaWorkerServiceServicer_to_server(
         RetinaService(node, recovery, barrier, machine,
                       ReadTransactionGuard(trans.trans_status),
                       rc.max_rows_per_request, gc, scheduler, sweeper, lineage, writers,
-                      row_lookup(node, catalog, rc.lookup_cache_mb << 20)),
+                      lookup, ChangeFeed(node, lookup)),
         handle.server)
     return NodeParts(node_id, topology, catalog, index, node, handle, machine, announcer,
                      recovery, replay_floor, stop, rc.metrics_listen)

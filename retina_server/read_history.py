@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 import grpc
 
-from retina_common.refusal import Refusal, snapshot_expired
+from retina_common.refusal import Refusal, changes_expired, snapshot_expired
 
 
 class ReadHistory:
@@ -86,6 +86,21 @@ class ReadHistory:
                 f"snapshot {low} is in [{gap[0]}, {gap[1]}), history {self._node_id} rebuilt "
                 "from the changelogs when it recovered from a restart (HISTORY_REBUILT_IS_"
                 "REFUSED); read below it or at or above it", gap[1])
+
+
+    def check_changes(self, from_ts: int, to_ts: int) -> None:
+        """The change feed over ``(from_ts, to_ts]`` (change_feed.py): refused
+        changes_expired when the range reaches into history a recovery rebuilt."""
+        with self._lock:
+            # The commits read are (from_ts, to_ts]; a rebuilt range [E, X) holds
+            # the commits at E .. X - 1.
+            gap = next((g for g in self._gaps if from_ts + 1 < g[1] and g[0] <= to_ts),
+                       None)
+        if gap is not None:
+            raise changes_expired(
+                f"changes in ({from_ts}, {to_ts}] reach into [{gap[0]}, {gap[1]}), history "
+                f"{self._node_id} rebuilt from the changelogs when it recovered from a "
+                "restart (HISTORY_REBUILT_IS_REFUSED)", gap[1])
 
 
 def _merged(gaps: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -119,7 +119,7 @@ def prepare(node: RetinaNode, request: pb.LookupRowsRequest, max_keys: int) -> L
     if request.timestamp <= 0:
         raise _invalid("timestamp must be the positive snapshot of the read transaction")
     table = node.table(request.schema_name, request.table_name)  # NOT_FOUND if unknown
-    table, columns = _columns(node, table, list(request.columns))
+    table, columns = asked_columns(node, table, list(request.columns))
     if request.keys and request.key_columns_arrow:
         raise _invalid("give the keys either as keys or as key_columns_arrow, not both")
     try:  # counted before anything is decoded
@@ -133,8 +133,8 @@ def prepare(node: RetinaNode, request: pb.LookupRowsRequest, max_keys: int) -> L
     return LookupRequest(table, keys, columns, request.timestamp)
 
 
-def _columns(node: RetinaNode, table: TableRecord,
-             wanted: list[str]) -> tuple[TableRecord, list[str]]:
+def asked_columns(node: RetinaNode, table: TableRecord,
+                  wanted: list[str]) -> tuple[TableRecord, list[str]]:
     """The asked columns (empty: every column), each a column of the table; a name the
     cached table lacks re-reads it once (a column may have been added)."""
     names = [c.name for c in table.columns]
@@ -306,11 +306,11 @@ class RowLookup:
         deleted = np.zeros(len(files), bool)  # per key
         units: list[RowGroupRows] = []
         unit_of = np.zeros(len(starts), np.int64)
-        batch = _BatchMemo()
+        batch = ReadMemo()
         for g, (start, end, file_id, rg_id) in enumerate(zip(
                 starts.tolist(), ends.tolist(), files[starts].tolist(), rgs[starts].tolist(),
                 strict=True)):
-            found = self._row_group(table.table_id, file_id, rg_id, batch)
+            found = self.row_group(table.table_id, file_id, rg_id, batch)
             if found is None:
                 served[g] = False  # an orphan: its row is in no file this node serves
                 unit_of[g] = max(len(units) - 1, 0)  # keeps key_unit sorted (masked out)
@@ -347,8 +347,8 @@ class RowLookup:
         return _answer(len(request.keys), gathered,
                        _output_schema(table, tuple(request.columns)))
 
-    def _row_group(self, table_id: int, file_id: int, rg_id: int,
-                   batch: _BatchMemo) -> tuple[RGVisibility, RowGroupRows] | None:
+    def row_group(self, table_id: int, file_id: int, rg_id: int,
+                  batch: ReadMemo) -> tuple[RGVisibility, RowGroupRows] | None:
         """Row group ``rg_id`` of a file this node serves (its visibility, and decoded rows
         that hold it), else None (an orphan). ``batch``: what this read found already."""
         if file_id != batch.file_id:
@@ -396,7 +396,7 @@ class RowLookup:
 BUFFERED = -1  # the third part of a write-buffer block's cache key
 
 
-class _BatchMemo:
+class ReadMemo:
     """What one read found about the file and the span it read last (its row groups come
     in file, then row-group order), so that each is looked up once a read."""
 

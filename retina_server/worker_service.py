@@ -29,6 +29,8 @@ from retina_common.log import get_logger
 from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc as pb_grpc
 from retina_common.refusal import Refusal, abort, status_of
+from retina_server import change_feed
+from retina_server.change_feed import ChangeFeed
 from retina_server.gc.gc_scheduler import GcScheduler
 from retina_server.gc.lineage import Lineage, LineageRecord
 from retina_server.gc.rewrites import StorageGc
@@ -61,9 +63,11 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
                  barrier: MarkReadyBarrier, machine: LifecycleStateMachine,
                  reads: ReadTransactionGuard, max_rows_per_request: int,
                  gc: StorageGc, scheduler: GcScheduler, sweeper: Sweeper,
-                 lineage: Lineage, writers: RegisteredWriters, lookup: RowLookup) -> None:
+                 lineage: Lineage, writers: RegisteredWriters, lookup: RowLookup,
+                 feed: ChangeFeed) -> None:
         self._node = node
         self._lookup = lookup
+        self._feed = feed
         self._writers = writers
         self._gc = gc
         self._sweeper = sweeper
@@ -175,6 +179,48 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
                 found=answer.found.tolist(), commit_ts=answer.commit_ts.tolist(),
                 rows_arrow=sink.getvalue().to_pybytes(), timestamp=request.timestamp)
         return self._guard(context, run)
+
+    def ReadChanges(self, request: pb.ReadChangesRequest,
+                    context: grpc.ServicerContext) -> Iterator[pb.ReadChangesResponse]:
+        def run() -> tuple[pa.Table, int]:
+            self._machine.admit(Request.READ)
+            # Validation before the read is admitted (admitting raises the write fence).
+            changes = change_feed.prepare(self._node, request)
+            self._admit_changes(request)
+            table = self._feed.read(changes)
+            self._machine.admit(Request.READ)  # not READY any more: not answered
+            return table, changes.page_changes
+
+        table, page_changes = self._guard(context, run)
+        for page, through in change_feed.pages(table, page_changes, request.to_ts):
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, page.schema, options=IPC_OPTIONS) as writer:
+                writer.write_table(page)
+            yield pb.ReadChangesResponse(changes_arrow=sink.getvalue().to_pybytes(),
+                                         change_count=page.num_rows, through_ts=through)
+
+    def _admit_changes(self, request: pb.ReadChangesRequest) -> None:
+        """A live read transaction whose snapshot is at or after ``to_ts``, another whose
+        snapshot is at or below ``from_ts + 1`` holding the range (FEED_READS_ABOVE_BASE), a
+        range whose history this node has exactly (read_history.py); then
+        LATE_WRITES_FENCED at ``to_ts``."""
+        read = self._reads.check(request.trans_id, request.to_ts)
+        if request.hold_trans_id <= 0:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          "hold_trans_id: a live read transaction whose snapshot is at or "
+                          "below from_ts must hold the range's history while it is read")
+        hold = self._reads.check(request.hold_trans_id)
+        # A live snapshot h keeps safeGcTs at or below h - 1 (SAFE_GC_BELOW_READERS), so an
+        # AS OF transaction at from_ts + 1 holds every delete above from_ts.
+        if hold.timestamp > request.from_ts + 1:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"hold transaction {request.hold_trans_id}'s snapshot "
+                          f"{hold.timestamp} is above from_ts + 1 = {request.from_ts + 1}: "
+                          "it does not hold the range's history")
+        self._node.history.check(read.timestamp, None, request.trans_id, read.as_of)
+        self._node.history.check_changes(request.from_ts, request.to_ts)
+        self._node.fence.raise_to(request.to_ts, f"read transaction {request.trans_id} "
+                                                 f"reading changes to {request.to_ts}")
 
     def QueryVisibility(self, request: pb.QueryVisibilityRequest,
                         context: grpc.ServicerContext) -> pb.QueryVisibilityResponse:

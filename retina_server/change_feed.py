@@ -1,0 +1,423 @@
+"""ReadChanges on one node: every change of a table committed in ``(from_ts, to_ts]``.
+
+The feed is derived from what the node already stores, with no change log of its own
+(docs/change-feed.md, "Why derived"):
+
+* an INSERT is a row whose ``_commit_ts`` is in the range: every row carries it, in a
+  write-buffer block, an ingest file and a Storage GC output alike; a row in its row
+  group's base bitmap although committed after the base (hidden by a recovery's rewind:
+  cleansing.py) was in no snapshot and is none;
+* a DELETE is a deletion-chain item ``(row, ts)`` in the range (visibility.py keeps every
+  delete above a row group's base, in memory and in checkpoints); its before image is the
+  deleted row itself, still in its file;
+* an UPDATE is a DELETE and an INSERT of the same key at the same timestamp in the same
+  virtual node (a replace: update_record.py applies the DELETE first): ``update_before``
+  is the deleted row, ``update_after`` the inserted one. Equal images mean the update
+  changed nothing: it is dropped unless the reader keeps such updates.
+
+Invariants (docs/change-feed.md):
+
+* FEED_IS_HISTORY: the changes of ``(a, b]`` are exactly the difference between the node's
+  snapshot at ``a`` and its snapshot at ``b``, commit by commit: applying the changes of
+  each commit ``t`` to the snapshot before it gives the snapshot at ``t``. A row inserted
+  and deleted at one timestamp was in no snapshot and is no change. Storage GC, sweeps,
+  reverts and recovery move rows or rebuild state without changing any snapshot, so they
+  emit nothing, and a replayed commit is where the snapshot has it: once, at its own
+  timestamp.
+* FEED_READS_ABOVE_BASE: the range is read only when its start is at or above every row
+  group's base (NO_READ_BELOW_FOLD), else refused ``changes_expired`` naming the earliest
+  cursor this node answers. The caller holds the range with a read transaction whose
+  snapshot is at or below ``a`` (``hold_trans_id``), so no fold or rewrite passes ``a``
+  while it reads; a file Storage GC dropped whole held only rows deleted at or below its
+  cutoff, which the hold keeps below ``a``.
+* COMMITS_WHOLE: the changes of one commit timestamp go out in one message, whatever the
+  page size.
+* FEED_SEES_NO_MOVE: a read that a move ran through (a Storage GC commit, a rollback, a
+  revert, a sweep: RowMoves) is read again, as point lookups are.
+
+The order within a commit on one virtual node is the stream's: the deletes that pair with
+no insert in the stream order of their rows, then the inserts in the order they were
+appended, an update's before image right before its after image. ``_seq`` numbers them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from prometheus_client import Counter as MetricCounter
+from prometheus_client import Histogram
+
+from retina_common.catalog import TableRecord
+from retina_common.codec import COMMIT_TS, encode_primary_keys
+from retina_common.pb import retina_pb2 as pb
+from retina_common.refusal import Refusal, changes_expired
+from retina_common.schema_evolution import table_schema
+from retina_server.node import RetinaNode, Stream
+from retina_server.row_gather import RowGroupRows, assemble
+from retina_server.row_lookup import LookupInconsistent, ReadMemo, RowLookup, asked_columns
+from retina_server.row_moves import MovesInProgress
+from retina_server.visibility import RGVisibility
+
+CHANGE_TYPE, CHANGE_TS, VNODE, SEQ, SOURCE_POSITION = (
+    "_change_type", "_commit_ts", "_vnode", "_seq", "_source_position")
+INSERT, UPDATE_BEFORE, UPDATE_AFTER, DELETE = (
+    "insert", "update_before", "update_after", "delete")
+DEFAULT_PAGE_CHANGES = 10_000
+MAX_PAGE_CHANGES = 1_000_000
+
+SERVED = MetricCounter("retina_changes_served_total", "Changes sent by ReadChanges",
+                       ["change_type"])
+UNCHANGED = MetricCounter("retina_changes_unchanged_updates_total",
+                          "Updates ReadChanges left out because they changed no column")
+SECONDS = Histogram("retina_changes_read_seconds", "ReadChanges: time to derive a range",
+                    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5))
+REREADS = MetricCounter("retina_changes_rereads_total",
+                        "ReadChanges reads repeated because rows moved meanwhile (RowMoves)")
+
+# A source position: ts -> the position of the commit at ts (source_positions.py).
+Positions = Callable[[Sequence[int]], dict[int, str]]
+
+
+def no_positions(_ts: Sequence[int]) -> dict[int, str]:
+    return {}
+
+
+def _invalid(message: str) -> Refusal:
+    return Refusal(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True)
+class ChangesRequest:
+    """A validated ReadChanges request."""
+
+    table: TableRecord
+    columns: list[str]  # the output's row columns: the key, then the others asked for
+    from_ts: int
+    to_ts: int
+    keep_unchanged: bool
+    page_changes: int
+    vnodes: frozenset[int]  # the virtual nodes read (every one of this node's)
+
+
+def prepare(node: RetinaNode, request: pb.ReadChangesRequest) -> ChangesRequest:
+    """Validate the whole request (the transactions are the service's to check); raises
+    Refusal (or NotFound), changes nothing."""
+    if not request.schema_name or not request.table_name:
+        raise _invalid("schema_name and table_name are required")
+    if request.from_ts < 0 or request.to_ts < request.from_ts:
+        raise _invalid(f"the range ({request.from_ts}, {request.to_ts}] is not a range: "
+                       "0 <= from_ts <= to_ts")
+    if not 0 <= request.page_changes <= MAX_PAGE_CHANGES:
+        raise _invalid(f"page_changes must be 0 (the default) to {MAX_PAGE_CHANGES}")
+    table = node.table(request.schema_name, request.table_name)  # NOT_FOUND if unknown
+    table, asked = asked_columns(node, table, list(request.columns))
+    columns = [*table.primary_key, *(c for c in asked if c not in table.primary_key)]
+    vnodes = frozenset(request.virtual_nodes) or node.owned_vnodes
+    foreign = sorted(vnodes - node.owned_vnodes)
+    if foreign:
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"virtual node(s) {foreign} are not {node.node_id}'s (it has "
+                      f"{sorted(node.owned_vnodes)}): ask their owners")
+    return ChangesRequest(table, columns, request.from_ts, request.to_ts,
+                          request.keep_unchanged_updates,
+                          request.page_changes or DEFAULT_PAGE_CHANGES, vnodes)
+
+
+@dataclass
+class _Side:
+    """The rows of one kind (deleted or inserted) a stream's range touched: per decoded
+    unit, the row offsets; per row, its change timestamp and stream position."""
+
+    units: list[tuple[RowGroupRows, np.ndarray]] = field(default_factory=list)
+    ts: list[np.ndarray] = field(default_factory=list)
+    block: list[np.ndarray] = field(default_factory=list)  # the file's first block id
+    rg: list[np.ndarray] = field(default_factory=list)
+    row: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, rows: RowGroupRows, at: np.ndarray, ts: np.ndarray, first_block: int,
+            rg_id: int, offsets: np.ndarray) -> None:
+        self.units.append((rows, at))
+        self.ts.append(ts)
+        self.block.append(np.full(len(at), first_block, np.int64))
+        self.rg.append(np.full(len(at), rg_id, np.int64))
+        self.row.append(offsets)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        def joined(parts: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
+        return joined(self.ts), joined(self.block), joined(self.rg), joined(self.row)
+
+
+class ChangeFeed:
+    def __init__(self, node: RetinaNode, rows: RowLookup, positions: Positions = no_positions,
+                 *, settle_timeout_s: float = 5.0, attempts: int = 20) -> None:
+        self._node = node
+        self._rows = rows  # the point reader's files and decoded-row cache, shared
+        self._positions = positions
+        self._settle_timeout_s = settle_timeout_s
+        self._attempts = attempts
+
+    def read(self, request: ChangesRequest) -> pa.Table:
+        """Every change of ``request``'s range on this node, in (commit ts, virtual node,
+        seq) order (the caller admitted the read: READY, live transactions, the write
+        fence raised to ``to_ts``, the range held)."""
+        with SECONDS.time():
+            moves = self._node.row_moves
+            for _ in range(self._attempts):
+                sequence = moves.settled(self._settle_timeout_s)
+                try:
+                    changes = self._read(request)
+                except (Refusal, LookupInconsistent):
+                    raise
+                except Exception:
+                    # A file a move took away mid-read: read again; the same failure with
+                    # nothing moved is the answer.
+                    if moves.unchanged_since(sequence):
+                        raise
+                    REREADS.inc()
+                    continue
+                if moves.unchanged_since(sequence):  # FEED_SEES_NO_MOVE
+                    return changes
+                REREADS.inc()
+            raise MovesInProgress(f"rows moved under {self._attempts} reads in a row")
+
+    def _read(self, request: ChangesRequest) -> pa.Table:
+        parts = [self._stream_changes(request, s)
+                 for s in self._node.streams_of_table(request.table.table_id)
+                 if s.vnode in request.vnodes]
+        schema = output_schema(request.table, tuple(request.columns))
+        changes = [p for p in parts if p.num_rows]
+        if not changes:
+            return schema.empty_table()
+        table = pa.concat_tables(changes)
+        order = np.lexsort((table.column(SEQ).to_numpy(), table.column(VNODE).to_numpy(),
+                            table.column(CHANGE_TS).to_numpy()))
+        table = table.take(pa.array(order))
+        return self._with_positions(table)
+
+    def _with_positions(self, table: pa.Table) -> pa.Table:
+        stamps = table.column(CHANGE_TS).to_numpy()
+        known = self._positions(np.unique(stamps).tolist())
+        if not known:
+            return table
+        values = pa.array([known.get(t) for t in stamps.tolist()], pa.string())
+        return table.set_column(table.schema.get_field_index(SOURCE_POSITION),
+                                SOURCE_POSITION, values)
+
+    # --- one stream ---------------------------------------------------------------------------
+    def _stream_changes(self, request: ChangesRequest, stream: Stream) -> pa.Table:
+        low, high = request.from_ts, request.to_ts
+        deleted, inserted = _Side(), _Side()
+        memo = ReadMemo()
+        table_id = request.table.table_id
+        for file_id, first_block, lo_ts, hi_ts, rg_ids in self._files(stream):
+            may_insert = lo_ts is not None and hi_ts is not None and hi_ts > low \
+                and lo_ts <= high
+            for rg_id in rg_ids:
+                visibility = self._visibility(file_id, rg_id)
+                dels = visibility.deletes_between(low, high)
+                if dels is None:  # FEED_READS_ABOVE_BASE
+                    base = visibility.base_timestamp
+                    raise changes_expired(
+                        f"changes above {low} of {request.table.name}: file {file_id} row "
+                        f"group {rg_id} on {self._node.node_id} folded its deletes up to "
+                        f"{base} together", base)
+                if not dels and not may_insert:
+                    continue
+                found = self._rows.row_group(table_id, file_id, rg_id, memo)
+                if found is None:
+                    raise LookupInconsistent(f"file {file_id} row group {rg_id} is served "
+                                             "but has no rows to read")
+                rows = found[1]
+                first, count = rows.start(rg_id)
+                if dels:
+                    offsets = np.fromiter((r for r, _t in dels), np.int64, len(dels))
+                    if int(offsets.max()) >= count:
+                        raise LookupInconsistent(f"a delete names row {int(offsets.max())} "
+                                                 f"of file {file_id} row group {rg_id}, "
+                                                 f"which has {count} rows")
+                    stamps = np.fromiter((t for _r, t in dels), np.int64, len(dels))
+                    deleted.add(rows, first + offsets, stamps, first_block, rg_id, offsets)
+                if may_insert:
+                    committed = rows.commit_ts[first:first + count]
+                    offsets = np.flatnonzero((committed > low) & (committed <= high))
+                    # Rows the rewind hid (in the base, committed after it) were in no
+                    # snapshot: their replayed copies are the inserts.
+                    offsets = offsets[~visibility.in_base(offsets)]
+                    if len(offsets):
+                        inserted.add(rows, first + offsets, committed[offsets], first_block,
+                                     rg_id, offsets.astype(np.int64))
+        return _changes(request, stream.vnode, deleted, inserted)
+
+    def _files(self, stream: Stream) -> list[tuple[int, int, int | None, int | None, list[int]]]:
+        """(file id, first block id, min and max commit ts, row group ids) of every file
+        of the stream: its write-buffer files first (read before the registry: a file is
+        registered before it leaves the buffer, so none is missed), then its published
+        ones."""
+        buffer = stream.buffer
+        with buffer.lock:
+            files = [(f.file_id, f.first_block_id, f.min_commit_ts, f.max_commit_ts,
+                      list(range(len(f.blocks)))) for f in buffer.files]
+        seen = {f[0] for f in files}
+        for meta in self._node.registry.stream_files(stream.table.table_id, stream.vnode):
+            if meta.file_id not in seen:
+                files.append((meta.file_id, meta.first_block_id, meta.file_min_commit_ts,
+                              meta.file_max_commit_ts,
+                              self._node.visibility.row_groups(meta.file_id)))
+        return files
+
+    def _visibility(self, file_id: int, rg_id: int) -> RGVisibility:
+        return self._node.rg_visibility(file_id, rg_id)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One change of a stream before it is numbered: where its image is and how it sorts."""
+
+    ts: int
+    phase: int  # 0: a delete that pairs with no insert; 1: an insert or an update
+    block: int
+    rg: int
+    row: int
+    sub: int  # an update: 0 before, 1 after
+    kind: str
+    image: int  # index into the stream's images (deletes first, then inserts)
+
+
+def _changes(request: ChangesRequest, vnode: int, deleted: _Side,
+             inserted: _Side) -> pa.Table:
+    """The stream's changes, numbered (FEED_IS_HISTORY, the module docstring's order)."""
+    schema = output_schema(request.table, tuple(request.columns))
+    d_ts, d_block, d_rg, d_row = deleted.arrays()
+    i_ts, i_block, i_rg, i_row = inserted.arrays()
+    if not len(d_ts) and not len(i_ts):
+        return schema.empty_table()
+    full = _full_schema(request.table)
+    images = pa.concat_tables([assemble(full, deleted.units), assemble(full, inserted.units)])
+    nd = len(d_ts)
+    keys = _keys(request.table, images)
+    # A row inserted and deleted at one timestamp was in no snapshot: no change.
+    born = {(b, g, r, t): i for i, (b, g, r, t) in enumerate(zip(
+        i_block.tolist(), i_rg.tolist(), i_row.tolist(), i_ts.tolist(), strict=True))}
+    stillborn_d: set[int] = set()
+    stillborn_i: set[int] = set()
+    for d, position in enumerate(zip(d_block.tolist(), d_rg.tolist(), d_row.tolist(),
+                                     d_ts.tolist(), strict=True)):
+        i = born.get(position)
+        if i is not None:
+            stillborn_d.add(d)
+            stillborn_i.add(i)
+    # An update: a delete and an insert of one key at one timestamp.
+    open_deletes: dict[tuple[int, bytes], int] = {}
+    for d, (t, key) in enumerate(zip(d_ts.tolist(), keys[:nd], strict=True)):
+        if d not in stillborn_d:
+            open_deletes[(t, key)] = d
+    entries: list[_Entry] = []
+    pairs: list[tuple[int, int]] = []  # (delete image, insert image)
+    for i, (t, key, b, g, r) in enumerate(zip(i_ts.tolist(), keys[nd:], i_block.tolist(),
+                                              i_rg.tolist(), i_row.tolist(), strict=True)):
+        if i in stillborn_i:
+            continue
+        d = open_deletes.get((t, key), -1)
+        if d < 0:
+            entries.append(_Entry(t, 1, b, g, r, 0, INSERT, nd + i))
+        else:
+            del open_deletes[(t, key)]
+            pairs.append((d, nd + i))
+    unchanged = _unchanged(images, pairs) if pairs and not request.keep_unchanged \
+        else [False] * len(pairs)
+    UNCHANGED.inc(sum(unchanged))
+    for (d, i), same in zip(pairs, unchanged, strict=True):
+        if same:
+            continue
+        t, b, g, r = int(i_ts[i - nd]), int(i_block[i - nd]), int(i_rg[i - nd]), int(i_row[i - nd])
+        entries.append(_Entry(t, 1, b, g, r, 0, UPDATE_BEFORE, d))
+        entries.append(_Entry(t, 1, b, g, r, 1, UPDATE_AFTER, i))
+    for d in open_deletes.values():
+        entries.append(_Entry(int(d_ts[d]), 0, int(d_block[d]), int(d_rg[d]), int(d_row[d]),
+                              0, DELETE, d))
+    if not entries:
+        return schema.empty_table()
+    entries.sort(key=lambda e: (e.ts, e.phase, e.block, e.rg, e.row, e.sub))
+    return _numbered(schema, images, entries, vnode)
+
+
+def _numbered(schema: pa.Schema, images: pa.Table, entries: list[_Entry],
+              vnode: int) -> pa.Table:
+    stamps = np.fromiter((e.ts for e in entries), np.int64, len(entries))
+    new_commit = np.empty(len(entries), bool)
+    new_commit[:1] = True
+    np.not_equal(stamps[1:], stamps[:-1], out=new_commit[1:])
+    starts = np.maximum.accumulate(np.where(new_commit, np.arange(len(entries)), 0))
+    seq = np.arange(len(entries)) - starts
+    rows = images.take(pa.array([e.image for e in entries], pa.int64()))
+    kinds = [e.kind for e in entries]
+    for kind, n in Counter(kinds).items():
+        SERVED.labels(change_type=kind).inc(n)
+    head = [pa.array(kinds, pa.string()), pa.array(stamps),
+            pa.array(np.full(len(entries), vnode, np.int32)), pa.array(seq.astype(np.int64)),
+            pa.nulls(len(entries), pa.string())]
+    names = schema.names[len(head):]
+    return pa.Table.from_arrays([*head, *(rows.column(n) for n in names)], schema=schema)
+
+
+def _keys(table: TableRecord, images: pa.Table) -> list[bytes]:
+    by_name = {c.name: c.type for c in table.columns}
+    key_columns = [images.column(k).combine_chunks() for k in table.primary_key]
+    return encode_primary_keys([by_name[k] for k in table.primary_key],
+                               key_columns).to_pylist()
+
+
+def _unchanged(images: pa.Table, pairs: list[tuple[int, int]]) -> list[bool]:
+    """Per pair, whether the before and after images are equal in every column (NULL
+    equals NULL)."""
+    before = images.take(pa.array([d for d, _i in pairs], pa.int64()))
+    after = images.take(pa.array([i for _d, i in pairs], pa.int64()))
+    same = np.ones(len(pairs), bool)
+    for name in images.column_names:
+        x, y = before.column(name), after.column(name)
+        equal = pc.fill_null(pc.equal(x, y), False)
+        both_null = pc.and_(pc.is_null(x), pc.is_null(y))
+        same &= np.asarray(pc.or_(equal, both_null).to_numpy(zero_copy_only=False), bool)
+    return same.tolist()
+
+
+def _full_schema(table: TableRecord) -> pa.Schema:
+    full = table_schema(table)
+    return full.remove(full.get_field_index(COMMIT_TS))
+
+
+def output_schema(table: TableRecord, columns: tuple[str, ...]) -> pa.Schema:
+    """The changes' schema: the change columns, then the row columns asked for."""
+    full = table_schema(table)
+    return pa.schema([pa.field(CHANGE_TYPE, pa.string(), nullable=False),
+                      pa.field(CHANGE_TS, pa.int64(), nullable=False),
+                      pa.field(VNODE, pa.int32(), nullable=False),
+                      pa.field(SEQ, pa.int64(), nullable=False),
+                      pa.field(SOURCE_POSITION, pa.string()),
+                      *(full.field(c) for c in columns)])
+
+
+def pages(changes: pa.Table, page_changes: int, to_ts: int) -> Iterator[tuple[pa.Table, int]]:
+    """(page, through_ts): whole commits of up to ``page_changes`` changes each (one commit
+    larger than that alone; COMMITS_WHOLE), the last page through ``to_ts`` (empty if no
+    change is left)."""
+    stamps = changes.column(CHANGE_TS).to_numpy() if changes.num_rows else np.empty(0, np.int64)
+    start, n = 0, len(stamps)
+    while start < n:
+        end = min(start + page_changes, n)
+        if end < n and stamps[end] == stamps[end - 1]:
+            commit_end = int(np.searchsorted(stamps, stamps[end - 1], side="right"))
+            commit_start = int(np.searchsorted(stamps, stamps[end - 1], side="left"))
+            end = commit_start if commit_start > start else commit_end
+        if end >= n:
+            break
+        yield changes.slice(start, end - start), int(stamps[end - 1])
+        start = end
+    yield changes.slice(start, n - start), to_ts
