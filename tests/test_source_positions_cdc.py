@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
+from retina_common.change_feed import ChangesExpired
 from retina_common.changelog import Changelog, transaction_positions
 from retina_common.client import requests_by_node
 from retina_common.pb import retina_pb2 as rpb
@@ -79,6 +80,27 @@ def assert_positions_match_the_changelog(cdc: CdcPlane, above: int = 0) -> dict[
     return counts
 
 
+def assert_the_feed_gives_the_changelog_positions(cdc: CdcPlane) -> int:
+    """ReadChanges gives every change the position its commit's changelog record holds,
+    from the earliest cursor the feed serves (a restarted node refuses the history its
+    replay rebuilt). Returns the commits read."""
+    assert cdc.plane.reader is not None
+    feed = cdc.plane.reader.change_feed()
+    log = Changelog(cdc.cdc.settings["changelog_root"])
+    positions = transaction_positions(log.records())
+    read = 0
+    for table in cdc.plane.tables:
+        try:
+            commits = list(feed.read(SCHEMA, table, 0))
+        except ChangesExpired as expired:
+            commits = list(feed.read(SCHEMA, table, expired.earliest))
+        for commit in commits:
+            got = set(commit.changes.column("_source_position").to_pylist())
+            assert got == {positions[commit.ts]}, (table, commit.ts, got)
+        read += len(commits)
+    return read
+
+
 def kill_while_the_connector_sends(cdc: CdcPlane, victim: str) -> None:
     """SIGKILL ``victim``; commit in the source until the connector has a batch for it
     that it cannot send (logged: its part reaches the node only through the replay);
@@ -105,6 +127,7 @@ def test_cdc_positions_survive_kills_through_the_replay_and_go_with_the_fold(
     cdc.source.run(20)
     cdc.converged()
     assert_positions_match_the_changelog(cdc)
+    assert assert_the_feed_gives_the_changelog_positions(cdc) >= 20
 
     # Two SIGKILLs in a row, each with commits the victim gets only from the replay.
     victim = cdc.plane.nodes[1]
@@ -116,6 +139,10 @@ def test_cdc_positions_survive_kills_through_the_replay_and_go_with_the_fold(
                    if e["node"] == victim and e["rows"] > 0]
         assert len(replays) >= n, cdc.cdc.log_tail()
         before = assert_positions_match_the_changelog(cdc)
+
+    cdc.source.run(5)  # live commits after the restarts, for the feed to serve
+    cdc.converged()
+    assert assert_the_feed_gives_the_changelog_positions(cdc) >= 5
 
     # A fold round prunes below its horizon: the positions there go with the versions.
     highest = max(ts for p in changelog_positions(cdc).values() for ts in p)
