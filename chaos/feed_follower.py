@@ -3,9 +3,10 @@ table's feed after every episode, applies it strictly to a replica of its own, a
 the replica against the snapshot the feed ends at.
 
 The follower starts with a snapshot (every table read whole at S0, the replica) and then
-follows from S0, as a consumer that starts with a snapshot does. Its cursor is held the way
-a registered consumer's is: a pin (``chaos-feed-<cursor>``) at the cursor, moved forward after each
-read, so Storage GC, folds and the 20 s history retention never pass it.
+follows from S0, as a consumer that starts with a snapshot does. Its history is held the
+way a registered consumer's is: a pin (``chaos-feed-<ts>``), moved forward after each
+read to the start of the range just read (which the next episode reads again), so Storage
+GC, folds and the 20 s history retention never pass it.
 
 Once healed, per episode (every node READY, the connector caught up):
 
@@ -91,6 +92,8 @@ class FeedFollower:
         HWM when nothing was committed since): the new pin first, then the old one dropped
         (a failure in between holds more, never less)."""
         name = f"{PIN}-{cursor}"
+        if name == self._pin:
+            return  # already there
         self._trans.CreatePin(tpb.CreatePinRequest(name=name, ts=cursor), timeout=10)
         old, self._pin = self._pin, name
         if old:
@@ -131,10 +134,11 @@ class FeedFollower:
             for commit in commits:
                 self._apply(name, commit)
             self._compare(name, images[name], end)
+        self._move_pin(self.cursor)
         self._previous = (self.cursor, end, {n: [(c.ts, _changes(c.changes)) for c in cs]
                                              for n, cs in got.items()})
+        # The pin stays at this range's start: the next episode reads the range again.
         self.cursor = end
-        self._move_pin(end)
 
     def _apply(self, name: str, commit: Commit) -> None:
         spec, replica = self._tables[name], self._replica[name]
