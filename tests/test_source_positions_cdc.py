@@ -71,12 +71,14 @@ def assert_positions_match_the_changelog(cdc: CdcPlane, above: int = 0) -> dict[
             applied = {ts for _t, _k, ts, _r in index.versions() if ts >= above}
             stored = positions.sources(sorted(set(expected[node]) | applied))
             counts[node] = positions.count()
-        assert applied, f"{node} holds no change at or above {above}"
+        # Above a prune horizon a node may hold nothing: the later commits' rows can all
+        # live on the other node.
+        assert applied or above, f"{node} holds no change"
         assert applied <= set(stored), f"{node}: changes without a position at " \
                                        f"{sorted(applied - set(stored))[:5]}"
         assert stored == {ts: expected[node][ts] for ts in stored}, f"{node}: wrong positions"
         assert counts[node] == len(stored), f"{node} holds positions the changelog lacks"
-        assert min(stored) >= above
+        assert all(ts >= above for ts in stored)
     return counts
 
 
