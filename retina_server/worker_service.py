@@ -123,7 +123,7 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             self._node.check_writable()
             if applied:  # from here on the rebuilt history may differ (read_history.py)
                 self._node.history.replayed(min(u.ts for u in applied))
-            return apply(self._node, applied, fenced=False)
+            return apply(self._node, applied, fenced=False, writer_id=request.writer_id)
 
     def _admit_read(self, ts: int, trans_id: int, snapshot_read: bool) -> int:
         """READY, a live read transaction whose snapshot is not below ``ts`` and that this

@@ -23,6 +23,9 @@ growing with the history:
 
        horizon = min(safeGcTs, gcFloor, replayFloor)
 
+   The source positions below the horizon (source_positions.py) are dropped in the
+   transaction that records it.
+
    ``replayFloor`` (:class:`ReplayFloor`) is the lowest replay start any
    crash-restart could use: the derived nodeReplayFromTs of both checkpoint
    slots. After a crash the rewind drops every version at or above a scope's
@@ -250,7 +253,9 @@ class GcScheduler:
         pruned = 0
         since = self._since
         if horizon > since:
-            pruned = node.index.primary.prune_versions(horizon, since)
+            # POSITIONS_BOUNDED: the source positions below the horizon go with it.
+            pruned = node.index.primary.prune_versions(
+                horizon, since, below_horizon=node.source_positions.drop_below)
             with self._state_lock:
                 self._since = horizon
             PRUNED.inc(pruned)
