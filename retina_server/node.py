@@ -40,6 +40,7 @@ from retina_common.log import get_logger
 from retina_common.schema_evolution import conform, table_schema
 from retina_common.storage import file_uri
 from retina_common.topology import Topology
+from retina_server.applied_writes import AppliedWrites
 from retina_server.index import LocalIndexService
 from retina_server.publisher import IngestPipeline, StreamPublisher
 from retina_server.read_history import ReadHistory
@@ -116,6 +117,9 @@ class RetinaNode:
         self.history = ReadHistory(node_id)
         # What the write fence refused, durably: recovery replay skips it (refused_writes.py).
         self.refused = RefusedWrites(index.primary)
+        # Every stream part this node applied, in each request's index transaction:
+        # recovery replay applies only those, or a live transaction's (applied_writes.py).
+        self.applied = AppliedWrites(index.primary)
         # BUFFER_FETCH_HOLDS_FILE: file id -> {read transaction: its snapshot} for every
         # write-buffer file a GetWriteBuffer read (gc/rewrites.py).
         self._buffer_reads: dict[int, dict[int, int]] = {}

@@ -182,7 +182,8 @@ def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> 
         RetinaService(node, recovery, barrier, machine,
                       ReadTransactionGuard(trans.trans_status),
                       rc.max_rows_per_request, gc, scheduler, sweeper, lineage, writers,
-                      lookup, ChangeFeed(node, lookup, node.source_positions.positions)),
+                      lookup, ChangeFeed(node, lookup, node.source_positions.positions),
+                      trans.write_live_at),
         handle.server)
     return NodeParts(node_id, topology, catalog, index, node, handle, machine, announcer,
                      recovery, replay_floor, stop, rc.metrics_listen)

@@ -48,6 +48,19 @@ _PRUNED_BELOW = b"pruned_below"
 BelowHorizon = Callable[["lmdb.Transaction[bytes]", int], object]
 
 
+def drop_keys_below(txn: lmdb.Transaction[bytes], db: lmdb._Database, end: bytes) -> int:
+    """Delete every entry of ``db`` whose key sorts below ``end`` (a store keyed by a
+    big-endian timestamp first: what it holds below a prune horizon); returns how many."""
+    cursor = txn.cursor(db=db)
+    dropped = 0
+    cursor.first()
+    # delete() moves to the next entry; past the last one the key reads b"".
+    while (key := cursor.key()) and key < end:
+        cursor.delete()
+        dropped += 1
+    return dropped
+
+
 def _version_prefix(table_id: int, key: bytes) -> bytes:
     """tableId | len(key) | key: unambiguous, so no key's versions mix with another's."""
     return _TABLE.pack(table_id) + _LEN.pack(len(key)) + key

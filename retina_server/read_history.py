@@ -4,20 +4,20 @@ A recovery rebuilds what the node applied since its checkpoint from the writers'
 changelogs: every replay scope restarts at its ``scopeReplayFromTs``, and the node-wide
 lowest start E (``nodeReplayFromTs``) bounds all of it. Below E the node's state is the
 checkpoint's, history included (visibility.py), and equal to what it was before the
-crash. From E on it is what the replay rebuilt. A changelog also holds transactions a
-writer gave up and redid at a new timestamp; the timestamps this node's fence refused
-are skipped (refused_writes.py, REFUSED_IS_NOT_REPLAYED), but a given-up transaction
-that never reached this node is applied by the replay although no reader of this node
-saw it (docs/history.md, "Restarts"), and the node cannot tell it from a committed one.
-So the rebuilt history may differ from what readers saw from the lowest timestamp R the
-replay applied on; below R it is the checkpoint's plus nothing the node had applied
-(everything it applied is in a changelog and would have been replayed, or was a refused
-write that changed nothing). MarkReady then takes a fresh timestamp X, above every
-snapshot granted before.
+crash. From E on it is what the replay rebuilt. A changelog also holds transactions the
+node never applied (a write its fence refused; a transaction given up before it reached
+this node); the replay applies a stream part only if the node applied it before the
+crash or its transaction is still live (APPLIED_OR_LIVE, applied_writes.py and
+replay_admission.py), which is exactly what readers of this node saw or will see. So the
+rebuilt history is exact, except from the lowest timestamp R the replay applied whose
+stream part may have been applied only in part before (a timestamp refused *partial*:
+``Admission.inexact_from``); a replay that reports none leaves no range. MarkReady then
+takes a fresh timestamp X, above every snapshot granted before.
 
-REPLAY_IS_COMPLETE is the premise of that "below R": it fails when the node took
-anonymous writes (``retina.anonymous_writes``: no changelog holds them) or a writer was
-declared GONE (its changelog is not replayed). Then the range starts at E, as before.
+REPLAY_IS_COMPLETE is the other premise: it fails when the node took anonymous writes
+(``retina.anonymous_writes``: no changelog holds them) or a writer was declared GONE
+(its changelog is not replayed): rows the node applied are missing from the replay.
+Then the range is ``[E, X)``, as before.
 
 * SNAPSHOTS_END_AT_RESTART (as before): a read transaction begun before this process's
   fence (its id at or below the fence transaction's), or an ordinary read, whose
@@ -25,9 +25,9 @@ declared GONE (its changelog is not replayed). Then the range starts at E, as be
 * HISTORY_REBUILT_IS_REFUSED: an AS OF read transaction begun after the fence is
   answered below X only outside every inexact range ``[R, X)`` (``[E, X)`` without
   REPLAY_IS_COMPLETE) this node ever had (they are kept in its checkpoints and dropped
-  once a fold passed them); inside one it is refused snapshot_expired. Below R it is
-  answered from the checkpoint's history (the replay applied nothing there). A replay
-  that applied nothing leaves no range.
+  once a fold passed them); inside one it is refused snapshot_expired. Everywhere else
+  it is answered: below E from the checkpoint's history, in ``[E, R)`` from what the
+  replay rebuilt (APPLIED_OR_LIVE).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class ReadHistory:
         self.read_floor_ts = 0
         self._fence_trans_id = 0  # the transaction MarkReady's fence began and ended
         self._rebuilt_from: int | None = None  # E of this process's recovery
-        self._first_replayed: int | None = None  # R: the lowest timestamp replay applied
+        self._first_replayed: int | None = None  # R: the lowest inexactly rebuilt timestamp
         self._gaps: list[tuple[int, int]] = []  # [R, X) of every recovery, oldest first
 
     def restored(self, gaps: Iterable[tuple[int, int]], rebuilt_from: int,
@@ -62,8 +62,9 @@ class ReadHistory:
             self._first_replayed = None
             self.read_floor_ts = applied_ts
 
-    def replayed(self, ts: int) -> None:
-        """The replay applied a write at ``ts`` (replay_admission.py: not skipped)."""
+    def rebuilt_inexactly(self, ts: int) -> None:
+        """The replay applied a write at ``ts`` that readers may have seen only in part
+        (replay_admission.py, ``Admission.inexact_from``)."""
         with self._lock:
             if self._first_replayed is None or ts < self._first_replayed:
                 self._first_replayed = ts

@@ -113,6 +113,12 @@ class RefusedWrites:
             found = self._records.get(ts)
         return found[1] if found is not None and not found[0] else None
 
+    def partial(self, ts: int) -> bool:
+        """Whether ``ts`` was refused after another request of it was applied here."""
+        with self._lock:
+            found = self._records.get(ts)
+        return found is not None and found[0]
+
     def records(self) -> dict[int, tuple[bool, str]]:
         """ts -> (partial, writer id), for status and tests."""
         with self._lock:

@@ -47,7 +47,7 @@ import lmdb
 from prometheus_client import Counter
 
 from retina_server.index_errors import IndexBackendError
-from retina_server.primary_index import PrimaryIndex
+from retina_server.primary_index import PrimaryIndex, drop_keys_below
 
 PRUNED = Counter("retina_source_positions_pruned_total",
                  "Source positions dropped below the primary index's prune horizon")
@@ -115,14 +115,7 @@ class SourcePositions:
     def drop_below(self, txn: lmdb.Transaction[bytes], horizon: int) -> int:
         """POSITIONS_BOUNDED: delete every position at a timestamp below ``horizon`` in
         ``txn`` (the prune's horizon transaction); returns how many."""
-        cursor = txn.cursor(db=self._db)
-        end = _TS.pack(horizon)
-        dropped = 0
-        cursor.first()
-        # delete() moves to the next entry; past the last one the key reads b"".
-        while (key := cursor.key()) and key < end:
-            cursor.delete()
-            dropped += 1
+        dropped = drop_keys_below(txn, self._db, _TS.pack(horizon))
         PRUNED.inc(dropped)
         return dropped
 

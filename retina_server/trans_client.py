@@ -55,6 +55,13 @@ class TransClient:
         """Whether the transaction is live (not ended, its lease not run out)."""
         return self.trans_status(trans_id).live
 
+    def write_live_at(self, ts: int) -> bool:
+        """Whether the write transaction with timestamp ``ts`` is live (not ended): then no
+        snapshot at or above ``ts`` has been granted yet (HWM_PREFIX). Recovery replay
+        asks it for a timestamp its applied-writes log does not hold (applied_writes.py)."""
+        return self._call(lambda: self._stub.GetTransStatus(
+            pb.GetTransStatusRequest(timestamp=ts), timeout=TIMEOUT_S)).live
+
     def read_holds(self) -> ReaderHolds:
         reply = self._call(lambda: self._stub.GetReadHolds(pb.GetReadHoldsRequest(),
                                                            timeout=TIMEOUT_S))

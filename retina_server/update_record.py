@@ -45,7 +45,9 @@ Apply, per TableUpdateData in request order (section 5, "Unified write order"):
 
 Every primary-index write of a request is one durable LMDB transaction (one
 fsync per request; the request's source positions are put in it too:
-POSITION_DURABLE_WITH_APPLY, source_positions.py). The inserts' rows become
+POSITION_DURABLE_WITH_APPLY, source_positions.py; and the (table, virtual node,
+timestamp) of every TableUpdateData it applied: APPLIED_RECORDED_WITH_APPLY,
+applied_writes.py, which recovery replay reads). The inserts' rows become
 visible only after it committed, so "putPrimaryEntriesOnly before
 publishPendingAppend(visible)" holds for the durable state too. If the commit
 fails, every staged insert of the request is compensated; DELETE effects
@@ -447,6 +449,8 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate], *, fenced: bool = Tru
                 # POSITION_DURABLE_WITH_APPLY: in the batch, committed with the versions.
                 node.source_positions.put(writer_id, {u.ts: u.source_position
                                                       for u in updates if u.source_position})
+                # APPLIED_RECORDED_WITH_APPLY: also a part that changed nothing.
+                node.applied.record((u.table.table_id, u.vnode, u.ts) for u in updates)
         except BaseException as exc:
             for stream, u, handles in staged:
                 _compensate(node, stream, u, handles)

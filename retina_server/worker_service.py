@@ -64,8 +64,9 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
                  reads: ReadTransactionGuard, max_rows_per_request: int,
                  gc: StorageGc, scheduler: GcScheduler, sweeper: Sweeper,
                  lineage: Lineage, writers: RegisteredWriters, lookup: RowLookup,
-                 feed: ChangeFeed) -> None:
+                 feed: ChangeFeed, write_live_at: Callable[[int], bool]) -> None:
         self._node = node
+        self._write_live_at = write_live_at  # APPLIED_OR_LIVE (replay_admission.py)
         self._lookup = lookup
         self._feed = feed
         self._writers = writers
@@ -119,11 +120,13 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                               "replay_mode must be VNODE or NODE")
             updates = prepare(self._node, request, self._max_rows)
-            applied = replay_admission.to_apply(updates, starts, mode, self._node.refused)
+            admitted = replay_admission.to_apply(updates, starts, mode, self._node.refused,
+                                                 self._node.applied, self._write_live_at)
             self._node.check_writable()
-            if applied:  # from here on the rebuilt history may differ (read_history.py)
-                self._node.history.replayed(min(u.ts for u in applied))
-            return apply(self._node, applied, fenced=False, writer_id=request.writer_id)
+            if admitted.inexact_from is not None:  # read_history.py
+                self._node.history.rebuilt_inexactly(admitted.inexact_from)
+            return apply(self._node, admitted.apply, fenced=False,
+                         writer_id=request.writer_id)
 
     def _admit_read(self, ts: int, trans_id: int, snapshot_read: bool) -> int:
         """READY, a live read transaction whose snapshot is not below ``ts`` and that this

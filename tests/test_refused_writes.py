@@ -14,6 +14,7 @@ import pytest
 
 from retina_common.failpoints import FailpointTriggered
 from retina_common.replay_ts import ReplayStarts
+from retina_server.applied_writes import AppliedWrites
 from retina_server.gc.gc_scheduler import GcScheduler, ReplayFloor
 from retina_server.index import LocalIndexService
 from retina_server.recovery.replay_admission import REFUSED_SKIPPED, to_apply
@@ -66,11 +67,15 @@ def test_the_replay_skips_whole_refusals_only_and_counts_them(tmp_path: Path) ->
     refused = RefusedWrites(index.primary)
     refused.record("app", [51])
     refused.record("app", [52])  # partial
+    applied = AppliedWrites(index.primary)
+    applied.record([(7, 0, 50), (7, 0, 51), (7, 0, 52), (7, 0, 53)])
     before = REFUSED_SKIPPED._value.get()
-    applied = to_apply([update(50), update(51), update(52), update(53)], starts(50), "NODE",
-                       refused)
-    assert [u.ts for u in applied] == [50, 52, 53]
+    admitted = to_apply([update(50), update(51), update(52), update(53)], starts(50), "NODE",
+                        refused, applied, lambda ts: False)
+    assert [u.ts for u in admitted.apply] == [50, 52, 53]
     assert REFUSED_SKIPPED._value.get() == before + 1
+    # The partial timestamp may have had its stream part split: inexact from there.
+    assert admitted.inexact_from == 52
     index.close()
 
 

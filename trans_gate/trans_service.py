@@ -181,7 +181,11 @@ class TransService(pb_grpc.TransServiceServicer):
     def GetTransStatus(self, request: pb.GetTransStatusRequest,
                        context: grpc.ServicerContext) -> pb.GetTransStatusResponse:
         def run() -> pb.GetTransStatusResponse:
-            trans = self._table.status(request.trans_id)
+            if request.trans_id and request.timestamp:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                              "GetTransStatus: set trans_id or timestamp, not both")
+            trans = (self._table.write_status(request.timestamp) if request.timestamp
+                     else self._table.status(request.trans_id))
             if trans is None:
                 return pb.GetTransStatusResponse(live=False)
             return pb.GetTransStatusResponse(live=True, read_only=trans.kind == TransKind.READ,

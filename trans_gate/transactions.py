@@ -138,6 +138,7 @@ class TransactionTable:
         self._ended_cache_size = ended_cache_size
         self._lock = threading.Lock()
         self._live: dict[int, Transaction] = {}
+        self._live_writes: dict[int, int] = {}  # timestamp -> id of each live write
         # Min-heap of live write timestamps; ended ones are dropped lazily.
         self._write_heap: list[tuple[int, int]] = []
         self._ended: OrderedDict[int, EndReason] = OrderedDict()
@@ -180,6 +181,7 @@ class TransactionTable:
                 self._live[trans.trans_id] = trans
                 if kind == TransKind.WRITE:
                     heapq.heappush(self._write_heap, (ts, trans.trans_id))
+                    self._live_writes[ts] = trans.trans_id
                 created.append(trans)
             return created
 
@@ -278,6 +280,8 @@ class TransactionTable:
 
     def _end(self, trans: Transaction, reason: EndReason) -> None:
         del self._live[trans.trans_id]
+        if trans.kind == TransKind.WRITE:
+            self._live_writes.pop(trans.timestamp, None)
         self._ended[trans.trans_id] = reason
         while len(self._ended) > self._ended_cache_size:
             self._ended.popitem(last=False)
@@ -366,6 +370,15 @@ class TransactionTable:
         """The live transaction ``trans_id``, or None if it is not live."""
         with self._lock:
             return self._live.get(trans_id)
+
+    def write_status(self, ts: int) -> Transaction | None:
+        """The live write transaction with timestamp ``ts`` (one timestamp, one write
+        transaction), or None: never issued, ended, or of an earlier incarnation. Live
+        as :meth:`status` counts it (not ended: a lease run out but not yet expired can
+        still commit, and the HWM stays below it until it ends)."""
+        with self._lock:
+            trans_id = self._live_writes.get(ts)
+            return None if trans_id is None else self._live.get(trans_id)
 
     def high_watermark(self) -> int:
         with self._lock:

@@ -23,8 +23,9 @@ growing with the history:
 
        horizon = min(safeGcTs, gcFloor, replayFloor)
 
-   The source positions below the horizon (source_positions.py) are dropped in the
-   transaction that records it.
+   The source positions below the horizon (source_positions.py) and the
+   applied-write records (applied_writes.py) are dropped in the transaction that
+   records it.
 
    ``replayFloor`` (:class:`ReplayFloor`) is the lowest replay start any
    crash-restart could use: the derived nodeReplayFromTs of both checkpoint
@@ -69,6 +70,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import lmdb
 from prometheus_client import Counter, Gauge
 
 from retina_common.log import get_logger
@@ -131,6 +133,15 @@ class ReplayFloor:
     def floor(self) -> int:
         with self._lock:
             return max(min(self._slots.values()), 0) if len(self._slots) == 2 else 0
+
+
+def _below_horizon(node: RetinaNode) -> Callable[[lmdb.Transaction[bytes], int], None]:
+    """What the node's stores sharing the index's environment drop below a new prune
+    horizon, in the transaction that records it."""
+    def drop(txn: lmdb.Transaction[bytes], horizon: int) -> None:
+        node.source_positions.drop_below(txn, horizon)
+        node.applied.drop_below(txn, horizon)
+    return drop
 
 
 class GcScheduler:
@@ -253,9 +264,10 @@ class GcScheduler:
         pruned = 0
         since = self._since
         if horizon > since:
-            # POSITIONS_BOUNDED: the source positions below the horizon go with it.
-            pruned = node.index.primary.prune_versions(
-                horizon, since, below_horizon=node.source_positions.drop_below)
+            # POSITIONS_BOUNDED: the source positions below the horizon go with it, and
+            # so do the applied-write records (no replay asks below the replay floor).
+            pruned = node.index.primary.prune_versions(horizon, since,
+                                                       below_horizon=_below_horizon(node))
             with self._state_lock:
                 self._since = horizon
             PRUNED.inc(pruned)

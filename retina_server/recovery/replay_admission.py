@@ -18,10 +18,26 @@ checkpoint that version would hide the checkpointed row from every later
 DELETE, and the next replay would duplicate the row (docs/recovery.md, window
 R4).
 
+Invariant APPLIED_OR_LIVE (applied_writes.py): an update of (table, vnode) at a
+timestamp t, at or above its scope's start, is applied only if this node applied that
+stream part before (its applied-writes log holds it), or t's write transaction is still
+live at the TransServer (asked once per timestamp and request; only for timestamps the
+log does not hold: a transaction given up before it reached this node, or one still in
+flight, whose writer relies on the replay: the connector's "a node found RECOVERING is
+replayed from the changelog"). Otherwise no reader of this node ever saw it, and it is
+acknowledged without being applied: counted (``retina_replay_unapplied_skipped_total``)
+and logged (``replay_unapplied_write_skipped``).
+
 Invariant REFUSED_IS_NOT_REPLAYED: an update at a timestamp this node's write fence
 refused before the crash, with nothing of it applied (refused_writes.py), is
 acknowledged without being applied: its writer redid it at a new timestamp, which the
-replay applies, and no reader of this node ever saw it at the old one. The match is on
+replay applies, and no reader of this node ever saw it at the old one. APPLIED_OR_LIVE
+alone would skip it too (nothing of it is in the log, and a refused timestamp's
+transaction has ended: the floor that refused it is at most the HWM); the refusal
+records are kept because they also say where the rebuilt history is inexact: a
+timestamp refused *partial* (another request of it was applied here) may have had its
+stream part split between the applied request and the refused one, and the replay
+applies the whole part (``Admission.inexact_from``; read_history.py). The match is on
 the timestamp alone (one timestamp, one transaction of one writer; replay requests do
 not name their writer). Counted (``retina_replay_refused_skipped_total``) and logged
 (``replay_refused_write_skipped``).
@@ -31,7 +47,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import grpc
 from prometheus_client import Counter
@@ -39,6 +56,7 @@ from prometheus_client import Counter
 from retina_common.log import get_logger
 from retina_common.refusal import Refusal
 from retina_common.replay_ts import ReplayStarts
+from retina_server.applied_writes import AppliedWrites
 from retina_server.refused_writes import RefusedWrites
 from retina_server.update_record import PreparedUpdate
 
@@ -47,6 +65,10 @@ log = get_logger(component="replay_admission")
 REFUSED_SKIPPED = Counter("retina_replay_refused_skipped_total",
                           "Replayed table updates acknowledged without applying: their "
                           "timestamp was refused by this node's write fence before the crash")
+UNAPPLIED_SKIPPED = Counter("retina_replay_unapplied_skipped_total",
+                            "Replayed table updates acknowledged without applying: this node "
+                            "never applied them and their transaction had ended "
+                            "(APPLIED_OR_LIVE)")
 SKIPPED = Counter("retina_replay_already_durable_total",
                   "Replayed table updates acknowledged without applying: below their scope's "
                   "start, already in the checkpointed state")
@@ -89,11 +111,23 @@ class ReplayEntry:
             self._cond.wait_for(lambda: self._inflight == 0)
 
 
+@dataclass(frozen=True)
+class Admission:
+    """What a replay request applies, and from which timestamp on (None: nowhere) the
+    history it rebuilds may differ from what readers saw (read_history.py)."""
+
+    apply: list[PreparedUpdate]
+    inexact_from: int | None = None
+
+
 def to_apply(updates: list[PreparedUpdate], starts: ReplayStarts, mode: str,
-             refused: RefusedWrites) -> list[PreparedUpdate]:
+             refused: RefusedWrites, applied: AppliedWrites,
+             write_live_at: Callable[[int], bool]) -> Admission:
     """Check every update against the replay rules (raises Refusal, nothing applied)
-    and return those at or above their scope's start (REWIND_MATCHES_REPLAY) whose
-    timestamp this node did not refuse (REFUSED_IS_NOT_REPLAYED)."""
+    and return those at or above their scope's start (REWIND_MATCHES_REPLAY) that this
+    node did not refuse (REFUSED_IS_NOT_REPLAYED) and either applied before or whose
+    transaction is still live (APPLIED_OR_LIVE). ``write_live_at`` may raise
+    Refusal(UNAVAILABLE): nothing is applied, the replay retries."""
     for u in updates:
         floor = starts.mode_start(mode, u.vnode)
         if u.ts < floor:
@@ -105,13 +139,32 @@ def to_apply(updates: list[PreparedUpdate], starts: ReplayStarts, mode: str,
                           "a standalone INSERT during replay: send DELETE + INSERT")
     due = [u for u in updates if u.ts >= starts.scope_start(u.table.table_id, u.vnode)]
     SKIPPED.inc(len(updates) - len(due))
-    applied = []
+    due = [u for u in due if not _refused(u, refused)]
+    logged = applied.applied_among((u.table.table_id, u.vnode, u.ts) for u in due)
+    live: dict[int, bool] = {}  # per request: only timestamps the log lacks are asked
+    out: list[PreparedUpdate] = []
+    inexact: list[int] = []
     for u in due:
-        writer = refused.skips(u.ts)
-        if writer is None:
-            applied.append(u)
+        if (u.table.table_id, u.vnode, u.ts) in logged:
+            out.append(u)
+            if refused.partial(u.ts):  # maybe split: part of it refused (module doc)
+                inexact.append(u.ts)
             continue
-        REFUSED_SKIPPED.inc()
-        log.info("replay_refused_write_skipped", ts=u.ts, writer_id=writer,
-                 table=u.table.name, vnode=u.vnode)
-    return applied
+        if u.ts not in live:
+            live[u.ts] = write_live_at(u.ts)
+        if live[u.ts]:
+            out.append(u)
+            continue
+        UNAPPLIED_SKIPPED.inc()
+        log.info("replay_unapplied_write_skipped", ts=u.ts, table=u.table.name, vnode=u.vnode)
+    return Admission(out, min(inexact, default=None))
+
+
+def _refused(u: PreparedUpdate, refused: RefusedWrites) -> bool:
+    writer = refused.skips(u.ts)
+    if writer is None:
+        return False
+    REFUSED_SKIPPED.inc()
+    log.info("replay_refused_write_skipped", ts=u.ts, writer_id=writer,
+             table=u.table.name, vnode=u.vnode)
+    return True
