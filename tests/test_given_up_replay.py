@@ -1,0 +1,91 @@
+"""A transaction given up before it reached a node is not replayed into it: the history a
+recovered node answers is the one its readers saw (issue 28; APPLIED_OR_LIVE,
+retina_server/applied_writes.py and recovery/replay_admission.py).
+
+Real processes: etcd, PostgreSQL, a TransServer, two Retina nodes that refuse anonymous
+writes, an application writer (DurableWriter) that sends node by node. Its transaction T
+is logged and applied by the first node; the second node's apply fails (a failpoint), so
+the writer gives T up (rolled back, in doubt) and resends it at T1 with its next commit
+T2. Readers saw T's part on the first node only. The second node is SIGKILLed and
+recovered by ``retina-admin recover`` twice in a row (the first READY checkpoint fails):
+its replay presents T, which it never applied and whose transaction ended, and skips it.
+Every AS OF point and the change feed over all of it equal what readers saw before.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from retina_common import failpoints, storage
+from retina_common.catalog import Catalog
+from retina_common.changelog import Changelog
+from retina_common.etcd import EtcdStore
+from retina_common.pb import trans_pb2 as tpb
+from retina_common.writer import WriteRefused, WriterSettings
+
+from .dataplane import DataPlane
+from .support import begin_read
+from .test_as_of_reads import published
+from .test_durable_writers import STRICT, admin, event, keyed, read
+from .test_refused_replay import Rows, as_of, feed_served, log_has, restart, rows_on, tick
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_transaction_given_up_before_it_reached_a_node_is_not_replayed_into_it(
+        tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str,
+        failpoint_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(failpoints.DIR_VAR, str(failpoint_dir))
+    plane = DataPlane(tmp_path / "plane", etcd, catalog, catalog_dsn, nodes=2, retina=STRICT)
+    first, victim = sorted(plane.nodes)  # the writer sends in this order
+    # The victim's second ordinary write fails before anything is applied (INTERNAL: the
+    # writer gives the transaction up, it does not retry).
+    plane.start({victim: "update_record.fence.before=raise@2*1"}, recover=False)
+    try:
+        assert admin(plane, "recover").returncode == 0
+        stub = plane.trans.stub()  # every point from now on stays readable
+        stub.CreatePin(tpb.CreatePinRequest(name="history", ts=begin_read(stub).timestamp),
+                       timeout=10)
+        root = tmp_path / "writers"
+        w = plane.durable_writer("app", root, WriterSettings(lease_ms=3000))
+        on_first, on_victim = rows_on(plane, first, 3), rows_on(plane, victim, 3)
+        before = [event(t, s, b"v0") for t, s in on_first + on_victim]
+        t0 = w.write("events", upserts=before)
+        published(plane, catalog)
+        tick(plane)
+        tick(plane)
+        plane.checkpoint(victim)  # the victim's replay starts above t0
+
+        given_up = [event(t, s, b"v1") for t, s in on_first[:2] + on_victim[:2]]
+        with pytest.raises(WriteRefused):
+            w.write("events", upserts=given_up)
+        t2 = w.write("events", upserts=[event(*on_victim[2], b"v2")])  # resends T at T1 first
+        tick(plane)
+        logged = [r.last_ts for r in Changelog(storage.root_uri(str(root / "app")))
+                  .records(t0 + 1)]
+        assert len(logged) == 3 and logged[-1] == t2, logged
+        t, t1 = logged[0], logged[1]
+
+        # What readers saw before the crash: T's part on the first node only.
+        points = range(t0 - 1, t2 + 2)
+        seen: dict[int, Rows | None] = {p: as_of(plane, p) for p in points}
+        assert None not in seen.values()
+        base = keyed(plane, "events", before)
+        assert seen[t] == {**base, **keyed(plane, "events", given_up[:2])}
+        assert seen[t1] == {**base, **keyed(plane, "events", given_up)}
+        model: list[tuple[int, Rows]] = [(0, {})] + [(ts, seen[ts])  # type: ignore[misc]
+                                                    for ts in (t0, t, t1, t2)]
+        assert feed_served(plane, model, t0 - 1, t2)
+
+        # Two restarts in a row; the first one's READY checkpoint fails, so the second
+        # replays from the same checkpoint again.
+        for failpoint in ("checkpoint.body_write.before=raise*1", ""):
+            restart(plane, victim, failpoint)
+            assert read(plane, "events") == seen[t2 + 1]
+            assert {p: as_of(plane, p) for p in points} == seen
+            assert feed_served(plane, model, t0 - 1, t2)
+        assert log_has(plane, victim, "replay_unapplied_write_skipped")
+    finally:
+        plane.stop()
