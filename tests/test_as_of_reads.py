@@ -276,8 +276,10 @@ def test_history_a_recovery_rebuilt_is_refused_never_answered_differently(
     This plane writes anonymously (retina.anonymous_writes: no changelog but its own
     holds its rows), so the node cannot know its replay is complete: the whole rebuilt
     range is refused (HISTORY_REBUILT_IS_REFUSED); the checkpoint's history below the
-    replay start still reads exactly. tests/test_refused_replay.py: the same with
-    registered writers, where the node answers up to the first timestamp it replayed."""
+    replay start still reads exactly. tests/test_refused_replay.py and
+    tests/test_given_up_replay.py: the same with registered writers, where the replay
+    applies only what the node applied or a live transaction's (APPLIED_OR_LIVE) and
+    every point reads exactly."""
     from retina_common.client import requests_by_node
 
     plane = make_plane(nodes=1)
