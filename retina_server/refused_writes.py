@@ -35,6 +35,13 @@ Invariants:
   name their writer (changelog_replay.merged_replay_requests), and needn't. The writer
   id is kept for the log lines and the operator.
 
+Since the applied-writes log (applied_writes.py, APPLIED_OR_LIVE) a whole refusal would
+be skipped by the replay without its record too (nothing of it applied here, and its
+transaction has ended: the floor that refused it is at most the HWM); the records are
+kept because they are cheap, checked first, and the *partial* ones tell the replay where
+its rebuilt history may be inexact (a stream part split between an applied request and
+the refused one: replay_admission.Admission.inexact_from).
+
 Records are facts about what happened before a crash, not state a replay rebuilds:
 cleansing leaves them. They are pruned below the replay floor (the lowest replay start
 a restart can still use: gc_scheduler.ReplayFloor), where no replay asks for them.
