@@ -46,6 +46,7 @@ from .faults import (
     inject,
     relevant_points,
 )
+from .feed_follower import FeedFollower
 from .gc_driver import ROW_GROUP_ROWS, journal_states
 from .key_lookups import KeyLookups, lookup_over
 from .pinned_snapshots import PinBook
@@ -106,6 +107,8 @@ class Campaign:
         self._gc_unpromoted: dict[str, int] = {}
         self.audit: StorageAudit | None = None  # per cluster
         self.app: AppWriter | None = None  # the application writer, per cluster
+        self.follower: FeedFollower | None = None  # the change feed's, per cluster
+        self._episode = -1
 
     def episode_numbers(self) -> list[int]:
         if self.args.episode is not None:
@@ -187,6 +190,10 @@ class Campaign:
         self.app = AppWriter(self.cluster, topology, self.etcd)
         self.app.start()
         self.book = self._snapshot_book(topology)
+        self.follower = FeedFollower(
+            self.reader, self.book.readers.trans, SPECS, self.report.feed,
+            lambda kind, detail: self._anomaly(self._episode, kind, detail, CDC))
+        self.follower.start()
         self.log(f"chaos: cluster {generation} READY in {time.monotonic() - t0:.1f}s "
                  f"({self.cluster.state_dir}); seed {self.args.seed}")
 
@@ -218,6 +225,9 @@ class Campaign:
             catalog.close()
 
     def _close_cluster(self) -> None:
+        if self.follower is not None:
+            self.follower.close()
+            self.follower = None
         if self.app is not None:
             with contextlib.suppress(Exception):
                 self.app.close()
@@ -254,6 +264,7 @@ class Campaign:
     # --- one episode -----------------------------------------------------------------------
     def run_episode(self, episode: int) -> None:
         t0 = time.monotonic()
+        self._episode = episode
         derived = episode_seed(self.args.seed, episode)
         fault_rng = random.Random(derived)
         # The workload draws from its own stream, so how many steps a failpoint wait
@@ -307,6 +318,8 @@ class Campaign:
         self._check_storage(episode)
         self._record_breaches(episode)
         book.after_healing(comparison.clean)
+        if self.follower is not None and comparison.clean:
+            self.follower.after_healing()
         self._record_snapshots(episode)
         self.report.episodes += 1
         self.report.episode_seconds.append(time.monotonic() - t0)

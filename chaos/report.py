@@ -81,6 +81,10 @@ class Report:
     # every node READY (fault_up_): lookups (calls, one per table), keys,
     # keys_<present|deleted|never>, answered, found, refused_<CODE>, wrong (keys).
     lookups: Counter[str] = field(default_factory=Counter)
+    # The change feed's follower (chaos/feed_follower.py): reads, commits, changes,
+    # changes_<type>, duplicated, wrong_before, out_of_order, lost, rereads,
+    # reread_differs, expired, refused_<CODE>, tables_checked.
+    feed: Counter[str] = field(default_factory=Counter)
     # The application writer (chaos/app_workload.py): sent, acknowledged, not_sent (failed
     # before its log append), in_doubt_killed (died in the call at a writer.* point),
     # in_doubt_error (failed after its log append), unknown, in_doubt_resolved (applied
@@ -211,7 +215,19 @@ class Report:
             *(f"  lookups {where:13s}{self.lookup_text(prefix)}" for where, prefix in
               (("once healed", ""), ("AS OF", "as_of_"), ("node away", "fault_down_"),
                ("in a fault", "fault_up_"))),
+            self.feed_text(),
         ]
+
+    def feed_text(self) -> str:
+        f = self.feed
+        kinds = ", ".join(f"{k} {f['changes_' + k]}" for k in
+                          ("insert", "update_before", "update_after", "delete"))
+        return (f"  change feed          {f['reads']} reads, {f['commits']} commits, "
+                f"{f['changes']} changes ({kinds}), {f['tables_checked']} tables checked, "
+                f"{f['rereads']} ranges read again: LOST {f['lost']}, DUPLICATED "
+                f"{f['duplicated']}, WRONG BEFORE {f['wrong_before']}, OUT OF ORDER "
+                f"{f['out_of_order']}, REREAD DIFFERS {f['reread_differs']}, EXPIRED "
+                f"{f['expired']}; refused: {_by_code(f, 'refused_')}")
 
     def lookup_text(self, prefix: str) -> str:
         c = self.lookups

@@ -30,7 +30,7 @@ import base64
 import binascii
 import json
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -132,7 +132,7 @@ class ChangeFeedReader:
     def read(self, schema: str, table: str, from_ts: int, *, to_ts: int = 0,
              columns: Sequence[str] = (), keep_unchanged: bool = False,
              page_changes: int = 0, heartbeat: bool = False,
-             vnodes: Sequence[int] = (), raw: bool = False) -> Iterator[Commit]:
+             vnodes: Sequence[int] = (), raw: bool = False) -> Generator[Commit, None, None]:
         """The commits in ``(from_ts, to_ts]`` (``to_ts`` 0: up to the newest snapshot), in
         commit order; with ``heartbeat``, then a change-less commit at the range's end.
         ``vnodes``: only the changes of these virtual nodes (a commit's part on them).
@@ -162,7 +162,7 @@ class ChangeFeedReader:
 
     def follow(self, schema: str, table: str, from_ts: int, *, poll_s: float = 0.1,
                stop: Callable[[], bool] = lambda: False, columns: Sequence[str] = (),
-               keep_unchanged: bool = False) -> Iterator[Commit]:
+               keep_unchanged: bool = False) -> Generator[Commit, None, None]:
         """The commits after ``from_ts``, as they come, with a heartbeat after each range
         read, until ``stop()``."""
         cursor = from_ts

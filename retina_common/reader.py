@@ -29,7 +29,7 @@ import argparse
 import json
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -41,7 +41,18 @@ import pyarrow.parquet as pq
 from retina_common import exit_codes, file_names
 from retina_common.as_of_point import NEWEST, AsOf, BadPoint, format_ms, parse_as_of
 from retina_common.catalog import Catalog, CatalogError, NotFound
-from retina_common.change_feed import ChangeFeedReader
+from retina_common.change_feed import (
+    CHANGE_TYPE,
+    ORDINAL,
+    SNAPSHOT,
+    SOURCE_POSITION,
+    BadCursor,
+    ChangeFeedReader,
+    ChangesExpired,
+    decode_cursor,
+    encode_cursor,
+)
+from retina_common.change_feed import COMMIT_TS as CHANGE_TS
 from retina_common.client import channel
 from retina_common.codec import COMMIT_TS, EncodingError
 from retina_common.config import ConfigError, TlsConfig
@@ -221,10 +232,13 @@ def format_rows(rows: pa.Table) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``retina-query SCHEMA.TABLE``: print a gated snapshot of a table.
-    ``retina-query get SCHEMA.TABLE KEY...``: look up keys (see ``get --help``)."""
+    ``retina-query get SCHEMA.TABLE KEY...``: look up keys (see ``get --help``).
+    ``retina-query changes SCHEMA.TABLE --from CURSOR``: the change feed (``changes --help``)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["get"]:
         return get_main(argv[1:])
+    if argv[:1] == ["changes"]:
+        return changes_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="retina-query", description=main.__doc__,
         epilog="Exit codes: 0 printed; 1 not answered: refused (e.g. the query gate is "
@@ -365,6 +379,111 @@ def get_main(argv: list[str]) -> int:
     print(f"-- {int(got.found.sum())} of {len(keys)} keys found at snapshot {got.timestamp}"
           f"{past}", file=sys.stderr)
     return exit_codes.OK
+
+
+def changes_main(argv: list[str]) -> int:
+    """``retina-query changes SCHEMA.TABLE --from CURSOR``: every change committed after
+    the cursor, commit by commit, in commit order (docs/change-feed.md); with --follow, and
+    on as changes come, until interrupted."""
+    parser = argparse.ArgumentParser(
+        prog="retina-query changes", description=changes_main.__doc__,
+        epilog="CURSOR: a cursor printed by an earlier run, a commit timestamp (changes "
+               "after it), or 'now'. Exit codes: 0 read (interrupted while following: "
+               "the cursor to resume from is printed); 1 not answered: refused (a cursor "
+               "older than the history kept: changes_expired, naming the earliest cursor) "
+               "or a node or the TransServer unreachable; 2 usage or configuration.")
+    parser.add_argument("table", help="schema.table")
+    parser.add_argument("--from", dest="cursor", required=True, metavar="CURSOR")
+    parser.add_argument("--to", type=int, default=0, metavar="TS",
+                        help="last commit timestamp to read (default: the newest snapshot)")
+    parser.add_argument("--follow", action="store_true", help="keep reading as commits come")
+    parser.add_argument("--snapshot-first", action="store_true",
+                        help="with --from now: first the table's rows at that snapshot "
+                             "(change type 'snapshot'), then the changes after it")
+    parser.add_argument("--columns", default="",
+                        help="comma-separated columns besides the key (default: all)")
+    parser.add_argument("--keep-unchanged", action="store_true",
+                        help="also updates that changed no column")
+    parser.add_argument("--max-commits", type=int, default=0,
+                        help="stop after this many commits with changes (0: no limit)")
+    parser.add_argument("--config", help="TOML config file (default: $RETINA_CONFIG)")
+    parser.add_argument("--format", choices=["table", "json"], default="json")
+    args = parser.parse_args(argv)
+    schema, dot, table = args.table.partition(".")
+    if not dot:
+        parser.error("give the table as schema.table")
+    if args.snapshot_first and args.cursor != "now":
+        parser.error("--snapshot-first starts at the newest snapshot: use --from now")
+    try:
+        config, topology = load_config_and_topology(args.config)
+        start = None if args.cursor == "now" else decode_cursor(args.cursor, schema, table)
+    except (ConfigError, BadCursor) as exc:
+        print(f"retina-query changes: {exc}", file=sys.stderr)
+        return exit_codes.USAGE
+    reader = SnapshotReader(config.trans.listen, topology, tls=config.tls)
+    feed = reader.change_feed()
+    columns = [c for c in args.columns.split(",") if c]
+    cursor = start or 0
+    try:
+        if start is None:
+            cursor = _start_now(reader, schema, table, args.snapshot_first, args.format)
+        commits = feed.follow(schema, table, cursor, columns=columns,
+                              keep_unchanged=args.keep_unchanged) if args.follow else \
+            feed.read(schema, table, cursor, to_ts=args.to, columns=columns,
+                      keep_unchanged=args.keep_unchanged, heartbeat=True)
+        shown = 0
+        with closing(commits):  # its read transactions end before the channels close
+            for commit in commits:
+                cursor = commit.ts
+                if commit.heartbeat:
+                    continue
+                _print_commit(commit.changes, args.format)
+                shown += 1
+                if shown == args.max_commits:
+                    break
+    except ChangesExpired as exc:
+        print(f"retina-query changes: {exc}", file=sys.stderr)
+        print(f"retina-query changes: the earliest cursor is {exc.earliest} "
+              f"({encode_cursor(schema, table, exc.earliest)}); or start again with "
+              "--from now --snapshot-first", file=sys.stderr)
+        return exit_codes.FAILED
+    except grpc.RpcError as exc:
+        return _not_answered("retina-query changes", exc)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        reader.close()
+    print(f"-- cursor {encode_cursor(schema, table, cursor)} (timestamp {cursor})",
+          file=sys.stderr)
+    return exit_codes.OK
+
+
+def _start_now(reader: SnapshotReader, schema: str, table: str, snapshot_first: bool,
+               fmt: str) -> int:
+    """The newest snapshot's timestamp; with ``snapshot_first``, its rows printed first."""
+    with reader.transaction() as trans:
+        if snapshot_first:
+            rows = reader.read_in(trans, schema, table).table
+            rows = rows.sort_by([(c, "ascending") for c in rows.column_names[:1]])
+            head = {CHANGE_TYPE: pa.array([SNAPSHOT] * rows.num_rows, pa.string()),
+                    CHANGE_TS: pa.array([trans.timestamp] * rows.num_rows, pa.int64()),
+                    ORDINAL: pa.array(np.arange(rows.num_rows, dtype=np.int64)),
+                    SOURCE_POSITION: pa.nulls(rows.num_rows, pa.string())}
+            columns = [*head.values(), *rows.columns]
+            _print_commit(pa.Table.from_arrays(columns, [*head, *rows.column_names]), fmt)
+        return trans.timestamp
+
+
+def _print_commit(changes: pa.Table, fmt: str) -> None:
+    if fmt == "table":
+        print(format_rows(changes))
+        return
+    head = (CHANGE_TYPE, CHANGE_TS, ORDINAL, SOURCE_POSITION)
+    for row in changes.to_pylist():
+        print(json.dumps({"change_type": row[CHANGE_TYPE], "commit_ts": row[CHANGE_TS],
+                          "ordinal": row[ORDINAL], "source_position": row[SOURCE_POSITION],
+                          "row": {k: v for k, v in row.items() if k not in head}},
+                         default=str), flush=True)
 
 
 if __name__ == "__main__":

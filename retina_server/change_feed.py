@@ -4,7 +4,9 @@ The feed is derived from what the node already stores, with no change log of its
 (docs/change-feed.md, "Why derived"):
 
 * an INSERT is a row whose ``_commit_ts`` is in the range: every row carries it, in a
-  write-buffer block, an ingest file and a Storage GC output alike;
+  write-buffer block, an ingest file and a Storage GC output alike; a row in its row
+  group's base bitmap although committed after the base (hidden by a recovery's rewind:
+  cleansing.py) was in no snapshot and is none;
 * a DELETE is a deletion-chain item ``(row, ts)`` in the range (visibility.py keeps every
   delete above a row group's base, in memory and in checkpoints); its before image is the
   deleted row itself, still in its file;
@@ -40,6 +42,7 @@ appended, an update's before image right before its after image. ``_seq`` number
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -47,7 +50,8 @@ import grpc
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter as MetricCounter
+from prometheus_client import Histogram
 
 from retina_common.catalog import TableRecord
 from retina_common.codec import COMMIT_TS, encode_primary_keys
@@ -67,13 +71,14 @@ INSERT, UPDATE_BEFORE, UPDATE_AFTER, DELETE = (
 DEFAULT_PAGE_CHANGES = 10_000
 MAX_PAGE_CHANGES = 1_000_000
 
-SERVED = Counter("retina_changes_served_total", "Changes sent by ReadChanges", ["change_type"])
-UNCHANGED = Counter("retina_changes_unchanged_updates_total",
-                    "Updates ReadChanges left out because they changed no column")
+SERVED = MetricCounter("retina_changes_served_total", "Changes sent by ReadChanges",
+                       ["change_type"])
+UNCHANGED = MetricCounter("retina_changes_unchanged_updates_total",
+                          "Updates ReadChanges left out because they changed no column")
 SECONDS = Histogram("retina_changes_read_seconds", "ReadChanges: time to derive a range",
                     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5))
-REREADS = Counter("retina_changes_rereads_total",
-                  "ReadChanges reads repeated because rows moved meanwhile (RowMoves)")
+REREADS = MetricCounter("retina_changes_rereads_total",
+                        "ReadChanges reads repeated because rows moved meanwhile (RowMoves)")
 
 # A source position: ts -> the position of the commit at ts (source_positions.py).
 Positions = Callable[[Sequence[int]], dict[int, str]]
@@ -242,6 +247,9 @@ class ChangeFeed:
                 if may_insert:
                     committed = rows.commit_ts[first:first + count]
                     offsets = np.flatnonzero((committed > low) & (committed <= high))
+                    # Rows the rewind hid (in the base, committed after it) were in no
+                    # snapshot: their replayed copies are the inserts.
+                    offsets = offsets[~visibility.in_base(offsets)]
                     if len(offsets):
                         inserted.add(rows, first + offsets, committed[offsets], first_block,
                                      rg_id, offsets.astype(np.int64))
@@ -324,9 +332,9 @@ def _changes(request: ChangesRequest, vnode: int, deleted: _Side,
             pairs.append((d, nd + i))
     unchanged = _unchanged(images, pairs) if pairs and not request.keep_unchanged \
         else [False] * len(pairs)
+    UNCHANGED.inc(sum(unchanged))
     for (d, i), same in zip(pairs, unchanged, strict=True):
         if same:
-            UNCHANGED.inc()
             continue
         t, b, g, r = int(i_ts[i - nd]), int(i_block[i - nd]), int(i_rg[i - nd]), int(i_row[i - nd])
         entries.append(_Entry(t, 1, b, g, r, 0, UPDATE_BEFORE, d))
@@ -349,9 +357,10 @@ def _numbered(schema: pa.Schema, images: pa.Table, entries: list[_Entry],
     starts = np.maximum.accumulate(np.where(new_commit, np.arange(len(entries)), 0))
     seq = np.arange(len(entries)) - starts
     rows = images.take(pa.array([e.image for e in entries], pa.int64()))
-    for e in entries:
-        SERVED.labels(change_type=e.kind).inc()
-    head = [pa.array([e.kind for e in entries], pa.string()), pa.array(stamps),
+    kinds = [e.kind for e in entries]
+    for kind, n in Counter(kinds).items():
+        SERVED.labels(change_type=kind).inc(n)
+    head = [pa.array(kinds, pa.string()), pa.array(stamps),
             pa.array(np.full(len(entries), vnode, np.int32)), pa.array(seq.astype(np.int64)),
             pa.nulls(len(entries), pa.string())]
     names = schema.names[len(head):]

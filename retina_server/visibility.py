@@ -132,6 +132,17 @@ class RGVisibility:
                 return None
             return [(row, ts) for row, ts in self._chain.items() if low < ts <= high]
 
+    def in_base(self, rows: np.ndarray) -> np.ndarray:
+        """Which of ``rows`` are in the base bitmap (deleted at or before the base
+        timestamp). A row committed after the base timestamp is there only when the
+        recovery's rewind hid it (its replayed copy took its place): it was in no
+        snapshot."""
+        with self._lock:
+            base = self._base
+        if not base:
+            return np.zeros(len(rows), bool)
+        return np.fromiter((r in base for r in rows.tolist()), bool, len(rows))
+
     def fold(self, safe_ts: int) -> int:
         """Fold chain items with ``ts <= safe_ts`` into the base; returns items folded."""
         with self._lock:

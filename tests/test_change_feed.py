@@ -4,6 +4,7 @@ changed nothing), deletes, whole commits across pages, stable ordinals, refusals
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -14,12 +15,20 @@ from retina_common.catalog import Catalog
 from retina_common.change_feed import ChangesExpired, Commit, decode_cursor
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
+from retina_common.reader import main as query_main
 from retina_common.refusal import CHANGES_EXPIRED
 
 from .dataplane import SCHEMA, DataPlane
 from .feed_model import apply_changes, expected_changes, feed_changes
 from .support import rpc_error
-from .test_as_of_reads import hand_out_safe_gc_ts, maintenance, step
+from .test_as_of_reads import (
+    hand_out_safe_gc_ts,
+    maintenance,
+    rewrite_every_stream,
+    step,
+    sweep_replaced,
+)
+from .test_lineage import revert
 from .test_recovery_protocol import order
 
 ORDER_COLUMNS = ("id", "customer", "amount", "note")
@@ -155,3 +164,83 @@ def test_malformed_or_unheld_reads_are_refused_and_change_nothing(
     assert sum(r.change_count for r in replies) == len(plane.model.rows["orders"])
     assert replies[-1].through_ts == current.timestamp
     check_feed(plane, "orders", first - 1, ORDER_COLUMNS)
+
+
+@pytest.mark.integration
+def test_retina_query_changes_prints_commits_and_a_cursor_that_resumes(
+        make_plane: Callable[..., DataPlane], capsys: pytest.CaptureFixture[str]) -> None:
+    plane = make_plane(nodes=2)
+    config = ["--config", str(plane.config_path)]
+    first, _ = plane.commit({"orders": {"inserts": [order(i) for i in range(4)]}})
+    assert query_main(["changes", f"{SCHEMA}.orders", "--from", "now", "--snapshot-first",
+                       *config]) == 0
+    out = capsys.readouterr()
+    lines = [json.loads(line) for line in out.out.splitlines()]
+    assert [(x["change_type"], x["row"]["id"]) for x in lines] == \
+        [("snapshot", i) for i in range(4)]
+    cursor = out.err.split("-- cursor ")[1].split()[0]
+    second, _ = plane.commit({"orders": {"replaces": [order(1, note="x")],
+                                         "deletes": [{"id": 2}]}})
+    third, _ = plane.commit({"orders": {"inserts": [order(9)]}})
+    assert query_main(["changes", f"{SCHEMA}.orders", "--from", cursor, "--columns", "note",
+                       "--max-commits", "1", *config]) == 0
+    out = capsys.readouterr()
+    lines = [json.loads(line) for line in out.out.splitlines()]
+    assert sorted((x["change_type"], x["row"]["id"]) for x in lines) == \
+        [("delete", 2), ("update_after", 1), ("update_before", 1)]
+    assert {x["commit_ts"] for x in lines} == {second}
+    assert [x["ordinal"] for x in lines] == [0, 1, 2]
+    assert set(lines[0]["row"]) == {"id", "note"}
+    cursor = out.err.split("-- cursor ")[1].split()[0]
+    assert decode_cursor(cursor, SCHEMA, "orders") == second
+    assert query_main(["changes", f"{SCHEMA}.orders", "--from", cursor, *config]) == 0
+    out = capsys.readouterr()
+    assert [(json.loads(x)["change_type"], json.loads(x)["commit_ts"])
+            for x in out.out.splitlines()] == [("insert", third)]
+    # A cursor of another table, and one that is not a cursor: usage errors.
+    assert query_main(["changes", f"{SCHEMA}.events", "--from", cursor, *config]) == 2
+    assert query_main(["changes", f"{SCHEMA}.orders", "--from", "rc1.zzz", *config]) == 2
+    # Older than the history kept: refused, naming the earliest cursor.
+    hand_out_safe_gc_ts(plane)
+    assert query_main(["changes", f"{SCHEMA}.orders", "--from", str(first - 1),
+                       *config]) == 1
+    assert "changes_expired" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_the_feed_stays_exact_across_gc_a_revert_sweeps_and_node_kills(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    """A consumer-like cursor held by a pin (the registry holds it the same way): the feed
+    above it is the model's history, change by change, after every rewrite, fold, revert,
+    sweep and kill; Storage GC and recovery add no change."""
+    plane = make_plane(nodes=2, gc_retired_retention_ms=0, sweeper_interval_ms=0,
+                       gc_interval_ms=1000)
+    stub = plane.trans.stub()
+    points = [step(plane, catalog, n) for n in range(3)]
+    cursor = points[1]
+    stub.CreatePin(tpb.CreatePinRequest(name="consumer", ts=cursor + 1), timeout=10)
+    points += [step(plane, catalog, n) for n in range(3, 8)]
+    assert hand_out_safe_gc_ts(plane) == cursor
+    before = check_feed(plane, "orders", cursor, ORDER_COLUMNS)
+
+    def same_commits() -> None:
+        now = check_feed(plane, "orders", cursor, ORDER_COLUMNS)
+        assert [(c.ts, c.changes.to_pylist()) for c in now[:len(before)]] == \
+            [(c.ts, c.changes.to_pylist()) for c in before]
+        check_feed(plane, "events", cursor, ("tenant", "seq", "payload", "ok"))
+
+    rewrites = rewrite_every_stream(plane)
+    assert rewrites
+    assert maintenance(plane) == [cursor] * len(plane.nodes)
+    same_commits()
+    node, reply = rewrites[0]
+    assert revert(plane, node, reply.rewrite_id).record.status == "REVERTED"
+    same_commits()
+    sweep_replaced(plane, catalog)
+    points += [step(plane, catalog, n) for n in range(8, 10)]
+    same_commits()
+    # A cursor below the pin's hold is refused, naming the earliest.
+    with pytest.raises(ChangesExpired) as refused:
+        read_feed(plane, "orders", points[0])
+    assert refused.value.earliest == cursor
+

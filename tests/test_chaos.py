@@ -463,6 +463,16 @@ def test_fixed_seed_sample_loses_nothing_and_never_serves_outside_ready(tmp_path
     wrong = [a for a in report["anomalies"] if a["kind"].startswith(("as_of_", "pin_",
                                                                      "image_", "lookup_"))]
     assert not wrong, f"AS OF reads, pins or lookups wrong ({took:.0f}s):\n{output}"
+    # Issue 28: the change feed followed in every episode, applied strictly to a replica
+    # equal to the snapshot it ends at, ranges read again the same: nothing lost,
+    # duplicated or out of order.
+    feed = report["feed"]
+    assert feed.get("reads", 0) >= report["episodes"] - 1, output
+    assert feed.get("changes_update_after", 0) >= 1 and feed.get("changes_delete", 0) >= 1, \
+        output
+    assert feed.get("rereads", 0) >= 1, output
+    broken = [a for a in report["anomalies"] if a["kind"].startswith("feed_")]
+    assert not broken, f"the change feed broke ({took:.0f}s):\n{output}"
     assert not report["stopped_early"] or "time budget" in report["stopped_early"], output
     assert result.returncode == 0, f"anomalies ({took:.0f}s):\n{output}"
 

@@ -1,0 +1,208 @@
+"""The change feed in the campaign (issue 28): a follower per cluster that reads every
+table's feed after every episode, applies it strictly to a replica of its own, and checks
+the replica against the snapshot the feed ends at.
+
+The follower starts with a snapshot (every table read whole at S0, the replica) and then
+follows from S0, as a consumer that starts with a snapshot does. Its cursor is held the way
+a registered consumer's is: a pin (``chaos-feed-<cursor>``) at the cursor, moved forward after each
+read, so Storage GC, folds and the 20 s history retention never pass it.
+
+Once healed, per episode (every node READY, the connector caught up):
+
+1. a read transaction T at S; every table's commits in ``(cursor, S]``;
+2. each commit applied strictly, change by change: an ``insert`` or ``update_after`` of a
+   key the replica holds is a **duplicated** change, a ``delete`` or ``update_before`` whose
+   image is not the replica's row (or whose key it lacks) a **duplicated or lost** one
+   (``wrong_before``); a commit at or below the previous one is **out of order**; ordinals
+   must be 0..n-1 and an update's images adjacent;
+3. the replica compared with every table read whole in T: a key whose row differs is a
+   **lost** change (in either direction: a change the feed never gave, or one it gave that
+   the snapshot does not have);
+4. the previous episode's range read again: the same commits, change for change (a feed is
+   history: a range read after a fault must give what it gave before; ``reread_differs``).
+
+Counts go to the report's ``feed`` counter: ``reads``, ``commits``, ``changes``,
+``changes_<type>``, ``duplicated``, ``wrong_before``, ``out_of_order``, ``lost``,
+``rereads``, ``reread_differs``, ``expired``, ``refused_<CODE>``, ``tables_checked``.
+Any of duplicated, wrong_before, out_of_order, lost, reread_differs and expired is an
+anomaly (``feed_<what>``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import grpc
+import pyarrow as pa
+
+from retina_common.change_feed import ChangeFeedReader, ChangesExpired, Commit
+from retina_common.pb import trans_pb2 as tpb
+from retina_common.pb import trans_pb2_grpc
+from retina_common.reader import SnapshotReader
+
+from .snapshots import row_digest
+from .workload import SCHEMA, Key, TableSpec
+
+PIN = "chaos-feed"
+HIDDEN = ("_change_type", "_commit_ts", "_ordinal", "_source_position")
+READ_ATTEMPTS = 5
+
+# anomaly(kind, detail)
+Anomaly = Callable[[str, str], None]
+
+
+class FeedFollower:
+    def __init__(self, reader: SnapshotReader, trans: trans_pb2_grpc.TransServiceStub,
+                 tables: Mapping[str, TableSpec], counts: Counter[str],
+                 anomaly: Anomaly) -> None:
+        self._reader = reader
+        self._feed: ChangeFeedReader = reader.change_feed()
+        self._trans = trans
+        self._tables = dict(tables)
+        self.counts = counts
+        self._anomaly = anomaly
+        self._replica: dict[str, dict[Key, bytes]] = {}
+        self._last_ts: dict[str, int] = {}
+        self.cursor = 0
+        self._pin = ""
+        self._previous: tuple[int, int, dict[str, list[tuple[int, list[Any]]]]] | None = None
+
+    # --- start: a snapshot, then follow ---------------------------------------------------------
+    def start(self) -> None:
+        with self._reader.transaction() as trans:
+            for name, spec in self._tables.items():
+                rows = self._reader.read_in(trans, SCHEMA, name).table.to_pylist()
+                self._replica[name] = {_key(r, spec): row_digest(_row(r)) for r in rows}
+                self._last_ts[name] = trans.timestamp
+            self._move_pin(trans.timestamp)
+            self.cursor = trans.timestamp
+
+    def close(self) -> None:
+        if self._pin:
+            with contextlib.suppress(grpc.RpcError):
+                self._trans.DropPin(tpb.DropPinRequest(name=self._pin), timeout=10)
+
+    def _move_pin(self, cursor: int) -> None:
+        """Hold safeGcTs below ``cursor`` (a pin at it: at cursor + 1 would be above the
+        HWM when nothing was committed since): the new pin first, then the old one dropped
+        (a failure in between holds more, never less)."""
+        name = f"{PIN}-{cursor}"
+        self._trans.CreatePin(tpb.CreatePinRequest(name=name, ts=cursor), timeout=10)
+        old, self._pin = self._pin, name
+        if old:
+            with contextlib.suppress(grpc.RpcError):  # a later move drops it again
+                self._trans.DropPin(tpb.DropPinRequest(name=old), timeout=10)
+
+    # --- once healed ---------------------------------------------------------------------------
+    def after_healing(self) -> None:
+        """Steps 1-4 of the module docstring (every node READY)."""
+        if not self._replica:
+            return
+        for attempt in range(READ_ATTEMPTS):
+            try:
+                self._follow_once()
+                return
+            except ChangesExpired as exc:
+                self.counts["expired"] += 1
+                self._anomaly("feed_expired", f"cursor {self.cursor}: {exc}")
+                self._replica.clear()  # the follower cannot go on exactly: stop following
+                return
+            except grpc.RpcError as exc:
+                self.counts[f"refused_{exc.code().name}"] += 1
+                if attempt == READ_ATTEMPTS - 1:
+                    return  # the next episode reads the same range again
+                time.sleep(0.5)
+
+    def _follow_once(self) -> None:
+        with self._reader.transaction() as trans:
+            end = trans.timestamp
+            got: dict[str, list[Commit]] = {}
+            for name in self._tables:
+                got[name] = list(self._feed.read(SCHEMA, name, self.cursor, to_ts=end))
+            images = {name: self._reader.read_in(trans, SCHEMA, name).table.to_pylist()
+                      for name in self._tables}
+        self.counts["reads"] += 1
+        self._reread_previous()
+        for name, commits in got.items():
+            for commit in commits:
+                self._apply(name, commit)
+            self._compare(name, images[name], end)
+        self._previous = (self.cursor, end, {n: [(c.ts, _changes(c.changes)) for c in cs]
+                                             for n, cs in got.items()})
+        self.cursor = end
+        self._move_pin(end)
+
+    def _apply(self, name: str, commit: Commit) -> None:
+        spec, replica = self._tables[name], self._replica[name]
+        if commit.ts <= self._last_ts[name]:
+            self.counts["out_of_order"] += 1
+            self._anomaly("feed_out_of_order", f"{name}: commit {commit.ts} after "
+                          f"{self._last_ts[name]}")
+        self._last_ts[name] = max(self._last_ts[name], commit.ts)
+        rows = commit.changes.to_pylist()
+        self.counts["commits"] += 1
+        if [r["_ordinal"] for r in rows] != list(range(len(rows))):
+            self.counts["out_of_order"] += 1
+            self._anomaly("feed_out_of_order", f"{name}: commit {commit.ts} ordinals "
+                          f"{[r['_ordinal'] for r in rows][:10]}")
+        for row in rows:
+            kind = row["_change_type"]
+            self.counts["changes"] += 1
+            self.counts[f"changes_{kind}"] += 1
+            key, digest = _key(row, spec), row_digest(_row(row))
+            if kind in ("insert", "update_after"):
+                if key in replica:
+                    self.counts["duplicated"] += 1
+                    self._anomaly("feed_duplicated", f"{name}: {kind} of {key} at "
+                                  f"{commit.ts}, which the replica holds")
+                replica[key] = digest
+            elif replica.pop(key, None) != digest:
+                self.counts["wrong_before"] += 1
+                self._anomaly("feed_wrong_before", f"{name}: {kind} of {key} at "
+                              f"{commit.ts} does not match the replica's row")
+
+    def _compare(self, name: str, rows: list[dict[str, Any]], end: int) -> None:
+        spec, replica = self._tables[name], self._replica[name]
+        image = {_key(r, spec): row_digest(_row(r)) for r in rows}
+        self.counts["tables_checked"] += 1
+        differ = [k for k in image.keys() | replica.keys() if image.get(k) != replica.get(k)]
+        if differ:
+            self.counts["lost"] += len(differ)
+            only_feed = sorted((k for k in differ if k not in image), key=repr)
+            only_snapshot = sorted((k for k in differ if k not in replica), key=repr)
+            changed = sorted((k for k in differ if k in image and k in replica), key=repr)
+            self._anomaly("feed_lost", f"{name}: the feed up to {end} leaves {len(differ)} "
+                          f"keys unlike the snapshot: {len(only_feed)} the snapshot lacks "
+                          f"{only_feed[:3]}, {len(only_snapshot)} the replica lacks "
+                          f"{only_snapshot[:3]}, {len(changed)} with other values "
+                          f"{changed[:3]}")
+            self._replica[name] = image  # go on from the snapshot
+
+    def _reread_previous(self) -> None:
+        if self._previous is None:
+            return
+        start, end, before = self._previous
+        for name, commits in before.items():
+            again = [(c.ts, _changes(c.changes)) for c in
+                     self._feed.read(SCHEMA, name, start, to_ts=end)]
+            self.counts["rereads"] += 1
+            if again != commits:
+                self.counts["reread_differs"] += 1
+                self._anomaly("feed_reread_differs", f"{name}: ({start}, {end}] read "
+                              f"again gave {len(again)} commits, first {len(commits)}")
+
+
+def _key(row: Mapping[str, Any], spec: TableSpec) -> Key:
+    return tuple(row[c] for c in spec.pk)
+
+
+def _row(row: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k not in HIDDEN and not k.startswith("_")}
+
+
+def _changes(table: pa.Table) -> list[Any]:
+    return [(r["_change_type"], r["_ordinal"], row_digest(_row(r))) for r in table.to_pylist()]
