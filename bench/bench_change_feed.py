@@ -46,6 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from devtools.cluster import (
     ANONYMOUS_WRITES_ENV,
     start_cluster,
+    start_trans_server,
     stop_cluster,
 )
 from retina_common.catalog import ColumnSpec
@@ -61,6 +62,7 @@ FEED_COLUMNS = [ColumnSpec("id", "int64"), ColumnSpec("customer", "string"),
                 ColumnSpec("amount", "decimal(12,2)"), ColumnSpec("note", "string"),
                 ColumnSpec("qty", "int32"), ColumnSpec("price", "float64")]
 NODE_SECONDS = "retina_changes_read_seconds"
+HISTORY_MS = 600_000  # trans.history_retention_ms of the lag phase
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -219,7 +221,8 @@ def report(what: str, changes: int, r: dict, reads: int) -> None:
     node_reads = max(r["node_reads"], 1)
     line += (f"; node side (retina_changes_read_seconds) {r['node_s'] / node_reads * 1000:.1f} "
              f"ms per ReadChanges, {r['node_s'] / r['seconds']:.0%} of the time; node CPU "
-             f"{r['node_cpu_s']:.2f} s")
+             f"{r['node_cpu_s']:.2f} s: {changes / r['node_cpu_s']:,.0f} changes/s per core "
+             "(what the node answers whatever else runs here)")
     print(line, flush=True)
 
 
@@ -290,7 +293,10 @@ def follower(trans_address: str, topology_path: str, from_ts: int, expect: mp.Va
 def lag_bench(args: argparse.Namespace) -> None:
     state_dir = Path(tempfile.mkdtemp(prefix="retina-bench-feedlag-"))
     os.chmod(state_dir, 0o755)
-    state = start_cluster(state_dir, log=lambda _m: None)
+    # History kept as in production (the dev cluster keeps none): a follower's cursor
+    # stays readable between its polls without a registered consumer's pin.
+    state = start_cluster(state_dir, start_trans=False, log=lambda _m: None)
+    start_trans_server(state, {"RETINA__TRANS__HISTORY_RETENTION_MS": str(HISTORY_MS)})
     try:
         dsn = start_pipeline(state, DDL, {"readings": [
             ColumnSpec("id", "int64"), ColumnSpec("sensor", "int32"),
@@ -320,18 +326,22 @@ def lag_bench(args: argparse.Namespace) -> None:
         got = results.get(timeout=180)
         follow.join(timeout=30)
         load_after = os.getloadavg()[0]
+        node_s, reads = (sum(x) for x in zip(*(node_read_seconds(state.retina_metrics[n])
+                                                for n in state.nodes), strict=True))
     finally:
         stop_cluster(state, log=lambda _m: None)
         shutil.rmtree(state_dir, ignore_errors=True)
     lags = got["lags"]
     print(f"setup: {os.cpu_count()} cores, Python {sys.version.split()[0]}; etcd, PostgreSQL "
           "(source + catalog), TransServer, 2 Retina nodes, retina-cdc, this load generator "
-          "and a follower process on one machine; load average "
+          f"and a follower process on one machine; history kept {HISTORY_MS // 60_000} min; "
+          "load average "
           f"{load_before:.1f} before, {load_after:.1f} after")
     print(f"lag: offered {args.rate:,} rows/s (10-row transactions: 7 inserts, 2 updates, "
           f"1 delete), achieved {achieved:,.0f} rows/s over {args.seconds:.0f} s; the follower "
           f"got {len(lags):,} of {writer.timed:,} timed changes in {got['commits']:,} commits "
-          f"({got['heartbeats']:,} heartbeats)")
+          f"({got['heartbeats']:,} heartbeats); {reads:,.0f} ReadChanges over the 2 nodes, "
+          f"{node_s / max(reads, 1) * 1000:.1f} ms each node side (retina_changes_read_seconds)")
     if lags:
         print(f"lag (source commit -> follower), inserts and update_afters: p50 "
               f"{statistics.median(lags):.0f} ms, p99 {percentile(lags, 0.99):.0f} ms, max "
