@@ -74,6 +74,7 @@ if TYPE_CHECKING:
 PROG = "change_feed"
 RPC_TIMEOUT_S = 60.0
 VNODE, SEQ = "_vnode", "_seq"  # ReadChanges' order within a commit (raw reads)
+CHANGE_COLUMNS = (CHANGE_TYPE, COMMIT_TS, VNODE, SEQ, SOURCE_POSITION)  # before the row's
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ class RangeSpec:
     table: str
     from_ts: int
     to_ts: int
-    columns: tuple[str, ...]
+    columns: tuple[str, ...]  # the key's and the others', as the driver's schema names them
     keep_unchanged: bool
     tls: TlsConfig = field(default_factory=TlsConfig)  # the driver's: tasks run elsewhere
 
@@ -156,9 +157,11 @@ def held_range(trans_address: str, topology: Topology, schema: str, table: str,
         # Nothing above the newest snapshot to hold (as the merge: it reads nothing then).
         with feed.hold(from_ts) if end > from_ts else nullcontext():
             raw = feed.raw_schema(schema, table, columns)
+            # The columns named: a column added while the tasks run is not in their rows.
+            named = tuple(c for c in raw.names if c not in CHANGE_COLUMNS)
             yield HeldRange(RangeSpec(trans_address, topology.nodes, topology.virtual_nodes,
-                                      schema, table, from_ts, end, tuple(columns),
-                                      keep_unchanged, tls), raw)
+                                      schema, table, from_ts, end, named, keep_unchanged,
+                                      tls), raw)
     finally:
         reader.close()
 
@@ -197,9 +200,7 @@ def _frame(spark: SparkSession, spec: RangeSpec, raw: pa.Schema) -> DataFrame:
     parts = spark.createDataFrame(rows, from_arrow_schema(raw))
     within = Window.partitionBy(COMMIT_TS).orderBy(VNODE, SEQ)  # SAME_ORDINAL_AS_THE_MERGE
     ordinal = (F.row_number().over(within) - 1).cast("long").alias(ORDINAL)
-    columns = [c for c in raw.names if c not in (CHANGE_TYPE, COMMIT_TS, VNODE, SEQ,
-                                                  SOURCE_POSITION)]
-    return parts.select(CHANGE_TYPE, COMMIT_TS, ordinal, SOURCE_POSITION, *columns) \
+    return parts.select(CHANGE_TYPE, COMMIT_TS, ordinal, SOURCE_POSITION, *spec.columns) \
         .orderBy(COMMIT_TS, ORDINAL)
 
 
