@@ -58,6 +58,7 @@ bench: setup
 	@$(PY) bench/bench_apply_stages.py
 	@$(PY) bench/bench_write_fence.py
 	@$(PY) bench/bench_history.py
+	@$(PY) bench/bench_consumers.py
 	@$(PY) bench/bench_writer.py
 	@$(PY) bench/bench_recovery.py
 	@$(PY) bench/bench_cdc.py

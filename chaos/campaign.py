@@ -284,6 +284,8 @@ class Campaign:
         for _ in range(fault_rng.randint(1, 2)):
             ctx.write()
         book.before_fault()
+        if self.follower is not None:
+            self.follower.before_fault()
         kind = self._fault_kind(fault_rng, random.Random(derived ^ LATE_FAULT_STREAM), episode)
         try:
             result = inject(ctx, kind, self.args.seed, episode, self.failpoint_prefixes())

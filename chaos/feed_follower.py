@@ -3,9 +3,10 @@ table's feed after every episode, applies it strictly to a replica of its own, a
 the replica against the snapshot the feed ends at.
 
 The follower starts with a snapshot (every table read whole at S0, the replica) and then
-follows from S0, as a consumer that starts with a snapshot does. Its cursor is held the way
-a registered consumer's is: a pin (``chaos-feed-<cursor>``) at the cursor, moved forward after each
-read, so Storage GC, folds and the 20 s history retention never pass it.
+follows from S0, as a consumer that starts with a snapshot does. Its history is held the
+way a registered consumer's is: a pin (``chaos-feed-<ts>``), moved forward after each
+read to the start of the range just read (which the next episode reads again), so Storage
+GC, folds and the 20 s history retention never pass it.
 
 Once healed, per episode (every node READY, the connector caught up):
 
@@ -18,8 +19,9 @@ Once healed, per episode (every node READY, the connector caught up):
 3. the replica compared with every table read whole in T: a key whose row differs is a
    **lost** change (in either direction: a change the feed never gave, or one it gave that
    the snapshot does not have);
-4. the previous episode's range read again: the same commits, change for change (a feed is
-   history: a range read after a fault must give what it gave before; ``reread_differs``).
+4. the previous episode's range, and the range read just before this episode's fault, read
+   again: the same commits, change for change (a feed is history: a range read after a
+   fault must give what it gave before; ``reread_differs``).
 
 Counts go to the report's ``feed`` counter: ``reads``, ``commits``, ``changes``,
 ``changes_<type>``, ``duplicated``, ``wrong_before``, ``out_of_order``, ``lost``,
@@ -69,7 +71,8 @@ class FeedFollower:
         self._last_ts: dict[str, int] = {}
         self.cursor = 0
         self._pin = ""
-        self._previous: tuple[int, int, dict[str, list[tuple[int, list[Any]]]]] | None = None
+        # Ranges read before, to read again once healed: (start, end, commits by table).
+        self._ranges: list[tuple[int, int, dict[str, list[tuple[int, list[Any]]]]]] = []
 
     # --- start: a snapshot, then follow ---------------------------------------------------------
     def start(self) -> None:
@@ -91,11 +94,32 @@ class FeedFollower:
         HWM when nothing was committed since): the new pin first, then the old one dropped
         (a failure in between holds more, never less)."""
         name = f"{PIN}-{cursor}"
+        if name == self._pin:
+            return  # already there
         self._trans.CreatePin(tpb.CreatePinRequest(name=name, ts=cursor), timeout=10)
         old, self._pin = self._pin, name
         if old:
             with contextlib.suppress(grpc.RpcError):  # a later move drops it again
                 self._trans.DropPin(tpb.DropPinRequest(name=old), timeout=10)
+
+    # --- before the fault -----------------------------------------------------------------------
+    def before_fault(self) -> None:
+        """Read every table's changes since the cursor now, to read the same range again once
+        healed: a fault in between (a node killed and recovered from the changelogs, a
+        Storage GC pass, a sweep) must not change what the range holds."""
+        if not self._replica:
+            return
+        try:
+            with self._reader.transaction() as trans:
+                end = trans.timestamp
+            got = {name: [(c.ts, _changes(c.changes)) for c in
+                          self._feed.read(SCHEMA, name, self.cursor, to_ts=end)]
+                   for name in self._tables}
+        except (grpc.RpcError, ChangesExpired):
+            self.counts["before_fault_refused"] += 1  # read again only what was read
+            return
+        self.counts["before_fault_reads"] += 1
+        self._ranges.append((self.cursor, end, got))
 
     # --- once healed ---------------------------------------------------------------------------
     def after_healing(self) -> None:
@@ -131,10 +155,11 @@ class FeedFollower:
             for commit in commits:
                 self._apply(name, commit)
             self._compare(name, images[name], end)
-        self._previous = (self.cursor, end, {n: [(c.ts, _changes(c.changes)) for c in cs]
-                                             for n, cs in got.items()})
+        self._move_pin(self.cursor)
+        self._ranges = [(self.cursor, end, {n: [(c.ts, _changes(c.changes)) for c in cs]
+                                            for n, cs in got.items()})]
+        # The pin stays at this range's start: the next episode reads the range again.
         self.cursor = end
-        self._move_pin(end)
 
     def _apply(self, name: str, commit: Commit) -> None:
         spec, replica = self._tables[name], self._replica[name]
@@ -183,17 +208,36 @@ class FeedFollower:
             self._replica[name] = image  # go on from the snapshot
 
     def _reread_previous(self) -> None:
-        if self._previous is None:
-            return
-        start, end, before = self._previous
-        for name, commits in before.items():
-            again = [(c.ts, _changes(c.changes)) for c in
-                     self._feed.read(SCHEMA, name, start, to_ts=end)]
-            self.counts["rereads"] += 1
-            if again != commits:
-                self.counts["reread_differs"] += 1
-                self._anomaly("feed_reread_differs", f"{name}: ({start}, {end}] read "
-                              f"again gave {len(again)} commits, first {len(commits)}")
+        """Step 4: the ranges read before (the previous episode's, and this one's before its
+        fault) read again: the same commits, change for change."""
+        for start, end, before in self._ranges:
+            for name, commits in before.items():
+                again = [(c.ts, _changes(c.changes)) for c in
+                         self._feed.read(SCHEMA, name, start, to_ts=end)]
+                self.counts["rereads"] += 1
+                if again != commits:
+                    self.counts["reread_differs"] += 1
+                    self._anomaly("feed_reread_differs",
+                                  f"{name}: ({start}, {end}] read again differs: "
+                                  f"{_first_difference(commits, again)}")
+
+
+def _first_difference(first: list[tuple[int, list[Any]]],
+                      again: list[tuple[int, list[Any]]]) -> str:
+    was, now = dict(first), dict(again)
+    gone = sorted(was.keys() - now.keys())
+    new = sorted(now.keys() - was.keys())
+    changed = sorted(t for t in was.keys() & now.keys() if was[t] != now[t])
+    parts = [f"{len(first)} commits then, {len(again)} now"]
+    if gone:
+        parts.append(f"commits gone {gone[:5]} (first: {[c[0] for c in was[gone[0]]][:6]})")
+    if new:
+        parts.append(f"commits new {new[:5]} (first: {[c[0] for c in now[new[0]]][:6]})")
+    if changed:
+        t = changed[0]
+        parts.append(f"commits changed {changed[:5]} (first {t}: then "
+                     f"{[c[0] for c in was[t]][:6]}, now {[c[0] for c in now[t]][:6]})")
+    return "; ".join(parts)
 
 
 def _key(row: Mapping[str, Any], spec: TableSpec) -> Key:

@@ -11,6 +11,8 @@
     retina-admin writers list | writers gone WRITER --reason R
     retina-admin recover [--mode vnode|node] [--wait S]
     retina-admin pin create NAME [--at TS | --at-time ISO8601|MS]; pin list; pin drop NAME
+    retina-admin consumer register NAME [--cursor TS] [--table S.T]; consumer commit NAME TS;
+        consumer list; consumer drop NAME
 
 Every command takes ``--json`` (one JSON document on stdout instead of tables),
 ``--node host:port`` (repeatable: only these nodes) and ``--no-progress``.
@@ -37,7 +39,14 @@ from typing import Any
 
 import grpc
 
-from retina_common import admin_pins, admin_writers, exit_codes, file_names, progress
+from retina_common import (
+    admin_consumers,
+    admin_pins,
+    admin_writers,
+    exit_codes,
+    file_names,
+    progress,
+)
 from retina_common.admin_cluster import Cluster
 from retina_common.as_of_point import format_ms
 from retina_common.catalog import CatalogError, FileType
@@ -545,6 +554,7 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("lineage", parents=[common], help="every Storage GC rewrite")
     admin_writers.add_parsers(sub, common)
     admin_pins.add_parsers(sub, common)
+    admin_consumers.add_parsers(sub, common)
     return p
 
 
@@ -556,6 +566,10 @@ COMMANDS: dict[str, Callable[[Cluster, argparse.Namespace], int]] = {
     "writers gone": admin_writers.cmd_writers_gone, "recover": admin_writers.cmd_recover,
     "pin create": admin_pins.cmd_pin_create, "pin list": admin_pins.cmd_pin_list,
     "pin drop": admin_pins.cmd_pin_drop,
+    "consumer register": admin_consumers.cmd_consumer_register,
+    "consumer commit": admin_consumers.cmd_consumer_commit,
+    "consumer list": admin_consumers.cmd_consumer_list,
+    "consumer drop": admin_consumers.cmd_consumer_drop,
 }
 
 
@@ -570,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
         args.command = f"writers {args.writers_command}"
     if args.command == "pin":
         args.command = f"pin {args.pin_command}"
+    if args.command == "consumer":
+        args.command = f"consumer {args.consumer_command}"
     try:
         cluster = open_cluster(args)
         try:

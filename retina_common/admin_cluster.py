@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from dataclasses import dataclass, field
 
 import grpc
@@ -46,3 +48,20 @@ class Cluster:
     def close(self) -> None:
         for ch in self._channels.values():
             ch.close()
+
+
+def rpc_failed(exc: grpc.RpcError, what: str) -> int:
+    """Say on stderr which call was refused and how; the exit code of a refusal (1)."""
+    print(f"retina-admin: {what}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    return 1
+
+
+def report_dropped(kind: str, name: str, dropped: bool, as_json: bool) -> int:
+    """The answer of a ``... drop NAME`` command: 0 dropped, 1 no such ``kind``."""
+    if as_json:
+        print(json.dumps({"name": name, "dropped": dropped}))
+    elif dropped:
+        print(f"{kind} {name} dropped")
+    else:
+        print(f"retina-admin: no {kind} named {name}", file=sys.stderr)
+    return 0 if dropped else 1

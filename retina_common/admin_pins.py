@@ -18,11 +18,11 @@ from typing import Any
 
 import grpc
 
-from retina_common.admin_cluster import Cluster
+from retina_common.admin_cluster import Cluster, report_dropped, rpc_failed
 from retina_common.as_of_point import BadPoint, format_ms, parse_time_ms
 from retina_common.pb import trans_pb2 as tpb
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_USAGE = 0, 2
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -45,11 +45,6 @@ def pin_dict(pin: tpb.Pin) -> dict[str, Any]:
             "at_time_ms": pin.at_time_ms}
 
 
-def _failed(exc: grpc.RpcError, what: str) -> int:
-    print(f"retina-admin: {what}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-    return EXIT_FAILED
-
-
 def cmd_pin_create(cluster: Cluster, args: argparse.Namespace) -> int:
     try:
         at_time = parse_time_ms(args.at_time) if args.at_time else 0
@@ -64,7 +59,7 @@ def cmd_pin_create(cluster: Cluster, args: argparse.Namespace) -> int:
         pin = cluster.trans.CreatePin(tpb.CreatePinRequest(
             name=args.name, ts=ts, at_time_ms=at_time), timeout=cluster.timeout_s).pin
     except grpc.RpcError as exc:
-        return _failed(exc, f"pin {args.name}")
+        return rpc_failed(exc, f"pin {args.name}")
     if args.json:
         print(json.dumps(pin_dict(pin), indent=2))
     else:
@@ -78,7 +73,7 @@ def cmd_pin_list(cluster: Cluster, args: argparse.Namespace) -> int:
     try:
         pins = cluster.trans.ListPins(tpb.ListPinsRequest(), timeout=cluster.timeout_s).pins
     except grpc.RpcError as exc:
-        return _failed(exc, "pins")
+        return rpc_failed(exc, "pins")
     rows = [pin_dict(p) for p in pins]
     if args.json:
         print(json.dumps({"pins": rows}, indent=2))
@@ -97,11 +92,5 @@ def cmd_pin_drop(cluster: Cluster, args: argparse.Namespace) -> int:
         dropped = cluster.trans.DropPin(tpb.DropPinRequest(name=args.name),
                                         timeout=cluster.timeout_s).dropped
     except grpc.RpcError as exc:
-        return _failed(exc, f"pin {args.name}")
-    if args.json:
-        print(json.dumps({"name": args.name, "dropped": dropped}))
-    elif dropped:
-        print(f"pin {args.name} dropped")
-    else:
-        print(f"retina-admin: no pin named {args.name}", file=sys.stderr)
-    return EXIT_OK if dropped else EXIT_FAILED
+        return rpc_failed(exc, f"pin {args.name}")
+    return report_dropped("pin", args.name, dropped, args.json)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -38,6 +39,7 @@ import grpc
 import numpy as np
 import pyarrow as pa
 
+from retina_common.consumers import ConsumerClient
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
@@ -160,21 +162,40 @@ class ChangeFeedReader:
             if heartbeat and last < end:
                 yield Commit(schema, table, end, _empty_changes())
 
-    def follow(self, schema: str, table: str, from_ts: int, *, poll_s: float = 0.1,
+    def follow(self, schema: str, table: str, from_ts: int = 0, *, poll_s: float = 0.1,
                stop: Callable[[], bool] = lambda: False, columns: Sequence[str] = (),
-               keep_unchanged: bool = False) -> Generator[Commit, None, None]:
+               keep_unchanged: bool = False, consumer: str = ""
+               ) -> Generator[Commit, None, None]:
         """The commits after ``from_ts``, as they come, with a heartbeat after each range
-        read, until ``stop()``."""
+        read, until ``stop()``. ``consumer``: a registered consumer's name (registered at
+        ``from_ts``, or at the high watermark when it is 0, unless it is registered
+        already: then it resumes from its own cursor); the cursor of every commit the
+        caller took is committed, so history is held for the consumer."""
+        registry = ConsumerClient(self._trans, self._timeout_s) if consumer else None
         cursor = from_ts
-        while not stop():
-            changed = False
-            for commit in self.read(schema, table, cursor, columns=columns,
-                                    keep_unchanged=keep_unchanged, heartbeat=True):
-                cursor = commit.ts
-                changed |= not commit.heartbeat
-                yield commit
-            if not changed:
-                time.sleep(poll_s)  # nothing new for this table: ask again in a moment
+        if registry is not None:
+            start = from_ts or registry.high_watermark()
+            cursor = registry.register(consumer, start, f"{schema}.{table}").cursor_ts
+        committed = taken = cursor
+        try:
+            while not stop():
+                changed = False
+                for commit in self.read(schema, table, cursor, columns=columns,
+                                        keep_unchanged=keep_unchanged, heartbeat=True):
+                    cursor = commit.ts
+                    changed |= not commit.heartbeat
+                    yield commit
+                    taken = commit.ts  # the caller came back for more: it took the commit
+                if registry is not None and taken > committed:
+                    registry.commit(consumer, taken)
+                    committed = taken
+                if not changed:
+                    time.sleep(poll_s)  # nothing new for this table: ask again in a moment
+        finally:
+            # Closed (the caller stopped): what it took before the commit it stopped at.
+            if registry is not None and taken > committed:
+                with contextlib.suppress(grpc.RpcError):  # it is given again next time
+                    registry.commit(consumer, taken)
 
     def raw_schema(self, schema: str, table: str, columns: Sequence[str] = ()) -> pa.Schema:
         """The schema of ``raw`` changes of ``schema.table`` with ``columns``, for a reader

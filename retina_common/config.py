@@ -99,6 +99,11 @@ class TransConfig:
     # often (what a crash can leave unmapped).
     time_map_sample_ms: int = 100
     time_map_flush_ms: int = 1000
+    # Change-feed consumers (docs/change-feed.md): a registered consumer's cursor holds
+    # safeGcTs until the HWM passed it longer ago than this; then the consumer is
+    # dropped (its hold released), so one dead consumer cannot stop all cleanup. An hour,
+    # like history_retention_ms: what a restarted consumer or a paged person needs.
+    max_consumer_lag_ms: int = 3_600_000
 
 
 @dataclass(frozen=True)
@@ -334,7 +339,7 @@ def _check(config: Config) -> None:
     tc = config.trans
     if tc.history_retention_ms < 0:
         raise ConfigError("trans.history_retention_ms must not be negative")
-    for name in ("time_map_sample_ms", "time_map_flush_ms"):
+    for name in ("time_map_sample_ms", "time_map_flush_ms", "max_consumer_lag_ms"):
         if getattr(tc, name) <= 0:
             raise ConfigError(f"trans.{name} must be positive")
     rc = config.retina

@@ -249,6 +249,32 @@ TRANS_PIN_DROP_BEFORE = Failpoint(
 TRANS_PIN_DROP_AFTER = Failpoint(
     "trans.pin.drop.after",
     "the pin is gone from etcd, still held in memory, DropPin not yet answered")
+TRANS_CONSUMER_REGISTER_BEFORE = Failpoint(
+    "trans.consumer.register.before",
+    "a consumer is admitted and its cursor holds safeGcTs in memory, not yet written to etcd")
+TRANS_CONSUMER_REGISTER_AFTER = Failpoint(
+    "trans.consumer.register.after",
+    "the consumer is durable in etcd, RegisterConsumer not yet answered")
+TRANS_CONSUMER_COMMIT_BEFORE = Failpoint(
+    "trans.consumer.commit.before",
+    "a consumer's new cursor is about to be written to etcd; the old one still holds safeGcTs")
+TRANS_CONSUMER_COMMIT_AFTER = Failpoint(
+    "trans.consumer.commit.after",
+    "the new cursor is durable in etcd, the old one still held in memory, CommitConsumer "
+    "not yet answered")
+TRANS_CONSUMER_DROP_BEFORE = Failpoint(
+    "trans.consumer.drop.before",
+    "a consumer is about to be deleted from etcd (DropConsumer); it still holds safeGcTs")
+TRANS_CONSUMER_DROP_AFTER = Failpoint(
+    "trans.consumer.drop.after",
+    "the consumer is gone from etcd, still held in memory, DropConsumer not yet answered")
+TRANS_CONSUMER_LAG_DROP_BEFORE = Failpoint(
+    "trans.consumer.lag_drop.before",
+    "a consumer lagging past trans.max_consumer_lag_ms is about to be deleted from etcd; "
+    "it still holds safeGcTs")
+TRANS_CONSUMER_LAG_DROP_AFTER = Failpoint(
+    "trans.consumer.lag_drop.after",
+    "the lagging consumer is gone from etcd, still held in memory, not yet logged")
 TRANS_TIME_MAP_FLUSH_BEFORE = Failpoint(
     "trans.time_map.flush.before",
     "time-map samples taken since the last flush are in memory only")

@@ -9,16 +9,23 @@ CHECKPOINT_PREFIX = "/pixels/retina/recovery/checkpoint/"
 # Exclusive upper bounds of every timestamp / transaction id ever reserved.
 TRANS_TIMESTAMP_KEY = "/pixels/trans/timestamp/upper"
 TRANS_ID_KEY = "/pixels/trans/transid/upper"
-# History (trans_gate/history.py, pins.py, time_map.py; docs/history.md).
+# History (trans_gate/history.py, pins.py, time_map.py, consumers.py; docs/history.md).
 # The GC horizon: the largest safeGcTs ever handed out (a decimal integer).
 GC_HORIZON_KEY = "/pixels/trans/history/horizon"
 PIN_PREFIX = "/pixels/trans/history/pins/"
 TIME_MAP_PREFIX = "/pixels/trans/history/timemap/"
+CONSUMER_PREFIX = "/pixels/trans/history/consumers/"
 
 
 def pin_key(name: str) -> str:
     """``/pixels/trans/history/pins/<url-encoded name>``: a named pin (JSON)."""
     return PIN_PREFIX + quote(name, safe="")
+
+
+def consumer_key(name: str) -> str:
+    """``/pixels/trans/history/consumers/<url-encoded name>``: a registered change-feed
+    consumer and its cursor (JSON, trans_gate/consumers.py)."""
+    return CONSUMER_PREFIX + quote(name, safe="")
 
 
 def time_map_chunk_key(first_wall_ms: int) -> str:

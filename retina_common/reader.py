@@ -56,6 +56,7 @@ from retina_common.change_feed import COMMIT_TS as CHANGE_TS
 from retina_common.client import channel
 from retina_common.codec import COMMIT_TS, EncodingError
 from retina_common.config import ConfigError, TlsConfig
+from retina_common.consumers import ConsumerClient
 from retina_common.lookup import KEYS_PER_REQUEST, KeyLookup, key_from_text
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
@@ -97,6 +98,11 @@ class SnapshotReader:
         """Primary-key lookups over this reader's channels and read transactions."""
         return KeyLookup(self.topology, self.node, self.transaction, timeout_s=self._timeout,
                          keys_per_request=keys_per_request)
+
+    @property
+    def trans(self) -> trans_pb2_grpc.TransServiceStub:
+        """The TransServer's stub (this reader's channel)."""
+        return self._trans
 
     def change_feed(self) -> ChangeFeedReader:
         """Change-feed reads over this reader's channels (retina_common/change_feed.py)."""
@@ -393,7 +399,12 @@ def changes_main(argv: list[str]) -> int:
                "older than the history kept: changes_expired, naming the earliest cursor) "
                "or a node or the TransServer unreachable; 2 usage or configuration.")
     parser.add_argument("table", help="schema.table")
-    parser.add_argument("--from", dest="cursor", required=True, metavar="CURSOR")
+    parser.add_argument("--from", dest="cursor", metavar="CURSOR",
+                        help="required unless --consumer names a registered consumer")
+    parser.add_argument("--consumer", default="", metavar="NAME",
+                        help="a registered consumer (retina-admin consumer): registered at "
+                             "--from (or the newest commit) if it is not yet, then read from "
+                             "its cursor, which is committed after what was printed")
     parser.add_argument("--to", type=int, default=0, metavar="TS",
                         help="last commit timestamp to read (default: the newest snapshot)")
     parser.add_argument("--follow", action="store_true", help="keep reading as commits come")
@@ -414,24 +425,53 @@ def changes_main(argv: list[str]) -> int:
         parser.error("give the table as schema.table")
     if args.snapshot_first and args.cursor != "now":
         parser.error("--snapshot-first starts at the newest snapshot: use --from now")
+    if args.cursor is None and not args.consumer:
+        parser.error("give --from CURSOR (or --consumer NAME)")
     try:
         config, topology = load_config_and_topology(args.config)
-        start = None if args.cursor == "now" else decode_cursor(args.cursor, schema, table)
+        start = None if args.cursor == "now" else \
+            decode_cursor(args.cursor or "0", schema, table)
     except (ConfigError, BadCursor) as exc:
         print(f"retina-query changes: {exc}", file=sys.stderr)
         return exit_codes.USAGE
     reader = SnapshotReader(config.trans.listen, topology, tls=config.tls)
+    try:
+        cursor = _print_changes(reader, args, schema, table, start)
+    except ChangesExpired as exc:
+        print(f"retina-query changes: {exc}", file=sys.stderr)
+        print(f"retina-query changes: the earliest cursor is {exc.earliest} "
+              f"({encode_cursor(schema, table, exc.earliest)}); or start again with "
+              "--from now --snapshot-first", file=sys.stderr)
+        return exit_codes.FAILED
+    except grpc.RpcError as exc:
+        return _not_answered("retina-query changes", exc)
+    finally:
+        reader.close()
+    print(f"-- cursor {encode_cursor(schema, table, cursor)} (timestamp {cursor})",
+          file=sys.stderr)
+    return exit_codes.OK
+
+
+def _print_changes(reader: SnapshotReader, args: argparse.Namespace, schema: str, table: str,
+                   start: int | None) -> int:
+    """Print the commits ``args`` ask for; returns the cursor to resume from (committed
+    for ``--consumer``)."""
     feed = reader.change_feed()
     columns = [c for c in args.columns.split(",") if c]
     cursor = start or 0
+    if start is None:
+        cursor = _start_now(reader, schema, table, args.snapshot_first, args.format)
+    registry = ConsumerClient(reader.trans, 30) if args.consumer else None
+    if registry is not None:
+        cursor = registry.register(args.consumer, cursor or registry.high_watermark(),
+                                   f"{schema}.{table}").cursor_ts
+    commits = feed.follow(schema, table, cursor, columns=columns,
+                          keep_unchanged=args.keep_unchanged,
+                          consumer=args.consumer) if args.follow else \
+        feed.read(schema, table, cursor, to_ts=args.to, columns=columns,
+                  keep_unchanged=args.keep_unchanged, heartbeat=True)
+    shown = 0
     try:
-        if start is None:
-            cursor = _start_now(reader, schema, table, args.snapshot_first, args.format)
-        commits = feed.follow(schema, table, cursor, columns=columns,
-                              keep_unchanged=args.keep_unchanged) if args.follow else \
-            feed.read(schema, table, cursor, to_ts=args.to, columns=columns,
-                      keep_unchanged=args.keep_unchanged, heartbeat=True)
-        shown = 0
         with closing(commits):  # its read transactions end before the channels close
             for commit in commits:
                 cursor = commit.ts
@@ -441,21 +481,11 @@ def changes_main(argv: list[str]) -> int:
                 shown += 1
                 if shown == args.max_commits:
                     break
-    except ChangesExpired as exc:
-        print(f"retina-query changes: {exc}", file=sys.stderr)
-        print(f"retina-query changes: the earliest cursor is {exc.earliest} "
-              f"({encode_cursor(schema, table, exc.earliest)}); or start again with "
-              "--from now --snapshot-first", file=sys.stderr)
-        return exit_codes.FAILED
-    except grpc.RpcError as exc:
-        return _not_answered("retina-query changes", exc)
     except KeyboardInterrupt:
         pass
-    finally:
-        reader.close()
-    print(f"-- cursor {encode_cursor(schema, table, cursor)} (timestamp {cursor})",
-          file=sys.stderr)
-    return exit_codes.OK
+    if registry is not None:  # what was printed was delivered
+        registry.commit(args.consumer, cursor)
+    return cursor
 
 
 def _start_now(reader: SnapshotReader, schema: str, table: str, snapshot_first: bool,

@@ -49,7 +49,7 @@ class VisibilityError(Exception):
 
 
 class RGVisibility:
-    __slots__ = ("_base", "_base_ts", "_chain", "_lock", "row_count")
+    __slots__ = ("_base", "_base_ts", "_chain", "_chain_max", "_lock", "row_count")
 
     def __init__(self, row_count: int = 0, base_ts: int = 0,
                  base: BitMap | None = None, chain: dict[int, int] | None = None) -> None:
@@ -58,6 +58,9 @@ class RGVisibility:
         self._base = BitMap() if base is None else base
         # The deletion chain: row -> the earliest timestamp it was deleted at.
         self._chain: dict[int, int] = {} if chain is None else chain
+        # The newest chain item's timestamp (0: none): a change-feed read of a range above
+        # it skips the row group without walking its chain.
+        self._chain_max = max(self._chain.values(), default=0)
         self._lock = threading.Lock()
 
     @property
@@ -91,6 +94,7 @@ class RGVisibility:
             else:
                 for r in fresh:  # an out-of-order earlier delete lowers the row's ts
                     chain[r] = ts
+                self._chain_max = max(self._chain_max, ts)
             return len(fresh)
 
     def _deleted_locked(self, ts: int) -> BitMap:
@@ -130,6 +134,8 @@ class RGVisibility:
         with self._lock:
             if low < self._base_ts:
                 return None
+            if self._chain_max <= low:
+                return []
             return [(row, ts) for row, ts in self._chain.items() if low < ts <= high]
 
     def in_base(self, rows: np.ndarray) -> np.ndarray:
@@ -154,6 +160,7 @@ class RGVisibility:
                 base.update(folded)
                 self._base = base
                 self._chain = {r: t for r, t in self._chain.items() if t > safe_ts}
+                self._chain_max = max(self._chain.values(), default=0)
             self._base_ts = safe_ts
             return len(folded)
 

@@ -244,3 +244,43 @@ def test_the_feed_stays_exact_across_gc_a_revert_sweeps_and_node_kills(
         read_feed(plane, "orders", points[0])
     assert refused.value.earliest == cursor
 
+
+
+@pytest.mark.integration
+def test_a_registered_consumer_resumes_from_its_cursor_and_holds_its_history(
+        make_plane: Callable[..., DataPlane], catalog: Catalog,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    plane = make_plane(nodes=2)
+    assert plane.reader is not None
+    feed = plane.reader.change_feed()
+    first = step(plane, catalog, 0)
+    taken: list[Commit] = []
+    # A follower registered at the first commit takes two commits, then stops.
+    follow = feed.follow(SCHEMA, "orders", first, consumer="search", poll_s=0.05)
+    points = [step(plane, catalog, n) for n in range(1, 4)]
+    for commit in follow:
+        if not commit.heartbeat:
+            taken.append(commit)
+        if len(taken) == 2:
+            break
+    follow.close()
+    assert [c.ts for c in taken] == points[:2]
+    consumers = {c.name: c for c in plane.trans.stub().ListConsumers(
+        tpb.ListConsumersRequest(), timeout=10).consumers}
+    # Committed after a whole round was taken: at least the first commit, never past what
+    # was taken.
+    assert first < consumers["search"].cursor_ts <= points[1]
+    cursor = consumers["search"].cursor_ts
+    # The consumer holds its history: safeGcTs stays at or below its cursor.
+    assert hand_out_safe_gc_ts(plane) <= cursor
+    maintenance(plane)
+    # Resumed by name (from_ts is then its own cursor): the commits after it, once each.
+    config = ["--config", str(plane.config_path)]
+    assert query_main(["changes", f"{SCHEMA}.orders", "--consumer", "search", *config]) == 0
+    out = capsys.readouterr().out
+    stamps = sorted({json.loads(line)["commit_ts"] for line in out.splitlines()})
+    assert stamps == [p for p in points if p > cursor]
+    consumers = {c.name: c for c in plane.trans.stub().ListConsumers(
+        tpb.ListConsumersRequest(), timeout=10).consumers}
+    assert consumers["search"].cursor_ts >= points[-1]
+    check_feed(plane, "orders", cursor, ORDER_COLUMNS)

@@ -20,16 +20,15 @@ memory and etcd in the order that makes every crash safe
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
 
-from retina_common.etcd import EtcdOutcomeUnknown, EtcdStore, EtcdUnavailable
+from retina_common.etcd import EtcdStore
 from retina_common.failpoints import (
     TRANS_PIN_CREATE_AFTER,
     TRANS_PIN_CREATE_BEFORE,
@@ -39,11 +38,10 @@ from retina_common.failpoints import (
 from retina_common.keys import PIN_PREFIX, pin_key
 from retina_common.log import get_logger
 from retina_common.refusal import Refusal
+from trans_gate import named_records
+from trans_gate.named_records import JsonRecord, NamedRecords
 
 log = get_logger(component="pins")
-
-PIN_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-
 
 class PinCorrupt(Exception):
     """A stored pin does not parse: the TransServer does not start (it could otherwise
@@ -51,14 +49,11 @@ class PinCorrupt(Exception):
 
 
 @dataclass(frozen=True)
-class Pin:
+class Pin(JsonRecord):
     name: str
     ts: int
     created_ms: int
     at_time_ms: int = 0  # the wall-clock time it was asked at (0: by timestamp)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
     def parse(cls, key: str, raw: bytes) -> Pin:
@@ -74,43 +69,14 @@ class Pin:
 
 
 def check_name(name: str) -> None:
-    if not PIN_NAME.match(name):
-        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"pin name {name!r}: 1..128 characters of A-Z a-z 0-9 . _ -")
+    named_records.check_name("pin", name)
 
 
-class PinStore:
+class PinStore(NamedRecords[Pin]):
     """The pins in etcd."""
 
     def __init__(self, store: EtcdStore) -> None:
-        self._store = store
-
-    def load(self) -> dict[str, Pin]:
-        kvs, _revision = self._store.get_prefix(PIN_PREFIX)
-        pins = [Pin.parse(kv.key, kv.value) for kv in kvs]
-        return {p.name: p for p in pins}
-
-    def create(self, pin: Pin) -> Pin:
-        """Create-only; returns the stored pin (``pin``, or the one of that name that
-        was there: the caller compares)."""
-        key = pin_key(pin.name)
-        try:
-            if self._store.compare_and_put(key, pin.to_json(), 0) is not None:
-                return pin
-        except EtcdOutcomeUnknown:
-            pass  # re-read below: ours, another, or absent (not applied)
-        kv = self._store.get(key)
-        if kv is None:
-            raise EtcdUnavailable(f"{key}: the pin write did not land; retry")
-        return Pin.parse(key, kv.value)
-
-    def delete(self, name: str) -> None:
-        key = pin_key(name)
-        try:
-            self._store.delete(key)
-        except EtcdOutcomeUnknown:
-            if self._store.get(key) is not None:
-                raise EtcdUnavailable(f"{key}: the pin delete did not land; retry") from None
+        super().__init__(store, PIN_PREFIX, pin_key, Pin.parse, "pin")
 
 
 class PinHolder(Protocol):

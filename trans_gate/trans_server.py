@@ -28,6 +28,7 @@ from retina_common.pb import trans_pb2, trans_pb2_grpc
 from retina_common.process_config import load_process_config
 from retina_common.topology import load_topology
 from trans_gate.as_of import AsOfPoints
+from trans_gate.consumers import ConsumerCorrupt, Consumers, ConsumerStore
 from trans_gate.gate import LifecycleWatcher, NodeAvailability, QueryAvailabilityGate
 from trans_gate.history import GcHorizon, HorizonCorrupt, retained_snapshot
 from trans_gate.pins import PinCorrupt, Pins, PinStore
@@ -50,6 +51,15 @@ EARLIEST_READABLE_TIME = Gauge("trans_earliest_readable_time_ms",
 PINS = Gauge("trans_pins", "Named pins")
 OLDEST_PIN = Gauge("trans_oldest_pin_ts", "The lowest pinned timestamp (-1: no pin)")
 HISTORY_RETENTION = Gauge("trans_history_retention_ms", "trans.history_retention_ms as configured")
+CONSUMERS = Gauge("retina_consumers", "Registered change-feed consumers")
+CONSUMER_LAG_MS = Gauge("retina_consumer_lag_ms",
+                        "How long ago the high watermark passed a consumer's cursor",
+                        ["consumer"])
+CONSUMER_LAG_COMMITS = Gauge("retina_consumer_lag_commits",
+                             "Write transactions committed above a consumer's cursor "
+                             "(since the TransServer's start)", ["consumer"])
+CONSUMER_MAX_LAG = Gauge("retina_consumer_max_lag_ms",
+                         "trans.max_consumer_lag_ms: a consumer lagging more is dropped")
 
 
 def now_ms() -> int:
@@ -84,8 +94,11 @@ class TransServer:
                                  failpoints.TRANS_HORIZON_PERSIST_AFTER)
         self.time_map = TimeMap(store, now_ms)
         self._pin_store = PinStore(store)
+        self._consumer_store = ConsumerStore(store)
         self.table: TransactionTable | None = None
         self.pins: Pins | None = None
+        self.consumers: Consumers | None = None
+        self._lag_labels: set[str] = set()
 
     def start(self) -> None:
         self.catalog.bootstrap()
@@ -110,9 +123,15 @@ class TransServer:
         # Before anything is served: every stored pin holds safeGcTs again.
         self.pins = Pins(self._pin_store, self.table)
         pins = self.pins.load()
+        self.consumers = Consumers(self._consumer_store, self.table,
+                                   self.time_map.earliest_time_at_or_above,
+                                   tc.max_consumer_lag_ms, now_ms)
+        consumers = self.consumers.load()
+        CONSUMER_MAX_LAG.set(tc.max_consumer_lag_ms)
         service = TransService(self.table, self.gate, self.catalog, on_fenced=self._fenced,
                                as_of=AsOfPoints(self.time_map, self.pins, self.table.horizon),
-                               pins=self.pins, time_map=self.time_map,
+                               pins=self.pins, consumers=self.consumers,
+                               time_map=self.time_map,
                                history_retention_ms=tc.history_retention_ms)
         trans_pb2_grpc.add_TransServiceServicer_to_server(service, self.handle.server)
         if self._config.gate.retina_enabled:
@@ -129,6 +148,7 @@ class TransServer:
                        first_timestamp=self.timestamps.session_start,
                        high_watermark=self.table.high_watermark(),
                        gc_horizon=self.horizon.durable, pins=[p.name for p in pins],
+                       consumers={c.name: c.cursor_ts for c in consumers},
                        history_retention_ms=tc.history_retention_ms)
 
     def _housekeeping(self) -> None:
@@ -143,6 +163,11 @@ class TransServer:
             HWM_GAUGE.set(self.table.high_watermark())
             SAFE_GC.set(self.table.peek_safe_gc_ts())
             self._history_gauges()
+            try:
+                self._check_consumers()
+            except Exception as exc:  # never stop the lease reaper; a consumer kept holds more
+                self._log.error("consumer_check_failed", error=str(exc),
+                                error_type=type(exc).__name__)
             snapshot, now = self.gate.snapshot, now_ms()
             for node in self.gate.expected_nodes:
                 ready = self.gate.availability(node, snapshot, now) == NodeAvailability.READY
@@ -157,6 +182,22 @@ class TransServer:
         pins = self.pins.all()
         PINS.set(len(pins))
         OLDEST_PIN.set(min((p.ts for p in pins), default=-1))
+
+    def _check_consumers(self) -> None:
+        """Drop the consumers lagging past trans.max_consumer_lag_ms; export the others'
+        lag (a dropped consumer's labels go with it)."""
+        assert self.consumers is not None
+        self.consumers.drop_lagging()
+        listed = self.consumers.all()
+        CONSUMERS.set(len(listed))
+        names = {c.name for c, _lag in listed}
+        for gone in self._lag_labels - names:
+            CONSUMER_LAG_MS.remove(gone)
+            CONSUMER_LAG_COMMITS.remove(gone)
+        for consumer, lag in listed:
+            CONSUMER_LAG_MS.labels(consumer=consumer.name).set(lag.ms)
+            CONSUMER_LAG_COMMITS.labels(consumer=consumer.name).set(lag.commits)
+        self._lag_labels = names
 
     def _time_map_loop(self) -> None:
         """Sample the HWM; flush (after pruning what the durable horizon made unreadable)."""
@@ -209,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("trans_server_config_error", error=str(exc))
         return exit_codes.USAGE
     except (EtcdError, CatalogError, CounterCorrupt, HorizonCorrupt, PinCorrupt,
-            OSError) as exc:
+            ConsumerCorrupt, OSError) as exc:
         log.error("trans_server_start_failed", error=str(exc), error_type=type(exc).__name__)
         return exit_codes.UNAVAILABLE
 

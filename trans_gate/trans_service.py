@@ -20,6 +20,7 @@ from retina_common.pb import trans_pb2 as pb
 from retina_common.pb import trans_pb2_grpc as pb_grpc
 from retina_common.refusal import Refusal, abort, status_of
 from trans_gate.as_of import AsOfPoints
+from trans_gate.consumers import Consumer, Consumers, Lag
 from trans_gate.gate import GateDecision, QueryAvailabilityGate
 from trans_gate.pins import Pin, Pins
 from trans_gate.time_map import TimeMap
@@ -47,13 +48,14 @@ _CATALOG_OUTCOMES = {grpc.StatusCode.NOT_FOUND: "not_found",
 class TransService(pb_grpc.TransServiceServicer):
     def __init__(self, table: TransactionTable, gate: QueryAvailabilityGate, catalog: Catalog,
                  on_fenced: Callable[[], None], *, as_of: AsOfPoints, pins: Pins,
-                 time_map: TimeMap, history_retention_ms: int) -> None:
+                 consumers: Consumers, time_map: TimeMap, history_retention_ms: int) -> None:
         self._table = table
         self._gate = gate
         self._catalog = catalog
         self._on_fenced = on_fenced
         self._as_of = as_of
         self._pins = pins
+        self._consumers = consumers
         self._time_map = time_map
         self._retention_ms = history_retention_ms
 
@@ -294,3 +296,36 @@ class TransService(pb_grpc.TransServiceServicer):
                 time_map_from_ms=self._time_map.first_ms(),
                 next_safe_gc_ts=self._table.peek_safe_gc_ts())
         return self._guard(context, run)
+
+    # --- change-feed consumers (docs/change-feed.md) ----------------------------------------
+    @staticmethod
+    def _consumer(consumer: Consumer, lag: Lag | None = None) -> pb.Consumer:
+        return pb.Consumer(name=consumer.name, cursor_ts=consumer.cursor_ts,
+                           table=consumer.table, created_ms=consumer.created_ms,
+                           renewed_ms=consumer.renewed_ms, lag_ms=lag.ms if lag else 0,
+                           lag_commits=lag.commits if lag else 0)
+
+    def _answer(self, consumer: Consumer) -> pb.Consumer:
+        return self._consumer(consumer, self._consumers.lag(consumer))
+
+    def RegisterConsumer(self, request: pb.RegisterConsumerRequest,
+                         context: grpc.ServicerContext) -> pb.RegisterConsumerResponse:
+        return self._guard(context, lambda: pb.RegisterConsumerResponse(
+            consumer=self._answer(self._consumers.register(
+                request.name, request.cursor_ts, request.table))))
+
+    def CommitConsumer(self, request: pb.CommitConsumerRequest,
+                       context: grpc.ServicerContext) -> pb.CommitConsumerResponse:
+        return self._guard(context, lambda: pb.CommitConsumerResponse(
+            consumer=self._answer(self._consumers.commit(request.name, request.cursor_ts))))
+
+    def DropConsumer(self, request: pb.DropConsumerRequest,
+                     context: grpc.ServicerContext) -> pb.DropConsumerResponse:
+        return self._guard(context, lambda: pb.DropConsumerResponse(
+            dropped=self._consumers.drop(request.name)))
+
+    def ListConsumers(self, request: pb.ListConsumersRequest,
+                      context: grpc.ServicerContext) -> pb.ListConsumersResponse:
+        return self._guard(context, lambda: pb.ListConsumersResponse(
+            consumers=[self._consumer(c, lag) for c, lag in self._consumers.all()],
+            max_consumer_lag_ms=self._consumers.max_lag_ms))

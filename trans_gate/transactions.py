@@ -10,12 +10,15 @@ Invariants (named as in docs/trans-server.md):
   the past point it asked for (AS OF), admitted only if ``horizon < S <= HWM``
   (the gate decides whether it may begin at all; see :mod:`trans_gate.gate`).
 * SAFE_GC_BELOW_READERS: ``safeGcTs = max(horizon, min(HWM, live non-offloaded
-  read snapshots, pins, the retained snapshot) - 1)``: strictly below every
-  snapshot a live query, a pin or the history retention holds, and never below
-  a value handed out before (the GC horizon, history.py), so folding never
-  removes a version anyone can still see or still be admitted to read.
+  read snapshots, pins, consumer cursors + 1, the retained snapshot) - 1)``:
+  strictly below every snapshot a live query, a pin or the history retention
+  holds, at or below every registered consumer's cursor (the changes above it
+  stay readable: consumers.py), and never below a value handed out before (the
+  GC horizon, history.py), so folding never removes a version anyone can still
+  see or still be admitted to read.
 * HORIZON_BELOW_READABLE: an AS OF read or a pin at S is admitted, under the
-  same lock that raises the horizon, only if ``horizon < S`` (history.py).
+  same lock that raises the horizon, only if ``horizon < S`` (history.py); a
+  consumer's cursor C only if ``horizon <= C`` (CONSUMER_AT_OR_ABOVE_HORIZON).
 * LISTED_FILES_HELD: a file ListQueryFiles gave a live read transaction
   (offloaded or not) is reported by :meth:`TransactionTable.read_holds` until
   the transaction ends; while a listing is between its catalog read and its
@@ -32,6 +35,8 @@ from __future__ import annotations
 
 import heapq
 import threading
+from array import array
+from bisect import bisect_right, insort
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -39,7 +44,7 @@ from enum import StrEnum
 
 import grpc
 
-from retina_common.refusal import snapshot_expired
+from retina_common.refusal import changes_expired, snapshot_expired
 from trans_gate.history import GcHorizon
 from trans_gate.timestamps import DurableCounter
 
@@ -144,6 +149,10 @@ class TransactionTable:
         self._retained = retained
         self._time_of = time_of
         self._pins: dict[str, int] = {}  # name -> ts (pins.py keeps them durable)
+        self._cursors: dict[str, int] = {}  # consumer -> cursor (consumers.py)
+        # This incarnation's committed write timestamps above the horizon, ascending: a
+        # consumer's lag in commits (8 bytes a commit; pruned when the horizon rises).
+        self._committed_writes = array("q")
 
     # --- begin ---------------------------------------------------------------
     def _lease(self, kind: TransKind, lease_ms: int) -> int:
@@ -208,6 +217,52 @@ class TransactionTable:
         with self._lock:
             self._pins.pop(name, None)
 
+    # --- consumers (consumers.py) -----------------------------------------------
+    def hold_cursor(self, name: str, cursor: int, *, check: bool = True) -> None:
+        """A consumer holds safeGcTs at or below ``cursor``. With ``check`` (register),
+        CONSUMER_AT_OR_ABOVE_HORIZON: ``horizon <= cursor <= HWM`` under the lock that
+        raises the horizon, or the refusal; a loaded consumer (``check`` off) and an
+        advanced cursor (:meth:`move_cursor`) need none."""
+        with self._lock:
+            if check:
+                hwm = self._compute_hwm()
+                if cursor > hwm:
+                    raise BadTransArgument(f"consumer {name}: cursor {cursor} is above the "
+                                           f"high watermark {hwm}")
+                horizon = self._horizon.value
+                if cursor < horizon:
+                    raise changes_expired(
+                        f"consumer {name}: changes above cursor {cursor} are no longer all "
+                        f"kept (the GC horizon is {horizon}); register at {horizon} or "
+                        "later, or start with a snapshot", horizon)
+            self._cursors[name] = cursor
+
+    def move_cursor(self, name: str, cursor: int) -> None:
+        """Advance a held cursor (only forward: the hold never reaches back)."""
+        with self._lock:
+            if cursor < self._cursors.get(name, cursor):
+                raise AssertionError(f"consumer {name}: cursor moved back to {cursor}")
+            self._cursors[name] = cursor
+
+    def release_cursor(self, name: str) -> None:
+        with self._lock:
+            self._cursors.pop(name, None)
+
+    def _record_committed(self, ts: int) -> None:
+        """Keep the record ascending; commits mostly end in timestamp order (an append)."""
+        writes = self._committed_writes
+        if not writes or ts > writes[-1]:
+            writes.append(ts)
+        else:
+            insort(writes, ts)
+
+    def committed_writes_above(self, ts: int) -> int:
+        """Write transactions committed above ``ts`` in this incarnation (those of an
+        earlier one are not known: the count starts at this TransServer's start)."""
+        with self._lock:
+            writes = self._committed_writes
+            return len(writes) - bisect_right(writes, ts)
+
     # --- end -----------------------------------------------------------------
     def _require_live(self, trans_id: int) -> Transaction:
         trans = self._live.get(trans_id)
@@ -238,6 +293,8 @@ class TransactionTable:
             live = [self._require_live(i) for i in ids]  # validate everything first
             for trans in live:
                 self._end(trans, EndReason.COMMITTED)
+                if trans.kind == TransKind.WRITE:
+                    self._record_committed(trans.timestamp)
             return self._compute_hwm()
 
     def rollback(self, trans_id: int) -> int:
@@ -320,6 +377,9 @@ class TransactionTable:
         with self._lock:
             value = self._safe_gc_locked()
             self._horizon.raise_to(value)
+            # No consumer can ask for the commits at or below the horizon any more.
+            del self._committed_writes[:bisect_right(self._committed_writes,
+                                                     self._horizon.value)]
         self._horizon.persist(value)
         return value
 
@@ -333,7 +393,7 @@ class TransactionTable:
         for trans in self._live.values():
             if trans.kind == TransKind.READ and not trans.offloaded:
                 floor = min(floor, trans.timestamp)
-        floor = min([floor, *self._pins.values()])
+        floor = min([floor, *self._pins.values(), *(c + 1 for c in self._cursors.values())])
         retained = self._retained()
         if retained is not None:
             floor = min(floor, retained)
