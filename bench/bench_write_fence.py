@@ -4,7 +4,10 @@ Every ordinary UpdateRecord passes ``WriteFence.admit`` under its stream locks, 
 read RPC, GC prepare, fold and checkpoint calls ``raise_to``. This times both, alone and
 with writer threads admitting concurrently (the node's gRPC pool runs requests on up to 16
 threads), so the figures can be set against an UpdateRecord's own time
-(bench/bench_dataplane.py, bench/bench_apply_stages.py). Prints figures; asserts nothing.
+(bench/bench_dataplane.py, bench/bench_apply_stages.py). A refused write is recorded
+durably before it is answered (retina_server/refused_writes.py): that record (one LMDB
+write transaction, fsynced) and the replay's lookup of it are timed too, on a primary
+index in a temporary directory. Prints figures; asserts nothing.
 
     .venv/bin/python bench/bench_write_fence.py --ops 200000 --threads 4
 """
@@ -15,11 +18,15 @@ import argparse
 import contextlib
 import os
 import platform
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 from retina_common.log import configure_logging
 from retina_common.refusal import Refusal
+from retina_server.primary_index import PrimaryIndex
+from retina_server.refused_writes import RefusedWrites
 from retina_server.write_fence import WriteFence
 
 
@@ -54,6 +61,19 @@ def contended(fence: WriteFence, threads: int, ops: int) -> float:
     return (time.perf_counter_ns() - started) / (threads * ops)
 
 
+def refusal_records(ops: int) -> tuple[float, float]:
+    """ns per durable refusal record, and per replay lookup of one."""
+    with tempfile.TemporaryDirectory() as work:
+        index = PrimaryIndex(Path(work) / "primary.lmdb", map_size=1 << 28)
+        try:
+            refused = RefusedWrites(index)
+            record = per_op_ns(lambda i: refused.record("bench", [i + 1]), ops)
+            lookup = per_op_ns(lambda i: refused.skips(i % ops + 1), ops * 100)
+        finally:
+            index.close()
+    return record, lookup
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", type=int, default=200_000)
@@ -75,10 +95,13 @@ def main() -> None:
 
     refusal = per_op_ns(refuse, args.ops // 10)
     busy = contended(WriteFence("bench"), args.threads, args.ops // args.threads)
+    record, lookup = refusal_records(max(args.ops // 200, 10))
     print(f"admit (a write passes the fence)       {admit:8.0f} ns")
     print(f"raise_to, nothing admitted (a read)     {fence_raise:8.0f} ns")
     print(f"admit refused (a late write, logged)   {refusal:8.0f} ns")
     print(f"admit, {args.threads} threads at once (per admit)  {busy:8.0f} ns")
+    print(f"refusal recorded (LMDB put, fsync)     {record:8.0f} ns")
+    print(f"replay lookup of a refusal             {lookup:8.0f} ns")
 
 
 if __name__ == "__main__":

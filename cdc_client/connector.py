@@ -47,7 +47,13 @@ from cdc_client.positions import CommittedPosition, PositionStore
 from cdc_client.source import Source, SourceTransaction
 from cdc_client.translate import TableMap
 from retina_common.catalog import TableRecord
-from retina_common.changelog import Changelog, ChangelogGap, ChangeRow, LoggedTransaction
+from retina_common.changelog import (
+    Changelog,
+    ChangelogGap,
+    ChangeRow,
+    LoggedTransaction,
+    transaction_positions,
+)
 from retina_common.changelog_replay import (
     ReplayLog,
     by_node,
@@ -309,7 +315,8 @@ class Connector:
         try:
             record = self.changelog.append(logged)
             t2 = time.monotonic()
-            self._send([row for t in logged for row in t.rows], ids)
+            self._send([row for t in logged for row in t.rows], ids,
+                       transaction_positions([record]))
             t3 = time.monotonic()
         except (ConnectorStopped, BatchExpired):
             self._rollback(ids)  # an expired batch's live timestamps would hold the HWM
@@ -380,15 +387,17 @@ class Connector:
     def _table_records(self) -> dict[str, TableRecord]:
         return _TableRecords(self.tables)
 
-    def _send(self, rows: list[ChangeRow], ids: list[int]) -> None:
-        """Every node its rows, in parallel; returns once all acknowledged.
+    def _send(self, rows: list[ChangeRow], ids: list[int], positions: dict[int, str]) -> None:
+        """Every node its rows, in parallel, each transaction with its changelog
+        position (``positions``: ts -> position); returns once all acknowledged.
 
         On a failure the other sends are told to give up and are waited for,
         so no send of this batch is still running when the batch is rolled
         back or done again at new timestamps."""
         per_node = by_node(rows, self.topology)
         abort = threading.Event()
-        futures = {self._pool.submit(self._send_to_node, node, node_rows, ids, abort): node
+        futures = {self._pool.submit(self._send_to_node, node, node_rows, ids, positions,
+                                     abort): node
                    for node, node_rows in sorted(per_node.items())}
         errors: list[BaseException] = []
         for acknowledged, future in enumerate(as_completed(futures), start=1):
@@ -404,7 +413,7 @@ class Connector:
         CDC_SEND_ALL_ACKS_AFTER.hit()
 
     def _send_to_node(self, node: str, rows: list[ChangeRow], ids: list[int],
-                      abort: threading.Event) -> None:
+                      positions: dict[int, str], abort: threading.Event) -> None:
         stub = self.nodes[node]
         backoff = Backoff(FIRST_PAUSE_S, self.settings.backoff_max_s)
         tables = self._table_records()
@@ -413,7 +422,8 @@ class Connector:
                 for request in requests(self.settings.schema, tables, rows,
                                         self.settings.request_max_rows,
                                         self._min_columnar.get(node, ROW_FORM_ONLY),
-                                        writer_id=self.settings.writer_id):
+                                        writer_id=self.settings.writer_id,
+                                        positions=positions):
                     stub.UpdateRecord(request, timeout=self.settings.rpc_timeout_s)
                 return
             except grpc.RpcError as exc:

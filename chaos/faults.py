@@ -53,8 +53,12 @@ from .workload import PROBE_TABLE, SCHEMA
 # Which process reaches which failpoints (by name prefix).
 # etcd.txn.*: every compare-and-swap; Retina's checkpoint pointer swap does one constantly.
 # update_record.*: the write fence's points (issue 25), reached by every UpdateRecord.
+# refused_writes.*: the record of a write the fence refused (issue 28), reached only by a
+# fenced write (a writer stalled past its lease: the stalled_write fault makes them), and
+# its pruning by a GC round once such a record is below the replay floor; armed while
+# neither happens, the point is noted not reached and the node restarted clean.
 RETINA_PREFIXES = ("ingest.", "index.", "checkpoint.", "recovery.", "catalog.", "etcd.", "gc.",
-                   "sweeper.", "update_record.")
+                   "sweeper.", "update_record.", "refused_writes.")
 # Points of the Spark job's rewrite task (spark_jobs/storage_gc_task.py, rewrite_group).
 REWRITER_PREFIXES = ("gc.rewrite.",)
 # Schema evolution: only the connector's Catalog.add_column reaches them, when it reads the

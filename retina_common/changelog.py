@@ -196,6 +196,12 @@ class BatchRecord:
                          for s in d["segments"]))
 
 
+def transaction_positions(records: Iterable[BatchRecord]) -> dict[int, str]:
+    """ts -> source position of every transaction of ``records``: what a request built
+    from their rows carries as ``TableUpdateData.source_position``."""
+    return {int(t["ts"]): t["position"] for r in records for t in r.transactions}
+
+
 def encode_watermark(retained_from_ts: int) -> bytes:
     body = json.dumps({"retainedFromTs": retained_from_ts}, separators=(",", ":")).encode()
     return f"{_WATERMARK_MAGIC} {len(body)} {crc32c.crc32c(body)}\n".encode() + body

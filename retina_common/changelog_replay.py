@@ -34,6 +34,7 @@ from retina_common.changelog import (
     Changelog,
     ChangelogGap,
     ChangeRow,
+    transaction_positions,
 )
 from retina_common.client import fill_update
 from retina_common.columnar import COLUMNAR_MIN_ROWS, row_count
@@ -50,6 +51,7 @@ class _Update:
     ts: int
     vnode: int
     min_columnar_rows: int
+    source_position: str = ""
     truncate: bool = False
     rows: list[ChangeRow] = field(default_factory=list)
 
@@ -57,7 +59,7 @@ class _Update:
         tud = pb.TableUpdateData(table_name=self.table.name,
                                  primary_index_id=self.table.primary_index_id,
                                  timestamp=self.ts, virtual_node_id=self.vnode,
-                                 truncate=self.truncate)
+                                 truncate=self.truncate, source_position=self.source_position)
         replaces = [r for r in self.rows if r.op == REPLACE]
         fill_update(tud, self.table, [r.key for r in self.rows], [r.key for r in replaces],
                     [r.values or () for r in replaces], self.min_columnar_rows)
@@ -71,12 +73,16 @@ REQUEST_MAX_BYTES = 16 * 1024 * 1024
 
 def requests(schema: str, tables: Mapping[str, TableRecord], rows: Iterable[ChangeRow],
              max_rows: int = 5000, min_columnar_rows: int = COLUMNAR_MIN_ROWS, *,
-             writer_id: str = "") -> Iterator[pb.UpdateRecordRequest]:
+             writer_id: str = "", positions: Mapping[int, str] | None = None
+             ) -> Iterator[pb.UpdateRecordRequest]:
     """Rows (already in (ts, seq) order, all for one node) as requests of at
     most ``max_rows`` delete/insert items each, as Retina counts them (a
     replace is two), and about ``REQUEST_MAX_BYTES`` of values; an update of
     ``min_columnar_rows`` items or more in the columnar form. ``writer_id``: the
-    registered replay source whose changelog holds the rows (ordinary writes)."""
+    registered replay source whose changelog holds the rows. ``positions``: ts -> the
+    source position the changelog records for that transaction, set on every
+    TableUpdateData of the ts (``transaction_positions``; none: empty)."""
+    positions = positions or {}
     current: dict[tuple[int, str, int], _Update] = {}
     count = size = 0
     for row in rows:
@@ -90,7 +96,7 @@ def requests(schema: str, tables: Mapping[str, TableRecord], rows: Iterable[Chan
         update = current.get(slot)
         if update is None:
             update = current[slot] = _Update(tables[row.table], row.ts, row.vnode,
-                                             min_columnar_rows)
+                                             min_columnar_rows, positions.get(row.ts, ""))
         if row.op == TRUNCATE:  # the first row of its (ts, table, vnode): applied first
             update.truncate = True
         else:
@@ -110,14 +116,17 @@ def _request(schema: str, updates: Mapping[tuple[int, str, int], _Update],
 def replay_requests(changelog: Changelog, schema: str, tables: Mapping[str, TableRecord],
                     starts: Mapping[int, int], context: pb.RecoveryReplayContext | None,
                     max_rows: int, upto_ts: int | None = None,
-                    records: Iterable[BatchRecord] | None = None, *,
-                    min_columnar_rows: int = COLUMNAR_MIN_ROWS
+                    records: Sequence[BatchRecord] | None = None, *,
+                    min_columnar_rows: int = COLUMNAR_MIN_ROWS, writer_id: str = ""
                     ) -> Iterator[pb.UpdateRecordRequest]:
     """The changelog of the virtual nodes in ``starts`` (vnode → first ts,
     inclusive), as requests carrying ``context`` (recovery replay) or none
-    (backfill)."""
+    (backfill), each transaction with the source position its record holds."""
+    if records is None:
+        records = changelog.records(min(starts.values())) if starts else []
     rows = changelog.read(starts, upto_ts, records)
-    for request in requests(schema, tables, rows, max_rows, min_columnar_rows):
+    for request in requests(schema, tables, rows, max_rows, min_columnar_rows,
+                            writer_id=writer_id, positions=transaction_positions(records)):
         if context is not None:
             request.recovery_replay_context.CopyFrom(context)
         yield request
@@ -211,9 +220,13 @@ def merged_replay_requests(logs: Sequence[ReplayLog], starts: Mapping[int, int],
     timestamp order (timestamps are unique across writers: one TransServer issues them),
     as replay requests carrying ``context``. A request holds one writer's rows: the
     schema is per writer."""
+    positions: list[dict[int, str]] = [{} for _ in logs]  # per log: ts -> source position
+
     def tagged(index: int, log: ReplayLog) -> Iterator[tuple[int, int, int, int, ChangeRow]]:
         try:
-            for row in log.changelog.read(starts):
+            records = log.changelog.records(min(starts.values())) if starts else []
+            positions[index] = transaction_positions(records)
+            for row in log.changelog.read(starts, records=records):
                 yield row.ts, index, row.vnode, row.seq, row
         except ChangelogGap as gap:
             raise SourceGap(log.writer_id, gap) from None
@@ -222,6 +235,7 @@ def merged_replay_requests(logs: Sequence[ReplayLog], starts: Mapping[int, int],
     for index, run in itertools.groupby(merged, key=lambda item: item[1]):
         log = logs[index]
         for request in requests(log.schema, log.tables, (item[4] for item in run), max_rows,
-                                min_columnar_rows):
+                                min_columnar_rows, writer_id=log.writer_id,
+                                positions=positions[index]):
             request.recovery_replay_context.CopyFrom(context)
             yield request

@@ -358,6 +358,19 @@ INDEX_PRIMARY_COMMIT_BEFORE = Failpoint(
 INDEX_PRIMARY_COMMIT_AFTER = Failpoint(
     "index.primary_commit.after",
     "a request's primary-index writes durable; its inserts not yet settled visible")
+REFUSED_WRITES_RECORD_BEFORE = Failpoint(
+    "refused_writes.record.before",
+    "an ordinary write refused by the write fence, its (writer, timestamps) not yet recorded; "
+    "nothing applied, not yet answered")
+REFUSED_WRITES_RECORD_AFTER = Failpoint(
+    "refused_writes.record.after",
+    "the refusal recorded durably (recovery replay skips those timestamps); not yet answered "
+    "ABORTED")
+REFUSED_WRITES_PRUNE_BEFORE = Failpoint(
+    "refused_writes.prune.before",
+    "refusal records below the replay floor about to be deleted; none deleted")
+REFUSED_WRITES_PRUNE_AFTER = Failpoint(
+    "refused_writes.prune.after", "refusal records below the replay floor deleted")
 INDEX_PRUNE_HORIZON_BEFORE = Failpoint(
     "index.prune_horizon.before",
     "a prune about to record its horizon (pruned_below); nothing of it durable")

@@ -245,12 +245,13 @@ class DurableWriter:
                        for seq, r in enumerate(rows)]
             self._in_doubt = True  # until acknowledged: see __init__
             try:
-                self.changelog.append([LoggedTransaction(
+                record = self.changelog.append([LoggedTransaction(
                     begun.timestamp, f"{self.writer_id}:{begun.trans_id}",
                     str(begun.trans_id), int(time.time() * 1000), stamped)])
                 logged = True
                 WRITER_APPEND_AFTER.hit()
-                self._send(stamped, begun.trans_id)
+                # The position the changelog holds: a replay sends the same one.
+                self._send(stamped, begun.trans_id, record.last_position)
                 WRITER_COMMIT_BEFORE.hit()
                 self._commit(begun.trans_id)
                 WRITER_ACKNOWLEDGE_BEFORE.hit()
@@ -269,12 +270,13 @@ class DurableWriter:
             self._in_doubt = False
             return int(begun.timestamp)
 
-    def _send(self, rows: Sequence[ChangeRow], trans_id: int) -> None:
+    def _send(self, rows: Sequence[ChangeRow], trans_id: int, position: str) -> None:
         tables = self._records()
+        positions = {rows[0].ts: position} if rows else {}
         for node, node_rows in sorted(by_node(rows, self._topology).items()):
             for request in requests(self.schema, tables, node_rows,
                                     min_columnar_rows=self.settings.min_columnar_rows,
-                                    writer_id=self.writer_id):
+                                    writer_id=self.writer_id, positions=positions):
                 self._send_one(node, request, trans_id)
 
     def _send_one(self, node: str, request: Any, trans_id: int) -> None:

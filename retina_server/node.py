@@ -2,7 +2,8 @@
 
 It owns the node's virtual nodes of the topology, one StreamBuffer and one
 StreamPublisher per stream ``(tableId, virtualNodeId)``, the visibility
-index, the ingest registry and the LocalIndexService. The gRPC layer
+index, the ingest registry, the LocalIndexService and the source positions
+(source_positions.py). The gRPC layer
 (``worker_service.py``) and the UpdateRecord apply path (``update_record.py``) call
 into it; nothing here knows about gRPC.
 
@@ -42,8 +43,10 @@ from retina_common.topology import Topology
 from retina_server.index import LocalIndexService
 from retina_server.publisher import IngestPipeline, StreamPublisher
 from retina_server.read_history import ReadHistory
+from retina_server.refused_writes import RefusedWrites
 from retina_server.registry import IngestFileMetadataRegistry, RegistryError
 from retina_server.row_moves import RowMoves
+from retina_server.source_positions import SourcePositions
 from retina_server.visibility import RGVisibility, VisibilityError, VisibilityIndex
 from retina_server.write_buffer import IngestFile, StreamBuffer
 from retina_server.write_fence import WriteFence
@@ -83,7 +86,8 @@ class Stream:
 class RetinaNode:
     def __init__(self, node_id: str, topology: Topology, catalog: Catalog,
                  index: LocalIndexService, storage_root: str, settings: BufferSettings,
-                 clock_ms: Callable[[], int], fence: WriteFence | None = None) -> None:
+                 clock_ms: Callable[[], int], fence: WriteFence | None = None,
+                 source_positions: SourcePositions | None = None) -> None:
         self.node_id = node_id
         # LATE_WRITES_FENCED: reads raise it, ordinary writes pass it (write_fence.py).
         self.fence = fence or WriteFence(node_id)
@@ -91,6 +95,9 @@ class RetinaNode:
         self.owned_vnodes = frozenset(topology.vnodes_of(node_id))
         self.catalog = catalog
         self.index = index
+        # ts -> the commit's source position, in the index's LMDB environment (the change
+        # feed reads it; UpdateRecord writes it in the request's index transaction).
+        self.source_positions = source_positions or SourcePositions(index.primary)
         self.visibility = VisibilityIndex()
         # ROW_READS_SEE_NO_MOVE: Storage GC commits, rollbacks, reverts and sweeps run
         # inside it; point reads (row_lookup.py) read again when rows moved under them.
@@ -107,6 +114,8 @@ class RetinaNode:
         # Which past snapshots this process answers after its recovery
         # (SNAPSHOTS_END_AT_RESTART, HISTORY_REBUILT_IS_REFUSED: read_history.py).
         self.history = ReadHistory(node_id)
+        # What the write fence refused, durably: recovery replay skips it (refused_writes.py).
+        self.refused = RefusedWrites(index.primary)
         # BUFFER_FETCH_HOLDS_FILE: file id -> {read transaction: its snapshot} for every
         # write-buffer file a GetWriteBuffer read (gc/rewrites.py).
         self._buffer_reads: dict[int, dict[int, int]] = {}

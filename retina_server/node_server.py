@@ -60,6 +60,7 @@ from retina_server.recovery.coordinator import RecoveryCoordinator
 from retina_server.recovery.mark_ready import MarkReadyBarrier, ReadyHooks, RestartFence
 from retina_server.recovery.registered_writers import RegisteredWriters
 from retina_server.row_lookup import row_lookup
+from retina_server.source_positions import SourcePositions
 from retina_server.trans_client import TransClient
 from retina_server.worker_service import RetinaService
 
@@ -111,11 +112,13 @@ def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> 
     catalog.bootstrap()
     state_dir = Path(rc.state_dir) / f"{host}-{port}"
     index = LocalIndexService(state_dir / "index")
+    positions = SourcePositions(index.primary)  # in the index's LMDB environment
     journal = GcJournal(state_dir / "gc_journal")
     storage = root_uri(config.storage.root)
     node = RetinaNode(node_id, topology, catalog, index, storage,
                       BufferSettings(rc.block_rows, rc.blocks_per_file, rc.flush_interval_ms,
-                                     rc.close_workers), lambda: int(time.time() * 1000))
+                                     rc.close_workers), lambda: int(time.time() * 1000),
+                      source_positions=positions)
     handle = ServerHandle(rc.listen, max_workers=16, service_names=[SERVICE_NAME],
                           tls=config.tls)
     machine = LifecycleStateMachine()
@@ -171,14 +174,15 @@ def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> 
     writers = RegisteredWriters(etcd, anonymous_writes=rc.anonymous_writes)
     barrier = MarkReadyBarrier(machine, recovery.entry, recovery.check_attempt, hooks,
                                recovery.announce_ready,
-                               RestartFence(node, trans.fresh_timestamp),
+                               RestartFence(node, trans.fresh_timestamp,
+                                            writers.replay_complete),
                                check_sources=writers.check_replayed)
     lookup = row_lookup(node, catalog, rc.lookup_cache_mb << 20)
     retina_pb2_grpc.add_RetinaWorkerServiceServicer_to_server(
         RetinaService(node, recovery, barrier, machine,
                       ReadTransactionGuard(trans.trans_status),
                       rc.max_rows_per_request, gc, scheduler, sweeper, lineage, writers,
-                      lookup, ChangeFeed(node, lookup)),
+                      lookup, ChangeFeed(node, lookup, node.source_positions.positions)),
         handle.server)
     return NodeParts(node_id, topology, catalog, index, node, handle, machine, announcer,
                      recovery, replay_floor, stop, rc.metrics_listen)

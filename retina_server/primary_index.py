@@ -8,7 +8,9 @@ state the replay starts from, however far ahead of the checkpoint it was when
 the process died.
 
 This module answers in row ids only; where a row id lives is the MainIndex's
-(main_index.py), and the two meet in the facade (index.py).
+(main_index.py), and the two meet in the facade (index.py). The node's source
+positions (source_positions.py) are a named database of the same environment
+(``open_store``), written in the same request transaction and pruned with it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ TOMBSTONE = -1
 MAX_KEY_BYTES = 511 - 20
 _MAX_PREFIX = 511 - 8  # the longest tableId|len|key a version key can have
 _PRUNED_BELOW = b"pruned_below"
+# A store of this environment dropping its entries below a new prune horizon, in the
+# transaction that records the horizon (``prune_versions``).
+BelowHorizon = Callable[["lmdb.Transaction[bytes]", int], object]
 
 
 def _version_prefix(table_id: int, key: bytes) -> bytes:
@@ -71,7 +76,7 @@ def _split_prefix(prefix: bytes) -> tuple[int, bytes]:
 class PrimaryIndex:
     def __init__(self, path: Path, *, map_size: int = 8 << 30) -> None:
         self._env = lmdb.open(str(path), map_size=map_size, sync=True, metasync=True,
-                              max_dbs=3)
+                              max_dbs=8)  # refused_writes.py, source_positions.py, ...
         # Versions: tableId|len|key|ts -> rowId or TOMBSTONE; and ts|tableId|len|key -> ''
         # so that recovery can drop everything written after a replay start.
         self._primary = self._env.open_db(b"primary_versions")
@@ -86,6 +91,29 @@ class PrimaryIndex:
 
     def close(self) -> None:
         self._env.close()
+
+    @property
+    def env(self) -> lmdb.Environment:
+        """The LMDB environment: refused_writes.py keeps its records in a named database
+        of it (durable per write transaction, like the versions)."""
+        return self._env
+
+    def has_versions_at(self, ts: int) -> bool:
+        """Whether any key has a version (a row or a tombstone) written at exactly ``ts``:
+        whether a write at ``ts`` changed anything in this index."""
+        start = _TS.pack(ts)
+        try:
+            with self._env.begin(db=self._by_ts) as txn:
+                cursor = txn.cursor(db=self._by_ts)
+                return bool(cursor.set_range(start)) and cursor.key()[:8] == start
+        except lmdb.Error as exc:
+            raise IndexBackendError(f"primary index read failed: {exc}") from exc
+
+    def open_store(self, name: bytes) -> lmdb._Database:
+        """A named database of this LMDB environment, for a store kept durable with the
+        request's index versions (source_positions.py): its writes in a ``write_batch``
+        commit with the batch, one fsync for both."""
+        return self._env.open_db(name)
 
     def switch_primary(self, table_id: int, keys: Sequence[bytes], from_rows: Sequence[int],
                        to_rows: Sequence[int]) -> int:
@@ -216,7 +244,7 @@ class PrimaryIndex:
         order = sorted(range(len(prefixes)), key=prefixes.__getitem__)
         out = np.full(len(prefixes), TOMBSTONE, np.int64)
         try:
-            with self._txn(write=False) as txn:
+            with self.transaction(write=False) as txn:
                 cursor = txn.cursor(db=self._primary)
                 set_range, prev, last = cursor.set_range, cursor.prev, cursor.last
                 key_at, value_at = cursor.key, cursor.value
@@ -247,7 +275,7 @@ class PrimaryIndex:
         stamps = [pack_ts(ts) for _, _, ts in items]
         versions = [p + t for p, t in zip(prefixes, stamps, strict=True)]
         try:
-            with self._txn() as txn:
+            with self.transaction() as txn:
                 if keep_previous:
                     get = txn.get
                     previous = [(key, ts, get(v, db=self._primary))
@@ -263,9 +291,10 @@ class PrimaryIndex:
         return previous
 
     @contextmanager
-    def _txn(self, write: bool = True) -> Iterator[lmdb.Transaction[bytes]]:
+    def transaction(self, write: bool = True) -> Iterator[lmdb.Transaction[bytes]]:
         """The open batch (its own writes included) if there is one, else a transaction
-        of its own (read-only unless ``write``)."""
+        of its own (read-only unless ``write``). Also for a store of this environment
+        (``open_store``): inside a batch its writes commit with the batch."""
         batch = getattr(self._batch, "txn", None)
         if batch is not None:
             yield batch
@@ -312,7 +341,7 @@ class PrimaryIndex:
                 targets.setdefault(vnode_of(key), []).append(key)
 
         try:
-            with self._txn(write=False) as txn:
+            with self.transaction(write=False) as txn:
                 cursor = txn.cursor(db=self._primary)
                 prefix: bytes | None = None
                 before: bytes | None = None  # the latest version before ts
@@ -343,7 +372,7 @@ class PrimaryIndex:
                                 previous: Sequence[tuple[bytes, int, bytes | None]]) -> None:
         """restorePrimaryEntries: undo a putPrimaryEntriesOnly (compensation)."""
         try:
-            with self._txn() as txn:
+            with self.transaction() as txn:
                 for key, ts, value in previous:
                     prefix = _version_prefix(table_id, key)
                     version = prefix + _TS.pack(ts)
@@ -393,7 +422,8 @@ class PrimaryIndex:
 
     # --- version pruning (the GC scheduler: retina_server/gc/gc_scheduler.py) ---
     def prune_versions(self, horizon: int, since: int = 0, *, keys_per_txn: int = 5_000,
-                       entries_per_txn: int = 50_000) -> int:
+                       entries_per_txn: int = 50_000,
+                       below_horizon: BelowHorizon | None = None) -> int:
         """Remove the primary-index versions no resolution at or above ``horizon`` reads.
 
         Rule, per key: of its versions with ``ts < horizon`` only the latest one
@@ -431,6 +461,10 @@ class PrimaryIndex:
         transaction: a crash leaves both dbs consistent and some keys not yet
         pruned (the next process prunes from ``since = 0`` and finds them).
 
+        ``below_horizon(txn, horizon)``: what a store sharing this environment drops
+        below the new horizon (source_positions.py), in the transaction that records
+        it: no durable step of its own, and never without the horizon.
+
         Never call it inside a ``write_batch`` (one LMDB writer per thread:
         RuntimeError). Returns the number of versions removed; IndexBackendError on
         a storage failure (the transactions committed before it stay).
@@ -439,7 +473,7 @@ class PrimaryIndex:
             raise RuntimeError("prune_versions inside a write_batch would deadlock LMDB")
         if horizon <= 0 or since >= horizon:
             return 0
-        self._raise_pruned_below(horizon)
+        self._raise_pruned_below(horizon, below_horizon)
         end = _TS.pack(horizon)
         position: bytes | None = _TS.pack(max(since, 0))
         removed = 0
@@ -453,7 +487,7 @@ class PrimaryIndex:
             raise IndexBackendError(f"primary index pruning failed: {exc}") from exc
         return removed
 
-    def _raise_pruned_below(self, horizon: int) -> None:
+    def _raise_pruned_below(self, horizon: int, below_horizon: BelowHorizon | None) -> None:
         """Record ``horizon`` (durably, then in memory) before any version below it goes:
         a reader that saw a pruned version reads ``pruned_below`` after it, and so sees
         at least this horizon (``latest``)."""
@@ -463,6 +497,8 @@ class PrimaryIndex:
         try:
             with self._env.begin(write=True, db=self._meta) as txn:
                 txn.put(_PRUNED_BELOW, _TS.pack(horizon), db=self._meta)
+                if below_horizon is not None:
+                    below_horizon(txn, horizon)
         except lmdb.Error as exc:
             raise IndexBackendError(f"primary index pruning horizon: {exc}") from exc
         self.pruned_below = horizon

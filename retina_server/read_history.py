@@ -4,18 +4,30 @@ A recovery rebuilds what the node applied since its checkpoint from the writers'
 changelogs: every replay scope restarts at its ``scopeReplayFromTs``, and the node-wide
 lowest start E (``nodeReplayFromTs``) bounds all of it. Below E the node's state is the
 checkpoint's, history included (visibility.py), and equal to what it was before the
-crash. From E on it is what the replay rebuilt, which may differ from what readers saw
-before the crash: a changelog also holds writes the write fence refused and
-transactions that were redone at a new timestamp (mark_ready.py, RestartFence).
-MarkReady then takes a fresh timestamp X, above every snapshot granted before.
+crash. From E on it is what the replay rebuilt. A changelog also holds transactions a
+writer gave up and redid at a new timestamp; the timestamps this node's fence refused
+are skipped (refused_writes.py, REFUSED_IS_NOT_REPLAYED), but a given-up transaction
+that never reached this node is applied by the replay although no reader of this node
+saw it (docs/history.md, "Restarts"), and the node cannot tell it from a committed one.
+So the rebuilt history may differ from what readers saw from the lowest timestamp R the
+replay applied on; below R it is the checkpoint's plus nothing the node had applied
+(everything it applied is in a changelog and would have been replayed, or was a refused
+write that changed nothing). MarkReady then takes a fresh timestamp X, above every
+snapshot granted before.
+
+REPLAY_IS_COMPLETE is the premise of that "below R": it fails when the node took
+anonymous writes (``retina.anonymous_writes``: no changelog holds them) or a writer was
+declared GONE (its changelog is not replayed). Then the range starts at E, as before.
 
 * SNAPSHOTS_END_AT_RESTART (as before): a read transaction begun before this process's
   fence (its id at or below the fence transaction's), or an ordinary read, whose
   snapshot is below X is refused ABORTED: begin a new read transaction.
 * HISTORY_REBUILT_IS_REFUSED: an AS OF read transaction begun after the fence is
-  answered below X only outside every rebuilt range ``[E, X)`` this node ever had
-  (they are kept in its checkpoints and dropped once a fold passed them); inside one it
-  is refused snapshot_expired. Below E it is answered from the checkpoint's history.
+  answered below X only outside every inexact range ``[R, X)`` (``[E, X)`` without
+  REPLAY_IS_COMPLETE) this node ever had (they are kept in its checkpoints and dropped
+  once a fold passed them); inside one it is refused snapshot_expired. Below R it is
+  answered from the checkpoint's history (the replay applied nothing there). A replay
+  that applied nothing leaves no range.
 """
 
 from __future__ import annotations
@@ -38,7 +50,8 @@ class ReadHistory:
         self.read_floor_ts = 0
         self._fence_trans_id = 0  # the transaction MarkReady's fence began and ended
         self._rebuilt_from: int | None = None  # E of this process's recovery
-        self._gaps: list[tuple[int, int]] = []  # [E, X) of every recovery, oldest first
+        self._first_replayed: int | None = None  # R: the lowest timestamp replay applied
+        self._gaps: list[tuple[int, int]] = []  # [R, X) of every recovery, oldest first
 
     def restored(self, gaps: Iterable[tuple[int, int]], rebuilt_from: int,
                  applied_ts: int) -> None:
@@ -46,20 +59,40 @@ class ReadHistory:
         with self._lock:
             self._gaps = sorted(gaps)
             self._rebuilt_from = rebuilt_from
+            self._first_replayed = None
             self.read_floor_ts = applied_ts
 
-    def fence(self, floor_ts: int, trans_id: int) -> None:
-        """MarkReady's restart fence: X and its transaction; [E, X) becomes a gap."""
+    def replayed(self, ts: int) -> None:
+        """The replay applied a write at ``ts`` (replay_admission.py: not skipped)."""
+        with self._lock:
+            if self._first_replayed is None or ts < self._first_replayed:
+                self._first_replayed = ts
+
+    def fence(self, floor_ts: int, trans_id: int, replay_complete: bool = False) -> None:
+        """MarkReady's restart fence: X and its transaction; [R, X) becomes an inexact
+        range, [E, X) unless ``replay_complete`` (REPLAY_IS_COMPLETE)."""
         with self._lock:
             self.read_floor_ts = max(self.read_floor_ts, floor_ts)
             self._fence_trans_id = max(self._fence_trans_id, trans_id)
-            if self._rebuilt_from is not None and self._rebuilt_from < self.read_floor_ts:
-                self._gaps = _merged([*self._gaps, (self._rebuilt_from, self.read_floor_ts)])
-                self._rebuilt_from = None
+            low = self._rebuilt_from
+            if low is not None and replay_complete:
+                low = None if self._first_replayed is None else max(low, self._first_replayed)
+            if low is not None and low < self.read_floor_ts:
+                self._gaps = _merged([*self._gaps, (low, self.read_floor_ts)])
+            self._rebuilt_from = self._first_replayed = None
 
     def gaps(self) -> tuple[tuple[int, int], ...]:
+        """The inexact ranges [lo, hi) (kept in checkpoints, shown in status)."""
         with self._lock:
             return tuple(self._gaps)
+
+    def inexact_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Where history this node rebuilt after its restarts may differ from what its
+        readers saw before (HISTORY_REBUILT_IS_REFUSED): a change feed derived from the
+        node's stored state refuses these ranges and serves the rest (below a range the
+        checkpoint and the replay rebuilt it exactly; from its end on, nothing was ever
+        read before the restart)."""
+        return self.gaps()
 
     def forget_below(self, fold_ts: int) -> None:
         """A fold passed these ranges: nothing below it is read any more."""

@@ -7,8 +7,10 @@ index id, a wrong key count, a value that does not decode, duplicate keys in
 one insert batch, an INSERT whose key bytes are not the encoding of its own
 key columns (or whose key column is NULL), a key that does not route to the
 named virtual node, a virtual node this node does not own, an oversized
-request, and a standalone INSERT of a key that is live (ALREADY_EXISTS: a CDC
-insert is always sent as DELETE + INSERT, so a retried one converges instead).
+request, a source position over MAX_POSITION_BYTES or two different positions at one
+timestamp (ONE_POSITION_PER_TS), and a standalone INSERT of a key that is live
+(ALREADY_EXISTS: a CDC insert is always sent as DELETE + INSERT, so a retried one
+converges instead).
 A TableUpdateData in the columnar form (``retina_common.columnar``: Arrow IPC
 key and row streams) is decoded and validated in full first; its keys are
 computed from the rows' key columns, and every rule above applies to it too.
@@ -17,7 +19,8 @@ An ordinary request (no RecoveryReplayContext) is then admitted by the node's wr
 fence under its stream locks (write_fence.py, LATE_WRITES_FENCED): if any of its
 timestamps is at or below the write floor (a read at or above it was answered, or the
 HWM passed it), it is refused ABORTED with nothing applied, and the writer redoes the
-batch at a new timestamp.
+batch at a new timestamp. Before that answer the refusal is recorded durably, so that a
+recovery replay skips those timestamps (refused_writes.py).
 
 Apply, per TableUpdateData in request order (section 5, "Unified write order"):
 
@@ -41,10 +44,12 @@ Apply, per TableUpdateData in request order (section 5, "Unified write order"):
   and no visible row behind, and the sealed file can close.
 
 Every primary-index write of a request is one durable LMDB transaction (one
-fsync per request): the inserts' rows become visible only after it
-committed, so "putPrimaryEntriesOnly before publishPendingAppend(visible)" holds for the
-durable state too. If the commit fails, every staged insert of the request
-is compensated; DELETE effects already applied to visibility stay, and a
+fsync per request; the request's source positions are put in it too:
+POSITION_DURABLE_WITH_APPLY, source_positions.py). The inserts' rows become
+visible only after it committed, so "putPrimaryEntriesOnly before
+publishPendingAppend(visible)" holds for the durable state too. If the commit
+fails, every staged insert of the request is compensated; DELETE effects
+already applied to visibility stay, and a
 retry converges over them (re-deleting changes nothing).
 
 A CDC replace is a DELETE and an INSERT of the same key in one
@@ -91,7 +96,9 @@ from retina_server.index_errors import IndexBackendError
 from retina_server.main_index import RowIdRange
 from retina_server.node import NodeFailedClosed, RetinaNode, Stream
 from retina_server.primary_index import MAX_KEY_BYTES
+from retina_server.source_positions import MAX_POSITION_BYTES
 from retina_server.write_buffer import AppendHandle, SettleMode
+from retina_server.write_fence import Fenced
 
 PARTS = Counter("retina_update_record_parts_total",
                 "TableUpdateData that passed validation, by wire form (docs/encoding.md)",
@@ -107,6 +114,7 @@ class PreparedUpdate:
     insert_keys: list[bytes]
     insert_columns: list[pa.Array]
     truncate: bool = False  # every live key of (table, vnode) deleted first
+    source_position: str = ""  # the commit's source position (source_positions.py)
 
 
 def _invalid(message: str) -> Refusal:
@@ -123,6 +131,7 @@ def prepare(node: RetinaNode, request: pb.UpdateRecordRequest,
     rows = sum(_rows(t) for t in request.table_update_data)
     if rows > max_rows:
         raise _invalid(f"request carries {rows} rows; the limit is {max_rows}")
+    _check_source_positions(request)
     prepared = [_prepare_one(node, request.schema_name, tud)
                 for tud in request.table_update_data]
     columnar = sum(1 for t in request.table_update_data
@@ -130,6 +139,23 @@ def prepare(node: RetinaNode, request: pb.UpdateRecordRequest,
     PARTS.labels(form="columnar").inc(columnar)
     PARTS.labels(form="row").inc(len(prepared) - columnar)
     return prepared
+
+
+def _check_source_positions(request: pb.UpdateRecordRequest) -> None:
+    """ONE_POSITION_PER_TS: every TableUpdateData of one timestamp carries the same
+    source position (one timestamp is one source transaction), of at most
+    MAX_POSITION_BYTES."""
+    seen: dict[int, str] = {}
+    for tud in request.table_update_data:
+        position = tud.source_position
+        if len(position.encode()) > MAX_POSITION_BYTES:
+            raise _invalid(f"{tud.table_name}: source_position of {len(position.encode())} "
+                           f"bytes; the limit is {MAX_POSITION_BYTES}")
+        first = seen.setdefault(tud.timestamp, position)
+        if first != position:
+            raise _invalid(f"{tud.table_name}: source_position {position!r} at timestamp "
+                           f"{tud.timestamp} differs from {first!r} of the same timestamp "
+                           "in this request (one timestamp is one source transaction)")
 
 
 def _rows(tud: pb.TableUpdateData) -> int:
@@ -241,7 +267,7 @@ def _prepare_one(node: RetinaNode, schema_name: str, tud: pb.TableUpdateData) ->
                 raise _invalid(f"{tud.table_name}.{column.name}: {exc}") from None
         _check_keys_match_rows(table, tud.table_name, insert_keys, columns)
     return PreparedUpdate(table, vnode, tud.timestamp, delete_keys, insert_keys, columns,
-                          tud.truncate)
+                          tud.truncate, tud.source_position)
 
 
 def _columnar_deletes(node: RetinaNode, tud: pb.TableUpdateData,
@@ -379,10 +405,12 @@ def _check_no_live_inserts(node: RetinaNode, updates: list[PreparedUpdate]) -> N
             live[(tid, key)] = True
 
 
-def apply(node: RetinaNode, updates: list[PreparedUpdate], *,
-          fenced: bool = True) -> pb.UpdateRecordResponse:
-    """Apply a validated request. ``fenced``: an ordinary write, admitted only above the
-    write floor (LATE_WRITES_FENCED); a recovery replay passes False."""
+def apply(node: RetinaNode, updates: list[PreparedUpdate], *, fenced: bool = True,
+          writer_id: str = "") -> pb.UpdateRecordResponse:
+    """Apply a validated request. ``fenced``: an ordinary write (of ``writer_id``),
+    admitted only above the write floor (LATE_WRITES_FENCED; refused: recorded first,
+    refused_writes.py); a recovery replay passes False. ``writer_id``: the request's,
+    stored with its source positions (and with a refusal's record)."""
     node.check_writable()
     streams = {(u.table.table_id, u.vnode): node.stream(u.table, u.vnode) for u in updates}
     order = [streams[k] for k in sorted(streams)]
@@ -397,7 +425,11 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate], *,
             # Checked under the stream locks: a write that waited for them behind a GC
             # commit is refused if a read passed its timestamp meanwhile, and one admitted
             # here finishes (settle included) before such a read looks.
-            stack.enter_context(node.fence.admit(min(u.ts for u in updates)))
+            try:
+                stack.enter_context(node.fence.admit(min(u.ts for u in updates)))
+            except Fenced as fenced_by:
+                _record_refusal(node, updates, writer_id, fenced_by.floor)
+                raise
             fp.UPDATE_RECORD_FENCE_AFTER.hit()
         try:
             with node.index.primary.write_batch():
@@ -412,6 +444,9 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate], *,
                                          deleted_rows=deleted, inserted_rows=inserted)
                     response.deleted_rows += deleted
                     response.inserted_rows += inserted
+                # POSITION_DURABLE_WITH_APPLY: in the batch, committed with the versions.
+                node.source_positions.put(writer_id, {u.ts: u.source_position
+                                                      for u in updates if u.source_position})
         except BaseException as exc:
             for stream, u, handles in staged:
                 _compensate(node, stream, u, handles)
@@ -424,6 +459,17 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate], *,
     for stream in order:
         node.submit_sealed(stream)
     return response
+
+
+def _record_refusal(node: RetinaNode, updates: list[PreparedUpdate], writer_id: str,
+                    floor: int) -> None:
+    """REFUSED_IS_RECORDED_BEFORE_ANSWERED (refused_writes.py): every timestamp of the
+    refused request at or below the floor that refused it (a later one may still be
+    admitted), once the writes admitted at or below them have finished (a part of the
+    same transaction still applying must be seen: SKIP_ONLY_WHAT_CHANGED_NOTHING)."""
+    stamps = {u.ts for u in updates if u.ts <= floor}
+    node.fence.wait_admitted(max(stamps), "recording a refused write")
+    node.refused.record(writer_id, stamps)
 
 
 class _TruncateTargets:

@@ -101,7 +101,7 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             updates = prepare(self._node, request, self._max_rows)
             self._writers.admit(request.writer_id)  # WRITES_HAVE_A_REPLAY_SOURCE
             self._node.check_writable()
-            response = apply(self._node, updates)
+            response = apply(self._node, updates, writer_id=request.writer_id)
         response.request_id = request.request_id
         APPLIED_ROWS.labels(op="delete").inc(response.deleted_rows)
         APPLIED_ROWS.labels(op="insert").inc(response.inserted_rows)
@@ -119,9 +119,11 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                               "replay_mode must be VNODE or NODE")
             updates = prepare(self._node, request, self._max_rows)
-            applied = replay_admission.to_apply(updates, starts, mode)
+            applied = replay_admission.to_apply(updates, starts, mode, self._node.refused)
             self._node.check_writable()
-            return apply(self._node, applied, fenced=False)
+            if applied:  # from here on the rebuilt history may differ (read_history.py)
+                self._node.history.replayed(min(u.ts for u in applied))
+            return apply(self._node, applied, fenced=False, writer_id=request.writer_id)
 
     def _admit_read(self, ts: int, trans_id: int, snapshot_read: bool) -> int:
         """READY, a live read transaction whose snapshot is not below ``ts`` and that this

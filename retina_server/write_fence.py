@@ -53,6 +53,16 @@ FENCE_WAITS = MetricCounter("retina_write_fence_waits_total",
 DEFAULT_WAIT_S = 30.0
 
 
+class Fenced(Refusal):
+    """ABORTED by LATE_WRITES_FENCED: nothing of the write was applied (update_record.py
+    records the refusal before it answers: refused_writes.py). ``floor``: the write floor
+    that refused it; no timestamp at or below it is ever admitted on this node again."""
+
+    def __init__(self, message: str, floor: int) -> None:
+        super().__init__(grpc.StatusCode.ABORTED, message)
+        self.floor = floor
+
+
 class WriteFence:
     """The node's write floor and the writes it admitted. Thread-safe."""
 
@@ -79,6 +89,12 @@ class WriteFence:
                 self._floor = ts
                 self._why = why
                 FENCE_TS.set(ts)
+        self.wait_admitted(ts, why)
+
+    def wait_admitted(self, ts: int, why: str) -> None:
+        """Wait until every admitted write whose lowest timestamp is at or below ``ts`` has
+        finished (FENCE_WAITS_FOR_ADMITTED); Refusal(UNAVAILABLE) if one does not in time."""
+        with self._cond:
             if not self._pending_at_or_below(ts):
                 return
             FENCE_WAITS.inc()
@@ -110,10 +126,9 @@ class WriteFence:
         if ts <= floor:
             FENCED.inc()
             log.warning("write_fenced", node=self._node_id, ts=ts, floor=floor, why=why)
-            raise Refusal(grpc.StatusCode.ABORTED,
-                          f"write fence: timestamp {ts} is at or below {self._node_id}'s "
-                          f"write floor {floor} ({why}): its transaction has ended; redo "
-                          "the batch at a new timestamp")
+            raise Fenced(f"write fence: timestamp {ts} is at or below {self._node_id}'s "
+                         f"write floor {floor} ({why}): its transaction has ended; redo "
+                         "the batch at a new timestamp", floor)
         try:
             yield
         finally:

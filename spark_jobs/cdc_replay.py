@@ -184,17 +184,9 @@ def task_requests(spec: JobSpec, task: VnodeTask) -> Iterator[pb.UpdateRecordReq
                             _Tables(o.schema, o.tables)) for o in spec.others)]
         return merged_replay_requests(logs, {task.vnode: task.from_ts}, context,
                                       spec.max_rows, min_columnar_rows=columnar)
-    requests = replay_requests(changelog, spec.schema, _Tables(spec.schema, spec.tables),
-                               {task.vnode: task.from_ts}, context, spec.max_rows, task.to_ts,
-                               records, min_columnar_rows=columnar)
-    return requests if context is not None else _named(requests, spec.writer_id)
-
-
-def _named(requests: Iterator[pb.UpdateRecordRequest], writer_id: str
-           ) -> Iterator[pb.UpdateRecordRequest]:
-    for request in requests:
-        request.writer_id = writer_id
-        yield request
+    return replay_requests(changelog, spec.schema, _Tables(spec.schema, spec.tables),
+                           {task.vnode: task.from_ts}, context, spec.max_rows, task.to_ts,
+                           records, min_columnar_rows=columnar, writer_id=spec.writer_id)
 
 
 def replay_vnode(spec: JobSpec, task: VnodeTask) -> VnodeResult:

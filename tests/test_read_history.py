@@ -59,3 +59,35 @@ def test_the_ranges_of_earlier_restarts_stay_refused_until_a_fold_passes_them() 
 def test_overlapping_ranges_merge() -> None:
     h = restarted(gaps=((150, 250),), rebuilt_from=100, floor=200)
     assert h.gaps() == ((100, 250),)
+
+
+def test_a_complete_replay_is_inexact_only_from_the_first_timestamp_it_applied() -> None:
+    """REPLAY_IS_COMPLETE: below the lowest timestamp R the replay applied, the rebuilt
+    history is the checkpoint's plus nothing the node had applied: read there."""
+    h = ReadHistory("n1")
+    h.restored((), 100, applied_ts=100)
+    for ts in (150, 130, 170):  # replay requests, in any order
+        h.replayed(ts)
+    h.fence(200, 50, replay_complete=True)
+    assert h.inexact_ranges() == h.gaps() == ((130, 200),)
+    h.check(129, None, 51, True)
+    assert refusal(h, 130, None, 51, True).code == grpc.StatusCode.FAILED_PRECONDITION
+    # A second recovery that applied nothing (every replayed write a refused one) adds
+    # nothing; the first range stays.
+    h.restored(h.gaps(), 220, applied_ts=220)
+    h.fence(300, 60, replay_complete=True)
+    assert h.inexact_ranges() == ((130, 200),)
+    h.check(250, None, 61, True)
+
+
+def test_an_incomplete_replay_is_inexact_from_its_start() -> None:
+    """Anonymous writes or a GONE writer: the replay may lack what the node had applied."""
+    h = ReadHistory("n1")
+    h.restored((), 100, applied_ts=100)
+    h.replayed(150)
+    h.fence(200, 50, replay_complete=False)
+    assert h.inexact_ranges() == ((100, 200),)
+    h = ReadHistory("n1")
+    h.restored((), 100, applied_ts=100)
+    h.fence(200, 50)
+    assert h.inexact_ranges() == ((100, 200),)

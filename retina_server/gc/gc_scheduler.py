@@ -23,6 +23,9 @@ growing with the history:
 
        horizon = min(safeGcTs, gcFloor, replayFloor)
 
+   The source positions below the horizon (source_positions.py) are dropped in the
+   transaction that records it.
+
    ``replayFloor`` (:class:`ReplayFloor`) is the lowest replay start any
    crash-restart could use: the derived nodeReplayFromTs of both checkpoint
    slots. After a crash the rewind drops every version at or above a scope's
@@ -31,7 +34,9 @@ growing with the history:
    truncation commute). Until two checkpoints are observed the floor is 0 and
    nothing is pruned. Pruning is incremental: the scheduler remembers the last
    horizon and the next round only looks at keys written since (from 0 after
-   each process start); the horizon never moves down.
+   each process start); the horizon never moves down. The write fence's refusal
+   records (refused_writes.py) below ``replayFloor`` go too: no replay asks for
+   them.
 
 FOLD_FENCE (a pin racing a round): the round announces the highest timestamp
 it may fold to (safeGcTs) *before* it reads ``gcFloor``, lowers the
@@ -248,11 +253,15 @@ class GcScheduler:
         pruned = 0
         since = self._since
         if horizon > since:
-            pruned = node.index.primary.prune_versions(horizon, since)
+            # POSITIONS_BOUNDED: the source positions below the horizon go with it.
+            pruned = node.index.primary.prune_versions(
+                horizon, since, below_horizon=node.source_positions.drop_below)
             with self._state_lock:
                 self._since = horizon
             PRUNED.inc(pruned)
             HORIZON_TS.set(horizon)
+        # No replay starts below the replay floor: the refusals below it are never asked.
+        node.refused.prune_below(replay)
         versions = node.index.primary.primary_version_count()
         PRIMARY_VERSIONS.set(versions)
         emit = log.info if folded or pruned else log.debug

@@ -68,7 +68,8 @@ class RestartFence:
     at once (TransClient.fresh_timestamp): its timestamp X is above every snapshot granted
     so far, and becomes the read floor (a read transaction with an older snapshot, and a
     snapshot read below X: ABORTED, begin a new read transaction; an AS OF read begun
-    since is answered below X only outside what the replay rebuilt: read_history.py).
+    since is answered below X only outside what the replay may have rebuilt differently:
+    read_history.py).
     No snapshot at or
     above X was ever read before this process, so none changes. Reads at X or later are
     granted as soon as the HWM reaches X (at once in a quiet cluster; once the writes
@@ -76,15 +77,18 @@ class RestartFence:
     write transaction at or below it has ended."""
 
     def __init__(self, node: RetinaNode,
-                 fresh_timestamp: Callable[[], tuple[int, int, int]]) -> None:
+                 fresh_timestamp: Callable[[], tuple[int, int, int]],
+                 replay_complete: Callable[[], bool] = lambda: False) -> None:
         self._node = node
         self._fresh_timestamp = fresh_timestamp
+        self._replay_complete = replay_complete  # REPLAY_IS_COMPLETE (read_history.py)
 
     def __call__(self) -> None:
         floor, hwm, trans_id = self._fresh_timestamp()
         self._node.fence.raise_to(hwm, f"MarkReady: the HWM was {hwm}")
         history = self._node.history
-        history.fence(floor, trans_id)  # HISTORY_REBUILT_IS_REFUSED: [E, X) becomes a gap
+        # HISTORY_REBUILT_IS_REFUSED: [R, X) (or [E, X)) becomes an inexact range.
+        history.fence(floor, trans_id, self._replay_complete())
         READ_FLOOR.set(history.read_floor_ts)
         log.info("restart_fence_set", node=self._node.node_id, read_floor_ts=floor,
                  write_fence_ts=self._node.fence.floor, history_gaps=history.gaps())

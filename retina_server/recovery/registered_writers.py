@@ -141,6 +141,16 @@ class RegisteredWriters:
                           "gone WRITER --reason ...`; the node stays AWAITING_REPLAY")
 
 
+    def replay_complete(self) -> bool:
+        """REPLAY_IS_COMPLETE (read_history.py), as of the last EVERY_SOURCE_REPLAYED
+        check: no anonymous writes taken, and no writer declared GONE (a changelog not
+        replayed). Conservative: a GONE writer that wrote nothing since this node's
+        checkpoint counts too."""
+        with self._lock:
+            gone = any(not s.active for s in self._sources.values())
+        return not self.anonymous_writes and not gone and self._read_at is not None
+
+
 def _not_admitted(writer_id: str, source: ReplaySource | None) -> str:
     if source is None:
         return (f"writer {writer_id!r} is not a registered replay source "

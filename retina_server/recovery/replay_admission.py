@@ -17,6 +17,14 @@ the point the next start's rewind drops from: after a crash before the READY
 checkpoint that version would hide the checkpointed row from every later
 DELETE, and the next replay would duplicate the row (docs/recovery.md, window
 R4).
+
+Invariant REFUSED_IS_NOT_REPLAYED: an update at a timestamp this node's write fence
+refused before the crash, with nothing of it applied (refused_writes.py), is
+acknowledged without being applied: its writer redid it at a new timestamp, which the
+replay applies, and no reader of this node ever saw it at the old one. The match is on
+the timestamp alone (one timestamp, one transaction of one writer; replay requests do
+not name their writer). Counted (``retina_replay_refused_skipped_total``) and logged
+(``replay_refused_write_skipped``).
 """
 
 from __future__ import annotations
@@ -28,10 +36,17 @@ from collections.abc import Iterator
 import grpc
 from prometheus_client import Counter
 
+from retina_common.log import get_logger
 from retina_common.refusal import Refusal
 from retina_common.replay_ts import ReplayStarts
+from retina_server.refused_writes import RefusedWrites
 from retina_server.update_record import PreparedUpdate
 
+log = get_logger(component="replay_admission")
+
+REFUSED_SKIPPED = Counter("retina_replay_refused_skipped_total",
+                          "Replayed table updates acknowledged without applying: their "
+                          "timestamp was refused by this node's write fence before the crash")
 SKIPPED = Counter("retina_replay_already_durable_total",
                   "Replayed table updates acknowledged without applying: below their scope's "
                   "start, already in the checkpointed state")
@@ -74,10 +89,11 @@ class ReplayEntry:
             self._cond.wait_for(lambda: self._inflight == 0)
 
 
-def to_apply(updates: list[PreparedUpdate], starts: ReplayStarts,
-             mode: str) -> list[PreparedUpdate]:
+def to_apply(updates: list[PreparedUpdate], starts: ReplayStarts, mode: str,
+             refused: RefusedWrites) -> list[PreparedUpdate]:
     """Check every update against the replay rules (raises Refusal, nothing applied)
-    and return those at or above their scope's start (REWIND_MATCHES_REPLAY)."""
+    and return those at or above their scope's start (REWIND_MATCHES_REPLAY) whose
+    timestamp this node did not refuse (REFUSED_IS_NOT_REPLAYED)."""
     for u in updates:
         floor = starts.mode_start(mode, u.vnode)
         if u.ts < floor:
@@ -87,6 +103,15 @@ def to_apply(updates: list[PreparedUpdate], starts: ReplayStarts,
         if not set(u.insert_keys) <= set(u.delete_keys):
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                           "a standalone INSERT during replay: send DELETE + INSERT")
-    applied = [u for u in updates if u.ts >= starts.scope_start(u.table.table_id, u.vnode)]
-    SKIPPED.inc(len(updates) - len(applied))
+    due = [u for u in updates if u.ts >= starts.scope_start(u.table.table_id, u.vnode)]
+    SKIPPED.inc(len(updates) - len(due))
+    applied = []
+    for u in due:
+        writer = refused.skips(u.ts)
+        if writer is None:
+            applied.append(u)
+            continue
+        REFUSED_SKIPPED.inc()
+        log.info("replay_refused_write_skipped", ts=u.ts, writer_id=writer,
+                 table=u.table.name, vnode=u.vnode)
     return applied
