@@ -51,7 +51,7 @@ from retina_server.primary_index import PrimaryIndex
 
 PRUNED = Counter("retina_source_positions_pruned_total",
                  "Source positions dropped below the primary index's prune horizon")
-MAX_POSITION_BYTES = 1024
+MAX_POSITION_BYTES = 4096
 _TS = struct.Struct(">Q")  # big-endian: the store iterates in timestamp order
 _LEN = struct.Struct(">H")  # the writer id's length (a registered writer id is short)
 

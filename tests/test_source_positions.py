@@ -163,8 +163,8 @@ def update(ts: int, position: str, table: str = "orders", vnode: int = 0) -> pb.
 
 
 @pytest.mark.parametrize(("parts", "message"), [
-    ([update(5, "x" * (MAX_POSITION_BYTES + 1))], "limit is 1024"),
-    ([update(5, "é" * 513)], "source_position of 1026 bytes"),  # bytes, not characters
+    ([update(5, "x" * (MAX_POSITION_BYTES + 1))], "limit is 4096"),
+    ([update(5, "é" * 2049)], "source_position of 4098 bytes"),  # bytes, not characters
     ([update(5, "a"), update(5, "b", vnode=1)], "differs from 'a'"),
     ([update(5, "a"), update(6, "b"), update(5, "", table="events")], "differs from 'a'"),
 ])
