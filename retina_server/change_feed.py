@@ -60,7 +60,6 @@ from retina_common.schema_evolution import table_schema
 from retina_server.node import RetinaNode, Stream
 from retina_server.row_gather import RowGroupRows, assemble
 from retina_server.row_lookup import LookupInconsistent, ReadMemo, RowLookup, asked_columns
-from retina_server.row_moves import MovesInProgress
 from retina_server.visibility import RGVisibility
 
 CHANGE_TYPE, CHANGE_TS, VNODE, SEQ, SOURCE_POSITION = (
@@ -167,24 +166,10 @@ class ChangeFeed:
         seq) order (the caller admitted the read: READY, live transactions, the write
         fence raised to ``to_ts``, the range held)."""
         with SECONDS.time():
-            moves = self._node.row_moves
-            for _ in range(self._attempts):
-                sequence = moves.settled(self._settle_timeout_s)
-                try:
-                    changes = self._read(request)
-                except (Refusal, LookupInconsistent):
-                    raise
-                except Exception:
-                    # A file a move took away mid-read: read again; the same failure with
-                    # nothing moved is the answer.
-                    if moves.unchanged_since(sequence):
-                        raise
-                    REREADS.inc()
-                    continue
-                if moves.unchanged_since(sequence):  # FEED_SEES_NO_MOVE
-                    return changes
-                REREADS.inc()
-            raise MovesInProgress(f"rows moved under {self._attempts} reads in a row")
+            # FEED_SEES_NO_MOVE
+            return self._node.row_moves.read_unmoved(
+                lambda: self._read(request), REREADS.inc,
+                settle_timeout_s=self._settle_timeout_s, attempts=self._attempts)
 
     def _read(self, request: ChangesRequest) -> pa.Table:
         parts = [self._stream_changes(request, s)
