@@ -62,6 +62,7 @@ bench: setup
 	@$(PY) bench/bench_writer.py
 	@$(PY) bench/bench_recovery.py
 	@$(PY) bench/bench_cdc.py
+	@$(PY) bench/bench_change_feed.py
 	@$(PY) bench/bench_spark_replay.py
 
 # Sweepers under steady CDC load with Storage GC on (bench/bench_sweepers.py): footprint over

@@ -54,7 +54,9 @@ from retina_common.catalog import Catalog, ColumnSpec
 from retina_common.codec import COMMIT_TS
 from retina_common.log import configure_logging
 from retina_common.pb import retina_pb2 as rpb
+from retina_common.pb import trans_pb2_grpc
 from retina_common.reader import SnapshotReader
+from retina_common.recovery_driver import await_gate_ready
 from retina_common.topology import load_topology
 
 SCHEMA = "bench"
@@ -65,26 +67,39 @@ CREATE TABLE probe (id int8 PRIMARY KEY, sent_ns int8);
 
 
 def setup(state: ClusterState) -> str:
+    return start_pipeline(state, DDL, {
+        "readings": [ColumnSpec("id", "int64"), ColumnSpec("sensor", "int32"),
+                     ColumnSpec("value", "float64"), ColumnSpec("note", "string")],
+        "probe": [ColumnSpec("id", "int64"), ColumnSpec("sent_ns", "int64")]})
+
+
+def start_pipeline(state: ClusterState, ddl: str, tables: dict[str, list[ColumnSpec]]) -> str:
+    """The source database made with ``ddl``, its ``public`` tables in the catalog (keyed
+    by ``id``, in schema bench), both Retina nodes and retina-cdc following those tables;
+    the source's DSN once the query gate sees both nodes READY (bench_change_feed.py too)."""
     state.postgres.create_database("bench_source")
     dsn = state.postgres.dsn("bench_source")
     with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
-        cur.execute(DDL)
+        cur.execute(ddl)
     conn.close()
     catalog = Catalog(state.postgres.dsn())
     catalog.create_schema(SCHEMA)
-    catalog.create_table(SCHEMA, "readings", [
-        ColumnSpec("id", "int64"), ColumnSpec("sensor", "int32"), ColumnSpec("value", "float64"),
-        ColumnSpec("note", "string")], ["id"])
-    catalog.create_table(SCHEMA, "probe", [ColumnSpec("id", "int64"),
-                                           ColumnSpec("sent_ns", "int64")], ["id"])
+    for name, columns in tables.items():
+        catalog.create_table(SCHEMA, name, columns, ["id"])
     catalog.close()
     start_retina_servers(state)
     start_cdc(state, {
         "RETINA__CDC__SOURCE": "postgres", "RETINA__CDC__SOURCE_DSN": dsn,
-        "RETINA__CDC__SCHEMA": SCHEMA, "RETINA__CDC__SOURCE_TABLES": "public.readings,public.probe",
+        "RETINA__CDC__SCHEMA": SCHEMA,
+        "RETINA__CDC__SOURCE_TABLES": ",".join(f"public.{name}" for name in tables),
         "RETINA__CDC__METRICS_LISTEN": f"127.0.0.1:{free_port()}"})
     wait_for(lambda: all(node_state(n) == rpb.READY for n in state.nodes), 60,
              "both nodes READY")
+    # The gate learns READY through its etcd watch a moment after MarkReady.
+    with grpc.insecure_channel(state.trans_listen) as channel:
+        late = await_gate_ready(trans_pb2_grpc.TransServiceStub(channel), state.nodes)
+    if late:
+        raise SystemExit(f"the query gate does not see every node READY: {late}")
     return dsn
 
 

@@ -25,7 +25,10 @@ Once healed, per episode (every node READY, the connector caught up):
 
 Counts go to the report's ``feed`` counter: ``reads``, ``commits``, ``changes``,
 ``changes_<type>``, ``duplicated``, ``wrong_before``, ``out_of_order``, ``lost``,
-``rereads``, ``reread_differs``, ``expired``, ``refused_<CODE>``, ``tables_checked``.
+``rereads``, ``reread_differs``, ``expired``, ``refused_<CODE>``, ``tables_checked``,
+``restarted_rebuilt`` (the cursor's range reached into history a node's recovery rebuilt
+and refuses, HISTORY_REBUILT_IS_REFUSED: the follower starts again with a snapshot, as a
+consumer does; not an anomaly), ``before_fault_reads``, ``before_fault_refused``.
 Any of duplicated, wrong_before, out_of_order, lost, reread_differs and expired is an
 anomaly (``feed_<what>``).
 """
@@ -50,6 +53,8 @@ from .snapshots import row_digest
 from .workload import SCHEMA, Key, TableSpec
 
 PIN = "chaos-feed"
+# In a changes_expired refusal of history a node's recovery rebuilt (read_history.py).
+REBUILT = "HISTORY_REBUILT_IS_REFUSED"
 HIDDEN = ("_change_type", "_commit_ts", "_ordinal", "_source_position")
 READ_ATTEMPTS = 5
 
@@ -83,6 +88,15 @@ class FeedFollower:
                 self._last_ts[name] = trans.timestamp
             self._move_pin(trans.timestamp)
             self.cursor = trans.timestamp
+
+    def _restart(self) -> None:
+        """Start again with a snapshot (the cursor's history is refused)."""
+        self._ranges = []
+        try:
+            self.start()
+        except grpc.RpcError:
+            self._replica.clear()  # not restarted: the next episode tries again
+            self.counts["restart_refused"] += 1
 
     def close(self) -> None:
         if self._pin:
@@ -125,12 +139,21 @@ class FeedFollower:
     def after_healing(self) -> None:
         """Steps 1-4 of the module docstring (every node READY)."""
         if not self._replica:
+            if not self.counts["expired"]:
+                self._restart()  # a restart that was refused before
             return
         for attempt in range(READ_ATTEMPTS):
             try:
                 self._follow_once()
                 return
             except ChangesExpired as exc:
+                if REBUILT in str(exc):
+                    # Refused, never answered differently: history a recovery rebuilt and
+                    # cannot vouch for (read_history.py). A consumer starts again with a
+                    # snapshot; so does the follower.
+                    self.counts["restarted_rebuilt"] += 1
+                    self._restart()
+                    return
                 self.counts["expired"] += 1
                 self._anomaly("feed_expired", f"cursor {self.cursor}: {exc}")
                 self._replica.clear()  # the follower cannot go on exactly: stop following

@@ -227,7 +227,8 @@ class Report:
                 f"{f['rereads']} ranges read again: LOST {f['lost']}, DUPLICATED "
                 f"{f['duplicated']}, WRONG BEFORE {f['wrong_before']}, OUT OF ORDER "
                 f"{f['out_of_order']}, REREAD DIFFERS {f['reread_differs']}, EXPIRED "
-                f"{f['expired']}; refused: {_by_code(f, 'refused_')}")
+                f"{f['expired']}; started again with a snapshot (rebuilt history refused) "
+                f"{f['restarted_rebuilt']}; refused: {_by_code(f, 'refused_')}")
 
     def lookup_text(self, prefix: str) -> str:
         c = self.lookups

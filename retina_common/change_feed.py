@@ -134,17 +134,20 @@ class ChangeFeedReader:
     def read(self, schema: str, table: str, from_ts: int, *, to_ts: int = 0,
              columns: Sequence[str] = (), keep_unchanged: bool = False,
              page_changes: int = 0, heartbeat: bool = False,
-             vnodes: Sequence[int] = ()) -> Generator[Commit, None, None]:
+             vnodes: Sequence[int] = (), raw: bool = False) -> Generator[Commit, None, None]:
         """The commits in ``(from_ts, to_ts]`` (``to_ts`` 0: up to the newest snapshot), in
         commit order; with ``heartbeat``, then a change-less commit at the range's end.
-        ``vnodes``: only the changes of these virtual nodes (a commit's part on them)."""
+        ``vnodes``: only the changes of these virtual nodes (a commit's part on them).
+        ``raw``: each commit's changes keep the nodes' ``_vnode`` and ``_seq`` in place of
+        ``_ordinal`` (a commit's part on some virtual nodes cannot number the whole: the
+        ordinal is the rank of (``_vnode``, ``_seq``) within the commit)."""
         with ExitStack() as stack:
             current = stack.enter_context(self._transaction(tpb.BeginTransRequest(
                 read_only=True)))
             end = current.timestamp if not to_ts else min(to_ts, current.timestamp)
             if end <= from_ts:
                 return
-            hold = stack.enter_context(self._hold(from_ts))
+            hold = stack.enter_context(self.hold(from_ts))
             streams = {node: self._node(node).ReadChanges(rpb.ReadChangesRequest(
                 schema_name=schema, table_name=table, from_ts=from_ts, to_ts=end,
                 columns=list(columns), trans_id=current.trans_id,
@@ -153,7 +156,7 @@ class ChangeFeedReader:
                 virtual_nodes=owned), timeout=self._timeout_s)
                 for node, owned in self._nodes(vnodes).items()}
             last = from_ts
-            for ts, changes in _merged(streams):
+            for ts, changes in _merged(streams, raw):
                 last = ts
                 yield Commit(schema, table, ts, changes)
             if heartbeat and last < end:
@@ -194,6 +197,20 @@ class ChangeFeedReader:
                 with contextlib.suppress(grpc.RpcError):  # it is given again next time
                     registry.commit(consumer, taken)
 
+    def raw_schema(self, schema: str, table: str, columns: Sequence[str] = ()) -> pa.Schema:
+        """The schema of ``raw`` changes of ``schema.table`` with ``columns``, for a reader
+        that must name it before any change arrives (Spark): a node's answer to the empty
+        range at the newest snapshot, which that snapshot itself holds."""
+        node = self._topology.nodes[0]
+        with self._transaction(tpb.BeginTransRequest(read_only=True)) as current:
+            request = rpb.ReadChangesRequest(
+                schema_name=schema, table_name=table, from_ts=current.timestamp,
+                to_ts=current.timestamp, columns=list(columns), trans_id=current.trans_id,
+                timestamp=current.timestamp, hold_trans_id=current.trans_id)
+            with reaching_node(node):
+                replies = list(self._node(node).ReadChanges(request, timeout=self._timeout_s))
+        return pa.ipc.open_stream(replies[-1].changes_arrow).schema
+
     def _nodes(self, vnodes: Sequence[int]) -> dict[str, list[int]]:
         """The nodes to ask and their virtual nodes to read (empty: all of theirs)."""
         if not vnodes:
@@ -216,7 +233,7 @@ class ChangeFeedReader:
                                         timeout=self._timeout_s)
 
     @contextmanager
-    def _hold(self, from_ts: int) -> Iterator[tpb.BeginTransResponse]:
+    def hold(self, from_ts: int) -> Iterator[tpb.BeginTransResponse]:
         """An AS OF read transaction at ``from_ts + 1``: it holds safeGcTs at or below
         ``from_ts`` while it lives; the TransServer refuses it when the history above
         ``from_ts`` is no longer kept."""
@@ -284,7 +301,7 @@ def _raise_expired(exc: grpc.RpcError) -> None:
         raise ChangesExpired(exc.details() or CHANGES_EXPIRED, earliest) from None
 
 
-def _merged(streams: dict[str, Iterator[rpb.ReadChangesResponse]]
+def _merged(streams: dict[str, Iterator[rpb.ReadChangesResponse]], raw: bool = False
             ) -> Iterator[tuple[int, pa.Table]]:
     """(commit ts, its changes) from every node's stream, in commit order: a commit is
     given once every node has sent everything up to it (each page says how far)."""
@@ -299,13 +316,14 @@ def _merged(streams: dict[str, Iterator[rpb.ReadChangesResponse]]
         # Every node has sent every change at or below the smallest "through".
         ready = min(s.through for s in open_nodes)
         parts = [t for s in nodes for t in s.take_through(ready)]
-        yield from _commits(parts)
+        yield from _commits(parts, raw)
         slowest = min(open_nodes, key=lambda s: s.through)
         slowest.pull()
-    yield from _commits([t for s in nodes for t in s.take_through(np.iinfo(np.int64).max)])
+    yield from _commits([t for s in nodes for t in s.take_through(np.iinfo(np.int64).max)],
+                        raw)
 
 
-def _commits(parts: list[pa.Table]) -> Iterator[tuple[int, pa.Table]]:
+def _commits(parts: list[pa.Table], raw: bool = False) -> Iterator[tuple[int, pa.Table]]:
     parts = [p for p in parts if p.num_rows]
     if not parts:
         return
@@ -317,8 +335,11 @@ def _commits(parts: list[pa.Table]) -> Iterator[tuple[int, pa.Table]]:
     bounds = np.flatnonzero(np.diff(stamps)) + 1
     starts = np.concatenate([[0], bounds])
     ends = np.concatenate([bounds, [len(stamps)]])
-    rows = table.drop_columns([_VNODE, _SEQ])
+    rows = table if raw else table.drop_columns([_VNODE, _SEQ])
     for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
         commit = rows.slice(start, end - start)
+        if raw:
+            yield int(stamps[start]), commit
+            continue
         ordinal = pa.array(np.arange(end - start, dtype=np.int64))
         yield int(stamps[start]), commit.add_column(2, ORDINAL, ordinal)

@@ -42,7 +42,6 @@ appended, an update's before image right before its after image. ``_seq`` number
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -61,7 +60,6 @@ from retina_common.schema_evolution import table_schema
 from retina_server.node import RetinaNode, Stream
 from retina_server.row_gather import RowGroupRows, assemble
 from retina_server.row_lookup import LookupInconsistent, ReadMemo, RowLookup, asked_columns
-from retina_server.row_moves import MovesInProgress
 from retina_server.visibility import RGVisibility
 
 CHANGE_TYPE, CHANGE_TS, VNODE, SEQ, SOURCE_POSITION = (
@@ -168,24 +166,10 @@ class ChangeFeed:
         seq) order (the caller admitted the read: READY, live transactions, the write
         fence raised to ``to_ts``, the range held)."""
         with SECONDS.time():
-            moves = self._node.row_moves
-            for _ in range(self._attempts):
-                sequence = moves.settled(self._settle_timeout_s)
-                try:
-                    changes = self._read(request)
-                except (Refusal, LookupInconsistent):
-                    raise
-                except Exception:
-                    # A file a move took away mid-read: read again; the same failure with
-                    # nothing moved is the answer.
-                    if moves.unchanged_since(sequence):
-                        raise
-                    REREADS.inc()
-                    continue
-                if moves.unchanged_since(sequence):  # FEED_SEES_NO_MOVE
-                    return changes
-                REREADS.inc()
-            raise MovesInProgress(f"rows moved under {self._attempts} reads in a row")
+            # FEED_SEES_NO_MOVE
+            return self._node.row_moves.read_unmoved(
+                lambda: self._read(request), REREADS.inc,
+                settle_timeout_s=self._settle_timeout_s, attempts=self._attempts)
 
     def _read(self, request: ChangesRequest) -> pa.Table:
         parts = [self._stream_changes(request, s)
@@ -276,23 +260,10 @@ class ChangeFeed:
         return self._node.rg_visibility(file_id, rg_id)
 
 
-@dataclass(frozen=True)
-class _Entry:
-    """One change of a stream before it is numbered: where its image is and how it sorts."""
-
-    ts: int
-    phase: int  # 0: a delete that pairs with no insert; 1: an insert or an update
-    block: int
-    rg: int
-    row: int
-    sub: int  # an update: 0 before, 1 after
-    kind: str
-    image: int  # index into the stream's images (deletes first, then inserts)
-
-
 def _changes(request: ChangesRequest, vnode: int, deleted: _Side,
              inserted: _Side) -> pa.Table:
-    """The stream's changes, numbered (FEED_IS_HISTORY, the module docstring's order)."""
+    """The stream's changes, numbered (FEED_IS_HISTORY, the module docstring's order).
+    Vectorised: a range of 100,000 changes costs no Python step per change."""
     schema = output_schema(request.table, tuple(request.columns))
     d_ts, d_block, d_rg, d_row = deleted.arrays()
     i_ts, i_block, i_rg, i_row = inserted.arrays()
@@ -301,91 +272,112 @@ def _changes(request: ChangesRequest, vnode: int, deleted: _Side,
     full = _full_schema(request.table)
     images = pa.concat_tables([assemble(full, deleted.units), assemble(full, inserted.units)])
     nd = len(d_ts)
-    keys = _keys(request.table, images)
-    # A row inserted and deleted at one timestamp was in no snapshot: no change.
-    born = {(b, g, r, t): i for i, (b, g, r, t) in enumerate(zip(
-        i_block.tolist(), i_rg.tolist(), i_row.tolist(), i_ts.tolist(), strict=True))}
-    stillborn_d: set[int] = set()
-    stillborn_i: set[int] = set()
-    for d, position in enumerate(zip(d_block.tolist(), d_rg.tolist(), d_row.tolist(),
-                                     d_ts.tolist(), strict=True)):
-        i = born.get(position)
-        if i is not None:
-            stillborn_d.add(d)
-            stillborn_i.add(i)
-    # An update: a delete and an insert of one key at one timestamp.
-    open_deletes: dict[tuple[int, bytes], int] = {}
-    for d, (t, key) in enumerate(zip(d_ts.tolist(), keys[:nd], strict=True)):
-        if d not in stillborn_d:
-            open_deletes[(t, key)] = d
-    entries: list[_Entry] = []
-    pairs: list[tuple[int, int]] = []  # (delete image, insert image)
-    for i, (t, key, b, g, r) in enumerate(zip(i_ts.tolist(), keys[nd:], i_block.tolist(),
-                                              i_rg.tolist(), i_row.tolist(), strict=True)):
-        if i in stillborn_i:
-            continue
-        d = open_deletes.get((t, key), -1)
-        if d < 0:
-            entries.append(_Entry(t, 1, b, g, r, 0, INSERT, nd + i))
-        else:
-            del open_deletes[(t, key)]
-            pairs.append((d, nd + i))
-    unchanged = _unchanged(images, pairs) if pairs and not request.keep_unchanged \
-        else [False] * len(pairs)
-    UNCHANGED.inc(sum(unchanged))
-    for (d, i), same in zip(pairs, unchanged, strict=True):
-        if same:
-            continue
-        t, b, g, r = int(i_ts[i - nd]), int(i_block[i - nd]), int(i_rg[i - nd]), int(i_row[i - nd])
-        entries.append(_Entry(t, 1, b, g, r, 0, UPDATE_BEFORE, d))
-        entries.append(_Entry(t, 1, b, g, r, 1, UPDATE_AFTER, i))
-    for d in open_deletes.values():
-        entries.append(_Entry(int(d_ts[d]), 0, int(d_block[d]), int(d_rg[d]), int(d_row[d]),
-                              0, DELETE, d))
-    if not entries:
+    codes = _key_codes(request.table, images)
+    d_code, i_code = codes[:nd], codes[nd:]
+    # A row inserted and deleted at one timestamp was in no snapshot: no change (a row is
+    # at most once on each side: one chain item, one insert).
+    still_d, still_i = _matches((d_block, d_rg, d_row, d_ts), (i_block, i_rg, i_row, i_ts))
+    d_live = np.ones(nd, bool)
+    d_live[still_d] = False
+    i_live = np.ones(len(i_ts), bool)
+    i_live[still_i] = False
+    d_idx, i_idx = np.flatnonzero(d_live), np.flatnonzero(i_live)
+    # An update: a delete and an insert of one key at one timestamp (once each, the
+    # stillborn rows left out).
+    pd, pi = _matches((d_ts[d_idx], d_code[d_idx]), (i_ts[i_idx], i_code[i_idx]))
+    pair_d, pair_i = d_idx[pd], i_idx[pi]
+    if len(pair_d) and not request.keep_unchanged:
+        same = _unchanged(images, pair_d, nd + pair_i)
+        UNCHANGED.inc(int(same.sum()))
+    else:
+        same = np.zeros(len(pair_d), bool)
+    paired_d = np.zeros(nd, bool)
+    paired_d[pair_d] = True
+    paired_i = np.zeros(len(i_ts), bool)
+    paired_i[pair_i] = True
+    lone_d = np.flatnonzero(d_live & ~paired_d)
+    lone_i = np.flatnonzero(i_live & ~paired_i)
+    up_d, up_i = pair_d[~same], pair_i[~same]
+    # Entries: (ts, phase, block, rg, row, sub) order; phase 0: a delete that pairs with
+    # no insert; 1: an insert, or an update at its insert's place (before, then after).
+    parts = [
+        (d_ts[lone_d], 0, d_block[lone_d], d_rg[lone_d], d_row[lone_d], 0, DELETE, lone_d),
+        (i_ts[lone_i], 1, i_block[lone_i], i_rg[lone_i], i_row[lone_i], 0, INSERT,
+         nd + lone_i),
+        (i_ts[up_i], 1, i_block[up_i], i_rg[up_i], i_row[up_i], 0, UPDATE_BEFORE, up_d),
+        (i_ts[up_i], 1, i_block[up_i], i_rg[up_i], i_row[up_i], 1, UPDATE_AFTER, nd + up_i),
+    ]
+    n = sum(len(p[0]) for p in parts)
+    if not n:
         return schema.empty_table()
-    entries.sort(key=lambda e: (e.ts, e.phase, e.block, e.rg, e.row, e.sub))
-    return _numbered(schema, images, entries, vnode)
+    ts, phase, block, rg, row, sub, image = (np.concatenate(
+        [np.broadcast_to(np.asarray(p[k], np.int64), len(p[0])) for p in parts])
+        for k in (0, 1, 2, 3, 4, 5, 7))
+    kind = np.concatenate([np.full(len(p[0]), j, np.int8) for j, p in enumerate(parts)])
+    order = np.lexsort((sub, row, rg, block, phase, ts))
+    counts = np.bincount(kind, minlength=len(parts))
+    for j, p in enumerate(parts):
+        if counts[j]:
+            SERVED.labels(change_type=p[6]).inc(int(counts[j]))
+    names = pa.array([p[6] for p in parts], pa.string())
+    return _numbered(schema, images, ts[order], image[order],
+                     pa.DictionaryArray.from_arrays(pa.array(kind[order]), names), vnode)
 
 
-def _numbered(schema: pa.Schema, images: pa.Table, entries: list[_Entry],
-              vnode: int) -> pa.Table:
-    stamps = np.fromiter((e.ts for e in entries), np.int64, len(entries))
-    new_commit = np.empty(len(entries), bool)
+def _matches(left: tuple[np.ndarray, ...], right: tuple[np.ndarray, ...]
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """(indices into ``left``, indices into ``right``) of the tuples (one array per field)
+    found on both sides; each tuple is at most once on each side."""
+    if not len(left[0]) or not len(right[0]):
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    fields = [np.concatenate([a, b]) for a, b in zip(left, right, strict=True)]
+    side = np.concatenate([np.zeros(len(left[0]), np.int8), np.ones(len(right[0]), np.int8)])
+    index = np.concatenate([np.arange(len(left[0])), np.arange(len(right[0]))])
+    order = np.lexsort((side, *reversed(fields)))
+    same = np.ones(len(order) - 1, bool)
+    for f in fields:
+        same &= f[order[1:]] == f[order[:-1]]
+    # Side 0 sorts first among equal tuples: a match is a left one followed by a right one.
+    same &= (side[order[:-1]] == 0) & (side[order[1:]] == 1)
+    first = np.flatnonzero(same)
+    return index[order[first]], index[order[first + 1]]
+
+
+def _numbered(schema: pa.Schema, images: pa.Table, stamps: np.ndarray, image: np.ndarray,
+              kinds: pa.DictionaryArray, vnode: int) -> pa.Table:
+    n = len(stamps)
+    new_commit = np.empty(n, bool)
     new_commit[:1] = True
     np.not_equal(stamps[1:], stamps[:-1], out=new_commit[1:])
-    starts = np.maximum.accumulate(np.where(new_commit, np.arange(len(entries)), 0))
-    seq = np.arange(len(entries)) - starts
-    rows = images.take(pa.array([e.image for e in entries], pa.int64()))
-    kinds = [e.kind for e in entries]
-    for kind, n in Counter(kinds).items():
-        SERVED.labels(change_type=kind).inc(n)
-    head = [pa.array(kinds, pa.string()), pa.array(stamps),
-            pa.array(np.full(len(entries), vnode, np.int32)), pa.array(seq.astype(np.int64)),
-            pa.nulls(len(entries), pa.string())]
+    starts = np.maximum.accumulate(np.where(new_commit, np.arange(n), 0))
+    seq = np.arange(n) - starts
+    rows = images.take(pa.array(image, pa.int64()))
+    head = [kinds.cast(pa.string()), pa.array(stamps), pa.array(np.full(n, vnode, np.int32)),
+            pa.array(seq.astype(np.int64)), pa.nulls(n, pa.string())]
     names = schema.names[len(head):]
-    return pa.Table.from_arrays([*head, *(rows.column(n) for n in names)], schema=schema)
+    return pa.Table.from_arrays([*head, *(rows.column(c) for c in names)], schema=schema)
 
 
-def _keys(table: TableRecord, images: pa.Table) -> list[bytes]:
+def _key_codes(table: TableRecord, images: pa.Table) -> np.ndarray:
+    """A number per image: equal exactly when the primary-key bytes are equal."""
     by_name = {c.name: c.type for c in table.columns}
     key_columns = [images.column(k).combine_chunks() for k in table.primary_key]
-    return encode_primary_keys([by_name[k] for k in table.primary_key],
-                               key_columns).to_pylist()
+    keys = encode_primary_keys([by_name[k] for k in table.primary_key], key_columns)
+    encoded = pc.dictionary_encode(keys)
+    return np.asarray(encoded.indices.to_numpy(zero_copy_only=False), np.int64)
 
 
-def _unchanged(images: pa.Table, pairs: list[tuple[int, int]]) -> list[bool]:
-    """Per pair, whether the before and after images are equal in every column (NULL
-    equals NULL)."""
-    before = images.take(pa.array([d for d, _i in pairs], pa.int64()))
-    after = images.take(pa.array([i for _d, i in pairs], pa.int64()))
-    same = np.ones(len(pairs), bool)
+def _unchanged(images: pa.Table, before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """Per pair of images, whether they are equal in every column (NULL equals NULL)."""
+    x_rows = images.take(pa.array(before, pa.int64()))
+    y_rows = images.take(pa.array(after, pa.int64()))
+    same = np.ones(len(before), bool)
     for name in images.column_names:
-        x, y = before.column(name), after.column(name)
+        x, y = x_rows.column(name), y_rows.column(name)
         equal = pc.fill_null(pc.equal(x, y), False)
         both_null = pc.and_(pc.is_null(x), pc.is_null(y))
         same &= np.asarray(pc.or_(equal, both_null).to_numpy(zero_copy_only=False), bool)
-    return same.tolist()
+    return same
 
 
 def _full_schema(table: TableRecord) -> pa.Schema:

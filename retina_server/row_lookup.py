@@ -67,7 +67,6 @@ from retina_common.storage import open_parquet
 from retina_server.node import RetinaNode
 from retina_server.row_gather import RowGroupRows, assemble, assemble_few
 from retina_server.row_group_cache import RowGroupCache
-from retina_server.row_moves import MovesInProgress
 from retina_server.visibility import RGVisibility
 from retina_server.write_buffer import Block, FileState, IngestFile
 
@@ -259,25 +258,13 @@ class RowLookup:
         """The rows of ``request.keys`` at ``request.ts`` (the caller admitted the read:
         READY, a live read transaction, the write fence raised to ``ts``)."""
         with SECONDS.time():
-            moves = self._node.row_moves
-            for _ in range(self._attempts):
-                sequence = moves.settled(self._settle_timeout_s)
-                try:
-                    answer = self._read(request)
-                except Exception:
-                    # A file a move took away mid-read (a sweep deleted its object, say):
-                    # read again; the same failure with nothing moved is the answer.
-                    if moves.unchanged_since(sequence):
-                        raise
-                    REREADS.inc()
-                    continue
-                if moves.unchanged_since(sequence):  # ROW_READS_SEE_NO_MOVE
-                    found = int(answer.found.sum())
-                    FOUND.inc(found)
-                    NOT_FOUND.inc(len(answer.found) - found)
-                    return answer
-                REREADS.inc()
-            raise MovesInProgress(f"rows moved under {self._attempts} reads in a row")
+            answer = self._node.row_moves.read_unmoved(
+                lambda: self._read(request), REREADS.inc,
+                settle_timeout_s=self._settle_timeout_s, attempts=self._attempts)
+            found = int(answer.found.sum())
+            FOUND.inc(found)
+            NOT_FOUND.inc(len(answer.found) - found)
+            return answer
 
     def _read(self, request: LookupRequest) -> LookupAnswer:
         table, ts = request.table, request.ts

@@ -27,8 +27,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import grpc
+
+T = TypeVar("T")
 
 
 class MovesInProgress(Exception):
@@ -80,3 +83,23 @@ class RowMoves:
     def unchanged_since(self, sequence: int) -> bool:
         """True when no change started since :meth:`settled` returned ``sequence``."""
         return self._sequence == sequence
+
+    def read_unmoved(self, read: Callable[[], T], on_reread: Callable[[], None], *,
+                     settle_timeout_s: float = 5.0, attempts: int = 20) -> T:
+        """ROW_READS_SEE_NO_MOVE: ``read()`` again until no change ran while it read, at
+        most ``attempts`` times (then MovesInProgress). A read that failed while a change
+        ran is read again too (a file the change took away, say); the same failure with
+        nothing moved is the answer."""
+        for _ in range(attempts):
+            sequence = self.settled(settle_timeout_s)
+            try:
+                answer = read()
+            except Exception:
+                if self.unchanged_since(sequence):
+                    raise
+                on_reread()
+                continue
+            if self.unchanged_since(sequence):
+                return answer
+            on_reread()
+        raise MovesInProgress(f"rows moved under {attempts} reads in a row")

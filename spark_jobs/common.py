@@ -17,6 +17,7 @@ finds again in that text.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -34,7 +35,7 @@ from retina_common.retry import RETRYABLE_CODES, rpc_with_retry
 from retina_common.topology import Topology, load_config_and_topology
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    from pyspark.sql import DataFrame, SparkSession
 
 DEFAULT_MASTER = "local[2]"
 JVM_START_ATTEMPTS = 3
@@ -128,6 +129,46 @@ def add_spark_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar on stderr (none is drawn unless stderr is a "
                              "terminal; stdout and the exit code are the same either way)")
+
+
+def add_frame_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--table`` and what the jobs that read one into a DataFrame do with it:
+    ``--output`` (Parquet), ``--overwrite``, ``--show``, ``--json``."""
+    parser.add_argument("--table", required=True, help="schema.table")
+    parser.add_argument("--output", metavar="DIR",
+                        help=f"write the {what} as Parquet: a Spark output directory of "
+                             "part-*.parquet files (read it back with spark.read.parquet or "
+                             "pyarrow.parquet)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    parser.add_argument("--show", type=int, metavar="N", default=0,
+                        help="print the first N rows")
+    parser.add_argument("--json", action="store_true", help="also print the result as JSON")
+
+
+def frame_arguments_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with add_frame_arguments' arguments, if anything."""
+    schema, dot, table = args.table.partition(".")
+    if not dot or not schema or not table:
+        return "give the table as schema.table"
+    if args.output and not args.overwrite and os.path.exists(args.output):
+        return f"{args.output} exists; pass --overwrite to replace it"
+    return None
+
+
+def report_frame(args: argparse.Namespace, frame: DataFrame, line: Callable[[int], str],
+                 summary: dict[str, Any]) -> None:
+    """Print ``line(row count)``, then do add_frame_arguments' ``--show``, ``--output`` and
+    ``--json`` (the table, ``summary``, the count and the output)."""
+    count = frame.count()
+    print(line(count), flush=True)
+    if args.show:
+        frame.show(args.show, truncate=False)
+    if args.output:
+        frame.write.mode("overwrite" if args.overwrite else "errorifexists").parquet(args.output)
+        print(f"wrote {args.output}", flush=True)
+    if args.json:
+        print(json.dumps({"table": args.table, **summary, "count": count,
+                          "output": args.output}), flush=True)
 
 
 def parse_conf(pairs: Sequence[str]) -> dict[str, str]:

@@ -33,7 +33,6 @@ readable point) before Spark starts.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Iterable, Iterator
@@ -65,12 +64,15 @@ from retina_common.schema_evolution import conform
 from retina_common.topology import Topology, load_config_and_topology, load_topology
 from spark_jobs.common import (
     FileRef,
+    add_frame_arguments,
     add_spark_arguments,
     call_with_retry,
     exit_code_of,
     fail,
+    frame_arguments_error,
     load,
     parse_conf,
+    report_frame,
     short_reason,
     spark_session,
 )
@@ -230,13 +232,7 @@ def parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 done, 1 failed otherwise, 2 bad arguments or configuration, "
                "3 refused, 4 unavailable (the query gate refused: a Retina node is not READY).")
     p.add_argument("--config", help="TOML config file (default: $RETINA_CONFIG)")
-    p.add_argument("--table", required=True, help="schema.table")
-    p.add_argument("--output", metavar="DIR",
-                   help="write the snapshot as Parquet: a Spark output directory of part-*.parquet "
-                        "files (read it back with spark.read.parquet or pyarrow.parquet)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
-    p.add_argument("--show", type=int, metavar="N", default=0, help="print the first N rows")
-    p.add_argument("--json", action="store_true", help="also print the result as JSON")
+    add_frame_arguments(p, "snapshot")
     point = p.add_mutually_exclusive_group()
     point.add_argument("--as-of", metavar="TS|TIME",
                        help="a past snapshot: a timestamp, or an ISO 8601 time (the newest "
@@ -248,20 +244,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def report(args: argparse.Namespace, snap: SparkSnapshot) -> None:
-    count = snap.frame.count()
-    print(f"snapshot of {args.table} at timestamp {snap.timestamp}: {count:,} rows "
-          f"({snap.files} files, one task each; {snap.buffer_rows} write-buffer rows)",
-          flush=True)
-    if args.show:
-        snap.frame.show(args.show, truncate=False)
-    if args.output:
-        snap.frame.write.mode("overwrite" if args.overwrite else "errorifexists") \
-            .parquet(args.output)
-        print(f"wrote {args.output}", flush=True)
-    if args.json:
-        print(json.dumps({"table": args.table, "timestamp": snap.timestamp, "count": count,
-                          "files": snap.files, "buffer_rows": snap.buffer_rows,
-                          "output": args.output}), flush=True)
+    report_frame(args, snap.frame, lambda count: (
+        f"snapshot of {args.table} at timestamp {snap.timestamp}: {count:,} rows "
+        f"({snap.files} files, one task each; {snap.buffer_rows} write-buffer rows)"),
+        {"timestamp": snap.timestamp, "files": snap.files, "buffer_rows": snap.buffer_rows})
 
 
 def _earliest(exc: grpc.RpcError) -> str:
@@ -272,11 +258,9 @@ def _earliest(exc: grpc.RpcError) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    schema, dot, table = args.table.partition(".")
-    if not dot or not schema or not table:
-        return fail(PROG, "give the table as schema.table", exit_codes.USAGE)
-    if args.output and not args.overwrite and os.path.exists(args.output):
-        return fail(PROG, f"{args.output} exists; pass --overwrite to replace it", exit_codes.USAGE)
+    if (error := frame_arguments_error(args)) is not None:
+        return fail(PROG, error, exit_codes.USAGE)
+    schema, _dot, table = args.table.partition(".")
     try:
         as_of = parse_as_of(args.as_of) if args.as_of else AsOf(pin=args.pin or "")
     except BadPoint as exc:

@@ -208,11 +208,11 @@ def test_retina_query_changes_prints_commits_and_a_cursor_that_resumes(
 
 
 @pytest.mark.integration
-def test_the_feed_stays_exact_across_gc_a_revert_sweeps_and_node_kills(
+def test_the_feed_stays_exact_across_gc_folds_a_revert_and_sweeps(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     """A consumer-like cursor held by a pin (the registry holds it the same way): the feed
-    above it is the model's history, change by change, after every rewrite, fold, revert,
-    sweep and kill; Storage GC and recovery add no change."""
+    above it is the model's history, change by change, after every rewrite, fold, revert
+    and sweep; Storage GC adds no change."""
     plane = make_plane(nodes=2, gc_retired_retention_ms=0, sweeper_interval_ms=0,
                        gc_interval_ms=1000)
     stub = plane.trans.stub()
@@ -284,3 +284,45 @@ def test_a_registered_consumer_resumes_from_its_cursor_and_holds_its_history(
         tpb.ListConsumersRequest(), timeout=10).consumers}
     assert consumers["search"].cursor_ts >= points[-1]
     check_feed(plane, "orders", cursor, ORDER_COLUMNS)
+
+
+@pytest.mark.integration
+def test_after_node_kills_the_feed_is_exact_or_refuses_the_rebuilt_range(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    """Two node SIGKILLs in a row (the second without a checkpoint since READY): below the
+    history a recovery rebuilt, the feed gives exactly what it gave before the kills;
+    a range reaching into it is refused changes_expired naming where the feed answers
+    again (HISTORY_REBUILT_IS_REFUSED), never answered differently; above it, exact."""
+    plane = make_plane(nodes=2)
+    node = plane.nodes[0]
+    points = [step(plane, catalog, n) for n in range(2)]
+    cursor = points[0]
+    plane.checkpoint(node)
+    points += [step(plane, catalog, n) for n in range(2, 4)]  # replayed after the kill
+    before = {c.ts: c.changes.to_pylist() for c in read_feed(plane, "orders", cursor)}
+    assert sorted(before) == points[1:]
+    for n in (4, 5):
+        plane.retinas[node].kill9()  # the second time without a checkpoint since READY
+        plane.retinas[node].start()
+        plane.recover(node)
+        points.append(step(plane, catalog, n))
+    rebuilt = _rebuilt(plane, node)
+    lowest = min(lo for lo, hi in rebuilt if hi > cursor + 1)
+    # Below the rebuilt range: the same commits as before the kills.
+    if lowest - 1 > cursor:
+        below = read_feed(plane, "orders", cursor, to_ts=lowest - 1)
+        assert {c.ts: c.changes.to_pylist() for c in below} == \
+            {t: v for t, v in before.items() if t < lowest}
+    # Into it: refused, naming the earliest cursor answered again.
+    with pytest.raises(ChangesExpired) as refused:
+        read_feed(plane, "orders", cursor)
+    assert "HISTORY_REBUILT_IS_REFUSED" in str(refused.value)
+    earliest = refused.value.earliest
+    assert any(hi == earliest for _lo, hi in rebuilt)
+    # From there on: exact, the later commits included.
+    commits = check_feed(plane, "orders", earliest, ORDER_COLUMNS)
+    assert [c.ts for c in commits][-1:] == points[-1:]
+
+
+def _rebuilt(plane: DataPlane, node: str) -> list[tuple[int, int]]:
+    return [(r.from_ts, r.to_ts) for r in plane.status(node).rebuilt_history]
