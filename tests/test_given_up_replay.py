@@ -10,10 +10,15 @@ T2. Readers saw T's part on the first node only. The second node is SIGKILLed an
 recovered by ``retina-admin recover`` twice in a row (the first READY checkpoint fails):
 its replay presents T, which it never applied and whose transaction ended, and skips it.
 Every AS OF point and the change feed over all of it equal what readers saw before.
+
+And the other side of the rule: a transaction in flight when the node dies (the writer
+retries, its transaction live) is replayed into the node, and the writer's retry then
+applies it again: not lost, not doubled, at its own timestamp.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,7 +34,16 @@ from .dataplane import DataPlane
 from .support import begin_read
 from .test_as_of_reads import published
 from .test_durable_writers import STRICT, admin, event, keyed, read
-from .test_refused_replay import Rows, as_of, feed_served, log_has, restart, rows_on, tick
+from .test_refused_replay import (
+    Rows,
+    as_of,
+    feed_served,
+    log_has,
+    logged_ts,
+    restart,
+    rows_on,
+    tick,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -87,5 +101,58 @@ def test_a_transaction_given_up_before_it_reached_a_node_is_not_replayed_into_it
             assert {p: as_of(plane, p) for p in points} == seen
             assert feed_served(plane, model, t0 - 1, t2)
         assert log_has(plane, victim, "replay_unapplied_write_skipped")
+    finally:
+        plane.stop()
+
+
+def test_a_transaction_in_flight_when_a_node_dies_is_replayed_into_it_while_live(
+        tmp_path: Path, etcd: EtcdStore, catalog: Catalog, catalog_dsn: str,
+        failpoint_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(failpoints.DIR_VAR, str(failpoint_dir))
+    plane = DataPlane(tmp_path / "plane", etcd, catalog, catalog_dsn, nodes=2, retina=STRICT)
+    first, victim = sorted(plane.nodes)
+    # The victim dies in its second ordinary write, admitted, before anything is applied.
+    plane.start({victim: "update_record.fence.after=exit(137)@2"}, recover=False)
+    try:
+        assert admin(plane, "recover").returncode == 0
+        stub = plane.trans.stub()
+        stub.CreatePin(tpb.CreatePinRequest(name="history", ts=begin_read(stub).timestamp),
+                       timeout=10)
+        root = tmp_path / "writers"
+        w = plane.durable_writer("app", root, WriterSettings(lease_ms=3000,
+                                                             send_deadline_s=120))
+        on_first, on_victim = rows_on(plane, first, 2), rows_on(plane, victim, 2)
+        before = [event(t, s, b"v0") for t, s in on_first + on_victim]
+        t0 = w.write("events", upserts=before)
+        published(plane, catalog)
+        tick(plane)
+        tick(plane)
+        plane.checkpoint(victim)
+        changed = [event(t, s, b"v1") for t, s in on_first + on_victim]
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(w.write, "events", upserts=changed)
+            t = logged_ts(root / "app", t0)
+            assert plane.retinas[victim].wait_exit(60) == 137
+            # Recovered while the writer retries: T is live, so the replay applies it.
+            restart(plane, victim)
+            assert sent.result(timeout=180) == t  # not redone: committed at T itself
+        tick(plane)
+        model: list[tuple[int, Rows]] = [
+            (0, {}), (t0, keyed(plane, "events", before)), (t, keyed(plane, "events", changed))]
+        points = range(t0 - 1, t + 2)
+        want = {p: next(rows for ts, rows in reversed(model) if ts <= p) for p in points}
+
+        def exact() -> None:
+            assert read(plane, "events") == model[-1][1]
+            assert {p: as_of(plane, p) for p in points} == want
+            assert feed_served(plane, model, t0 - 1, t)
+
+        exact()
+        # Two more restarts in a row (the first one's READY checkpoint fails): T is no
+        # longer live, and is replayed because the node recorded it.
+        for failpoint in ("checkpoint.body_write.before=raise*1", ""):
+            restart(plane, victim, failpoint)
+            exact()
+        assert not log_has(plane, victim, "replay_unapplied_write_skipped")
     finally:
         plane.stop()
