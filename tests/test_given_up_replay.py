@@ -27,22 +27,21 @@ from retina_common import failpoints, storage
 from retina_common.catalog import Catalog
 from retina_common.changelog import Changelog
 from retina_common.etcd import EtcdStore
-from retina_common.pb import trans_pb2 as tpb
 from retina_common.writer import WriteRefused, WriterSettings
 
 from .dataplane import DataPlane
-from .support import begin_read
-from .test_as_of_reads import published
-from .test_durable_writers import STRICT, admin, event, keyed, read
+from .test_durable_writers import STRICT, event, keyed, read
 from .test_refused_replay import (
     Rows,
     as_of,
     feed_served,
     log_has,
     logged_ts,
+    recovered_with_writer,
     restart,
     rows_on,
     tick,
+    written_below_the_replay,
 )
 
 pytestmark = pytest.mark.integration
@@ -58,19 +57,11 @@ def test_a_transaction_given_up_before_it_reached_a_node_is_not_replayed_into_it
     # writer gives the transaction up, it does not retry).
     plane.start({victim: "update_record.fence.before=raise@2*1"}, recover=False)
     try:
-        assert admin(plane, "recover").returncode == 0
-        stub = plane.trans.stub()  # every point from now on stays readable
-        stub.CreatePin(tpb.CreatePinRequest(name="history", ts=begin_read(stub).timestamp),
-                       timeout=10)
         root = tmp_path / "writers"
-        w = plane.durable_writer("app", root, WriterSettings(lease_ms=3000))
+        w = recovered_with_writer(plane, root, WriterSettings(lease_ms=3000))
         on_first, on_victim = rows_on(plane, first, 3), rows_on(plane, victim, 3)
         before = [event(t, s, b"v0") for t, s in on_first + on_victim]
-        t0 = w.write("events", upserts=before)
-        published(plane, catalog)
-        tick(plane)
-        tick(plane)
-        plane.checkpoint(victim)  # the victim's replay starts above t0
+        t0 = written_below_the_replay(plane, catalog, w, before, victim)
 
         given_up = [event(t, s, b"v1") for t, s in on_first[:2] + on_victim[:2]]
         with pytest.raises(WriteRefused):
@@ -114,20 +105,12 @@ def test_a_transaction_in_flight_when_a_node_dies_is_replayed_into_it_while_live
     # The victim dies in its second ordinary write, admitted, before anything is applied.
     plane.start({victim: "update_record.fence.after=exit(137)@2"}, recover=False)
     try:
-        assert admin(plane, "recover").returncode == 0
-        stub = plane.trans.stub()
-        stub.CreatePin(tpb.CreatePinRequest(name="history", ts=begin_read(stub).timestamp),
-                       timeout=10)
         root = tmp_path / "writers"
-        w = plane.durable_writer("app", root, WriterSettings(lease_ms=3000,
-                                                             send_deadline_s=120))
+        w = recovered_with_writer(plane, root, WriterSettings(lease_ms=3000,
+                                                              send_deadline_s=120))
         on_first, on_victim = rows_on(plane, first, 2), rows_on(plane, victim, 2)
         before = [event(t, s, b"v0") for t, s in on_first + on_victim]
-        t0 = w.write("events", upserts=before)
-        published(plane, catalog)
-        tick(plane)
-        tick(plane)
-        plane.checkpoint(victim)
+        t0 = written_below_the_replay(plane, catalog, w, before, victim)
         changed = [event(t, s, b"v1") for t, s in on_first + on_victim]
         with ThreadPoolExecutor(1) as pool:
             sent = pool.submit(w.write, "events", upserts=changed)

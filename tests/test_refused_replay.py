@@ -28,7 +28,7 @@ from retina_common.changelog import Changelog
 from retina_common.etcd import EtcdStore
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.refusal import SNAPSHOT_EXPIRED
-from retina_common.writer import WriterSettings
+from retina_common.writer import DurableWriter, WriterSettings
 
 from .dataplane import SCHEMA, DataPlane
 from .feed_model import expected_changes, feed_changes
@@ -107,6 +107,29 @@ def feed_served(plane: DataPlane, model: list[tuple[int, Rows]], from_ts: int,
     return True
 
 
+def recovered_with_writer(plane: DataPlane, root: Path,
+                          settings: WriterSettings) -> DurableWriter:
+    """The started plane recovered, every point from now on kept readable (a pin:
+    history_retention_ms is 0 here), and the application writer ``app`` under ``root``."""
+    assert admin(plane, "recover").returncode == 0
+    stub = plane.trans.stub()
+    stub.CreatePin(tpb.CreatePinRequest(name="history", ts=begin_read(stub).timestamp),
+                   timeout=10)
+    return plane.durable_writer("app", root, settings)
+
+
+def written_below_the_replay(plane: DataPlane, catalog: Catalog, w: DurableWriter,
+                             rows: list[dict[str, Any]], victim: str) -> int:
+    """``rows`` written, published, the HWM past them and ``victim`` checkpointed: its
+    replay starts above them. Returns their commit timestamp."""
+    t0 = w.write("events", upserts=rows)
+    published(plane, catalog)
+    tick(plane)
+    tick(plane)
+    plane.checkpoint(victim)
+    return t0
+
+
 def restart(plane: DataPlane, node: str, failpoint: str = "") -> None:
     """SIGKILL (if it still runs) and a new process, recovered by ``retina-admin recover``."""
     plane.retinas[node].kill9()
@@ -140,23 +163,14 @@ def test_a_fenced_write_is_not_replayed_and_the_history_around_it_stays_across_t
     plane.start({victim: f"{FENCE}=block@2" + (f";{die_at}=exit(137)" if die_at else "")},
                 recover=False)
     try:
-        assert admin(plane, "recover").returncode == 0
-        # Every point from now on stays readable (history_retention_ms is 0 here).
-        stub = plane.trans.stub()
-        stub.CreatePin(tpb.CreatePinRequest(name="history", ts=begin_read(stub).timestamp),
-                       timeout=10)
         root = tmp_path / "writers"
-        w = plane.durable_writer("app", root, WriterSettings(lease_ms=3000,
-                                                             send_deadline_s=120))
+        w = recovered_with_writer(plane, root, WriterSettings(lease_ms=3000,
+                                                              send_deadline_s=120))
+        stub = plane.trans.stub()
         keys = rows_on(plane, victim, 7)
         before = [event(t, s, b"v0") for t, s in keys[:6]]
-        t0 = w.write("events", upserts=before)  # the victim's first write
+        t0 = written_below_the_replay(plane, catalog, w, before, victim)  # its first write
         model: list[tuple[int, Rows]] = [(0, {}), (t0, keyed(plane, "events", before))]
-        # Published, the HWM past t0, checkpointed: the replay starts above t0.
-        published(plane, catalog)
-        tick(plane)
-        tick(plane)
-        plane.checkpoint(victim)
 
         upserts = [event(t, s, b"v1") for t, s in keys[:4]] + [event(*keys[6], b"v1")]
         with ThreadPoolExecutor(1) as pool:
