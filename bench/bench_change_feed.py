@@ -50,7 +50,7 @@ from devtools.cluster import (
     stop_cluster,
 )
 from retina_common.catalog import ColumnSpec
-from retina_common.change_feed import ChangeFeedReader
+from retina_common.change_reader import ChangeFeedReader
 from retina_common.client import TableWriter, requests_by_node
 from retina_common.log import configure_logging
 from retina_common.pb import trans_pb2 as tpb

@@ -44,7 +44,7 @@ from typing import Any
 import grpc
 import pyarrow as pa
 
-from retina_common.change_feed import ChangeFeedReader, ChangesExpired, Commit
+from retina_common.change_reader import ChangeFeedReader, ChangesExpired, Commit
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.pb import trans_pb2_grpc
 from retina_common.reader import SnapshotReader

@@ -21,7 +21,7 @@ import grpc
 
 from retina_common.admin_cluster import Cluster, report_dropped, rpc_failed
 from retina_common.as_of_point import format_ms
-from retina_common.consumers import ConsumerClient, ConsumerState
+from retina_common.consumer_client import ConsumerClient, ConsumerState
 
 EXIT_OK = 0
 

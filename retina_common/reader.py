@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 from retina_common import exit_codes, file_names
 from retina_common.as_of_point import NEWEST, AsOf, BadPoint, format_ms, parse_as_of
 from retina_common.catalog import Catalog, CatalogError, NotFound
-from retina_common.change_feed import (
+from retina_common.change_reader import (
     CHANGE_TYPE,
     ORDINAL,
     SNAPSHOT,
@@ -52,11 +52,11 @@ from retina_common.change_feed import (
     decode_cursor,
     encode_cursor,
 )
-from retina_common.change_feed import COMMIT_TS as CHANGE_TS
+from retina_common.change_reader import COMMIT_TS as CHANGE_TS
 from retina_common.client import channel
 from retina_common.codec import COMMIT_TS, EncodingError
 from retina_common.config import ConfigError, TlsConfig
-from retina_common.consumers import ConsumerClient
+from retina_common.consumer_client import ConsumerClient
 from retina_common.lookup import KEYS_PER_REQUEST, KeyLookup, key_from_text
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
@@ -105,7 +105,7 @@ class SnapshotReader:
         return self._trans
 
     def change_feed(self) -> ChangeFeedReader:
-        """Change-feed reads over this reader's channels (retina_common/change_feed.py)."""
+        """Change-feed reads over this reader's channels (retina_common/change_reader.py)."""
         return ChangeFeedReader(self.topology, self._trans_address, self._trans, self.node,
                                 timeout_s=max(self._timeout, 60))
 

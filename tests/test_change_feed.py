@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from retina_common.catalog import Catalog
-from retina_common.change_feed import ChangesExpired, Commit, decode_cursor
+from retina_common.change_reader import ChangesExpired, Commit, decode_cursor
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import main as query_main

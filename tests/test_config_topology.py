@@ -84,7 +84,7 @@ def test_a_named_config_whose_topology_is_missing_names_the_topology_file(
     ("retina-query", "retina_common.reader", ["shop.orders"]),
     ("storage_gc", "spark_jobs.storage_gc", ["--schema", "shop", "--all-tables"]),
     ("snapshot_query", "spark_jobs.snapshot_query", ["--table", "shop.orders"]),
-    ("change_feed", "spark_jobs.change_feed", ["--table", "shop.orders", "--from", "0"]),
+    ("changes_query", "spark_jobs.changes_query", ["--table", "shop.orders", "--from", "0"]),
     ("retina-write", "retina_common.write_cli", ["--writer", "w", "shop.orders", "--rows",
                                                  '[{"id": 1}]']),
 ])

@@ -23,7 +23,7 @@ import pytest
 
 from retina_common import failpoints, storage
 from retina_common.catalog import Catalog
-from retina_common.change_feed import ChangesExpired
+from retina_common.change_reader import ChangesExpired
 from retina_common.changelog import Changelog
 from retina_common.etcd import EtcdStore
 from retina_common.pb import trans_pb2 as tpb

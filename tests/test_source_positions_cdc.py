@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
-from retina_common.change_feed import ChangesExpired
+from retina_common.change_reader import ChangesExpired
 from retina_common.changelog import Changelog, transaction_positions
 from retina_common.client import requests_by_node
 from retina_common.pb import retina_pb2 as rpb
@@ -188,7 +188,7 @@ def test_malformed_positions_are_refused_and_store_nothing(
             tud.source_position = positions[i % len(positions)]
         return built
 
-    for bad in (request("x" * 1025), request("0/A", "0/B"), request("0/A", "")):
+    for bad in (request("x" * 4097), request("0/A", "0/B"), request("0/A", "")):
         assert len(bad.table_update_data) > 1
         err = rpc_error(lambda bad=bad: stub.UpdateRecord(bad, timeout=30))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
@@ -206,7 +206,7 @@ def test_malformed_positions_are_refused_and_store_nothing(
         assert positions.count() == 1
     # A refused request leaves a stored position as it was.
     again = begin_write(trans_stub)
-    bad = request("y" * 2000)
+    bad = request("y" * 5000)
     for tud in bad.table_update_data:
         tud.timestamp = again.timestamp
     assert rpc_error(lambda: stub.UpdateRecord(bad, timeout=30)).code() == \

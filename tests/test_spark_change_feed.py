@@ -1,4 +1,4 @@
-"""The Spark batch reader of the change feed (spark_jobs/change_feed.py) against the client
+"""The Spark batch reader of the change feed (spark_jobs/changes_query.py) against the client
 merge and the model, with real TransServer, Retina nodes, etcd, PostgreSQL and Spark local
 mode: one task per virtual node, the same rows and ordinals as the merge, the model's
 changes; an expired cursor refused before Spark; the command's Parquet."""
@@ -15,8 +15,8 @@ import pytest
 
 from retina_common import exit_codes
 from retina_common.catalog import Catalog
-from retina_common.change_feed import ChangesExpired, decode_cursor
-from spark_jobs.change_feed import SparkChanges, read_changes
+from retina_common.change_reader import ChangesExpired, decode_cursor
+from spark_jobs.changes_query import SparkChanges, read_changes
 
 from .dataplane import SCHEMA, DataPlane
 from .feed_model import expected_changes, feed_changes
@@ -126,7 +126,7 @@ def test_an_expired_cursor_is_refused_naming_the_earliest(
                                             None, ORDER_COLUMNS)
     assert sorted({r["_commit_ts"] for r in spark_rows(resumed)})[-2:] == later
     # The command: refused (exit 3) with the earliest cursor, before Spark starts.
-    result = run_job("spark_jobs.change_feed", "--config", plane.config_path, "--table",
+    result = run_job("spark_jobs.changes_query", "--config", plane.config_path, "--table",
                      f"{SCHEMA}.orders", "--from", str(points[0]))
     assert result.returncode == exit_codes.REFUSED, result.stderr
     assert f"the earliest cursor is timestamp {horizon}" in result.stderr
@@ -137,7 +137,7 @@ def test_the_command_writes_the_changes_as_parquet(
     plane = make_plane(nodes=2)
     points = [step(plane, catalog, n) for n in range(3)]
     out = tmp_path / "changes"
-    result = run_job("spark_jobs.change_feed", "--config", plane.config_path, "--table",
+    result = run_job("spark_jobs.changes_query", "--config", plane.config_path, "--table",
                      f"{SCHEMA}.orders", "--from", str(points[0] - 1), "--to-ts",
                      str(points[-1]), "--output", out, "--json")
     assert result.returncode == exit_codes.OK, result.stderr
@@ -151,7 +151,7 @@ def test_the_command_writes_the_changes_as_parquet(
     assert all(isinstance(r["amount"], Decimal) for r in written)
     # Resumed from its cursor: the changes after it, none again.
     step(plane, catalog, 3)
-    again = run_job("spark_jobs.change_feed", "--config", plane.config_path, "--table",
+    again = run_job("spark_jobs.changes_query", "--config", plane.config_path, "--table",
                     f"{SCHEMA}.orders", "--from", summary["cursor"], "--json")
     assert again.returncode == exit_codes.OK, again.stderr
     assert last_json(again.stdout)["count"] == len(

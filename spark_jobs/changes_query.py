@@ -21,7 +21,7 @@ rank of (``_vnode``, ``_seq``) within the commit: the one the client merge gives
 ``_change_type``, ``_commit_ts``, ``_ordinal``, ``_source_position``, the key, the columns
 asked for.
 
-    python -m spark_jobs.change_feed --config retina.toml --table shop.orders \\
+    python -m spark_jobs.changes_query --config retina.toml --table shop.orders \\
         --from 81233 --output /data/orders-changes
 """
 
@@ -39,7 +39,7 @@ import pyarrow as pa
 
 from retina_common import exit_codes
 from retina_common import tls as tls_mod
-from retina_common.change_feed import (
+from retina_common.change_reader import (
     CHANGE_TYPE,
     COMMIT_TS,
     ORDINAL,
@@ -71,7 +71,7 @@ from spark_jobs.common import (
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-PROG = "change_feed"
+PROG = "changes_query"
 RPC_TIMEOUT_S = 60.0
 VNODE, SEQ = "_vnode", "_seq"  # ReadChanges' order within a commit (raw reads)
 CHANGE_COLUMNS = (CHANGE_TYPE, COMMIT_TS, VNODE, SEQ, SOURCE_POSITION)  # before the row's
@@ -271,6 +271,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # The package's copy of main: tasks then pickle references to importable code.
-    from spark_jobs.change_feed import main as package_main
+    from spark_jobs.changes_query import main as package_main
 
     sys.exit(package_main())

@@ -39,7 +39,7 @@ import grpc
 import numpy as np
 import pyarrow as pa
 
-from retina_common.consumers import ConsumerClient
+from retina_common.consumer_client import ConsumerClient
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
