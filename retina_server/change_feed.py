@@ -34,6 +34,13 @@ Invariants (docs/change-feed.md):
   page size.
 * FEED_SEES_NO_MOVE: a read that a move ran through (a Storage GC commit, a rollback, a
   revert, a sweep: RowMoves) is read again, as point lookups are.
+* EVERY_VNODE_IS_READ: every virtual node asked is read from its registered files, and
+  from its write buffer when it has one. A Stream (and so its buffer) is created by the
+  stream's first write: after a restart, a virtual node no write reached yet has none,
+  while its published files hold its history. (Iterating the node's Streams instead left
+  such a virtual node's commits out until its next write, and a range read again then
+  gave more.) A stream created while the feed reads holds writes above ``to_ts`` only:
+  the write fence was raised to ``to_ts`` first.
 
 The order within a commit on one virtual node is the stream's: the deletes that pair with
 no insert in the stream order of their rows, then the inserts in the order they were
@@ -172,9 +179,10 @@ class ChangeFeed:
                 settle_timeout_s=self._settle_timeout_s, attempts=self._attempts)
 
     def _read(self, request: ChangesRequest) -> pa.Table:
-        parts = [self._stream_changes(request, s)
-                 for s in self._node.streams_of_table(request.table.table_id)
-                 if s.vnode in request.vnodes]
+        # EVERY_VNODE_IS_READ: not only the virtual nodes that have a Stream in this process.
+        streams = {s.vnode: s for s in self._node.streams_of_table(request.table.table_id)}
+        parts = [self._stream_changes(request, vnode, streams.get(vnode))
+                 for vnode in sorted(request.vnodes)]
         schema = output_schema(request.table, tuple(request.columns))
         changes = [p for p in parts if p.num_rows]
         if not changes:
@@ -195,12 +203,15 @@ class ChangeFeed:
                                 SOURCE_POSITION, values)
 
     # --- one stream ---------------------------------------------------------------------------
-    def _stream_changes(self, request: ChangesRequest, stream: Stream) -> pa.Table:
+    def _stream_changes(self, request: ChangesRequest, vnode: int,
+                        stream: Stream | None) -> pa.Table:
+        """The changes of the stream (table, ``vnode``); ``stream``: its write buffer, None
+        when it has none in this process (no write reached it since the start)."""
         low, high = request.from_ts, request.to_ts
         deleted, inserted = _Side(), _Side()
         memo = ReadMemo()
         table_id = request.table.table_id
-        for file_id, first_block, lo_ts, hi_ts, rg_ids in self._files(stream):
+        for file_id, first_block, lo_ts, hi_ts, rg_ids in self._files(table_id, vnode, stream):
             may_insert = lo_ts is not None and hi_ts is not None and hi_ts > low \
                 and lo_ts <= high
             for rg_id in rg_ids:
@@ -237,19 +248,22 @@ class ChangeFeed:
                     if len(offsets):
                         inserted.add(rows, first + offsets, committed[offsets], first_block,
                                      rg_id, offsets.astype(np.int64))
-        return _changes(request, stream.vnode, deleted, inserted)
+        return _changes(request, vnode, deleted, inserted)
 
-    def _files(self, stream: Stream) -> list[tuple[int, int, int | None, int | None, list[int]]]:
+    def _files(self, table_id: int, vnode: int, stream: Stream | None
+               ) -> list[tuple[int, int, int | None, int | None, list[int]]]:
         """(file id, first block id, min and max commit ts, row group ids) of every file
-        of the stream: its write-buffer files first (read before the registry: a file is
-        registered before it leaves the buffer, so none is missed), then its published
-        ones."""
-        buffer = stream.buffer
-        with buffer.lock:
-            files = [(f.file_id, f.first_block_id, f.min_commit_ts, f.max_commit_ts,
-                      list(range(len(f.blocks)))) for f in buffer.files]
+        of the stream (table_id, vnode): its write-buffer files first, if it has a buffer
+        (read before the registry: a file is registered before it leaves the buffer, so
+        none is missed), then its published ones."""
+        files: list[tuple[int, int, int | None, int | None, list[int]]] = []
+        if stream is not None:
+            buffer = stream.buffer
+            with buffer.lock:
+                files = [(f.file_id, f.first_block_id, f.min_commit_ts, f.max_commit_ts,
+                          list(range(len(f.blocks)))) for f in buffer.files]
         seen = {f[0] for f in files}
-        for meta in self._node.registry.stream_files(stream.table.table_id, stream.vnode):
+        for meta in self._node.registry.stream_files(table_id, vnode):
             if meta.file_id not in seen:
                 files.append((meta.file_id, meta.first_block_id, meta.file_min_commit_ts,
                               meta.file_max_commit_ts,
