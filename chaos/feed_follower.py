@@ -3,10 +3,11 @@ table's feed after every episode, applies it strictly to a replica of its own, a
 the replica against the snapshot the feed ends at.
 
 The follower starts with a snapshot (every table read whole at S0, the replica) and then
-follows from S0, as a consumer that starts with a snapshot does. Its history is held the
-way a registered consumer's is: a pin (``chaos-feed-<ts>``), moved forward after each
-read to the start of the range just read (which the next episode reads again), so Storage
-GC, folds and the 20 s history retention never pass it.
+follows from S0, as a consumer that starts with a snapshot does. Its history is held by a
+registered consumer (``chaos-feed``, trans_gate/consumers.py) whose cursor is committed
+after each read to the start of the range just read (which the next episode reads
+again), so Storage GC, folds and the 20 s history retention never pass it, across
+TransServer kills (the consumer failpoints are in the rotation).
 
 Once healed, per episode (every node READY, the connector caught up):
 
@@ -45,14 +46,14 @@ import grpc
 import pyarrow as pa
 
 from retina_common.change_reader import ChangeFeedReader, ChangesExpired, Commit
-from retina_common.pb import trans_pb2 as tpb
+from retina_common.consumer_client import ConsumerClient
 from retina_common.pb import trans_pb2_grpc
 from retina_common.reader import SnapshotReader
 
 from .snapshots import row_digest
 from .workload import SCHEMA, Key, TableSpec
 
-PIN = "chaos-feed"
+CONSUMER = "chaos-feed"
 # In a changes_expired refusal of history a node's recovery rebuilt (read_history.py).
 REBUILT = "HISTORY_REBUILT_IS_REFUSED"
 HIDDEN = ("_change_type", "_commit_ts", "_ordinal", "_source_position")
@@ -75,7 +76,7 @@ class FeedFollower:
         self._replica: dict[str, dict[Key, bytes]] = {}
         self._last_ts: dict[str, int] = {}
         self.cursor = 0
-        self._pin = ""
+        self._consumers = ConsumerClient(trans)
         # Ranges read before, to read again once healed: (start, end, commits by table).
         self._ranges: list[tuple[int, int, dict[str, list[tuple[int, list[Any]]]]]] = []
 
@@ -86,7 +87,7 @@ class FeedFollower:
                 rows = self._reader.read_in(trans, SCHEMA, name).table.to_pylist()
                 self._replica[name] = {_key(r, spec): row_digest(_row(r)) for r in rows}
                 self._last_ts[name] = trans.timestamp
-            self._move_pin(trans.timestamp)
+            self._hold(trans.timestamp)
             self.cursor = trans.timestamp
 
     def _restart(self) -> None:
@@ -99,22 +100,15 @@ class FeedFollower:
             self.counts["restart_refused"] += 1
 
     def close(self) -> None:
-        if self._pin:
-            with contextlib.suppress(grpc.RpcError):
-                self._trans.DropPin(tpb.DropPinRequest(name=self._pin), timeout=10)
+        with contextlib.suppress(grpc.RpcError):
+            self._consumers.drop(CONSUMER)
 
-    def _move_pin(self, cursor: int) -> None:
-        """Hold safeGcTs below ``cursor`` (a pin at it: at cursor + 1 would be above the
-        HWM when nothing was committed since): the new pin first, then the old one dropped
-        (a failure in between holds more, never less)."""
-        name = f"{PIN}-{cursor}"
-        if name == self._pin:
-            return  # already there
-        self._trans.CreatePin(tpb.CreatePinRequest(name=name, ts=cursor), timeout=10)
-        old, self._pin = self._pin, name
-        if old:
-            with contextlib.suppress(grpc.RpcError):  # a later move drops it again
-                self._trans.DropPin(tpb.DropPinRequest(name=old), timeout=10)
+    def _hold(self, cursor: int) -> None:
+        """Hold history above ``cursor`` as a registered consumer does: registered there
+        (the first time), else its cursor committed forward to it."""
+        state = self._consumers.register(CONSUMER, cursor)
+        if state.cursor_ts < cursor:
+            self._consumers.commit(CONSUMER, cursor)
 
     # --- before the fault -----------------------------------------------------------------------
     def before_fault(self) -> None:
@@ -178,7 +172,10 @@ class FeedFollower:
             for commit in commits:
                 self._apply(name, commit)
             self._compare(name, images[name], end)
-        self._move_pin(self.cursor)
+        try:
+            self._hold(self.cursor)
+        except grpc.RpcError as exc:  # the next episode commits again (forward only)
+            self.counts[f"hold_refused_{exc.code().name}"] += 1
         self._ranges = [(self.cursor, end, {n: [(c.ts, _changes(c.changes)) for c in cs]
                                             for n, cs in got.items()})]
         # The pin stays at this range's start: the next episode reads the range again.

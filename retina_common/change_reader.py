@@ -32,7 +32,7 @@ import contextlib
 import json
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -222,9 +222,21 @@ class ChangeFeedReader:
 
     # --- transactions ---------------------------------------------------------------------------
     @contextmanager
-    def _transaction(self, request: tpb.BeginTransRequest) -> Iterator[tpb.BeginTransResponse]:
+    def _transaction(self, request: tpb.BeginTransRequest, *, expired_from: int = -1
+                     ) -> Iterator[tpb.BeginTransResponse]:
+        """A read transaction for the block. ``expired_from``: a cursor whose begin
+        (AS OF above it) is refused snapshot_expired raises ChangesExpired."""
         with reaching_trans_server(self._trans_address):
-            trans = self._trans.BeginTrans(request, timeout=self._timeout_s)
+            try:
+                trans = self._trans.BeginTrans(request, timeout=self._timeout_s)
+            except grpc.RpcError as exc:
+                point = earliest_readable(exc.details() or "")
+                if expired_from < 0 or exc.code() != grpc.StatusCode.FAILED_PRECONDITION \
+                        or point is None:
+                    raise
+                raise ChangesExpired(
+                    f"{CHANGES_EXPIRED}: the changes above {expired_from} are no longer "
+                    f"kept ({exc.details()})", point[0] - 1) from None
         try:
             yield trans
         finally:
@@ -232,22 +244,12 @@ class ChangeFeedReader:
                 self._trans.CommitTrans(tpb.CommitTransRequest(trans_id=trans.trans_id),
                                         timeout=self._timeout_s)
 
-    @contextmanager
-    def hold(self, from_ts: int) -> Iterator[tpb.BeginTransResponse]:
+    def hold(self, from_ts: int) -> AbstractContextManager[tpb.BeginTransResponse]:
         """An AS OF read transaction at ``from_ts + 1``: it holds safeGcTs at or below
-        ``from_ts`` while it lives; the TransServer refuses it when the history above
-        ``from_ts`` is no longer kept."""
-        try:
-            with self._transaction(tpb.BeginTransRequest(read_only=True,
-                                                         as_of_ts=from_ts + 1)) as hold:
-                yield hold
-        except grpc.RpcError as exc:
-            point = earliest_readable(exc.details() or "")
-            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or point is None:
-                raise
-            raise ChangesExpired(
-                f"{CHANGES_EXPIRED}: the changes above {from_ts} are no longer kept "
-                f"({exc.details()})", point[0] - 1) from None
+        ``from_ts`` while it lives; the TransServer refuses it (ChangesExpired) when the
+        history above ``from_ts`` is no longer kept."""
+        return self._transaction(tpb.BeginTransRequest(read_only=True, as_of_ts=from_ts + 1),
+                                 expired_from=from_ts)
 
 
 def _empty_changes() -> pa.Table:
