@@ -56,7 +56,6 @@ from .workload import SCHEMA, Key, TableSpec
 CONSUMER = "chaos-feed"
 # In a changes_expired refusal of history a node's recovery rebuilt (read_history.py).
 REBUILT = "HISTORY_REBUILT_IS_REFUSED"
-HIDDEN = ("_change_type", "_commit_ts", "_ordinal", "_source_position")
 READ_ATTEMPTS = 5
 
 # anomaly(kind, detail)
@@ -265,7 +264,7 @@ def _key(row: Mapping[str, Any], spec: TableSpec) -> Key:
 
 
 def _row(row: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in row.items() if k not in HIDDEN and not k.startswith("_")}
+    return {k: v for k, v in row.items() if not k.startswith("_")}  # the change columns
 
 
 def _changes(table: pa.Table) -> list[Any]:

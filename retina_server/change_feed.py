@@ -67,7 +67,6 @@ from retina_common.schema_evolution import table_schema
 from retina_server.node import RetinaNode, Stream
 from retina_server.row_gather import RowGroupRows, assemble
 from retina_server.row_lookup import LookupInconsistent, ReadMemo, RowLookup, asked_columns
-from retina_server.visibility import RGVisibility
 
 CHANGE_TYPE, CHANGE_TS, VNODE, SEQ, SOURCE_POSITION = (
     "_change_type", "_commit_ts", "_vnode", "_seq", "_source_position")
@@ -215,7 +214,7 @@ class ChangeFeed:
             may_insert = lo_ts is not None and hi_ts is not None and hi_ts > low \
                 and lo_ts <= high
             for rg_id in rg_ids:
-                visibility = self._visibility(file_id, rg_id)
+                visibility = self._node.rg_visibility(file_id, rg_id)
                 dels = visibility.deletes_between(low, high)
                 if dels is None:  # FEED_READS_ABOVE_BASE
                     base = visibility.base_timestamp
@@ -270,8 +269,6 @@ class ChangeFeed:
                               self._node.visibility.row_groups(meta.file_id)))
         return files
 
-    def _visibility(self, file_id: int, rg_id: int) -> RGVisibility:
-        return self._node.rg_visibility(file_id, rg_id)
 
 
 def _changes(request: ChangesRequest, vnode: int, deleted: _Side,

@@ -17,8 +17,6 @@ import pyarrow as pa
 Row = dict[str, Any]
 Change = tuple[str, bytes, tuple[tuple[str, Any], ...]]  # (type, key, row items)
 
-HIDDEN = ("_change_type", "_commit_ts", "_ordinal", "_source_position")
-
 
 def _items(row: Row, columns: Sequence[str]) -> tuple[tuple[str, Any], ...]:
     return tuple((c, row.get(c)) for c in columns)
