@@ -50,6 +50,10 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=5000, help="rows per request")
     parser.add_argument("--requests", type=int, default=20, help="requests per phase")
+    parser.add_argument("--txn-rows", type=int, default=0,
+                        help="a mixed phase as CDC sends it: requests of --batch rows in "
+                             "source transactions of this many rows each, every one at its "
+                             "own timestamp (7 inserts, 2 replaces, 1 delete in 10)")
     parser.add_argument("--positions", action="store_true",
                         help="a source position on every request (as CDC sends)")
     parser.add_argument("--prune-positions", type=int, default=200_000,
@@ -106,6 +110,8 @@ def main() -> None:
                                                for name, s in spent.items())
                   + f" | server total {total / server:>9,.0f} rows/s, "
                   f"{args.requests / server:,.0f} requests/s")
+        if args.txn_rows:
+            mixed_phase(node, writer, args, ts)
         if args.positions:
             prune_positions(node, args.prune_positions)
         node.shutdown()
@@ -113,6 +119,53 @@ def main() -> None:
         catalog.close()
         stop_cluster(state, log=lambda _m: None)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def mixed_phase(node: RetinaNode, writer: TableWriter, args: argparse.Namespace,
+                ts: int) -> None:
+    """Requests of ``--batch`` rows made of ``--txn-rows``-row transactions, each at its
+    own timestamp (one TableUpdateData per transaction and virtual node, as the CDC
+    connector sends a micro-batch of source transactions): prepare and apply, rows/s and
+    the node's time per transaction."""
+    per_txn = args.txn_rows
+    inserts_n = max(1, per_txn * 7 // 10)
+    replaces_n = per_txn * 2 // 10
+    deletes_n = per_txn - inserts_n - replaces_n
+    live: list[int] = []  # keys this phase inserted and did not delete
+    next_id = 10 * args.requests * args.batch  # above every key the other phases wrote
+    spent = {"prepare": 0.0, "apply": 0.0}
+    rows_sent = txns = tuds = 0
+    for _ in range(args.requests):
+        updates = []
+        for _t in range(max(1, args.batch // per_txn)):
+            ts += 1
+            new = [row(next_id + i, 2) for i in range(inserts_n)]
+            next_id += inserts_n
+            old = len(live) >= replaces_n + deletes_n
+            changed = [row(live[-1 - i], 3) for i in range(replaces_n)] if old else []
+            gone = [{"id": live.pop(0)} for _d in range(deletes_n)] if old else []
+            live.extend(r["id"] for r in new)
+            updates.append(writer.updates(ts, inserts=new, replaces=changed, deletes=gone))
+            rows_sent += per_txn
+            txns += 1
+        request = requests_by_node("b", updates)[node.node_id]
+        tuds += len(request.table_update_data)
+        parsed = pb.UpdateRecordRequest.FromString(request.SerializeToString())
+        t0 = time.perf_counter()
+        prepared = prepare(node, parsed, 10**7)
+        t1 = time.perf_counter()
+        apply(node, prepared)
+        t2 = time.perf_counter()
+        spent["prepare"] += t1 - t0
+        spent["apply"] += t2 - t1
+    server = sum(spent.values())
+    print(f"mixed    {per_txn}-row transactions ({inserts_n} inserts, {replaces_n} replaces, "
+          f"{deletes_n} deletes), {tuds / args.requests:,.0f} TableUpdateData per request: "
+          f"prepare {rows_sent / spent['prepare']:,.0f} | apply "
+          f"{rows_sent / spent['apply']:,.0f} | server total {rows_sent / server:,.0f} "
+          f"rows/s; {server / txns * 1e6:,.0f} µs per transaction "
+          f"({spent['prepare'] / tuds * 1e6:,.1f} + {spent['apply'] / tuds * 1e6:,.1f} µs "
+          "per TableUpdateData)")
 
 
 def prune_positions(node: RetinaNode, count: int) -> None:

@@ -56,6 +56,16 @@ def test_batch_key_encoding_equals_the_row_encoding(type_name: str) -> None:
         assert encode_primary_keys(types, columns).to_pylist() == expected
 
 
+@pytest.mark.parametrize("type_name", sorted(SAMPLES))
+def test_a_key_is_its_row_values_with_their_lengths(type_name: str) -> None:
+    # What UpdateRecord's check of small inserts relies on (INSERT_KEY_IS_ROW_KEY): a key
+    # is, per key column, the 4-byte big-endian length of the row's value bytes, then them.
+    for value in SAMPLES[type_name]:
+        row = [encode_value(type_name, value), encode_value("string", "k")]
+        assert encode_primary_key([type_name, "string"], [value, "k"]) == b"".join(
+            len(v).to_bytes(4, "big") + v for v in row)
+
+
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory, etcd_server, pg_server) -> Iterator[DataPlane]:
     # One cluster for the module: every refused case leaves it unchanged.
