@@ -148,21 +148,33 @@ class ChangeFeedReader:
             if end <= from_ts:
                 return
             hold = stack.enter_context(self.hold(from_ts))
-            streams = {node: self._node(node).ReadChanges(rpb.ReadChangesRequest(
-                schema_name=schema, table_name=table, from_ts=from_ts, to_ts=end,
-                columns=list(columns), trans_id=current.trans_id,
-                timestamp=current.timestamp, keep_unchanged_updates=keep_unchanged,
-                page_changes=page_changes, hold_trans_id=hold.trans_id,
-                virtual_nodes=owned), timeout=self._timeout_s)
-                for node, owned in self._nodes(vnodes).items()}
-            last = from_ts
-            for ts, changes in _merged(streams, raw):
-                last = ts
-                yield Commit(schema, table, ts, changes)
-            if heartbeat and last < end:
-                yield Commit(schema, table, end, _empty_changes())
+            yield from self._range(schema, table, from_ts, end, current, hold,
+                                   columns=columns, keep_unchanged=keep_unchanged,
+                                   page_changes=page_changes, heartbeat=heartbeat,
+                                   vnodes=vnodes, raw=raw)
 
-    def follow(self, schema: str, table: str, from_ts: int = 0, *, poll_s: float = 0.1,
+    def _range(self, schema: str, table: str, from_ts: int, end: int,
+               current: tpb.BeginTransResponse, hold: tpb.BeginTransResponse, *,
+               columns: Sequence[str] = (), keep_unchanged: bool = False,
+               page_changes: int = 0, heartbeat: bool = False, vnodes: Sequence[int] = (),
+               raw: bool = False) -> Generator[Commit, None, None]:
+        """The commits in ``(from_ts, end]``: ``current``'s snapshot is at or above
+        ``end``, ``hold``'s at or below ``from_ts + 1``; both stay live meanwhile."""
+        streams = {node: self._node(node).ReadChanges(rpb.ReadChangesRequest(
+            schema_name=schema, table_name=table, from_ts=from_ts, to_ts=end,
+            columns=list(columns), trans_id=current.trans_id,
+            timestamp=current.timestamp, keep_unchanged_updates=keep_unchanged,
+            page_changes=page_changes, hold_trans_id=hold.trans_id,
+            virtual_nodes=owned), timeout=self._timeout_s)
+            for node, owned in self._nodes(vnodes).items()}
+        last = from_ts
+        for ts, changes in _merged(streams, raw):
+            last = ts
+            yield Commit(schema, table, ts, changes)
+        if heartbeat and last < end:
+            yield Commit(schema, table, end, _empty_changes())
+
+    def follow(self, schema: str, table: str, from_ts: int = 0, *, poll_s: float = 0.05,
                stop: Callable[[], bool] = lambda: False, columns: Sequence[str] = (),
                keep_unchanged: bool = False, consumer: str = ""
                ) -> Generator[Commit, None, None]:
@@ -170,28 +182,57 @@ class ChangeFeedReader:
         read, until ``stop()``. ``consumer``: a registered consumer's name (registered at
         ``from_ts``, or at the high watermark when it is 0, unless it is registered
         already: then it resumes from its own cursor); the cursor of every commit the
-        caller took is committed, so history is held for the consumer."""
+        caller took is committed, so history is held for the consumer.
+
+        A range is read as soon as the previous one ended if that one had changes, else
+        after ``poll_s``. Each range is read with one new transaction: its snapshot is
+        the range's end, and it then holds the next range's history (its snapshot is at
+        or below the new cursor + 1), so a poll begins and ends one transaction, not
+        two (FOLLOW_HOLDS_ITS_CURSOR)."""
         registry = ConsumerClient(self._trans, self._timeout_s) if consumer else None
         cursor = from_ts
         if registry is not None:
             start = from_ts or registry.high_watermark()
             cursor = registry.register(consumer, start, f"{schema}.{table}").cursor_ts
         committed = taken = cursor
+        hold: tpb.BeginTransResponse | None = None
         try:
             while not stop():
                 changed = False
-                for commit in self.read(schema, table, cursor, columns=columns,
-                                        keep_unchanged=keep_unchanged, heartbeat=True):
-                    cursor = commit.ts
-                    changed |= not commit.heartbeat
-                    yield commit
-                    taken = commit.ts  # the caller came back for more: it took the commit
+                current = self._begin(tpb.BeginTransRequest(read_only=True))
+                try:
+                    if current.timestamp > cursor:
+                        if hold is None:
+                            hold = self._begin(_hold_request(cursor), expired_from=cursor)
+                        for commit in self._range(schema, table, cursor, current.timestamp,
+                                                  current, hold, columns=columns,
+                                                  keep_unchanged=keep_unchanged,
+                                                  heartbeat=True):
+                            cursor = commit.ts
+                            changed |= not commit.heartbeat
+                            yield commit
+                            taken = commit.ts  # the caller came back for more: it took it
+                except BaseException:
+                    self._end(current)
+                    raise
+                # FOLLOW_HOLDS_ITS_CURSOR: the range was read whole (cursor = its end), so
+                # this range's transaction holds the next one's history.
+                if current.timestamp > cursor + 1:
+                    self._end(current)
+                    raise RuntimeError(f"FOLLOW_HOLDS_ITS_CURSOR: a range to "
+                                       f"{current.timestamp} ended at {cursor}")
+                previous, hold = hold, current
+                if previous is not None:
+                    self._end(previous)
                 if registry is not None and taken > committed:
                     registry.commit(consumer, taken)
                     committed = taken
                 if not changed:
                     time.sleep(poll_s)  # nothing new for this table: ask again in a moment
         finally:
+            if hold is not None:
+                with contextlib.suppress(grpc.RpcError):  # its lease ends it otherwise
+                    self._end(hold)
             # Closed (the caller stopped): what it took before the commit it stopped at.
             if registry is not None and taken > committed:
                 with contextlib.suppress(grpc.RpcError):  # it is given again next time
@@ -226,9 +267,17 @@ class ChangeFeedReader:
                      ) -> Iterator[tpb.BeginTransResponse]:
         """A read transaction for the block. ``expired_from``: a cursor whose begin
         (AS OF above it) is refused snapshot_expired raises ChangesExpired."""
+        trans = self._begin(request, expired_from=expired_from)
+        try:
+            yield trans
+        finally:
+            self._end(trans)
+
+    def _begin(self, request: tpb.BeginTransRequest, *, expired_from: int = -1
+               ) -> tpb.BeginTransResponse:
         with reaching_trans_server(self._trans_address):
             try:
-                trans = self._trans.BeginTrans(request, timeout=self._timeout_s)
+                return self._trans.BeginTrans(request, timeout=self._timeout_s)
             except grpc.RpcError as exc:
                 point = earliest_readable(exc.details() or "")
                 if expired_from < 0 or exc.code() != grpc.StatusCode.FAILED_PRECONDITION \
@@ -237,19 +286,21 @@ class ChangeFeedReader:
                 raise ChangesExpired(
                     f"{CHANGES_EXPIRED}: the changes above {expired_from} are no longer "
                     f"kept ({exc.details()})", point[0] - 1) from None
-        try:
-            yield trans
-        finally:
-            with reaching_trans_server(self._trans_address):
-                self._trans.CommitTrans(tpb.CommitTransRequest(trans_id=trans.trans_id),
-                                        timeout=self._timeout_s)
+
+    def _end(self, trans: tpb.BeginTransResponse) -> None:
+        with reaching_trans_server(self._trans_address):
+            self._trans.CommitTrans(tpb.CommitTransRequest(trans_id=trans.trans_id),
+                                    timeout=self._timeout_s)
 
     def hold(self, from_ts: int) -> AbstractContextManager[tpb.BeginTransResponse]:
         """An AS OF read transaction at ``from_ts + 1``: it holds safeGcTs at or below
         ``from_ts`` while it lives; the TransServer refuses it (ChangesExpired) when the
         history above ``from_ts`` is no longer kept."""
-        return self._transaction(tpb.BeginTransRequest(read_only=True, as_of_ts=from_ts + 1),
-                                 expired_from=from_ts)
+        return self._transaction(_hold_request(from_ts), expired_from=from_ts)
+
+
+def _hold_request(from_ts: int) -> tpb.BeginTransRequest:
+    return tpb.BeginTransRequest(read_only=True, as_of_ts=from_ts + 1)
 
 
 def _empty_changes() -> pa.Table:

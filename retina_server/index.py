@@ -35,6 +35,9 @@ from prometheus_client import Counter
 from retina_server.main_index import MainIndex, RowLocation, Sequences, SqliteStore
 from retina_server.primary_index import TOMBSTONE, PrimaryIndex
 
+# Up to this many keys, delete_targets looks each up by itself (_few_delete_targets).
+_FEW_KEYS = 16
+
 ORPHANS = Counter("retina_index_orphans_total",
                   "Primary-index versions resolved to a row outside the baseline file set")
 
@@ -137,6 +140,8 @@ class LocalIndexService:
             return DeleteTargets(found_keys, by_rg)
         positions = [i for i, (_, before) in enumerate(pairs)
                      if before is not None and before != TOMBSTONE]
+        if len(positions) <= _FEW_KEYS:
+            return self._few_delete_targets(keys, pairs, positions, baseline)
         row_ids = np.fromiter((pairs[i][1] for i in positions), np.int64, len(positions))
         located, files, rgs, offsets = self.main.locate(row_ids)
         in_baseline = {f: baseline(f) for f in np.unique(files[located]).tolist()}
@@ -154,6 +159,36 @@ class LocalIndexService:
                 by_rg[(f, g)] = [o]
             else:
                 rg_rows.append(o)
+        if orphans:
+            ORPHANS.inc(orphans)
+        return DeleteTargets(found_keys, by_rg)
+
+    def _few_delete_targets(self, keys: Sequence[bytes],
+                            pairs: list[tuple[int | None, int | None]],
+                            positions: list[int], baseline: Callable[[int], bool]
+                            ) -> DeleteTargets:
+        """delete_targets' normal case for a few keys (a CDC source transaction's part of
+        a virtual node: a key or two), by point lookups: the arrays' fixed cost is most
+        of such a call. The same answer: a predecessor the MainIndex does not place, or
+        places outside the baseline, is an orphan."""
+        locations = self.main.locations_of([pairs[i][1] or 0 for i in positions])
+        in_baseline: dict[int, bool] = {}
+        found_keys: list[bytes] = []
+        by_rg: dict[tuple[int, int], list[int]] = {}
+        orphans = 0
+        for i, location in zip(positions, locations, strict=True):
+            if location is None:
+                orphans += 1
+                continue
+            ok = in_baseline.get(location.file_id)
+            if ok is None:
+                ok = in_baseline[location.file_id] = baseline(location.file_id)
+            if not ok:
+                orphans += 1
+                continue
+            found_keys.append(keys[i])
+            by_rg.setdefault((location.file_id, location.rg_id), []).append(
+                location.rg_row_offset)
         if orphans:
             ORPHANS.inc(orphans)
         return DeleteTargets(found_keys, by_rg)

@@ -304,11 +304,12 @@ def _decode_row_inserts(pending: list[_RowInserts]) -> None:
             except EncodingError as exc:
                 raise _invalid(f"{group[0].name}.{column.name}: {exc}") from None
         start = 0
+        pk = _key_positions(table)
         for p in group:
             n = len(p.rows)
             own = columns if n == len(rows) else [c.slice(start, n) for c in columns]
             start += n
-            if not _keys_are_row_bytes(table, p.update.insert_keys, p.rows):
+            if not _keys_are_row_bytes(pk, p.update.insert_keys, p.rows):
                 _check_keys_match_rows(table, p.name, p.update.insert_keys, own)
             p.update.insert_columns = own
 
@@ -395,9 +396,10 @@ _SMALL_INSERT = 32
 _LENGTHS = [n.to_bytes(4, "big") for n in range(256)]
 
 
-def _keys_are_row_bytes(table: TableRecord, keys: list[bytes], rows: list[Any]) -> bool:
-    """Whether each insert's key bytes are its row's key values, byte for byte (a small
-    batch only; False otherwise: the caller then checks batch-wise).
+def _keys_are_row_bytes(pk: list[int], keys: list[bytes], rows: list[Any]) -> bool:
+    """Whether each insert's key bytes are its row's values of the key columns at ``pk``,
+    byte for byte (a small batch only; False otherwise: the caller then checks
+    batch-wise).
 
     Exact: a primary key is, per key column, the 4-byte big-endian length of the
     column's value encoding and that encoding (codec.py), which is what the row sends;
@@ -405,7 +407,6 @@ def _keys_are_row_bytes(table: TableRecord, keys: list[bytes], rows: list[Any]) 
     (NULL) is never a match, so the batch check names it."""
     if len(keys) > _SMALL_INSERT:
         return False
-    pk = _key_positions(table)
     lengths = _LENGTHS
     for key, row in zip(keys, rows, strict=True):
         values = [row[p] for p in pk]

@@ -30,6 +30,7 @@ history (docs/history.md).
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -48,8 +49,11 @@ class VisibilityError(Exception):
     grpc_status = grpc.StatusCode.NOT_FOUND
 
 
+_ABOVE_EVERY_ROW = float("inf")  # (ts, _ABOVE_EVERY_ROW) sorts after every (ts, row)
+
+
 class RGVisibility:
-    __slots__ = ("_base", "_base_ts", "_chain", "_chain_max", "_lock", "row_count")
+    __slots__ = ("_base", "_base_ts", "_by_ts", "_chain", "_chain_max", "_lock", "row_count")
 
     def __init__(self, row_count: int = 0, base_ts: int = 0,
                  base: BitMap | None = None, chain: dict[int, int] | None = None) -> None:
@@ -61,6 +65,11 @@ class RGVisibility:
         # The newest chain item's timestamp (0: none): a change-feed read of a range above
         # it skips the row group without walking its chain.
         self._chain_max = max(self._chain.values(), default=0)
+        # The chain in timestamp order, (ts, row): a change-feed read of (low, high] takes
+        # the items of its range by bisection, not by walking the chain. An item whose row
+        # was deleted again at an earlier timestamp since (the chain keeps the earliest)
+        # is stale: left here, skipped where read, dropped by the next fold.
+        self._by_ts: list[tuple[int, int]] = sorted((t, r) for r, t in self._chain.items())
         self._lock = threading.Lock()
 
     @property
@@ -94,8 +103,19 @@ class RGVisibility:
             else:
                 for r in fresh:  # an out-of-order earlier delete lowers the row's ts
                     chain[r] = ts
-                self._chain_max = max(self._chain_max, ts)
+                self._index(fresh, ts)
             return len(fresh)
+
+    def _index(self, rows: list[int], ts: int) -> None:
+        """Add chain items at ``ts`` to the timestamp order (deletes arrive in timestamp
+        order but for a replay's or a second writer's interleaving: then inserted)."""
+        log = self._by_ts
+        if ts >= self._chain_max:
+            log.extend((ts, r) for r in rows)
+            self._chain_max = ts
+        else:
+            for r in rows:
+                bisect.insort(log, (ts, r))
 
     def _deleted_locked(self, ts: int) -> BitMap:
         result = BitMap(self._base)
@@ -136,7 +156,10 @@ class RGVisibility:
                 return None
             if self._chain_max <= low:
                 return []
-            return [(row, ts) for row, ts in self._chain.items() if low < ts <= high]
+            log, chain = self._by_ts, self._chain
+            first = bisect.bisect_right(log, (low, _ABOVE_EVERY_ROW))
+            end = bisect.bisect_right(log, (high, _ABOVE_EVERY_ROW), first)
+            return [(row, ts) for ts, row in log[first:end] if chain.get(row) == ts]
 
     def in_base(self, rows: np.ndarray) -> np.ndarray:
         """Which of ``rows`` are in the base bitmap (deleted at or before the base
@@ -159,16 +182,21 @@ class RGVisibility:
                 base = BitMap(self._base)
                 base.update(folded)
                 self._base = base
-                self._chain = {r: t for r, t in self._chain.items() if t > safe_ts}
-                self._chain_max = max(self._chain.values(), default=0)
+                chain = {r: t for r, t in self._chain.items() if t > safe_ts}
+                self._chain = chain
+                self._chain_max = max(chain.values(), default=0)
+                kept = self._by_ts[bisect.bisect_right(self._by_ts,
+                                                       (safe_ts, _ABOVE_EVERY_ROW)):]
+                self._by_ts = [(t, r) for t, r in kept if chain.get(r) == t]
             self._base_ts = safe_ts
             return len(folded)
 
     def snapshot(self) -> tuple[int, BitMap, list[tuple[int, int]]]:
         """(base_ts, base bitmap, chain as (ts, row) in ts order) for a checkpoint."""
         with self._lock:
-            chain = sorted((t, r) for r, t in self._chain.items())
-            return self._base_ts, BitMap(self._base), chain
+            chain = self._chain  # the timestamp order, without its stale items
+            items = [(t, r) for t, r in self._by_ts if chain.get(r) == t]
+            return self._base_ts, BitMap(self._base), items
 
 
 def checkpoint_entry(file_id: int, rg_id: int, vis: RGVisibility, applied_ts: int) -> RGEntry:

@@ -288,6 +288,45 @@ def test_a_registered_consumer_resumes_from_its_cursor_and_holds_its_history(
 
 
 @pytest.mark.integration
+def test_a_follower_holds_its_history_between_polls_while_fold_rounds_run(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    """FOLLOW_HOLDS_ITS_CURSOR: a follower with no registered consumer, on a cluster that
+    keeps no history. Between two of its polls (where ``stop`` is asked) two commits come
+    and a fold round runs on every node: the transaction of the range just read holds the
+    cursor's history, so the next poll is never refused, and the follower gets every
+    commit, equal to the model's history."""
+    plane = make_plane(nodes=2, gc_interval_ms=1000)
+    assert plane.reader is not None
+    feed = plane.reader.change_feed()
+    first = step(plane, catalog, 0)
+    points: list[int] = []
+    folds: list[int] = []
+    got: list[Commit] = []
+
+    asked: list[bool] = []
+
+    def between_polls() -> bool:
+        asked.append(True)  # the first time, before the first poll: nothing holds yet
+        if len(asked) > 1 and len(points) < 6:  # two commits: the horizon could pass it
+            n = len(points)
+            points.extend([step(plane, catalog, n + 1), step(plane, catalog, n + 2)])
+            hand_out_safe_gc_ts(plane)
+            folds.append(max(maintenance(plane)))
+            return False
+        return bool(got) and got[-1].ts >= points[-1]
+
+    for commit in feed.follow(SCHEMA, "orders", first, poll_s=0.01, stop=between_polls):
+        if not commit.heartbeat:
+            got.append(commit)
+    assert [c.ts for c in got] == points
+    assert max(folds) > first, "the fold rounds moved on behind the follower"
+    changes = feed_changes([(c.ts, c.changes) for c in got], plane.writers["orders"].key,
+                           ORDER_COLUMNS)
+    assert changes == expected_changes(history(plane, "orders"), first, points[-1],
+                                       ORDER_COLUMNS)
+
+
+@pytest.mark.integration
 def test_after_node_kills_the_feed_is_exact_or_refuses_the_rebuilt_range(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
     """Two node SIGKILLs in a row (the second without a checkpoint since READY): below the

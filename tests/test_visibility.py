@@ -97,6 +97,42 @@ def test_out_of_order_deletes_keep_the_earliest_timestamp() -> None:
 
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_deletes_between_are_the_chain_items_of_the_range(seed: int) -> None:
+    """The change feed's deletes of (low, high]: exactly the rows whose earliest delete
+    lies there, whatever order deletes arrived in (a replay's earlier delete of a row,
+    one at or below the base), across folds and a checkpoint's restore; None below the
+    base."""
+    from retina_server.visibility import checkpoint_entry, restore
+
+    rng = random.Random(seed)
+    rg = RGVisibility(row_count=200)
+    earliest: dict[int, int] = {}  # the model: row -> the earliest ts it was deleted at
+    base = 0
+    for step in range(400):
+        ts = max(1, step + rng.randint(-30, 3))  # mostly rising, sometimes well behind
+        rows = rng.sample(range(200), rng.randint(1, 4))
+        rg.delete(rows, ts)
+        for r in rows:
+            earliest[r] = min(earliest.get(r, ts), ts)
+        if rng.random() < 0.02:
+            base = max(base, step - rng.randint(10, 60))
+            rg.fold(base)
+        if rng.random() < 0.02:
+            rg = restore(checkpoint_entry(1, 0, rg, applied_ts=10**9))
+        low = rng.randint(0, step + 5)
+        high = low + rng.randint(0, 40)
+        got = rg.deletes_between(low, high)
+        if low < base:
+            assert got is None
+            continue
+        expected = {(r, t) for r, t in earliest.items() if low < t <= high and t > base}
+        assert got is not None and sorted(got) == sorted(expected)
+        assert len(got) == len(expected)  # each row once
+    assert sorted(rg.snapshot()[2]) == sorted((t, r) for r, t in earliest.items() if t > base)
+    assert [t for t, _r in rg.snapshot()[2]] == sorted(t for t, _r in rg.snapshot()[2])
+
+
 def test_a_read_below_the_base_is_refused_snapshot_expired() -> None:
     """NO_READ_BELOW_FOLD: the base no longer tells which of its rows were deleted after a
     timestamp below it, so no answer is given there."""
