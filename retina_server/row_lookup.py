@@ -48,6 +48,8 @@ decoded once into the cache and read from memory after that.
 from __future__ import annotations
 
 import functools
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -245,11 +247,51 @@ class FileLocations:
             self._files.pop(file_id, None)
 
 
+class GrowingBlocks:
+    """The rows of write-buffer blocks still growing, each kept as one table that grows
+    with its block: a reader polling a stream (a change-feed follower, several times a
+    second) decodes only the batches appended since it last looked, not again a block's
+    hundreds of one-row batches (a CDC transaction's part of a virtual node). A block's
+    batches are only ever appended to, so the first ``n`` of them never change. The
+    ``limit`` newest blocks are kept: a block that stopped growing is read from the
+    row-group cache instead, and its entry ages out."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._tables: OrderedDict[tuple[int, int], tuple[int, pa.Table]] = OrderedDict()
+
+    def rows(self, file_id: int, block: Block) -> pa.Table:
+        """Every row appended to ``block`` so far (visible or not: the caller slices)."""
+        key = (file_id, block.rg_id)
+        batches = block.batches[:]  # a copy of the list: appends go on meanwhile
+        with self._lock:
+            count, table = self._tables.get(key, (0, None))
+        if table is not None and count == len(batches):
+            return table
+        if table is None or count > len(batches):
+            table = pa.Table.from_batches(batches) if batches else _no_rows(block)
+        else:
+            table = pa.concat_tables([table, pa.Table.from_batches(batches[count:])])
+        table = table.combine_chunks()
+        with self._lock:
+            self._tables[key] = (len(batches), table)
+            self._tables.move_to_end(key)
+            while len(self._tables) > self._limit:
+                self._tables.popitem(last=False)
+        return table
+
+
+def _no_rows(block: Block) -> pa.Table:
+    raise LookupInconsistent(f"write-buffer block {block.block_id} has no batch")
+
+
 class RowLookup:
     def __init__(self, node: RetinaNode, cache: RowGroupCache, files: FileLocations, *,
                  settle_timeout_s: float = 5.0, attempts: int = 20) -> None:
         self._node = node
         self._cache = cache
+        self._growing = GrowingBlocks()
         self._files = files
         self._settle_timeout_s = settle_timeout_s
         self._attempts = attempts
@@ -377,7 +419,8 @@ class RowLookup:
 
         if (sealed or visible == block.capacity) and not block.pending:
             return self._cache.get((file_id, block.rg_id, BUFFERED), load)
-        return load()
+        return RowGroupRows(self._growing.rows(file_id, block).slice(0, visible),
+                            {block.rg_id: visible})
 
 
 BUFFERED = -1  # the third part of a write-buffer block's cache key
