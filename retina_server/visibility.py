@@ -225,6 +225,9 @@ class VisibilityIndex:
 
     def __init__(self) -> None:
         self._entries: dict[RGKey, RGVisibility] = {}
+        # file id -> the row-group ids it has in _entries: a file's row groups are found
+        # without a scan of every entry (a change-feed poll lists every file of a stream).
+        self._rg_ids: dict[int, set[int]] = {}
         # Files a Storage GC swap replaced: frozen (no delete reaches them any more),
         # still answering reads whose file list predates the swap, until the sweeper.
         self._retired: dict[int, list[RGVisibility]] = {}
@@ -240,6 +243,7 @@ class VisibilityIndex:
                 if key in self._entries:
                     raise VisibilityError(f"visibility of file {file_id} rg {rg_id} exists")
                 self._entries[key] = RGVisibility(count, base_ts)
+                self._rg_ids.setdefault(file_id, set()).add(rg_id)
 
     def adopt(self, file_id: int, rg_id: int, entry: RGVisibility) -> None:
         """Take over a write-buffer block's visibility object when its file is published."""
@@ -249,6 +253,7 @@ class VisibilityIndex:
             if current is not None and current is not entry:
                 raise VisibilityError(f"visibility of file {file_id} rg {rg_id} exists")
             self._entries[key] = entry
+            self._rg_ids.setdefault(file_id, set()).add(rg_id)
 
     def get(self, file_id: int, rg_id: int) -> RGVisibility:
         entry = self._entries.get(RGKey(file_id, rg_id))
@@ -258,23 +263,22 @@ class VisibilityIndex:
 
     def row_groups(self, file_id: int) -> list[int]:
         with self._lock:
-            return sorted(k.rg_id for k in self._entries if k.file_id == file_id)
+            return sorted(self._rg_ids.get(file_id, ()))
 
     def remove_file(self, file_id: int) -> None:
         with self._lock:
-            for key in [k for k in self._entries if k.file_id == file_id]:
-                del self._entries[key]
+            for rg_id in self._rg_ids.pop(file_id, ()):
+                del self._entries[RGKey(file_id, rg_id)]
 
     def files(self) -> set[int]:
         with self._lock:
-            return {k.file_id for k in self._entries}
+            return set(self._rg_ids)
 
     def retire_file(self, file_id: int) -> None:
         """Move a replaced file's row groups aside (they keep answering old readers)."""
         with self._lock:
-            keys = sorted((k for k in self._entries if k.file_id == file_id),
-                          key=lambda k: k.rg_id)
-            self._retired[file_id] = [self._entries.pop(k) for k in keys]
+            rg_ids = sorted(self._rg_ids.pop(file_id, ()))
+            self._retired[file_id] = [self._entries.pop(RGKey(file_id, rg)) for rg in rg_ids]
 
     def readable(self, file_id: int, rg_id: int) -> RGVisibility | None:
         """The visibility of a row group any read may still reach: a replaced or staged

@@ -197,3 +197,34 @@ def test_readable_row_groups_are_the_retired_or_staged_ones_first() -> None:
     index.forget_retired(1)
     index.unstage_file(2)
     assert index.readable(1, 0) is None and index.readable(2, 0) is None
+
+
+def test_a_files_row_groups_follow_adds_adoptions_removals_and_retirements() -> None:
+    """VisibilityIndex.row_groups and files (kept per file, not found by a scan) against a
+    model, through every operation that adds or drops a row group."""
+    rng = random.Random(11)
+    index = VisibilityIndex()
+    model: dict[int, set[int]] = {}
+    for file_id in range(1, 200):
+        choice = rng.random()
+        if choice < 0.5:
+            groups = rng.randint(1, 4)
+            index.add_file(file_id, [10] * groups)
+            model[file_id] = set(range(groups))
+        else:  # a write-buffer file's blocks adopted one by one as it publishes
+            blocks = rng.randint(1, 3)
+            for rg_id in range(blocks):
+                index.adopt(file_id, rg_id, RGVisibility(5))
+            model[file_id] = set(range(blocks))
+        if model and rng.random() < 0.3:
+            gone = rng.choice(sorted(model))
+            if rng.random() < 0.5:
+                index.remove_file(gone)
+            else:
+                retired = index.row_groups(gone)
+                index.retire_file(gone)
+                assert len(index.retired(gone) or []) == len(retired)
+            del model[gone]
+        assert index.files() == set(model)
+        assert all(index.row_groups(f) == sorted(rgs) for f, rgs in model.items())
+    assert index.row_groups(10_000) == []
