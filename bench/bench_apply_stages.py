@@ -12,8 +12,14 @@ source_positions.py: stored in the request's LMDB transaction), and the time to 
 ``--prune-positions`` stored positions below a prune horizon is printed too. Run it
 with and without to see what positions cost.
 
+``--txn-rows N``: then a mixed phase shaped as the CDC connector sends a micro-batch:
+requests of ``--batch`` rows made of N-row source transactions, each at its own
+timestamp (one TableUpdateData per transaction and virtual node: a row or two each),
+with the node's time per transaction and per TableUpdateData.
+
     .venv/bin/python bench/bench_apply_stages.py --batch 5000 --requests 20
     .venv/bin/python bench/bench_apply_stages.py --batch 50 --requests 400 --positions
+    .venv/bin/python bench/bench_apply_stages.py --batch 1000 --requests 20 --txn-rows 10
 """
 
 from __future__ import annotations
