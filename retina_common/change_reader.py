@@ -201,19 +201,33 @@ class ChangeFeedReader:
                 changed = False
                 current = self._begin(tpb.BeginTransRequest(read_only=True))
                 try:
-                    if current.timestamp > cursor:
+                    for again in (False, True):
+                        if current.timestamp <= cursor:
+                            break
                         if hold is None:
                             hold = self._begin(_hold_request(cursor), expired_from=cursor)
-                        for commit in self._range(schema, table, cursor, current.timestamp,
-                                                  current, hold, columns=columns,
-                                                  keep_unchanged=keep_unchanged,
-                                                  heartbeat=True):
-                            cursor = commit.ts
-                            changed |= not commit.heartbeat
-                            yield commit
-                            taken = commit.ts  # the caller came back for more: it took it
+                        try:
+                            for commit in self._range(schema, table, cursor,
+                                                      current.timestamp, current, hold,
+                                                      columns=columns,
+                                                      keep_unchanged=keep_unchanged,
+                                                      heartbeat=True):
+                                cursor = commit.ts
+                                changed |= not commit.heartbeat
+                                yield commit
+                                taken = commit.ts  # the caller came back: it took it
+                            break
+                        except grpc.RpcError as exc:
+                            # The hold ended under the follower (a TransServer restart
+                            # ends every transaction; a lease can run out while the
+                            # caller works): hold the cursor anew, once, before the range
+                            # gave anything (ChangesExpired if its history is gone).
+                            if again or changed or not _ended(exc, hold):
+                                raise
+                            self._end_quietly(hold)
+                            hold = None
                 except BaseException:
-                    self._end(current)
+                    self._end_quietly(current)
                     raise
                 # FOLLOW_HOLDS_ITS_CURSOR: the range was read whole (cursor = its end), so
                 # this range's transaction holds the next one's history.
@@ -223,7 +237,7 @@ class ChangeFeedReader:
                                        f"{current.timestamp} ended at {cursor}")
                 previous, hold = hold, current
                 if previous is not None:
-                    self._end(previous)
+                    self._end_quietly(previous)
                 if registry is not None and taken > committed:
                     registry.commit(consumer, taken)
                     committed = taken
@@ -231,8 +245,7 @@ class ChangeFeedReader:
                     time.sleep(poll_s)  # nothing new for this table: ask again in a moment
         finally:
             if hold is not None:
-                with contextlib.suppress(grpc.RpcError):  # its lease ends it otherwise
-                    self._end(hold)
+                self._end_quietly(hold)
             # Closed (the caller stopped): what it took before the commit it stopped at.
             if registry is not None and taken > committed:
                 with contextlib.suppress(grpc.RpcError):  # it is given again next time
@@ -292,11 +305,23 @@ class ChangeFeedReader:
             self._trans.CommitTrans(tpb.CommitTransRequest(trans_id=trans.trans_id),
                                     timeout=self._timeout_s)
 
+    def _end_quietly(self, trans: tpb.BeginTransResponse) -> None:
+        """End a read transaction that may have ended already (a TransServer restart, its
+        lease): nothing it held is needed any more, and its lease ends it otherwise."""
+        with contextlib.suppress(grpc.RpcError):
+            self._end(trans)
+
     def hold(self, from_ts: int) -> AbstractContextManager[tpb.BeginTransResponse]:
         """An AS OF read transaction at ``from_ts + 1``: it holds safeGcTs at or below
         ``from_ts`` while it lives; the TransServer refuses it (ChangesExpired) when the
         history above ``from_ts`` is no longer kept."""
         return self._transaction(_hold_request(from_ts), expired_from=from_ts)
+
+
+def _ended(exc: grpc.RpcError, trans: tpb.BeginTransResponse) -> bool:
+    """Whether a node refused a read because ``trans`` is no longer live (read_guard.py)."""
+    return exc.code() == grpc.StatusCode.FAILED_PRECONDITION and \
+        f"read transaction {trans.trans_id} is no longer live" in (exc.details() or "")
 
 
 def _hold_request(from_ts: int) -> tpb.BeginTransRequest:

@@ -100,6 +100,8 @@ def decode_column(type_name: str, values: Sequence[bytes]) -> pa.Array:
         filler = b"\x00" * width
         data = b"".join(v if ok else filler for v, ok in zip(values, valid, strict=True))
         if type_name == "boolean":
+            if any(ok and v[0] > 1 for v, ok in zip(values, valid, strict=True)):
+                raise EncodingError("boolean values must be 0 or 1")
             return pa.array([bool(v[0]) if ok else None for v, ok in zip(values, valid,
                                                                           strict=True)], arrow)
         mask = pa.array(valid, pa.bool_())

@@ -307,7 +307,10 @@ def _decode_row_inserts(pending: list[_RowInserts]) -> None:
         pk = _key_positions(table)
         for p in group:
             n = len(p.rows)
-            own = columns if n == len(rows) else [c.slice(start, n) for c in columns]
+            # A copy of its own: a slice would keep the whole request's columns alive for
+            # as long as the write buffer or a row-group cache holds one of its rows.
+            own = columns if n == len(rows) else \
+                [pa.concat_arrays([c.slice(start, n)]) for c in columns]
             start += n
             if not _keys_are_row_bytes(pk, p.update.insert_keys, p.rows):
                 _check_keys_match_rows(table, p.name, p.update.insert_keys, own)

@@ -20,7 +20,7 @@ from retina_common.refusal import CHANGES_EXPIRED
 
 from .dataplane import SCHEMA, DataPlane
 from .feed_model import apply_changes, expected_changes, feed_changes
-from .support import rpc_error
+from .support import eventually, rpc_error
 from .test_as_of_reads import (
     hand_out_safe_gc_ts,
     maintenance,
@@ -320,6 +320,43 @@ def test_a_follower_holds_its_history_between_polls_while_fold_rounds_run(
             got.append(commit)
     assert [c.ts for c in got] == points
     assert max(folds) > first, "the fold rounds moved on behind the follower"
+    changes = feed_changes([(c.ts, c.changes) for c in got], plane.writers["orders"].key,
+                           ORDER_COLUMNS)
+    assert changes == expected_changes(history(plane, "orders"), first, points[-1],
+                                       ORDER_COLUMNS)
+
+
+@pytest.mark.integration
+def test_a_follower_holds_its_cursor_anew_after_a_transserver_restart(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    """The transaction a follower keeps between two reads ends when the TransServer
+    restarts; the nodes then refuse it as no longer live. The follower holds its cursor
+    anew (an AS OF transaction above it) and goes on: every commit once, in order, equal
+    to the model's history, across two restarts."""
+    plane = make_plane(nodes=2)
+    assert plane.reader is not None
+    feed = plane.reader.change_feed()
+    first = step(plane, catalog, 0)
+    points: list[int] = []
+    got: list[Commit] = []
+    asked: list[bool] = []
+
+    def between_polls() -> bool:
+        asked.append(True)  # the first time, before the first read: nothing is held yet
+        if len(asked) > 1 and len(points) < 2:
+            plane.trans.kill9()
+            plane.trans.start()
+            plane.trans.reconnect()
+            eventually(lambda: plane.reader is not None and plane.reader.trans.GetHighWatermark(
+                tpb.GetHighWatermarkRequest(), timeout=5), 30, "the follower's channel")
+            points.append(step(plane, catalog, len(points) + 1))
+            return False
+        return len(points) == 2 and bool(got) and got[-1].ts >= points[-1]
+
+    for commit in feed.follow(SCHEMA, "orders", first, poll_s=0.01, stop=between_polls):
+        if not commit.heartbeat:
+            got.append(commit)
+    assert [c.ts for c in got] == points
     changes = feed_changes([(c.ts, c.changes) for c in got], plane.writers["orders"].key,
                            ORDER_COLUMNS)
     assert changes == expected_changes(history(plane, "orders"), first, points[-1],

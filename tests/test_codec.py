@@ -40,7 +40,8 @@ def test_fast_path_without_nulls() -> None:
 
 
 @pytest.mark.parametrize("type_name, raw", [
-    ("int64", [b"\x01\x02"]), ("boolean", [b"\x02"]), ("string", [b"no-prefix"]),
+    ("int64", [b"\x01\x02"]), ("boolean", [b"\x02"]), ("boolean", [b"\x02", b""]),
+    ("string", [b"no-prefix"]),
     ("string", [b"\x01\xff\xfe"]), ("int32", [b"\x00" * 4, b"\x00" * 3]),
 ])
 def test_malformed_values_are_refused(type_name: str, raw: list[bytes]) -> None:
