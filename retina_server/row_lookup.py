@@ -264,11 +264,11 @@ class GrowingBlocks:
     def rows(self, file_id: int, block: Block) -> pa.Table:
         """Every row appended to ``block`` so far (visible or not: the caller slices)."""
         key = (file_id, block.rg_id)
-        batches = block.batches[:]  # a copy of the list: appends go on meanwhile
         with self._lock:
             count, table = self._tables.get(key, (0, None))
-        if table is not None and count == len(batches):
-            return table
+        if table is not None and count == len(block.batches):
+            return table  # nothing appended since: no copy of the batch list
+        batches = block.batches[:]  # a copy of the list: appends go on meanwhile
         if table is None or count > len(batches):
             table = pa.Table.from_batches(batches) if batches else _no_rows(block)
         else:

@@ -12,7 +12,12 @@ import grpc
 import pytest
 
 from retina_common.catalog import Catalog
-from retina_common.change_reader import ChangesExpired, Commit, decode_cursor
+from retina_common.change_reader import (
+    ChangeFeedReader,
+    ChangesExpired,
+    Commit,
+    decode_cursor,
+)
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import main as query_main
@@ -287,6 +292,26 @@ def test_a_registered_consumer_resumes_from_its_cursor_and_holds_its_history(
     check_feed(plane, "orders", cursor, ORDER_COLUMNS)
 
 
+def follow_into(feed: ChangeFeedReader, first: int, got: list[Commit],
+                stop: Callable[[], bool]) -> None:
+    """Follow orders from ``first`` until ``stop()``, the commits with changes into ``got``
+    (``stop`` runs between two reads: where a test commits, folds or restarts)."""
+    for commit in feed.follow(SCHEMA, "orders", first, poll_s=0.01, stop=stop):
+        if not commit.heartbeat:
+            got.append(commit)
+
+
+def assert_followed_history(plane: DataPlane, got: list[Commit], first: int,
+                            points: list[int]) -> None:
+    """The follower got every commit after ``first`` once, in order, each equal to the
+    model's history."""
+    assert [c.ts for c in got] == points
+    changes = feed_changes([(c.ts, c.changes) for c in got], plane.writers["orders"].key,
+                           ORDER_COLUMNS)
+    assert changes == expected_changes(history(plane, "orders"), first, points[-1],
+                                       ORDER_COLUMNS)
+
+
 @pytest.mark.integration
 def test_a_follower_holds_its_history_between_polls_while_fold_rounds_run(
         make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
@@ -315,15 +340,9 @@ def test_a_follower_holds_its_history_between_polls_while_fold_rounds_run(
             return False
         return bool(got) and got[-1].ts >= points[-1]
 
-    for commit in feed.follow(SCHEMA, "orders", first, poll_s=0.01, stop=between_polls):
-        if not commit.heartbeat:
-            got.append(commit)
-    assert [c.ts for c in got] == points
+    follow_into(feed, first, got, between_polls)
+    assert_followed_history(plane, got, first, points)
     assert max(folds) > first, "the fold rounds moved on behind the follower"
-    changes = feed_changes([(c.ts, c.changes) for c in got], plane.writers["orders"].key,
-                           ORDER_COLUMNS)
-    assert changes == expected_changes(history(plane, "orders"), first, points[-1],
-                                       ORDER_COLUMNS)
 
 
 @pytest.mark.integration
@@ -353,14 +372,8 @@ def test_a_follower_holds_its_cursor_anew_after_a_transserver_restart(
             return False
         return len(points) == 2 and bool(got) and got[-1].ts >= points[-1]
 
-    for commit in feed.follow(SCHEMA, "orders", first, poll_s=0.01, stop=between_polls):
-        if not commit.heartbeat:
-            got.append(commit)
-    assert [c.ts for c in got] == points
-    changes = feed_changes([(c.ts, c.changes) for c in got], plane.writers["orders"].key,
-                           ORDER_COLUMNS)
-    assert changes == expected_changes(history(plane, "orders"), first, points[-1],
-                                       ORDER_COLUMNS)
+    follow_into(feed, first, got, between_polls)
+    assert_followed_history(plane, got, first, points)
 
 
 @pytest.mark.integration
