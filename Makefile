@@ -81,6 +81,19 @@ PEERS_VENV ?= .venv-peers
 PEERS_PACKAGES := deltalake==1.6.6 pyiceberg[sql-sqlite]==0.12.0 pypaimon==2.1.0 matplotlib==3.11.2
 PEERS_ARGS ?=
 
+# Bulk load beside Delta's and Paimon's batch writes (bench/bench_bulk_load.py,
+# docs/performance.md "Bulk load"); the peers in .venv-peers, as bench-peers makes it.
+LOAD_ARGS ?=
+
+.PHONY: bench-load
+bench-load: setup
+	@if [ ! -x $(PEERS_VENV)/bin/python ] || ! $(PEERS_VENV)/bin/python -c "import deltalake, pypaimon" 2>/dev/null; then \
+		echo "bench-load: creating $(PEERS_VENV) ($(PEERS_PACKAGES))"; \
+		python3 -m venv $(PEERS_VENV) && \
+		$(PEERS_VENV)/bin/pip install -q --disable-pip-version-check $(PEERS_PACKAGES); \
+	fi
+	@$(PY) bench/bench_bulk_load.py --peers-python $(PEERS_VENV)/bin/python $(LOAD_ARGS)
+
 # The Spark replay on a real standalone cluster (a master and a worker from the pip package's
 # spark-class, started and stopped around the run): bench/spark_standalone.sh.
 .PHONY: bench-spark-standalone

@@ -15,6 +15,9 @@ BATCH_PHASE_SECONDS = Histogram("cdc_batch_phase_seconds",
                                 ["phase"],
                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                          1, 2.5, 5, 10))
+SNAPSHOT_LOADS = Counter("cdc_snapshot_bulk_loads_total",
+                         "Initial-snapshot chunks by path: loaded (the bulk load path) or "
+                         "fallback (the ordinary path at the same timestamp)", ["outcome"])
 PENDING = Gauge("cdc_pending_transactions", "Source transactions read, not yet committed")
 LAG_SECONDS = Gauge("cdc_lag_seconds",
                     "Source commit to Retina commit of the last batch, in seconds")

@@ -42,8 +42,9 @@ import grpc
 import structlog
 
 from cdc_client import cdc_metrics as m
-from cdc_client.intake import Intake
+from cdc_client.intake import Intake, Item
 from cdc_client.positions import CommittedPosition, PositionStore
+from cdc_client.snapshot_load import SnapshotLoader, loadable
 from cdc_client.source import Source, SourceTransaction
 from cdc_client.translate import TableMap
 from retina_common.catalog import TableRecord
@@ -131,6 +132,8 @@ class Settings:
     # writes (tests of the connector alone).
     writer_id: str = ""
     rpc_timeout_s: float = 30.0
+    # Initial-snapshot chunks through the bulk load path (cdc_client/snapshot_load.py).
+    snapshot_bulk_load: bool = True
 
 
 @dataclass
@@ -171,6 +174,9 @@ class Connector:
         # form, which every node takes).
         self._min_columnar: dict[str, int] = {}
         self._extended_at = 0.0
+        self._held: Item | None = None  # a bulk chunk that closed the batch before it
+        self._snapshot = SnapshotLoader(settings.schema, topology, trans, self.nodes,
+                                        settings.rpc_timeout_s)
 
     # --- life -------------------------------------------------------------
     def stop(self) -> None:
@@ -233,8 +239,14 @@ class Connector:
                 timeout = min(s.batch_idle_gap_ms / 1000, left)  # 0: take what is queued
             if self._stop.is_set():
                 break
-            item = self.intake.get(timeout)
+            item, self._held = (self._held, None) if self._held else \
+                (self.intake.get(timeout), None)
             if item is None:
+                break
+            bulk = item.trans is not None and item.trans.bulk and \
+                self.settings.snapshot_bulk_load
+            if bulk and batch.transactions:
+                self._held = item  # a bulk chunk is a batch of its own
                 break
             if item.error is not None:
                 if not batch.transactions:
@@ -249,6 +261,8 @@ class Connector:
             batch.transactions.append(item.trans)
             batch.rows.append(item.rows)
             rows += len(item.rows)
+            if bulk:
+                break
             if deadline is None:
                 deadline = time.monotonic() + s.batch_max_delay_ms / 1000
         m.PENDING.set(len(batch.transactions) + self.intake.queued())
@@ -302,9 +316,54 @@ class Connector:
                                    f"{exc.details()}") from None
         return sorted(answer.transactions, key=lambda t: t.timestamp)
 
-    def _process_once(self, batch: Batch) -> None:
+    def _bulk(self, batch: Batch) -> bool:
+        return (self.settings.snapshot_bulk_load and len(batch.transactions) == 1 and
+                batch.transactions[0].bulk and loadable(batch.rows[0]))
+
+    def _process_bulk(self, batch: Batch) -> bool:
+        """An initial-snapshot chunk through the bulk load path (snapshot_load.py);
+        False: it fell back, and the ordinary path takes it at the same timestamp."""
         t0 = time.monotonic()
-        began = self._begin(len(batch.transactions))
+        (began,) = self._begin(1)
+        CDC_BATCH_BEGIN_AFTER.hit()
+        trans = batch.transactions[0]
+        try:
+            files = self._snapshot.load(began.timestamp, batch.rows[0], self._table_records())
+        except Exception as exc:  # any failure: the ordinary path takes it at T
+            m.SNAPSHOT_LOADS.labels(outcome="fallback").inc()
+            log.info("cdc_snapshot_bulk_fallback", position=trans.position,
+                     error=f"{type(exc).__name__}: {exc}")
+            self._process_once(batch, [began])
+            return False
+        except BaseException:
+            self._rollback([began.trans_id])  # stopping: T must not hold the HWM
+            raise
+        t1 = time.monotonic()
+        hwm = self._commit([began.trans_id])
+        CDC_COMMIT_AFTER.hit()
+        committed = CommittedPosition(trans.position, began.timestamp, self.source.name)
+        self._store_position(committed)
+        self._committed = committed
+        CDC_POSITION_STORE_AFTER.hit()
+        self.intake.ack(committed.position)
+        m.SNAPSHOT_LOADS.labels(outcome="loaded").inc()
+        m.COMMITTED_TS.set(committed.ts)
+        m.LAST_COMMIT_TIME.set(time.time())
+        m.LAG_TIMESTAMPS.set(max(0, committed.ts - hwm))
+        log.info("cdc_batch_committed", transactions=1, first_ts=began.timestamp,
+                 last_ts=began.timestamp, position=committed.position,
+                 rows=len(batch.rows[0]), bulk_files=files,
+                 ms={"collect": batch.collect_ms, "load": _ms(t1 - t0),
+                     "commit_ack": _ms(time.monotonic() - t1)})
+        return True
+
+    def _process_once(self, batch: Batch,
+                      began: list[tpb.BeginTransResponse] | None = None) -> None:
+        if began is None and self._bulk(batch):
+            self._process_bulk(batch)
+            return
+        t0 = time.monotonic()
+        began = began or self._begin(len(batch.transactions))
         CDC_BATCH_BEGIN_AFTER.hit()
         ids = [t.trans_id for t in began]
         logged = [LoggedTransaction(b.timestamp, t.position, t.source_txid, t.commit_time_ms,

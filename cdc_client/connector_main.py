@@ -75,7 +75,7 @@ def settings_of(cdc: CdcConfig, retina_max_rows: int) -> Settings:
                     request_max_rows=min(cdc.request_max_rows, retina_max_rows),
                     drive_recovery=cdc.drive_recovery,
                     node_check_interval_s=cdc.node_check_interval_ms / 1000,
-                    writer_id=cdc.name)
+                    writer_id=cdc.name, snapshot_bulk_load=cdc.snapshot_bulk_load)
 
 
 def check_source(cdc: CdcConfig) -> None:

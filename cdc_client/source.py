@@ -61,6 +61,10 @@ class SourceTransaction:
     # Relation messages); compared with the Retina tables before ``changes`` are translated
     # (cdc_client/schema_change.py).
     schemas: tuple[SourceSchema, ...] = ()
+    # Inserts of keys with no live version only (an initial snapshot's chunk after the
+    # one that truncates): the connector may load it with the bulk load path
+    # (cdc_client/snapshot_load.py).
+    bulk: bool = False
 
 
 class Source(Protocol):

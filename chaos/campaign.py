@@ -35,6 +35,7 @@ from retina_common.topology import Topology, load_topology
 from . import workload
 from .app_workload import APP_STREAM, AppWriter
 from .as_of_reads import AsOfReader
+from .bulk_loads import LOAD_STREAM, BulkLoads
 from .campaign_cluster import CDC, CDC_NAME, TRANS, WRITER, ChaosCluster
 from .compare import Comparison, FastSnapshotReader, converge, expected_images
 from .faults import (
@@ -107,6 +108,7 @@ class Campaign:
         self._gc_unpromoted: dict[str, int] = {}
         self.audit: StorageAudit | None = None  # per cluster
         self.app: AppWriter | None = None  # the application writer, per cluster
+        self.loads: BulkLoads | None = None  # the bulk loader and its model, per cluster
         self.follower: FeedFollower | None = None  # the change feed's, per cluster
         self._episode = -1
 
@@ -189,6 +191,8 @@ class Campaign:
         self.audit = StorageAudit(self.cluster.state.postgres.dsn())
         self.app = AppWriter(self.cluster, topology, self.etcd)
         self.app.start()
+        self.loads = BulkLoads(self._table_records()[workload.LOADED_TABLE.name], topology,
+                               self.cluster.state.trans_listen, list(topology.nodes))
         self.book = self._snapshot_book(topology)
         self.follower = FeedFollower(
             self.reader, self.book.readers.trans, SPECS, self.report.feed,
@@ -200,7 +204,8 @@ class Campaign:
     def _snapshot_book(self, topology: Topology) -> SnapshotBook:
         """SNAPSHOT_IS_IMMUTABLE's snapshots, their AS OF re-reads and pins (one cluster)."""
         assert self.cluster.state is not None and self.app is not None
-        cluster, app = self.cluster, self.app
+        cluster, app, loads = self.cluster, self.app, self.loads
+        assert loads is not None
         readers = SnapshotReaders(self.reader, cluster.state.trans_listen, topology)
         def all_ready() -> bool:
             return cluster.alive(TRANS) and cluster.all_ready()
@@ -212,7 +217,7 @@ class Campaign:
         lookups = KeyLookups(lookup_over(readers.reader, self._table_records()),
                              self.report.lookups, [], all_ready=all_ready)
         return SnapshotBook(readers, self.report.snapshots, as_of, pins,
-                            expected=lambda: expected_images(self._source, [app]),
+                            expected=lambda: expected_images(self._source, [app, loads]),
                             lookups=lookups)
 
     def _table_records(self) -> dict[str, TableRecord]:
@@ -233,6 +238,10 @@ class Campaign:
                 self.app.close()
             self.report.app.update(self.app.counts)
             self.app = None
+        if self.loads is not None:
+            self.loads.close()
+            self.report.workload.update({f"loads_{k}": v for k, v in self.loads.counts.items()})
+            self.loads = None
         if self.prober is not None:
             self.prober.stop()
             self.report.reads_served += self.prober.served
@@ -272,15 +281,19 @@ class Campaign:
         work_rng = random.Random(derived ^ 0x5DEECE66D)
         # The application writer's transactions: a stream of their own again.
         app_rng = random.Random(derived ^ APP_STREAM)
+        # The bulk loads too (chaos/bulk_loads.py).
+        load_rng = random.Random(derived ^ LOAD_STREAM)
         # The snapshots too (chaos/repeatable_reads.py): adding them moved no other draw.
         assert self.book is not None
         book = self.book
         book.begin_episode(episode, random.Random(derived ^ 0x5A4E5A))
         ctx = FaultContext(self.cluster, self.tracker, fault_rng,
-                           lambda: self._write(work_rng, app_rng, episode), self._source,
+                           lambda: self._write(work_rng, app_rng, load_rng, episode),
+                           self._source,
                            gc_row_group_rows=self.gc_row_group_rows(),
                            evolve=lambda: self._add_column(work_rng, episode),
-                           snapshots=book, app=self.app)
+                           snapshots=book, app=self.app,
+                           load=lambda: self._load(load_rng))
         for _ in range(fault_rng.randint(1, 2)):
             ctx.write()
         book.before_fault()
@@ -307,7 +320,8 @@ class Campaign:
         for _attempt in range(3):  # the connector may die while catching up: heal, go on
             comparison, took, caught_up = converge(
                 self.reader, self._source, self.args.converge_timeout, etcd, CDC_NAME,
-                mark_lsn, lambda: self.cluster.alive(CDC), models=[self.app])
+                mark_lsn, lambda: self.cluster.alive(CDC),
+                models=[self.app, *([self.loads] if self.loads else [])])
             converge_s += took
             if self.cluster.alive(CDC) or self.broken:
                 break
@@ -375,7 +389,13 @@ class Campaign:
                 time.sleep(0.5)  # back-off before reconnecting
         return 0
 
-    def _write(self, rng: random.Random, app_rng: random.Random, episode: int) -> None:
+    def _load(self, rng: random.Random) -> None:
+        """One bulk load (the load.* failpoints' driver)."""
+        if self.loads is not None:
+            self.loads.load(rng)
+
+    def _write(self, rng: random.Random, app_rng: random.Random, load_rng: random.Random,
+               episode: int) -> None:
         """The application writer's transactions, then one workload step; a source outage
         (the PostgreSQL fault) skips the source's part. The writer goes first: its wait
         for answers would otherwise shift what every fault does right after a step (a
@@ -383,6 +403,8 @@ class Campaign:
         the write buffers...)."""
         if self.app is not None:
             self.app.step(app_rng)
+        if self.loads is not None:
+            self.loads.maybe_load(load_rng, self.cluster.all_ready)
         try:
             self.report.transactions += workload.step(self._source(), rng, episode,
                                                       self.report.workload)

@@ -69,7 +69,13 @@ RETINA_SETTINGS = {"block_rows": 32, "blocks_per_file": 2, "flush_interval_ms": 
                    "checkpoint_interval_ms": 1500, "lifecycle_ttl_s": 5,
                    "gc_interval_ms": 5000, "sweeper_interval_ms": 2000,
                    "gc_retired_retention_ms": 8000, "gc_lineage_retention_ms": 10_000,
-                   "gc_prepare_ttl_ms": 60_000, "temporary_file_ttl_ms": 120_000}
+                   "gc_prepare_ttl_ms": 60_000, "temporary_file_ttl_ms": 120_000,
+                   # A bulk load's record (and the files it holds from the sweepers) goes
+                   # 20 s after its commit (and two checkpoints past it), not after the
+                   # default 10 min: the storage audit's 90 s for a retired file applies
+                   # to load files too. 20 s outlasts the loader's commit retries
+                   # (bulk_loads.DEADLINE_S), so a retried commit is answered from it.
+                   "load_record_min_age_ms": 20_000}
 # History (docs/history.md): AS OF reads reach back 20 s beyond live reads and pins. An
 # episode takes 10 to 20 s, and the campaign reads snapshots of the last five episodes
 # again AS OF their point (chaos/repeatable_reads.py): the previous episode's are mostly

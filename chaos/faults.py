@@ -58,7 +58,13 @@ from .workload import PROBE_TABLE, SCHEMA
 # its pruning by a GC round once such a record is below the replay floor; armed while
 # neither happens, the point is noted not reached and the node restarted clean.
 RETINA_PREFIXES = ("ingest.", "index.", "checkpoint.", "recovery.", "catalog.", "etcd.", "gc.",
-                   "sweeper.", "update_record.", "refused_writes.")
+                   "sweeper.", "update_record.", "refused_writes.", "load.")
+# Bulk load points (retina_server/bulk_load.py): reached only by a load, so the wait loads a
+# chunk at every turn (chaos/bulk_loads.py); promotion follows two checkpoints after one.
+# The re-apply points are reached at start-up when a load no checkpoint holds is journaled:
+# the campaign loads a chunk right before it kills the node, and arms the point for the start.
+LOAD_POINTS = ("load.",)
+LOAD_START_POINTS = ("load.reapply.",)
 # Points of the Spark job's rewrite task (spark_jobs/storage_gc_task.py, rewrite_group).
 REWRITER_PREFIXES = ("gc.rewrite.",)
 # Schema evolution: only the connector's Catalog.add_column reaches them, when it reads the
@@ -125,7 +131,7 @@ GC_ROLLBACK_PREPARE = {"gc.journal.swapped.after": 2, "gc.primary_switch.after":
 # rollback) or during the one replay the fault provokes: crash at the first hit.
 # Everything else lets a few hits pass first (K drawn from the seed).
 START_POINTS = ("catalog.bootstrap.", "recovery.", "catalog.delete_files.", "cdc.replay.",
-                *GC_ROLLBACK_POINTS)
+                *GC_ROLLBACK_POINTS, *LOAD_START_POINTS)
 FAILPOINT_DEADLINE_S = 10.0
 # A GC-driven wait needs the node READY again after its restart (the pass's read
 # transaction goes through the gate) and up to three commits.
@@ -222,6 +228,8 @@ class FaultContext:
     # The application writer (chaos/app_workload.py): ``write`` also hands it a
     # transaction; its failpoints are armed in it; node kills are counted against it.
     app: AppWriter | None = None
+    # One bulk load (chaos/bulk_loads.py): the load.* points' driver.
+    load: Callable[[], None] | None = None
 
     def gc_pass(self, node: str, result: FaultResult, max_groups: int = 3,
                 race: float = 0.5, task_failpoints: str = "", failpoint_dir: str = "",
@@ -412,7 +420,10 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
         # Rewrites now, so that retired files (then final journal records) fall due
         # while the armed node runs.
         ctx.gc_pass(name, result, max_groups=3, race=0.3)
-    if point.startswith(START_POINTS):
+    if point.startswith(LOAD_START_POINTS) and ctx.load is not None and \
+            node_state(name) == rpb.READY:
+        ctx.load()  # journaled, no checkpoint holds it yet: the next start re-applies it
+    elif point.startswith(START_POINTS):
         # A random moment after the write: the rows are often on their way into a
         # (TEMPORARY_INGEST) file when the kill lands, so cleansing has work at start.
         time.sleep(ctx.rng.uniform(0.0, 0.4))
@@ -459,6 +470,8 @@ def arm_failpoint(ctx: FaultContext, point: str, hit_k: int) -> FaultResult:
     elif sweep_pass:
         action, deadline_s = _sweep_action(ctx, name, sweep_pass, hit_k, result), \
             SWEEP_DEADLINE_S
+    elif point.startswith(LOAD_POINTS) and not point.startswith(LOAD_START_POINTS):
+        action, deadline_s = ctx.load, GC_FAILPOINT_DEADLINE_S
     code = _drive_until_exit(ctx, name, deadline_s, action)
     result.failpoint_hit = code == exit_codes.KILLED_AT_FAILPOINT
     if name in ctx.cluster.nodes and code is not None:

@@ -48,7 +48,7 @@ from retina_common.topology import Topology
 from spark_jobs.common import TaskError
 from spark_jobs.snapshot_query import plan_snapshot, read_files
 
-from .workload import APP_TABLE, BY_NAME, SCHEMA, TABLES, Key
+from .workload import APP_TABLE, BY_NAME, LOADED_TABLE, SCHEMA, TABLES, Key
 
 SNAPSHOT_IS_IMMUTABLE = "SNAPSHOT_IS_IMMUTABLE"
 # Codes that refuse a read: S is no longer readable exactly (ABORTED: below a node's
@@ -70,7 +70,7 @@ READ_LEASE_MS = 120_000
 # A refusal's details as kept: long enough for a snapshot_expired's earliest readable point.
 DETAIL_CHARS = 400
 _CODE_IN_TEXT = re.compile(r": ([A-Z_]+): ")
-SPECS = {**BY_NAME, APP_TABLE.name: APP_TABLE}
+SPECS = {**BY_NAME, APP_TABLE.name: APP_TABLE, LOADED_TABLE.name: LOADED_TABLE}
 
 
 # --- images: a snapshot as row digests ------------------------------------------------------
@@ -206,9 +206,9 @@ def tables_taken() -> tuple[str, ...]:
 
 
 def tables_imaged() -> tuple[str, ...]:
-    """The episode's image (chaos/repeatable_reads.py): the source tables and the
-    application writer's."""
-    return (*tables_taken(), APP_TABLE.name)
+    """The episode's image (chaos/repeatable_reads.py): the source tables, the
+    application writer's and the bulk loader's."""
+    return (*tables_taken(), APP_TABLE.name, LOADED_TABLE.name)
 
 
 class SnapshotReaders:

@@ -166,6 +166,14 @@ APP_TABLE = TableSpec("app_items", (ColumnSpec("tenant", "int32"), ColumnSpec("i
                       ("int4", "int8", "text", "int8", "bool"), ("tenant", "item"),
                       lambda r: (r.randint(1, 3), r.randint(1, 200)),
                       lambda r: (_text(r), r.randint(-10**9, 10**9), r.random() < 0.5))
+# The bulk loader's table (chaos/bulk_loads.py): chunks of new keys loaded through
+# retina_common.bulk_loader, compared with the loader's model instead of the source.
+LOADED_TABLE = TableSpec("loaded_items", (ColumnSpec("id", "int64"),
+                                          ColumnSpec("label", "string"),
+                                          ColumnSpec("amount", "int64")),
+                         ("int8", "text", "int8"), ("id",),
+                         lambda r: (r.randint(1, 10**12),),
+                         lambda r: (f"l{r.randint(0, 10**6)}", r.randint(-10**9, 10**9)))
 # The last source transaction of every episode writes this table (replicated, never
 # compared): its commit LSN tells when the connector has caught up with the source.
 MARKER = TableSpec("marker", (ColumnSpec("id", "int32"), ColumnSpec("episode", "int64")),
@@ -232,7 +240,7 @@ def create_tables(catalog: Catalog, topology: Topology) -> None:
     the probe table."""
     del topology  # routing needs no catalog state; kept for symmetry with the callers
     catalog.create_schema(SCHEMA)
-    for table in (*REPLICATED, APP_TABLE):
+    for table in (*REPLICATED, APP_TABLE, LOADED_TABLE):
         catalog.create_table(SCHEMA, table.name, table.columns, table.pk)
     catalog.create_table(SCHEMA, PROBE_TABLE, [ColumnSpec("id", "int64"),
                                                ColumnSpec("v", "string")], ["id"])

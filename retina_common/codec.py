@@ -43,6 +43,8 @@ PARQUET_COMPRESSION = "zstd"
 # "gc_rewrite_id" under its "retina." prefix, spark_jobs/storage_gc.py). Ingest files
 # never carry it: recovery tells a rewrite's output from an ingest file by it.
 GC_REWRITE_ID_KEY = b"retina.gc_rewrite_id"
+# The Parquet footer key a bulk load's files carry: the load's id (retina_server/bulk_load.py).
+LOAD_ID_KEY = b"retina.load_id"
 
 _DECIMAL = re.compile(r"^decimal\((\d+),(\d+)\)$")
 _FIXED = {"boolean": 1, "int32": 4, "date32": 4, "int64": 8, "timestamp_us": 8,

@@ -145,6 +145,12 @@ class RetinaConfig:
     gc_interval_ms: int = 30_000
     gc_retired_retention_ms: int = 600_000
     gc_prepare_ttl_ms: int = 1_800_000
+    # Bulk load (docs/write-paths/bulk-load.md): a prepared load must commit within
+    # load_prepare_ttl_ms; a committed load's journal record stays at least
+    # load_record_min_age_ms (so a loader's retried commit is answered from it) and until
+    # both checkpoint slots start above it.
+    load_prepare_ttl_ms: int = 1_800_000
+    load_record_min_age_ms: int = 600_000
     # The node runs the Spark rewrite job for its own streams this often while READY
     # (0: never; an operator's scheduler runs `make gc` / spark-submit instead), with
     # these extra arguments (e.g. "--master spark://host:7077 --deleted-threshold 0.3").
@@ -182,6 +188,10 @@ class CdcConfig:
     # exports); "never" streams changes only. Snapshot chunks of this many rows.
     snapshot_mode: str = "initial"
     snapshot_chunk_rows: int = 5000
+    # Snapshot chunks go through the bulk load path (Parquet files written by the
+    # connector, published by the nodes: docs/write-paths/bulk-load.md); false: through
+    # UpdateRecord like streamed changes.
+    snapshot_bulk_load: bool = True
     debezium_dir: str = ""
     # Debezium's unavailable.value.placeholder (an unchanged TOASTed value it did not
     # receive); never stored (docs/cdc.md). Empty: no placeholder is recognised.

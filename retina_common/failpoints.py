@@ -447,6 +447,39 @@ CDC_RETENTION_WATERMARK_AFTER = Failpoint(
     "cdc.retention.watermark.after",
     "low-watermark durable above the batches to drop, none of them deleted yet")
 
+# --- Retina bulk load (docs/write-paths/bulk-load.md) -----------------------------
+LOAD_PREPARE_CATALOG_BEFORE = Failpoint(
+    "load.prepare.catalog.before", "a load's file names chosen, none in the catalog")
+LOAD_PREPARE_CATALOG_AFTER = Failpoint(
+    "load.prepare.catalog.after", "the load's files are TEMPORARY_INGEST rows, no bytes")
+LOAD_JOURNAL_BEFORE = Failpoint(
+    "load.journal.before", "the loader's files checked, block and row ids reserved, no "
+    "journal record: nothing of the load is durable but its files")
+LOAD_JOURNAL_AFTER = Failpoint(
+    "load.journal.after", "journal COMMITTED durable; no index entry, files TEMPORARY_INGEST")
+LOAD_INDEX_BEFORE = Failpoint(
+    "load.index.before", "journal durable, MainIndex ranges and primary versions not written")
+LOAD_INDEX_AFTER = Failpoint(
+    "load.index.after", "MainIndex ranges and primary versions at the load's timestamp durable, "
+    "files still TEMPORARY_INGEST")
+LOAD_CATALOG_REGULAR_BEFORE = Failpoint(
+    "load.catalog_regular.before", "index durable, the load's files not yet REGULAR")
+LOAD_CATALOG_REGULAR_AFTER = Failpoint(
+    "load.catalog_regular.after", "the load's files REGULAR, not yet registered")
+LOAD_REGISTRY_BEFORE = Failpoint(
+    "load.registry.before", "files REGULAR, registry and visibility not yet told")
+LOAD_REGISTRY_AFTER = Failpoint(
+    "load.registry.after", "load registered and visible at its timestamp, caller not yet told")
+LOAD_PROMOTE_BEFORE = Failpoint(
+    "load.promote.before", "both checkpoint slots start above the load, its record still there")
+LOAD_PROMOTE_AFTER = Failpoint(
+    "load.promote.after", "the load's journal record removed")
+LOAD_REAPPLY_BEFORE = Failpoint(
+    "load.reapply.before", "recovery: a journaled load's rows not yet re-applied")
+LOAD_REAPPLY_AFTER = Failpoint(
+    "load.reapply.after", "recovery: a journaled load's rows re-applied (write buffer and "
+    "index), not durable in any checkpoint")
+
 # --- Storage GC commit, promotion and rollback (docs/write-paths/storage-gc.md) ---------
 CATALOG_REVERT_SWAP_COMMIT_BEFORE = Failpoint(
     "catalog.revert_swap.commit.before",

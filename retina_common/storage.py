@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,12 +52,24 @@ def split_file_uri(uri: str) -> tuple[str, str]:
     return directory + sep + query, name
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or an unlink in ``directory`` durable."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def local_records(directory: Path, suffix: str) -> Iterator[tuple[str, bytes]]:
+    """(name, bytes) of every ``*suffix`` file of a local journal directory, in name
+    order. A leftover ``*.tmp`` is a write that never reached its rename: the step after
+    it never started, so it is removed unread."""
+    for path in sorted(directory.iterdir()):
+        if path.name.endswith(".tmp"):
+            path.unlink()
+        elif path.name.endswith(suffix):
+            yield path.name, path.read_bytes()
 
 
 def write_durably(path_uri: str, name: str, data: bytes) -> None:
@@ -73,7 +86,7 @@ def write_durably(path_uri: str, name: str, data: bytes) -> None:
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, directory / name)
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def read_bytes(path_uri: str, name: str) -> bytes:
@@ -159,7 +172,7 @@ def delete_object(path_uri: str, name: str) -> bool:
             (directory / name).unlink()
         except FileNotFoundError:
             return False
-        _fsync_dir(directory)
+        fsync_dir(directory)
         return True
     fs, path = pafs.FileSystem.from_uri(file_uri(path_uri, name))
     if fs.get_file_info(path).type == pafs.FileType.NotFound:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
+
 from retina_common.config import (
     NO_CONFIG_GIVEN,
     Config,
@@ -66,6 +68,13 @@ class Topology:
     def vnode_of_key(self, key: bytes) -> int:
         digest = hashlib.blake2b(key, digest_size=8).digest()
         return int.from_bytes(digest, "big") % self.virtual_nodes
+
+    def vnodes_of_keys(self, keys: list[bytes]) -> np.ndarray:
+        """``vnode_of_key`` of many keys (a bulk load's): the digests joined and read as
+        one big-endian array, so only the hashing is a Python loop."""
+        blake2b = hashlib.blake2b
+        digests = b"".join([blake2b(k, digest_size=8).digest() for k in keys])
+        return (np.frombuffer(digests, ">u8") % np.uint64(self.virtual_nodes)).astype(np.int32)
 
     def node_of_vnode(self, vnode: int) -> str:
         if not 0 <= vnode < self.virtual_nodes:

@@ -45,6 +45,7 @@ from retina_common.process_config import load_process_config
 from retina_common.replay_ts import derive
 from retina_common.storage import root_uri
 from retina_common.topology import Topology, load_topology
+from retina_server.bulk_load import BulkLoads, LoadSettings
 from retina_server.change_feed import ChangeFeed
 from retina_server.gc.gc_job import GcJobLauncher, require_spark
 from retina_server.gc.gc_journal import GcJournal
@@ -54,6 +55,7 @@ from retina_server.gc.rewrites import GcSettings, StorageGc
 from retina_server.gc.sweeper import Sweeper, SweeperSettings
 from retina_server.index import LocalIndexService
 from retina_server.lifecycle import LifecycleAnnouncer, LifecycleStateMachine, Phase
+from retina_server.load_journal import LoadJournal
 from retina_server.node import BufferSettings, RetinaNode
 from retina_server.read_guard import ReadTransactionGuard
 from retina_server.recovery.coordinator import RecoveryCoordinator
@@ -114,6 +116,7 @@ def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> 
     index = LocalIndexService(state_dir / "index")
     positions = SourcePositions(index.primary)  # in the index's LMDB environment
     journal = GcJournal(state_dir / "gc_journal")
+    load_journal = LoadJournal(state_dir / "load_journal")
     storage = root_uri(config.storage.root)
     node = RetinaNode(node_id, topology, catalog, index, storage,
                       BufferSettings(rc.block_rows, rc.blocks_per_file, rc.flush_interval_ms,
@@ -135,6 +138,10 @@ def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> 
                    GcSettings(rc.gc_retired_retention_ms, rc.gc_prepare_ttl_ms),
                    trans_live=trans.trans_live)
     replay_floor = ReplayFloor()
+    loads = BulkLoads(node, catalog, load_journal,
+                      LoadSettings(prepare_ttl_ms=rc.load_prepare_ttl_ms,
+                                   record_min_age_ms=rc.load_record_min_age_ms))
+    gc.load_files = loads.journal.protected_files
 
     def observe_checkpoint(body: CheckpointBody) -> None:
         start = derive(body.header.checkpoint_applied_ts, body.segments, node.owned_vnodes, [])
@@ -148,7 +155,9 @@ def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> 
         # higher one.
         loaded_listeners=[gc.observe_loaded],
         checkpoint_listeners=[observe_checkpoint,
-                              lambda body: gc.promote({f.file_id for f in body.files})])
+                              lambda body: gc.promote({f.file_id for f in body.files}),
+                              loads.observe_checkpoint],
+        loads=loads)
     scheduler = GcScheduler(node, trans.safe_gc_ts, gc.gc_floor, replay_floor.floor,
                             rc.gc_interval_ms / 1000, stop, is_ready=is_ready)
     # The two cycles of the wiring close here, once both ends exist: a node failing closed
@@ -161,6 +170,7 @@ def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> 
                       SweeperSettings(rc.sweeper_interval_ms / 1000, rc.temporary_file_ttl_ms,
                                       rc.orphan_grace_ms, rc.gc_lineage_retention_ms),
                       stop, is_ready=is_ready)
+    sweeper.load_files = loads.protected_files
     job = GcJobLauncher(node_id, config_path, rc.gc_job_interval_ms / 1000, rc.gc_job_args,
                         stop, is_ready=is_ready)
 
@@ -183,7 +193,7 @@ def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> 
                       ReadTransactionGuard(trans.trans_status),
                       rc.max_rows_per_request, gc, scheduler, sweeper, lineage, writers,
                       lookup, ChangeFeed(node, lookup, node.source_positions.positions),
-                      trans.write_live_at),
+                      trans.write_live_at, loads),
         handle.server)
     return NodeParts(node_id, topology, catalog, index, node, handle, machine, announcer,
                      recovery, replay_floor, stop, rc.metrics_listen)

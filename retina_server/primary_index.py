@@ -80,6 +80,37 @@ def _version_prefixes(table_id: int, keys: Iterable[bytes]) -> list[bytes]:
     return out
 
 
+def _load_items(table_id: int, keys: Sequence[bytes], row_ids: np.ndarray,
+                ts: int) -> tuple[list[bytes], list[bytes], list[bytes]]:
+    """A bulk load's version keys ``prefix|ts``, their values (row ids) and by-timestamp keys
+    ``ts|prefix``, sorted by version key. Keys of one width (a table of fixed-width key
+    columns) are laid out and sorted with numpy, not one by one."""
+    stamp = _TS.pack(ts)
+    ids = np.asarray(row_ids, dtype=">i8")
+    width = len(keys[0])
+    if any(len(k) != width for k in keys):
+        prefixes = _version_prefixes(table_id, keys)
+        by_key = sorted(range(len(prefixes)), key=prefixes.__getitem__)
+        return ([prefixes[i] + stamp for i in by_key], ids[by_key].view("V8").tolist(),
+                [stamp + prefixes[i] for i in by_key])
+    n = len(keys)
+    head = np.frombuffer(_TABLE.pack(table_id) + _LEN.pack(width), np.uint8)
+    tail = np.frombuffer(stamp, np.uint8)
+    size = len(head) + width + len(tail)
+    versions = np.empty((n, size), np.uint8)
+    versions[:, :len(head)] = head
+    versions[:, len(head):len(head) + width] = \
+        np.frombuffer(b"".join(keys), np.uint8).reshape(n, width)
+    versions[:, len(head) + width:] = tail
+    order = np.argsort(versions.view(f"S{size}").ravel(), kind="stable")
+    versions = versions[order]
+    stamped = np.empty((n, size), np.uint8)
+    stamped[:, :len(tail)] = tail
+    stamped[:, len(tail):] = versions[:, :len(head) + width]
+    return (versions.view(f"V{size}").ravel().tolist(), ids[order].view("V8").tolist(),
+            stamped.view(f"V{size}").ravel().tolist())
+
+
 def _split_prefix(prefix: bytes) -> tuple[int, bytes]:
     (table_id,) = _TABLE.unpack(prefix[:8])
     (length,) = _LEN.unpack(prefix[8:12])
@@ -156,6 +187,65 @@ class PrimaryIndex:
         except lmdb.Error as exc:
             raise IndexBackendError(f"primary switch failed: {exc}") from exc
         return switched
+
+    # --- bulk load (retina_server/bulk_load.py) ---
+    def load_conflicts(self, table_id: int, keys: Sequence[bytes], ts: int) -> list[int]:
+        """LOAD_KEYS_HAVE_NO_LIVE_VERSION: the positions of ``keys`` (in version-key order:
+        by length, then bytes) a bulk load at ``ts`` may not insert: a key whose latest
+        version at or before ``ts`` is a row (live, or an orphan only a resolution could
+        sort out), or that has any version after ``ts`` (a later write the load would slip
+        under). A key with no version, or whose versions up to ``ts`` end in a tombstone,
+        is free. One descent per key, in key order (each starts where the last ended in
+        the B-tree's pages), in a comprehension; only keys that have versions are walked."""
+        prefixes = _version_prefixes(table_id, keys)
+        tombstone = _ROW.pack(TOMBSTONE)
+        clash = []
+        try:
+            with self.transaction(write=False) as txn:
+                cursor = txn.cursor(db=self._primary)
+                set_range, key_at = cursor.set_range, cursor.key
+                head = _TABLE.pack(table_id)
+                if not set_range(head) or not key_at().startswith(head):
+                    return []  # the table has no version at all: nothing can clash
+                found = [key_at() if set_range(p) else b"" for p in prefixes]
+                versioned = [i for i, (p, f) in enumerate(zip(prefixes, found, strict=True))
+                             if f.startswith(p)]
+                for i in versioned:
+                    prefix = prefixes[i]
+                    set_range(prefix)
+                    latest = None
+                    for version, value in cursor:
+                        if not version.startswith(prefix) or len(version) != len(prefix) + 8:
+                            break
+                        if _TS.unpack(version[-8:])[0] > ts:
+                            latest = b"later"
+                            break
+                        latest = value
+                    if latest is not None and latest != tombstone:
+                        clash.append(i)
+        except lmdb.Error as exc:
+            raise IndexBackendError(f"primary index read failed: {exc}") from exc
+        return clash
+
+    def put_load_versions(self, table_id: int, keys: Sequence[bytes], row_ids: np.ndarray,
+                          ts: int) -> None:
+        """A bulk load's versions ``keys[i]@ts -> row_ids[i]`` (no key twice; any order:
+        sorted here), with putmulti into both databases in one durable LMDB transaction:
+        one fsync for the whole load. A database whose last entry sorts before the load's
+        first is appended to (LMDB's append mode: no descent)."""
+        if not len(keys):
+            return
+        versions, values, stamped = _load_items(table_id, keys, row_ids, ts)
+        try:
+            with self._env.begin(write=True, db=self._primary) as txn:
+                for db, items in ((self._primary, zip(versions, values, strict=True)),
+                                  (self._by_ts, ((k, b"") for k in stamped))):
+                    cursor = txn.cursor(db=db)
+                    first = versions[0] if db is self._primary else stamped[0]
+                    append = not cursor.last() or cursor.key() < first
+                    cursor.putmulti(items, append=append)
+        except lmdb.Error as exc:
+            raise IndexBackendError(f"bulk load index write failed: {exc}") from exc
 
     def versions_pointing_into(self, ranges: Sequence[tuple[int, int]],
                                limit: int = 5) -> list[tuple[int, bytes, int, int]]:

@@ -481,11 +481,15 @@ def _check_no_live_inserts(node: RetinaNode, updates: list[PreparedUpdate]) -> N
 
 
 def apply(node: RetinaNode, updates: list[PreparedUpdate], *, fenced: bool = True,
-          writer_id: str = "") -> pb.UpdateRecordResponse:
+          writer_id: str = "", check_live: bool = True) -> pb.UpdateRecordResponse:
     """Apply a validated request. ``fenced``: an ordinary write (of ``writer_id``),
     admitted only above the write floor (LATE_WRITES_FENCED; refused: recorded first,
     refused_writes.py); a recovery replay passes False. ``writer_id``: the request's,
-    stored with its source positions (and with a refusal's record)."""
+    stored with its source positions (and with a refusal's record). ``check_live``
+    False: no ALREADY_EXISTS check of standalone inserts (recovery's re-application of
+    a bulk load, bulk_load.py, whose keys were checked at its commit against the whole
+    history: after the rewind an older row of a key can look live until the replay of
+    its delete, which lands below the load's version)."""
     node.check_writable()
     streams = {(u.table.table_id, u.vnode): node.stream(u.table, u.vnode) for u in updates}
     order = [streams[k] for k in sorted(streams)]
@@ -508,7 +512,8 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate], *, fenced: bool = Tru
             fp.UPDATE_RECORD_FENCE_AFTER.hit()
         try:
             with node.index.primary.write_batch():
-                _check_no_live_inserts(node, updates)
+                if check_live:
+                    _check_no_live_inserts(node, updates)
                 truncates = _TruncateTargets(node)
                 for u in updates:
                     stream = streams[(u.table.table_id, u.vnode)]

@@ -30,6 +30,7 @@ from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc as pb_grpc
 from retina_common.refusal import Refusal, abort, status_of
 from retina_server import change_feed
+from retina_server.bulk_load import BulkLoads
 from retina_server.change_feed import ChangeFeed
 from retina_server.gc.gc_scheduler import GcScheduler
 from retina_server.gc.lineage import Lineage, LineageRecord
@@ -64,8 +65,10 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
                  reads: ReadTransactionGuard, max_rows_per_request: int,
                  gc: StorageGc, scheduler: GcScheduler, sweeper: Sweeper,
                  lineage: Lineage, writers: RegisteredWriters, lookup: RowLookup,
-                 feed: ChangeFeed, write_live_at: Callable[[int], bool]) -> None:
+                 feed: ChangeFeed, write_live_at: Callable[[int], bool],
+                 loads: BulkLoads | None = None) -> None:
         self._node = node
+        self._loads = loads
         self._write_live_at = write_live_at  # APPLIED_OR_LIVE (replay_admission.py)
         self._lookup = lookup
         self._feed = feed
@@ -333,6 +336,40 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             self._machine.admit(Request.GC)
             self._gc.abort(request.rewrite_id)
             return pb.AbortGcRewriteResponse()
+        return self._guard(context, run)
+
+    # --- Bulk load (bulk_load.py) ------------------------------------------------------------
+    def _bulk_loads(self) -> BulkLoads:
+        self._machine.admit(Request.WRITE)
+        if self._loads is None:
+            raise Refusal(grpc.StatusCode.UNIMPLEMENTED, "bulk load is not wired on this node")
+        return self._loads
+
+    def PrepareBulkLoad(self, request: pb.PrepareBulkLoadRequest,
+                        context: grpc.ServicerContext) -> pb.PrepareBulkLoadResponse:
+        def run() -> pb.PrepareBulkLoadResponse:
+            p = self._bulk_loads().prepare(request.schema_name, request.table_name,
+                                           request.timestamp, list(request.virtual_node_ids))
+            return pb.PrepareBulkLoadResponse(
+                load_id=p.load_id, path_uri=p.path_uri, expires_at_ms=p.expires_at_ms,
+                files=[pb.BulkLoadFile(virtual_node_id=f.vnode, file_id=f.file_id,
+                                       file_name=f.name) for f in p.files])
+        return self._guard(context, run)
+
+    def CommitBulkLoad(self, request: pb.CommitBulkLoadRequest,
+                       context: grpc.ServicerContext) -> pb.CommitBulkLoadResponse:
+        def run() -> pb.CommitBulkLoadResponse:
+            r = self._bulk_loads().commit(request.load_id, request.timestamp)
+            APPLIED_ROWS.labels(op="load").inc(r.rows)
+            return pb.CommitBulkLoadResponse(load_id=r.load_id, timestamp=r.ts, rows=r.rows,
+                                             file_ids=list(r.file_ids))
+        return self._guard(context, run, counted=True)
+
+    def AbortBulkLoad(self, request: pb.AbortBulkLoadRequest,
+                      context: grpc.ServicerContext) -> pb.AbortBulkLoadResponse:
+        def run() -> pb.AbortBulkLoadResponse:
+            self._bulk_loads().abort(request.load_id)
+            return pb.AbortBulkLoadResponse()
         return self._guard(context, run)
 
     def GetGcStatus(self, request: pb.GetGcStatusRequest,

@@ -350,13 +350,19 @@ def test_snapshot_with_concurrent_writes_equals_the_source(
 
 
 @pytest.mark.parametrize("point", ["cdc.changelog.record.after=exit(137)@1",
-                                   "cdc.position.store.after=exit(137)@4"])
+                                   "cdc.position.store.after=exit(137)@4",
+                                   "cdc.commit.after=exit(137)@4"])
 def test_connector_killed_mid_snapshot_then_restarted(make_cdc: Callable[..., CdcPlane],
                                                       point: str) -> None:
     """@1: before any chunk is committed (the restart recreates the slot and
     starts over); @4: after four committed chunks (the restart resumes). A column is
     added while it is down: the restarted snapshot reads it, and the Retina table
-    follows (a new snapshot, and a resumed one, read the tables as they are now)."""
+    follows (a new snapshot, and a resumed one, read the tables as they are now).
+    Chunks after the first go through the bulk load path; ``cdc.commit.after@4`` kills
+    the connector after the fourth chunk's timestamp committed (its rows loaded on the
+    nodes) and before its position is stored: the resumed snapshot reads that chunk
+    again, the nodes refuse its keys (live), and it falls back to the ordinary path,
+    landing exactly once."""
     cdc = make_cdc(snapshot_chunk_rows=100, batch_max_transactions=1)
     assert cdc.source is not None
     load_orders(cdc.source, 1500)
@@ -373,6 +379,10 @@ def test_connector_killed_mid_snapshot_then_restarted(make_cdc: Callable[..., Cd
     recreated = bool(cdc.cdc.logged("cdc_snapshot_slot_recreated"))
     assert (resumed, recreated) == ((True, False) if point.endswith("@4") else (False, True))
     assert any(r["tag"] for r in cdc.actual()["orders"].values())
+    assert any("bulk_files" in e for e in cdc.cdc.logged("cdc_batch_committed")), \
+        "snapshot chunks went through the bulk load path"
+    if point.startswith("cdc.commit.after"):
+        assert cdc.cdc.logged("cdc_snapshot_bulk_fallback"), cdc.cdc.log_tail()
 
 
 def test_truncate_then_inserts_in_the_same_and_later_transactions(

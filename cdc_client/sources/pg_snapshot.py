@@ -287,7 +287,9 @@ class SnapshotReader:
         delete them otherwise. With every table empty it is the only change."""
         chunk = self._next_rows()
         if not self._truncate_first or not self._tables:
-            return chunk
+            # Inserts only: every older row was truncated by the first chunk, and a
+            # resumed snapshot reads on after the last committed one.
+            return dataclasses.replace(chunk, bulk=True) if chunk is not None else None
         self._truncate_first = False
         truncates = tuple(RowChange(t.relation.table, "truncate", None, None)
                           for t in self._tables)

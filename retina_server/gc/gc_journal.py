@@ -50,6 +50,7 @@ import crc32c
 from pyroaring import BitMap
 
 from retina_common.failpoints import Failpoint
+from retina_common.storage import fsync_dir, local_records
 
 MAGIC = b"RTNAGCJ1"
 VERSION = 1
@@ -232,15 +233,10 @@ class GcJournal:
         A leftover temporary file is a write that never reached its rename:
         the step after it never started, so it is removed, not read."""
         entries: dict[str, JournalEntry] = {}
-        for path in sorted(self._dir.iterdir()):
-            if path.name.endswith(".tmp"):
-                path.unlink()
-                continue
-            if not path.name.endswith(SUFFIX):
-                continue
-            entry = decode(path.read_bytes(), path.name)
-            if f"{entry.rewrite_id}{SUFFIX}" != path.name:
-                raise CorruptJournal(f"{path.name}: holds rewrite {entry.rewrite_id}")
+        for name, data in local_records(self._dir, SUFFIX):
+            entry = decode(data, name)
+            if f"{entry.rewrite_id}{SUFFIX}" != name:
+                raise CorruptJournal(f"{name}: holds rewrite {entry.rewrite_id}")
             entries[entry.rewrite_id] = entry
         with self._lock:
             self._entries = entries
@@ -279,11 +275,7 @@ class GcJournal:
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, self._dir / name)
-            fd = os.open(self._dir, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(self._dir)
             with self._lock:
                 self._entries[entry.rewrite_id] = entry
         after.hit()

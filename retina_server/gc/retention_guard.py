@@ -46,6 +46,7 @@ class HoldReason(StrEnum):
     LIVE_READER = "live_reader"
     CHECKPOINT_SLOT = "checkpoint_slot"
     JOURNAL_ANCHOR = "journal_anchor"
+    LOAD_JOURNAL = "load_journal"  # a prepared or journaled bulk load (bulk_load.py)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class Holds:
     # None: a slot could not be read (every file is held).
     checkpoint_files: frozenset[int] | None
     journal_anchors: frozenset[int]
+    # Files of prepared and journaled bulk loads (LOAD_FILES_OUTLIVE_THEIR_ENTRY).
+    load_files: frozenset[int] = frozenset()
 
 
 def hold_reason(file: FileRecord | None, holds: Holds, *, due_at_ms: int | None = None
@@ -83,6 +86,8 @@ def hold_reason(file: FileRecord | None, holds: Holds, *, due_at_ms: int | None 
         return HoldReason.CHECKPOINT_SLOT
     if file.file_id in holds.journal_anchors:
         return HoldReason.JOURNAL_ANCHOR
+    if file.file_id in holds.load_files:
+        return HoldReason.LOAD_JOURNAL
     return None
 
 

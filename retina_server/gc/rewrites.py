@@ -278,6 +278,9 @@ class StorageGc:
         # The GC scheduler's fold target (gc_scheduler.GcScheduler.fold_fence), set by the
         # server once both exist.
         self.fold_fence: Callable[[], int] = lambda: 0
+        # Files of journaled bulk loads (bulk_load.py), set by the wiring: not rewritten
+        # while recovery may still re-apply them.
+        self.load_files: Callable[[], set[int]] = set
         self._done: dict[str, CommitResult] = {}
         # File ids of the two newest checkpoints (the current and the previous slot).
         self._recent: deque[frozenset[int]] = deque(maxlen=2)
@@ -320,7 +323,7 @@ class StorageGc:
         with self._lock:
             self._expire()
             busy = {m.file_id for p in self._pending.values() for m in p.old}
-            busy |= self._journal.protected_files()
+            busy |= self._journal.protected_files() | self.load_files()
             clash = sorted(busy & set(old_ids))
             if clash:
                 raise _refuse(grpc.StatusCode.ABORTED,

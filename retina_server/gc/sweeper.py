@@ -118,6 +118,9 @@ class Sweeper:
         self._clock_ms = clock_ms
         self._round_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        # Files of prepared and journaled bulk loads (bulk_load.py), set by the wiring:
+        # held like a journal anchor (LOAD_FILES_OUTLIVE_THEIR_ENTRY).
+        self.load_files: Callable[[], set[int]] = set
         # ONE_FAILURE_NEVER_STALLS_A_SWEEP (removal_backoff.py), one per removing pass.
         self.backoff = {name: RemovalBackoff(name) for name in ("temporary", "retired",
                                                                 "orphans")}
@@ -189,7 +192,8 @@ class Sweeper:
             log.warning("sweeper_read_holds_unavailable", error=str(exc))
             reader_files, in_flight = None, 0
         return Holds(self._clock_ms(), reader_files, in_flight,
-                     self._checkpoints.slot_file_ids(), frozenset(self._journal.protected_files()))
+                     self._checkpoints.slot_file_ids(), frozenset(self._journal.protected_files()),
+                     frozenset(self.load_files()))
 
     def _mine(self, files: Iterable[FileRecord]) -> list[FileRecord]:
         out = []

@@ -115,11 +115,14 @@ def my_files(node_id: str, files: list[FileRecord]) -> list[FileRecord]:
 
 def cleanse(node: RetinaNode, catalog: Catalog, loaded: LoadedCheckpoint | None,
             files: list[FileRecord], mine: list[FileRecord],
-            retry: Retry = _once, protected: frozenset[int] = frozenset()) -> CleansingResult:
+            retry: Retry = _once, protected: frozenset[int] = frozenset(),
+            load_files: frozenset[int] = frozenset()) -> CleansingResult:
     """``retry(fn, what)`` runs each catalog call (the recovery coordinator retries a
     catalog that is briefly away; every step here is idempotent). ``protected``: files
     an open Storage GC journal entry holds (GcJournal.protected_files); they are never
-    retired here, whatever the checkpoint says."""
+    retired here, whatever the checkpoint says. ``load_files``: files of journaled bulk
+    loads (LOAD_FILES_OUTLIVE_THEIR_ENTRY): retired like any REGULAR file no checkpoint
+    holds, but never deleted while TEMPORARY_INGEST: recovery re-applies their rows."""
     body = loaded.body if loaded else None
     by_id = {f.file_id: f for f in files}
     paths = {p.path_id: p for p in retry(catalog.list_paths, "list paths")}
@@ -148,7 +151,7 @@ def cleanse(node: RetinaNode, catalog: Catalog, loaded: LoadedCheckpoint | None,
                 if s.kind == SegmentKind.ADMITTED and s.file_id in discarded else s
                 for s in (body.segments if body else [])]
     retired = _retire_leftovers(node, catalog, mine, {k.entry.file_id for k in kept}, paths,
-                                retry, protected)
+                                retry, protected, load_files)
     log.info("cleansing_done", node=node.node_id, kept=len(kept), discarded=len(discarded),
              retired=retired)
     return CleansingResult(segments, kept, len(discarded), retired)
@@ -156,7 +159,7 @@ def cleanse(node: RetinaNode, catalog: Catalog, loaded: LoadedCheckpoint | None,
 
 def _retire_leftovers(node: RetinaNode, catalog: Catalog, mine: list[FileRecord],
                       kept: set[int], paths: dict[int, PathRecord], retry: Retry,
-                      protected: frozenset[int]) -> int:
+                      protected: frozenset[int], load_files: frozenset[int]) -> int:
     now = int(time.time() * 1000)
     retired = 0
     keep = kept | protected
@@ -166,6 +169,8 @@ def _retire_leftovers(node: RetinaNode, catalog: Catalog, mine: list[FileRecord]
             RETIRED.inc()
             retired += 1
             log.info("cleansing_retired", node=node.node_id, file_id=f.file_id)
+        elif f.type == FileType.TEMPORARY_INGEST and f.file_id in load_files:
+            log.info("cleansing_kept_load_file", node=node.node_id, file_id=f.file_id)
         elif f.type == FileType.TEMPORARY_INGEST:
             _delete_ingest_leftover(node, catalog, f, paths[f.path_id].uri)
     return retired

@@ -8,10 +8,13 @@ Start-up (``run_startup``), in this order:
    catalog → a fresh start (checkpointId 0). No pointer but REGULAR files →
    FAILED.
 2. CLEANSING (cleansing.py): keep the entries the catalog confirms, retire
-   catalog-only REGULAR files, delete leftover TEMPORARY_INGEST files.
+   catalog-only REGULAR files, delete leftover TEMPORARY_INGEST files (not those of
+   journaled bulk loads: the load journal is read first, ../bulk_load.py).
 3. Replay starts (retina_common/replay_ts.py), then the rewind (cleansing.py) back to
    exactly the state they start from, and the INDEX_POINTS_AT_DURABLE_ROWS
-   check. → AWAITING_REPLAY, with ``replayTsReady``, the replay entry open.
+   check; then every journaled bulk load at or above its stream's start is
+   re-applied from its files (LOADS_REAPPLIED_FROM_THEIR_FILES). → AWAITING_REPLAY,
+   with ``replayTsReady``, the replay entry open.
 
 Replay writes are admitted by replay_admission.py; MarkReady is
 mark_ready.py; checkpoint bodies come from checkpoint.build_body. Phase
@@ -62,6 +65,7 @@ from retina_common.log import get_logger, token_hash
 from retina_common.refusal import Refusal
 from retina_common.replay_ts import ReplayStarts, derive
 from retina_common.retry import until_deadline
+from retina_server.bulk_load import BulkLoads, LoadJournalMismatch
 from retina_server.gc.gc_journal import CorruptJournal, GcJournal
 from retina_server.gc.gc_recovery import (
     GcJournalMismatch,
@@ -71,6 +75,7 @@ from retina_server.gc.gc_recovery import (
 )
 from retina_server.gc.lineage import RevertAnchorsGone, recover_reverts
 from retina_server.lifecycle import LifecycleAnnouncer, LifecycleStateMachine, Phase, Request
+from retina_server.load_journal import CorruptLoadJournal
 from retina_server.node import RetinaNode
 from retina_server.recovery.checkpoint import build_body
 from retina_server.recovery.cleansing import RewindFailed, cleanse, my_files, rewind
@@ -106,8 +111,12 @@ class RecoveryCoordinator:
                  high_watermark: Callable[[], int], recovery_epoch: int,
                  gc_journal: GcJournal, *, retired_retention_ms: int = 600_000,
                  checkpoint_listeners: Sequence[Callable[[CheckpointBody], object]] = (),
-                 loaded_listeners: Sequence[Callable[[set[int]], None]] = ()) -> None:
+                 loaded_listeners: Sequence[Callable[[set[int]], None]] = (),
+                 loads: BulkLoads | None = None) -> None:
         self._node = node
+        # Journaled bulk loads: their files survive cleansing, their rows are re-applied
+        # after the rewind (bulk_load.py).
+        self._loads = loads
         self._gc_journal = gc_journal
         # Told every checkpoint this process publishes (GC promotion, the replay floor).
         self._checkpoint_listeners = list(checkpoint_listeners)
@@ -192,6 +201,11 @@ class RecoveryCoordinator:
         except (CorruptJournal, GcJournalMismatch, RevertAnchorsGone) as exc:
             self.fail(f"GC journal mismatch: {exc}")
             return
+        try:
+            load_files = frozenset(self._loads.load_journal()) if self._loads else frozenset()
+        except (CorruptLoadJournal, OSError) as exc:
+            self.fail(f"load journal mismatch: {exc}")
+            return
         mine = my_files(self._node.node_id, files)
         regular = [f for f in mine if f.type == FileType.REGULAR]
         if loaded is None and regular:
@@ -207,7 +221,7 @@ class RecoveryCoordinator:
         self.attempt = Attempt(self.attempt.token,
                                loaded.body.header.checkpoint_id if loaded else 0, applied)
         result = cleanse(self._node, self._catalog, loaded, files, mine, self._retry,
-                         frozenset(self._gc_journal.protected_files()))
+                         frozenset(self._gc_journal.protected_files()), load_files=load_files)
         fp.RECOVERY_CLEANSING_AFTER.hit()
         paths = self._retry(self._catalog.list_paths, "list paths")
         starts = derive(applied, result.segments, self._node.owned_vnodes,
@@ -224,6 +238,13 @@ class RecoveryCoordinator:
         # timestamp X and refuses AS OF reads in [start, X) (read_history.py).
         self._node.history.restored(loaded.body.header.history_gaps if loaded else (),
                                     starts.node_replay_from_ts, applied)
+        if self._loads is not None:
+            try:
+                self._loads.reapply(starts)
+            except (LoadJournalMismatch, Refusal, OSError) as exc:
+                self.fail(f"load journal mismatch: a journaled bulk load cannot be "
+                          f"re-applied: {exc}")
+                return
         self.attempt.starts = starts
         REPLAY_START.labels(scope="node").set(starts.node_replay_from_ts)
         log.info("replay_ts_ready", node=self._node.node_id,
