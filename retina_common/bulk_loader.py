@@ -50,6 +50,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from retina_common import failpoints as fp
 from retina_common.catalog import TableRecord
 from retina_common.codec import COMMIT_TS, LOAD_ID_KEY, PARQUET_COMPRESSION, encode_primary_keys
 from retina_common.log import get_logger
@@ -122,6 +123,8 @@ class _Chunk:
     trans_id: int
     rows: int
     loads: dict[str, rpb.PrepareBulkLoadResponse]  # node -> its prepared load
+    # Nodes whose part an earlier attempt of this loader committed (its load id).
+    done_before: frozenset[str] = frozenset()
 
 
 class BulkLoader:
@@ -132,7 +135,7 @@ class BulkLoader:
                  nodes: Mapping[str, rpb_grpc.RetinaWorkerServiceStub], *,
                  chunk_rows: int = DEFAULT_CHUNK_ROWS,
                  row_group_rows: int = DEFAULT_ROW_GROUP_ROWS, timeout_s: float = 300,
-                 lease_ms: int = 0) -> None:
+                 lease_ms: int = 0, id_prefix: str = "") -> None:
         if chunk_rows <= 0 or row_group_rows <= 0:
             raise ValueError("chunk_rows and row_group_rows must be positive")
         self._schema_name = schema_name
@@ -144,6 +147,11 @@ class BulkLoader:
         self._row_group_rows = row_group_rows
         self._timeout_s = timeout_s
         self._lease_ms = lease_ms  # each chunk's write transaction (0: the server's default)
+        # Load ids of our own, "<id_prefix>.<chunk>.<node>" (LOADER_IDS_ARE_IDEMPOTENT):
+        # run again over the same data (a Spark task retried), the loader learns which
+        # parts an earlier run committed and loads only the rest. Empty: node-chosen ids.
+        self._id_prefix = id_prefix
+        self._chunk_seq = 0
         self._file_schema = table_schema(table)
         by_name = {c.name: c for c in table.columns}
         self._key_names = list(table.primary_key)
@@ -248,13 +256,14 @@ class BulkLoader:
     def _write_chunk(self, chunk: pa.Table) -> _Chunk:
         begun = self._trans.BeginTrans(tpb.BeginTransRequest(lease_ms=self._lease_ms),
                                        timeout=30)
+        seq, self._chunk_seq = self._chunk_seq, self._chunk_seq + 1
         try:
             rows = self._conform(chunk, begun.timestamp)
-            loads = self._prepare_and_write(begun.timestamp, self._by_vnode(rows))
+            loads, before = self._prepare_and_write(begun.timestamp, self._by_vnode(rows), seq)
         except BaseException:
             self._roll_back(begun.timestamp, begun.trans_id)
             raise
-        return _Chunk(begun.timestamp, begun.trans_id, rows.num_rows, loads)
+        return _Chunk(begun.timestamp, begun.trans_id, rows.num_rows, loads, before)
 
     def _by_vnode(self, rows: pa.Table) -> dict[int, pa.Table]:
         vnodes = self._vnodes(rows)
@@ -264,24 +273,38 @@ class BulkLoader:
         return {int(v): rows.take(order[bounds[i]:bounds[i + 1]])
                 for i, v in enumerate(present)}
 
-    def _prepare_and_write(self, ts: int, by_vnode: Mapping[int, pa.Table]
-                           ) -> dict[str, rpb.PrepareBulkLoadResponse]:
+    def _prepare_and_write(self, ts: int, by_vnode: Mapping[int, pa.Table], seq: int = 0
+                           ) -> tuple[dict[str, rpb.PrepareBulkLoadResponse], frozenset[str]]:
         """PrepareBulkLoad on every node of ``by_vnode``'s virtual nodes, then each file
-        written; on a failure the loads prepared so far are aborted and it is raised."""
+        written; on a failure the loads prepared so far are aborted and it is raised.
+        Returns the prepared loads, and the nodes whose part an earlier run of this
+        loader committed under the same load id (nothing prepared there)."""
         loads: dict[str, rpb.PrepareBulkLoadResponse] = {}
+        before: set[str] = set()
         try:
-            for node in sorted({self._topology.node_of_vnode(v) for v in by_vnode}):
+            nodes = sorted({self._topology.node_of_vnode(v) for v in by_vnode})
+            for node in nodes:
                 mine = sorted(v for v in by_vnode if self._topology.node_of_vnode(v) == node)
-                loads[node] = self._nodes[node].PrepareBulkLoad(rpb.PrepareBulkLoadRequest(
+                load_id = f"{self._id_prefix}.{seq}.{self._topology.nodes.index(node)}" \
+                    if self._id_prefix else ""
+                request = rpb.PrepareBulkLoadRequest(
                     schema_name=self._schema_name, table_name=self._table.name, timestamp=ts,
-                    virtual_node_ids=mine), timeout=self._timeout_s)
+                    virtual_node_ids=mine, load_id=load_id)
+                answer = until_deadline(
+                    partial(self._nodes[node].PrepareBulkLoad, request, timeout=self._timeout_s),
+                    transient=(grpc.RpcError,), deadline_s=self._timeout_s,
+                    on_retry=_only_transient)
+                if answer.committed_ts:
+                    before.add(node)
+                else:
+                    loads[node] = answer
             for prepared in loads.values():
                 for f in prepared.files:
                     self._write_file(prepared, f, by_vnode[f.virtual_node_id])
         except BaseException:
             self._abort(loads)
             raise
-        return loads
+        return loads, frozenset(before)
 
     def _write_file(self, prepared: rpb.PrepareBulkLoadResponse, f: rpb.BulkLoadFile,
                     rows: pa.Table) -> None:
@@ -291,8 +314,8 @@ class BulkLoader:
                        compression=PARQUET_COMPRESSION)
         write_durably(prepared.path_uri, f.file_name, sink.getvalue().to_pybytes())
 
-    def _commit_at_nodes(self, ts: int, loads: Mapping[str, rpb.PrepareBulkLoadResponse]
-                         ) -> None:
+    def _commit_at_nodes(self, ts: int, loads: Mapping[str, rpb.PrepareBulkLoadResponse],
+                         done_before: frozenset[str] = frozenset()) -> None:
         """CommitBulkLoad on every node (a lost answer asked again until ``timeout_s``).
         Raises LoadRefused, LoadInDoubt or PartialLoad (the module docstring)."""
         committed: list[str] = []
@@ -311,7 +334,7 @@ class BulkLoader:
             return
         first, error = refused[0]
         what = f"{first} answered {error.code().name} for the chunk at {ts}: {error.details()}"
-        if not committed:
+        if not committed and not done_before:
             self._abort(loads)
             if all(e.code() in DEFINITE for _n, e in refused):
                 raise LoadRefused(f"refused: {what}", ts) from error
@@ -326,13 +349,16 @@ class BulkLoader:
         holds and commits itself (the CDC connector's initial snapshot): prepare, write,
         commit on the nodes, nothing at the TransServer. Raises as :meth:`load` does,
         LoadRefused with every prepared load aborted; returns the files written."""
-        loads = self._prepare_and_write(ts, self._by_vnode(self._conform(rows, ts)))
+        loads, _before = self._prepare_and_write(ts, self._by_vnode(self._conform(rows, ts)))
         self._commit_at_nodes(ts, loads)
         return sum(len(p.files) for p in loads.values())
 
     def _commit_chunk(self, chunk: _Chunk) -> _Chunk:
+        if not chunk.loads:  # an earlier run committed every part: T is not needed
+            self._roll_back(chunk.ts, chunk.trans_id)
+            return chunk
         try:
-            self._commit_at_nodes(chunk.ts, chunk.loads)
+            self._commit_at_nodes(chunk.ts, chunk.loads, chunk.done_before)
         except (LoadRefused, LoadInDoubt):
             self._roll_back(chunk.ts, chunk.trans_id)
             raise
@@ -343,7 +369,9 @@ class BulkLoader:
                 self._trans.CommitTrans(tpb.CommitTransRequest(trans_id=chunk.trans_id),
                                         timeout=30)
             raise
+        fp.LOADER_COMMIT_TRANS_BEFORE.hit()
         self._trans.CommitTrans(tpb.CommitTransRequest(trans_id=chunk.trans_id), timeout=30)
+        fp.LOADER_COMMIT_TRANS_AFTER.hit()
         return chunk
 
     def _abort(self, loads: Mapping[str, rpb.PrepareBulkLoadResponse]) -> None:

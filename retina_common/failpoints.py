@@ -476,6 +476,12 @@ LOAD_PROMOTE_AFTER = Failpoint(
     "load.promote.after", "the load's journal record removed")
 LOAD_REAPPLY_BEFORE = Failpoint(
     "load.reapply.before", "recovery: a journaled load's rows not yet re-applied")
+LOADER_COMMIT_TRANS_BEFORE = Failpoint(
+    "loader.commit_trans.before", "the loader: every node committed its part of a chunk, "
+    "the chunk's write transaction not yet committed")
+LOADER_COMMIT_TRANS_AFTER = Failpoint(
+    "loader.commit_trans.after", "the loader: a chunk's write transaction committed, the "
+    "next chunk not yet asked for")
 LOAD_REAPPLY_AFTER = Failpoint(
     "load.reapply.after", "recovery: a journaled load's rows re-applied (write buffer and "
     "index), not durable in any checkpoint")

@@ -39,6 +39,7 @@ once both checkpoint slots start above T in each of its streams, the record goes
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 import time
 import uuid
@@ -83,6 +84,9 @@ from retina_server.visibility import RGVisibility
 from retina_server.write_fence import Fenced
 
 log = get_logger(component="bulk_load")
+
+# A loader's own load id (PrepareBulkLoadRequest.load_id): also a journal file name.
+LOAD_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 LOADS = Counter("retina_bulk_loads_total", "Bulk loads by outcome", ["outcome"])
 LOADED_ROWS = Counter("retina_bulk_load_rows_total", "Rows published by bulk loads")
@@ -182,10 +186,26 @@ class BulkLoads:
         self._recent: deque[ReplayStarts] = deque(maxlen=2)
 
     # --- prepare ---------------------------------------------------------------------------
-    def prepare(self, schema_name: str, table_name: str, ts: int,
-                vnodes: list[int]) -> PreparedLoad:
+    def prepare(self, schema_name: str, table_name: str, ts: int, vnodes: list[int],
+                load_id: str = "") -> PreparedLoad | LoadResult:
+        """A new prepared load; or, for a ``load_id`` the loader chose that committed
+        already (a retried loader), its result (LOADER_IDS_ARE_IDEMPOTENT). A load id
+        prepared and not committed is prepared anew (its old files lapse)."""
         node = self._node
         node.check_writable()
+        if load_id and not LOAD_ID.fullmatch(load_id):
+            raise _refuse(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"load_id {load_id!r}: letters, digits, '_', '.', '-', at most 128")
+        if load_id:
+            done = self._committed(load_id)
+            if done is not None:
+                return done
+            with self._lock:
+                stale = self._pending.get(load_id)
+                if stale is not None and stale.lock.locked():
+                    raise _refuse(grpc.StatusCode.UNAVAILABLE,
+                                  f"load {load_id} is committing; ask again")
+            self.abort(load_id)
         if ts <= 0:
             raise _refuse(grpc.StatusCode.INVALID_ARGUMENT, "timestamp is required")
         if not vnodes or len(set(vnodes)) != len(vnodes):
@@ -213,7 +233,8 @@ class BulkLoads:
             record = self._catalog.add_file(name, FileType.TEMPORARY_INGEST, 0, stream.path_id)
             files.append(PreparedFile(vnode, record.file_id, name))
         fp.LOAD_PREPARE_CATALOG_AFTER.hit()
-        load = PreparedLoad(uuid.uuid4().hex, table, ts, stream.path_id, stream.path_uri, files,
+        load = PreparedLoad(load_id or uuid.uuid4().hex, table, ts, stream.path_id,
+                            stream.path_uri, files,
                             self._clock_ms() + self._settings.prepare_ttl_ms)
         with self._lock:
             self._expire()
@@ -288,8 +309,7 @@ class BulkLoads:
             PREPARED.set(len(self._pending))
         return result
 
-    def _finished(self, load_id: str, ts: int) -> LoadResult | None:
-        """The answer to a repeated commit (the first answer was lost)."""
+    def _committed(self, load_id: str) -> LoadResult | None:
         with self._lock:
             done = self._done.get(load_id)
         if done is None:
@@ -297,6 +317,13 @@ class BulkLoads:
             if entry is None:
                 return None
             done = LoadResult(load_id, entry.ts, entry.row_count, entry.file_ids)
+        return done
+
+    def _finished(self, load_id: str, ts: int) -> LoadResult | None:
+        """The answer to a repeated commit (the first answer was lost)."""
+        done = self._committed(load_id)
+        if done is None:
+            return None
         if done.ts != ts:
             raise _refuse(grpc.StatusCode.INVALID_ARGUMENT,
                           f"load {load_id} committed at timestamp {done.ts}, not {ts}")

@@ -33,7 +33,7 @@ import numpy as np
 from prometheus_client import Counter
 
 from retina_server.main_index import MainIndex, RowLocation, Sequences, SqliteStore
-from retina_server.primary_index import TOMBSTONE, PrimaryIndex
+from retina_server.primary_index import MAP_SIZE, TOMBSTONE, PrimaryIndex
 
 # Up to this many keys, delete_targets looks each up by itself (_few_delete_targets).
 _FEW_KEYS = 16
@@ -65,7 +65,7 @@ class DeleteTargets:
 
 class LocalIndexService:
     def __init__(self, directory: Path, *, row_id_block: int = 100_000,
-                 map_size: int = 8 << 30) -> None:
+                 map_size: int = MAP_SIZE) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.primary = PrimaryIndex(directory / "primary.lmdb", map_size=map_size)
         self._sqlite = SqliteStore(directory / "main_index.sqlite")

@@ -31,6 +31,11 @@ from retina_server.index_errors import IndexBackendError
 
 log = get_logger(component="index")
 
+# LMDB's map is address space, not disk: the file grows with what is written. 1 TiB, so a
+# node's index is bounded by its disk, not by the map. (It was 8 GiB, which a table of
+# about 50 million keys fills at ~165 bytes of versions and by-timestamp entries per key:
+# every write then failed with MapFullError.)
+MAP_SIZE = 1 << 40
 _TABLE = struct.Struct(">q")
 _LEN = struct.Struct(">I")
 _TS = struct.Struct(">Q")  # big-endian, so versions of a key sort by timestamp
@@ -118,7 +123,7 @@ def _split_prefix(prefix: bytes) -> tuple[int, bytes]:
 
 
 class PrimaryIndex:
-    def __init__(self, path: Path, *, map_size: int = 8 << 30) -> None:
+    def __init__(self, path: Path, *, map_size: int = MAP_SIZE) -> None:
         self._env = lmdb.open(str(path), map_size=map_size, sync=True, metasync=True,
                               max_dbs=8)  # refused_writes.py, source_positions.py, ...
         # Versions: tableId|len|key|ts -> rowId or TOMBSTONE; and ts|tableId|len|key -> ''

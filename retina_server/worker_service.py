@@ -30,7 +30,7 @@ from retina_common.pb import retina_pb2 as pb
 from retina_common.pb import retina_pb2_grpc as pb_grpc
 from retina_common.refusal import Refusal, abort, status_of
 from retina_server import change_feed
-from retina_server.bulk_load import BulkLoads
+from retina_server.bulk_load import BulkLoads, LoadResult
 from retina_server.change_feed import ChangeFeed
 from retina_server.gc.gc_scheduler import GcScheduler
 from retina_server.gc.lineage import Lineage, LineageRecord
@@ -349,7 +349,10 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
                         context: grpc.ServicerContext) -> pb.PrepareBulkLoadResponse:
         def run() -> pb.PrepareBulkLoadResponse:
             p = self._bulk_loads().prepare(request.schema_name, request.table_name,
-                                           request.timestamp, list(request.virtual_node_ids))
+                                           request.timestamp, list(request.virtual_node_ids),
+                                           request.load_id)
+            if isinstance(p, LoadResult):  # a loader's load id that committed already
+                return pb.PrepareBulkLoadResponse(load_id=p.load_id, committed_ts=p.ts)
             return pb.PrepareBulkLoadResponse(
                 load_id=p.load_id, path_uri=p.path_uri, expires_at_ms=p.expires_at_ms,
                 files=[pb.BulkLoadFile(virtual_node_id=f.vnode, file_id=f.file_id,
