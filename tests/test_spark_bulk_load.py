@@ -1,4 +1,4 @@
-"""``spark_jobs.bulk_load`` in Spark local mode against real nodes: Parquet files loaded
+"""``spark_jobs.parquet_load`` in Spark local mode against real nodes: Parquet files loaded
 through the bulk load path, one task per file, a task killed after half its chunks and
 run again by Spark (its committed chunks answered by their load ids, the rest loaded),
 and a live key refused; the table against the model every time."""
@@ -31,7 +31,7 @@ def run_job(plane: DataPlane, files: list[Path], failpoint: str = "",
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, ENV_VAR: failpoint}
     if failpoint_dir is not None:
         env[DIR_VAR] = str(failpoint_dir)
-    argv = [sys.executable, "-m", "spark_jobs.bulk_load", "--config", str(plane.config_path),
+    argv = [sys.executable, "-m", "spark_jobs.parquet_load", "--config", str(plane.config_path),
             "--table", "shop.orders", "--master", "local[2,2]", "--chunk-rows", "250",
             "--lease-ms", "5000",
             "--json", "--no-progress", *map(str, files)]

@@ -3,8 +3,8 @@ per group of input files, each loading its files with ``retina_common.bulk_loade
 batches in, one Parquet file per virtual node and chunk written by the task, published by
 the owning nodes at the chunk's commit timestamp; docs/write-paths/bulk-load.md).
 
-    python -m spark_jobs.bulk_load --config retina.toml --table shop.orders A.parquet B.parquet
-    spark-submit spark_jobs/bulk_load.py --config retina.toml --table shop.orders \\
+    python -m spark_jobs.parquet_load --config retina.toml --table shop.orders A.parquet B.parquet
+    spark-submit spark_jobs/parquet_load.py --config retina.toml --table shop.orders \\
         --files-per-task 4 /data/export/*.parquet
 
 Every row must be for a key without a live version (a new table, a backfill of keys the
@@ -57,7 +57,7 @@ from spark_jobs.common import (
     spark_session,
 )
 
-PROG = "spark_jobs.bulk_load"
+PROG = "spark_jobs.parquet_load"
 
 
 @dataclass(frozen=True)
