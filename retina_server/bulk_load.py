@@ -153,7 +153,7 @@ class _Checked:
 
     prepared: PreparedFile
     stream: Stream
-    keys: list[bytes]  # in version-key order (by length, then bytes)
+    keys: list[bytes]  # in the primary index's order (PrimaryIndex.index_order)
     positions: np.ndarray  # each key's row in the file
     rg_row_counts: tuple[int, ...]
     first_block_id: int = 0
@@ -387,8 +387,9 @@ class BulkLoads:
         if longest > MAX_KEY_BYTES:
             raise _refuse(bad, f"load file {f.name}: a primary key of {longest} bytes; the "
                                f"index takes at most {MAX_KEY_BYTES}")
-        order = _version_order(encoded)
-        keys = encoded.take(order).to_pylist()
+        every = encoded.to_pylist()
+        order = self._node.index.primary.index_order(every)  # the index's own order
+        keys = [every[i] for i in order]
         if any(a == b for a, b in itertools.pairwise(keys)):  # sorted: a repeat is a neighbour
             raise _refuse(bad, f"load file {f.name} holds a key twice")
         vnodes = self._node.topology.vnodes_of_keys(keys)
@@ -397,8 +398,8 @@ class BulkLoads:
             key = keys[int(wrong[0])]
             raise _refuse(bad, f"load file {f.name} is for virtual node {f.vnode}, but key "
                                f"{key.hex()} routes to {int(vnodes[wrong[0]])}")
-        return _Checked(f, self._node.stream(table, f.vnode), keys,
-                        order.to_numpy(zero_copy_only=False).astype(np.int64), counts)
+        return _Checked(f, self._node.stream(table, f.vnode), keys, order.astype(np.int64),
+                        counts)
 
     def _reserve_blocks(self, c: _Checked) -> int:
         """The file's block span, after every block the stream has handed out; the open
@@ -662,16 +663,6 @@ class _StreamLocks:
     def __exit__(self, *_exc: object) -> None:
         for lock in reversed(self._taken):
             lock.release()
-
-
-def _version_order(keys: pa.Array) -> pa.Array:
-    """The order of the primary index's version keys (tableId | length | key): by length,
-    then bytes; one sort in Arrow."""
-    lengths = pc.binary_length(keys)
-    if pc.min(lengths).as_py() == pc.max(lengths).as_py():
-        return pc.sort_indices(keys)
-    return pc.sort_indices(pa.table({"length": lengths, "key": keys}),
-                           sort_keys=[("length", "ascending"), ("key", "ascending")])
 
 
 def _ranges(f: LoadedFile) -> list[RowIdRange]:

@@ -48,6 +48,16 @@ TOMBSTONE = -1
 MAX_KEY_BYTES = 511 - 20
 _MAX_PREFIX = 511 - 8  # the longest tableId|len|key a version key can have
 _PRUNED_BELOW = b"pruned_below"
+# KEYS_STORED_REVERSED: the key bytes in a version key are stored back to front. The codec
+# lays an integer key out little-endian, so consecutive ids (an auto-increment column, a
+# load of ids 1..N) would land all over the B-tree: every chunk of a load, every batch of
+# inserts, touched almost every page. Reversed, they are big-endian: neighbours in the
+# tree, so a load's key check and its puts stay near a few pages however large the table
+# (20M keys: 0.14 s and 0.40 s per million, against 0.38 s and 1.40 s, and a file 2.4
+# times smaller). An index created before this layout keeps its own (LAYOUT_LEGACY).
+_KEY_LAYOUT = b"key_layout"
+LAYOUT_REVERSED = b"reversed"
+LAYOUT_LEGACY = b"legacy"
 # A store of this environment dropping its entries below a new prune horizon, in the
 # transaction that records the horizon (``prune_versions``).
 BelowHorizon = Callable[["lmdb.Transaction[bytes]", int], object]
@@ -86,7 +96,7 @@ def _version_prefixes(table_id: int, keys: Iterable[bytes]) -> list[bytes]:
 
 
 def _load_items(table_id: int, keys: Sequence[bytes], row_ids: np.ndarray,
-                ts: int) -> tuple[list[bytes], list[bytes], list[bytes]]:
+                ts: int, reverse: bool) -> tuple[list[bytes], list[bytes], list[bytes]]:
     """A bulk load's version keys ``prefix|ts``, their values (row ids) and by-timestamp keys
     ``ts|prefix``, sorted by version key. Keys of one width (a table of fixed-width key
     columns) are laid out and sorted with numpy, not one by one."""
@@ -94,7 +104,7 @@ def _load_items(table_id: int, keys: Sequence[bytes], row_ids: np.ndarray,
     ids = np.asarray(row_ids, dtype=">i8")
     width = len(keys[0])
     if any(len(k) != width for k in keys):
-        prefixes = _version_prefixes(table_id, keys)
+        prefixes = _version_prefixes(table_id, [k[::-1] for k in keys] if reverse else keys)
         by_key = sorted(range(len(prefixes)), key=prefixes.__getitem__)
         return ([prefixes[i] + stamp for i in by_key], ids[by_key].view("V8").tolist(),
                 [stamp + prefixes[i] for i in by_key])
@@ -104,8 +114,8 @@ def _load_items(table_id: int, keys: Sequence[bytes], row_ids: np.ndarray,
     size = len(head) + width + len(tail)
     versions = np.empty((n, size), np.uint8)
     versions[:, :len(head)] = head
-    versions[:, len(head):len(head) + width] = \
-        np.frombuffer(b"".join(keys), np.uint8).reshape(n, width)
+    body = np.frombuffer(b"".join(keys), np.uint8).reshape(n, width)
+    versions[:, len(head):len(head) + width] = body[:, ::-1] if reverse else body
     versions[:, len(head) + width:] = tail
     order = np.argsort(versions.view(f"S{size}").ravel(), kind="stable")
     versions = versions[order]
@@ -137,6 +147,43 @@ class PrimaryIndex:
         with self._env.begin(db=self._meta) as txn:
             stored = txn.get(_PRUNED_BELOW, db=self._meta)
         self.pruned_below = 0 if stored is None else _TS.unpack(stored)[0]
+        self._reverse = self._key_layout() == LAYOUT_REVERSED
+
+    def _key_layout(self) -> bytes:
+        """KEYS_STORED_REVERSED for a new index; an index that has versions and no layout
+        record was written before the layout existed, and keeps its keys as they are."""
+        with self._env.begin(write=True, db=self._meta) as txn:
+            layout = txn.get(_KEY_LAYOUT, db=self._meta)
+            if layout is None:
+                empty = txn.stat(self._primary)["entries"] == 0
+                layout = LAYOUT_REVERSED if empty else LAYOUT_LEGACY
+                txn.put(_KEY_LAYOUT, layout, db=self._meta)
+        return bytes(layout)
+
+    def _prefix(self, table_id: int, key: bytes) -> bytes:
+        return _version_prefix(table_id, key[::-1] if self._reverse else key)
+
+    def _prefixes(self, table_id: int, keys: Iterable[bytes]) -> list[bytes]:
+        return _version_prefixes(table_id, (k[::-1] for k in keys) if self._reverse
+                                 else keys)
+
+    def _split(self, prefix: bytes) -> tuple[int, bytes]:
+        table_id, key = _split_prefix(prefix)
+        return table_id, key[::-1] if self._reverse else key
+
+    def index_order(self, keys: Sequence[bytes]) -> np.ndarray:
+        """The positions of ``keys`` in the order their versions lie in the index (one
+        sort; numpy for keys of one width): a bulk load checks and writes them so."""
+        if not keys:
+            return np.zeros(0, np.int64)
+        width = len(keys[0])
+        if all(len(k) == width for k in keys):
+            body = np.frombuffer(b"".join(keys), np.uint8).reshape(len(keys), width)
+            if self._reverse:
+                body = np.ascontiguousarray(body[:, ::-1])
+            return np.argsort(body.view(f"S{width}").ravel(), kind="stable")
+        prefixes = self._prefixes(0, keys)
+        return np.array(sorted(range(len(keys)), key=prefixes.__getitem__), np.int64)
 
     def close(self) -> None:
         self._env.close()
@@ -176,7 +223,7 @@ class PrimaryIndex:
             with self._env.begin(write=True, db=self._primary) as txn:
                 cursor = txn.cursor(db=self._primary)
                 for key, old, new in zip(keys, from_rows, to_rows, strict=True):
-                    prefix = _version_prefix(table_id, key)
+                    prefix = self._prefix(table_id, key)
                     want = _ROW.pack(old)
                     if not cursor.set_range(prefix):
                         continue
@@ -195,14 +242,14 @@ class PrimaryIndex:
 
     # --- bulk load (retina_server/bulk_load.py) ---
     def load_conflicts(self, table_id: int, keys: Sequence[bytes], ts: int) -> list[int]:
-        """LOAD_KEYS_HAVE_NO_LIVE_VERSION: the positions of ``keys`` (in version-key order:
-        by length, then bytes) a bulk load at ``ts`` may not insert: a key whose latest
-        version at or before ``ts`` is a row (live, or an orphan only a resolution could
-        sort out), or that has any version after ``ts`` (a later write the load would slip
-        under). A key with no version, or whose versions up to ``ts`` end in a tombstone,
-        is free. One descent per key, in key order (each starts where the last ended in
-        the B-tree's pages), in a comprehension; only keys that have versions are walked."""
-        prefixes = _version_prefixes(table_id, keys)
+        """LOAD_KEYS_HAVE_NO_LIVE_VERSION: the positions of ``keys`` a bulk load at ``ts``
+        may not insert: a key whose latest version at or before ``ts`` is a row (live, or
+        an orphan only a resolution could sort out), or that has any version after ``ts``
+        (a later write the load would slip under). A key with no version, or whose
+        versions up to ``ts`` end in a tombstone, is free. One descent per key, in a
+        comprehension; given in the index's order (``index_order``), each descent starts
+        where the last ended in the B-tree's pages. Only keys with versions are walked."""
+        prefixes = self._prefixes(table_id, keys)
         tombstone = _ROW.pack(TOMBSTONE)
         clash = []
         try:
@@ -240,7 +287,7 @@ class PrimaryIndex:
         first is appended to (LMDB's append mode: no descent)."""
         if not len(keys):
             return
-        versions, values, stamped = _load_items(table_id, keys, row_ids, ts)
+        versions, values, stamped = _load_items(table_id, keys, row_ids, ts, self._reverse)
         try:
             with self._env.begin(write=True, db=self._primary) as txn:
                 for db, items in ((self._primary, zip(versions, values, strict=True)),
@@ -265,7 +312,7 @@ class PrimaryIndex:
                 (row_id,) = _ROW.unpack(value)
                 i = bisect.bisect_right(starts, row_id) - 1
                 if i >= 0 and row_id < spans[i][1]:
-                    table_id, key = _split_prefix(version[:-8])
+                    table_id, key = self._split(version[:-8])
                     found.append((table_id, key, _TS.unpack(version[-8:])[0], row_id))
                     if len(found) >= limit:
                         break
@@ -325,7 +372,7 @@ class PrimaryIndex:
         set_range, prev, last = cursor.set_range, cursor.prev, cursor.last
         key_at, value_at = cursor.key, cursor.value
         out: list[tuple[int | None, int | None]] = []
-        for prefix in _version_prefixes(table_id, keys):
+        for prefix in self._prefixes(table_id, keys):
             at: int | None = None
             before: int | None = None
             moved = prev() if set_range(prefix + bound) else last()
@@ -347,7 +394,7 @@ class PrimaryIndex:
         this and refuses a ``ts`` below it."""
         bound = _TS.pack(ts + 1)
         unpack = _ROW.unpack
-        prefixes = _version_prefixes(table_id, keys)
+        prefixes = self._prefixes(table_id, keys)
         # In key order: each descent starts where the last one ended in the B-tree's pages.
         order = sorted(range(len(prefixes)), key=prefixes.__getitem__)
         out = np.full(len(prefixes), TOMBSTONE, np.int64)
@@ -379,7 +426,7 @@ class PrimaryIndex:
         previous = []
         pack_ts, pack_row = _TS.pack, _ROW.pack
         items = list(items)
-        prefixes = _version_prefixes(table_id, (key for key, _, _ in items))
+        prefixes = self._prefixes(table_id, (key for key, _, _ in items))
         stamps = [pack_ts(ts) for _, _, ts in items]
         versions = [p + t for p, t in zip(prefixes, stamps, strict=True)]
         try:
@@ -421,7 +468,7 @@ class PrimaryIndex:
     def truncate_targets(self, table_id: int, ts: int,
                          vnode_of: Callable[[bytes], int]) -> dict[int, list[bytes]]:
         """The keys of ``table_id`` a TRUNCATE at ``ts`` has to delete, by virtual node,
-        in key order: those whose latest version at or before ``ts`` is a row id (live,
+        in the index's order: those whose latest version at or before ``ts`` is a row id (live,
         or an orphan that resolution sorts out). A key whose latest version before
         ``ts`` is a tombstone is dead already, and a key first written after ``ts``
         cannot be touched by it.
@@ -445,7 +492,7 @@ class PrimaryIndex:
         def settle(prefix: bytes | None, before: bytes | None, at: bytes | None) -> None:
             deciding = at if at is not None and at != tombstone else before
             if prefix is not None and deciding is not None and deciding != tombstone:
-                key = _split_prefix(prefix)[1]
+                key = self._split(prefix)[1]
                 targets.setdefault(vnode_of(key), []).append(key)
 
         try:
@@ -482,7 +529,7 @@ class PrimaryIndex:
         try:
             with self.transaction() as txn:
                 for key, ts, value in previous:
-                    prefix = _version_prefix(table_id, key)
+                    prefix = self._prefix(table_id, key)
                     version = prefix + _TS.pack(ts)
                     if value is None:
                         txn.delete(version, db=self._primary)
@@ -513,7 +560,7 @@ class PrimaryIndex:
                 doomed = []
                 for entry in cursor.iternext(keys=True, values=False):
                     ts = _TS.unpack(entry[:8])[0]
-                    table_id, key = _split_prefix(entry[8:])
+                    table_id, key = self._split(entry[8:])
                     if ts >= start_of(table_id, key):
                         doomed.append((entry, entry[8:] + entry[:8]))
                     elif kept is not None:
@@ -669,7 +716,7 @@ class PrimaryIndex:
         """Every version as (tableId, key, ts, rowId or TOMBSTONE), in key then ts
         order. A full scan: for tests and diagnostics only."""
         with self._env.begin(db=self._primary) as txn:
-            return [(*_split_prefix(version[:-8]), _TS.unpack(version[-8:])[0],
+            return [(*self._split(version[:-8]), _TS.unpack(version[-8:])[0],
                      _ROW.unpack(value)[0])
                     for version, value in txn.cursor(db=self._primary)]
 

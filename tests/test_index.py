@@ -128,14 +128,16 @@ def test_truncate_targets_skip_dead_keys_and_later_versions(tmp_path: Path) -> N
     def vnode(key: bytes) -> int:
         return len(key) % 2
 
-    assert index.primary.truncate_targets(1, 20, vnode) == {0: [b"live"], 1: [b"later", b"stale"]}
+    # In the index's order (keys stored reversed: KEYS_STORED_REVERSED).
+    assert index.primary.truncate_targets(1, 20, vnode) == {0: [b"live"], 1: [b"stale", b"later"]}
     assert index.primary.truncate_targets(1, 5, vnode) == {}
     assert index.primary.truncate_targets(3, 20, vnode) == {}
     # The TRUNCATE at 20 applied: its tombstones, then the same key inserted at 25.
     index.primary.tombstone_primary_resolved(1, [b"live", b"later", b"stale"], ts=20)
     # Applied again: the same keys (their rows before 20 are deleted already, so the
     # DELETE writes only the same tombstones); "dead" stays out.
-    assert index.primary.truncate_targets(1, 20, vnode) == {0: [b"live"], 1: [b"later", b"stale"]}
+    # In the index's order (keys stored reversed: KEYS_STORED_REVERSED).
+    assert index.primary.truncate_targets(1, 20, vnode) == {0: [b"live"], 1: [b"stale", b"later"]}
     assert index.resolve_primary(1, [b"later"], everything, 99)[0].row_id == r + 4
     assert index.primary.truncate_targets(1, 99, vnode) == {1: [b"fresh", b"later"]}
 
