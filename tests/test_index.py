@@ -266,3 +266,34 @@ def test_latest_is_each_keys_row_at_a_snapshot_and_the_prune_horizon_is_durable(
     reopened = LocalIndexService(tmp_path)
     assert reopened.primary.pruned_below == 40
     assert reopened.primary.latest(1, keys, 60).tolist() == expected(60)
+
+
+def test_keys_are_stored_reversed_and_an_older_index_keeps_its_layout(tmp_path: Path) -> None:
+    """KEYS_STORED_REVERSED: consecutive little-endian ids are neighbours in a new index.
+    An index written before the layout existed (versions, no layout record) keeps its
+    keys as they are, and answers as before."""
+    from retina_server.primary_index import LAYOUT_LEGACY, LAYOUT_REVERSED, PrimaryIndex
+
+    keys = [i.to_bytes(8, "little") for i in range(300)]
+    new = PrimaryIndex(tmp_path / "new")
+    new.put_primary_entries_only(1, keys, range(300), ts=5)
+    stored = [key for _t, key, _ts, _row in new.versions()]
+    assert sorted(stored) == sorted(keys)  # versions() answers the keys as written
+    with new.env.begin() as txn:
+        raw = [k for k, _v in txn.cursor(db=new._primary)]
+    assert [k[12:20] for k in raw] == [k[::-1] for k in keys]  # in id order
+    with new.env.begin(db=new._meta) as txn:
+        assert txn.get(b"key_layout", db=new._meta) == LAYOUT_REVERSED
+    # An older index: versions written unreversed and no layout record.
+    old_dir = tmp_path / "old"
+    legacy = PrimaryIndex(old_dir)
+    legacy._reverse = False
+    legacy.put_primary_entries_only(1, keys[:3], [7, 8, 9], ts=5)
+    with legacy.env.begin(write=True, db=legacy._meta) as txn:
+        txn.delete(b"key_layout", db=legacy._meta)
+    legacy.close()
+    reopened = PrimaryIndex(old_dir)
+    with reopened.env.begin(db=reopened._meta) as txn:
+        assert txn.get(b"key_layout", db=reopened._meta) == LAYOUT_LEGACY
+    assert reopened.latest(1, keys[:3], 5).tolist() == [7, 8, 9]
+    assert reopened.load_conflicts(1, keys[:4], 6) == [0, 1, 2]
