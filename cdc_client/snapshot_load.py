@@ -39,14 +39,15 @@ def loadable(rows: list[ChangeRow]) -> bool:
 
 def arrow_rows(table: TableRecord, rows: list[ChangeRow]) -> pa.Table:
     """``rows``' encoded values as the table's Arrow columns (one decode per column)."""
+    schema = table_schema(table)
     values = [r.values or () for r in rows]
     columns = []
     for i, column in enumerate(table.columns):
         if all(len(v) > i for v in values):
             columns.append(decode_column(column.type, [v[i] for v in values]))
         else:  # a column the table gained after the chunk was translated: NULL
-            columns.append(pa.nulls(len(values), table_schema(table).field(i).type))
-    return pa.Table.from_arrays(columns, schema=table_schema(table))
+            columns.append(pa.nulls(len(values), schema.field(i).type))
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 class SnapshotLoader:

@@ -236,17 +236,9 @@ class BulkLoader:
         return rows.select(names).cast(schema)
 
     def _conform(self, rows: pa.Table, ts: int) -> pa.Table:
-        """The table's columns in its order and types, plus ``_commit_ts`` = T."""
-        columns = []
-        for f in self._file_schema:
-            if f.name == COMMIT_TS:
-                columns.append(pa.array(np.full(rows.num_rows, ts, np.int64)))
-            elif f.name in rows.column_names:
-                columns.append(rows.column(f.name).cast(f.type).combine_chunks())
-            else:
-                raise ValueError(f"the rows have no column {f.name!r} of "
-                                 f"{self._schema_name}.{self._table.name}")
-        return pa.Table.from_arrays(columns, schema=self._file_schema)
+        """The file's rows: ``rows`` (the table's columns, ``_columns``) and ``_commit_ts`` = T."""
+        stamps = pa.array(np.full(rows.num_rows, ts, np.int64))
+        return pa.Table.from_arrays([*rows.columns, stamps], schema=self._file_schema)
 
     def _vnodes(self, rows: pa.Table) -> np.ndarray:
         keys = encode_primary_keys(self._key_types, [rows.column(n).combine_chunks()
@@ -349,7 +341,8 @@ class BulkLoader:
         holds and commits itself (the CDC connector's initial snapshot): prepare, write,
         commit on the nodes, nothing at the TransServer. Raises as :meth:`load` does,
         LoadRefused with every prepared load aborted; returns the files written."""
-        loads, _before = self._prepare_and_write(ts, self._by_vnode(self._conform(rows, ts)))
+        loads, _before = self._prepare_and_write(
+            ts, self._by_vnode(self._conform(self._columns(rows), ts)))
         self._commit_at_nodes(ts, loads)
         return sum(len(p.files) for p in loads.values())
 
@@ -387,6 +380,12 @@ class BulkLoader:
             self._trans.RollbackTrans(tpb.RollbackTransRequest(trans_id=trans_id), timeout=10)
         except grpc.RpcError as exc:  # its lease ends on its own
             log.warning("bulk_load_rollback_failed", ts=ts, error=exc.details())
+
+
+def parquet_batches(paths: Iterable[str], batch_rows: int = 65_536) -> Iterator[pa.RecordBatch]:
+    """The rows of Parquet files, as Arrow batches (``retina-load``, the Spark job)."""
+    for path in paths:
+        yield from pq.ParquetFile(path).iter_batches(batch_size=batch_rows)
 
 
 def _only_transient(exc: BaseException) -> None:

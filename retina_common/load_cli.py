@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
 
 import grpc
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from retina_common import exit_codes, failpoints
-from retina_common.bulk_loader import DEFAULT_CHUNK_ROWS, BulkLoader, LoadFailed
+from retina_common.bulk_loader import (
+    DEFAULT_CHUNK_ROWS,
+    BulkLoader,
+    LoadFailed,
+    parquet_batches,
+)
 from retina_common.catalog import Catalog, CatalogError, NotFound
 from retina_common.config import ConfigError
 from retina_common.log import configure_logging
@@ -36,15 +38,6 @@ from retina_common.tls import open_channel
 from retina_common.topology import load_config_and_topology
 
 PROG = "retina-load"
-
-
-def batches(paths: list[str], columns: list[str]) -> Iterator[pa.RecordBatch]:
-    for path in paths:
-        parquet = pq.ParquetFile(path)
-        extra = sorted(set(parquet.schema_arrow.names) - set(columns))
-        if extra:
-            raise ValueError(f"{path}: columns {extra} are not in the table ({columns})")
-        yield from parquet.iter_batches(batch_size=65_536)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     loader = BulkLoader(schema, table, topology, trans_pb2_grpc.TransServiceStub(channels[0]),
                         nodes, chunk_rows=args.chunk_rows)
     try:
-        report = loader.load(batches(args.files, [c.name for c in table.columns]))
+        report = loader.load(parquet_batches(args.files))
     except (ValueError, OSError) as exc:
         print(f"{PROG}: {exc} (commits before it stand; rows it did not reach are not "
               "loaded)", file=sys.stderr)

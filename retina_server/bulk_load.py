@@ -38,6 +38,7 @@ once both checkpoint slots start above T in each of its streams, the record goes
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 import threading
@@ -58,26 +59,21 @@ from retina_common import failpoints as fp
 from retina_common import file_names
 from retina_common.catalog import (
     Catalog,
-    CatalogError,
-    CatalogOutcomeUnknown,
-    ConstraintViolation,
     FileType,
-    FileTypeMismatch,
-    InvalidCatalogArgument,
     NotFound,
     TableRecord,
 )
-from retina_common.checkpoint_store import CheckpointBody
 from retina_common.codec import COMMIT_TS, LOAD_ID_KEY, EncodingError, encode_primary_keys
 from retina_common.log import get_logger
 from retina_common.refusal import Refusal
-from retina_common.replay_ts import ReplayStarts, derive
+from retina_common.replay_ts import ReplayStarts
 from retina_common.schema_evolution import conform, table_schema
 from retina_common.storage import open_parquet
 from retina_server.load_journal import LoadedFile, LoadEntry, LoadJournal
 from retina_server.main_index import RowIdRange
 from retina_server.node import RetinaNode, Stream
 from retina_server.primary_index import MAX_KEY_BYTES
+from retina_server.publisher import mark_regular
 from retina_server.registry import IngestFileMeta
 from retina_server.update_record import PreparedUpdate, apply
 from retina_server.visibility import RGVisibility
@@ -339,7 +335,13 @@ class BulkLoads:
             c.first_block_id = self._reserve_blocks(c)
         self._wait_published(checked)
         while True:
-            with _StreamLocks(streams):
+            with contextlib.ExitStack() as locks:
+                # The publisher locks, then the buffer locks, each in one order: as a
+                # checkpoint and a request take them (no deadlock).
+                for stream in streams:
+                    locks.enter_context(stream.publisher.lock)
+                for stream in streams:
+                    locks.enter_context(stream.buffer.lock)
                 if not self._older_unpublished(checked):
                     phases.done("wait")
                     return self._apply(load, checked, phases)
@@ -503,7 +505,9 @@ class BulkLoads:
         phases.done("index")
         fp.LOAD_CATALOG_REGULAR_BEFORE.hit()
         for f in entry.files:
-            self._mark_regular(f)
+            mark_regular(self._catalog, f.file_id, len(f.rg_row_counts), f.row_id_start,
+                         f.row_id_start + f.row_count - 1, self._settings.catalog_deadline_s,
+                         retry_s=0.5)
         fp.LOAD_CATALOG_REGULAR_AFTER.hit()
         fp.LOAD_REGISTRY_BEFORE.hit()
         for f in entry.files:
@@ -515,27 +519,6 @@ class BulkLoads:
                 node.visibility.adopt(f.file_id, rg, RGVisibility(count))
         fp.LOAD_REGISTRY_AFTER.hit()
         phases.done("publish")
-
-    def _mark_regular(self, f: LoadedFile) -> None:
-        deadline = time.monotonic() + self._settings.catalog_deadline_s
-        while True:
-            try:
-                self._catalog.update_file(
-                    f.file_id, file_type=FileType.REGULAR, num_row_group=len(f.rg_row_counts),
-                    min_row_id=f.row_id_start, max_row_id=f.row_id_start + f.row_count - 1,
-                    expected_type=FileType.TEMPORARY_INGEST)
-                return
-            except FileTypeMismatch as exc:
-                if exc.actual == FileType.REGULAR.name:
-                    return  # an earlier attempt committed (its outcome was unknown)
-                raise
-            except (NotFound, ConstraintViolation, InvalidCatalogArgument):
-                raise  # not transient: the node fails closed, recovery re-applies
-            except (CatalogOutcomeUnknown, CatalogError) as exc:
-                if time.monotonic() > deadline:
-                    raise
-                log.warning("bulk_load_catalog_retry", file_id=f.file_id, error=str(exc))
-                time.sleep(0.5)
 
     # --- recovery ----------------------------------------------------------------------------
     def load_journal(self) -> set[int]:
@@ -595,13 +578,13 @@ class BulkLoads:
         return f.row_count
 
     # --- promotion ---------------------------------------------------------------------------
-    def observe_checkpoint(self, body: CheckpointBody) -> int:
-        """A checkpoint was installed: promote every load both slots start above (the
+    def observe_checkpoint(self, starts: ReplayStarts) -> int:
+        """A checkpoint was installed (``starts``: its replay starts, derived by the
+        wiring once for every listener): promote every load both slots start above (the
         newest two this process installed: a start that falls back to ``previous``
         must still find the rows) and whose record is ``record_min_age_ms`` old.
         Returns loads promoted."""
-        self._recent.append(derive(body.header.checkpoint_applied_ts, body.segments,
-                                   self._node.owned_vnodes, []))
+        self._recent.append(starts)
         if len(self._recent) < 2:
             return 0
         promoted = 0
@@ -636,33 +619,6 @@ class _Phases:
 
 class LoadJournalMismatch(Exception):
     """A journaled load cannot be re-applied (its file or table is gone): fail closed."""
-
-
-class _StreamLocks:
-    """The publisher and buffer locks of several streams, in one order (no deadlock with
-    a request or a checkpoint, which take them in the same order)."""
-
-    def __init__(self, streams: list[Stream]) -> None:
-        self._streams = streams
-
-    def __enter__(self) -> None:
-        taken: list[threading.Lock | threading.RLock] = []
-        try:
-            for s in self._streams:
-                s.publisher.lock.acquire()
-                taken.append(s.publisher.lock)
-            for s in self._streams:
-                s.buffer.lock.acquire()
-                taken.append(s.buffer.lock)
-        except BaseException:
-            for lock in reversed(taken):
-                lock.release()
-            raise
-        self._taken = taken
-
-    def __exit__(self, *_exc: object) -> None:
-        for lock in reversed(self._taken):
-            lock.release()
 
 
 def _ranges(f: LoadedFile) -> list[RowIdRange]:

@@ -144,8 +144,9 @@ def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> 
     gc.load_files = loads.journal.protected_files
 
     def observe_checkpoint(body: CheckpointBody) -> None:
-        start = derive(body.header.checkpoint_applied_ts, body.segments, node.owned_vnodes, [])
-        replay_floor.observe(body.header.checkpoint_id, start.node_replay_from_ts)
+        starts = derive(body.header.checkpoint_applied_ts, body.segments, node.owned_vnodes, [])
+        replay_floor.observe(body.header.checkpoint_id, starts.node_replay_from_ts)
+        loads.observe_checkpoint(starts)
 
     recovery = RecoveryCoordinator(
         node, catalog, checkpoint_store, machine, announcer, trans.high_watermark,
@@ -155,8 +156,7 @@ def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> 
         # higher one.
         loaded_listeners=[gc.observe_loaded],
         checkpoint_listeners=[observe_checkpoint,
-                              lambda body: gc.promote({f.file_id for f in body.files}),
-                              loads.observe_checkpoint],
+                              lambda body: gc.promote({f.file_id for f in body.files})],
         loads=loads)
     scheduler = GcScheduler(node, trans.safe_gc_ts, gc.gc_floor, replay_floor.floor,
                             rc.gc_interval_ms / 1000, stop, is_ready=is_ready)

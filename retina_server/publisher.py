@@ -181,31 +181,47 @@ class StreamPublisher:
         ``give_up_after_s``: a catalog that stays away that long is not a blip, and the
         node fails closed (a restart recovers the file) instead of holding the stream's
         publish lock, and so its checkpoints, forever."""
-        deadline = time.monotonic() + self._give_up_after_s
-        while True:
-            try:
-                self._catalog.update_file(
-                    file.file_id, file_type=FileType.REGULAR, num_row_group=len(file.blocks),
-                    min_row_id=file.min_row_id, max_row_id=file.max_row_id,
-                    expected_type=FileType.TEMPORARY_INGEST)
-                return
-            except FileTypeMismatch as exc:
-                if exc.actual == FileType.REGULAR.name:
-                    return  # an earlier attempt committed (outcome was unknown)
-                self._on_fatal(f"file {file.file_id} became {exc.actual} before publish")
+        try:
+            mark_regular(self._catalog, file.file_id, len(file.blocks), file.min_row_id,
+                         file.max_row_id, self._give_up_after_s, self._retry_s)
+        except FileTypeMismatch as exc:
+            self._on_fatal(f"file {file.file_id} became {exc.actual} before publish")
+            raise
+        except (NotFound, ConstraintViolation, InvalidCatalogArgument) as exc:
+            # Not transient: the row vanished or the update breaks a catalog rule.
+            self._on_fatal(f"file {file.file_id} cannot be published: {exc}")
+            raise
+        except CatalogError as exc:
+            self._on_fatal(f"file {file.file_id}: the catalog refused the publish for "
+                           f"{self._give_up_after_s:.0f}s: {exc}")
+            raise
+
+
+def mark_regular(catalog: Catalog, file_id: int, num_row_group: int, min_row_id: int | None,
+                 max_row_id: int | None, give_up_after_s: float, retry_s: float) -> None:
+    """TEMPORARY_INGEST -> REGULAR with the row-id hull (an ingest publish, a bulk load):
+    a retry that finds the file REGULAR already (an unknown outcome) is done; a catalog
+    that is away is retried for ``give_up_after_s``, then its error is raised; anything
+    not transient (another type, the row gone, a rule broken) is raised at once."""
+    deadline = time.monotonic() + give_up_after_s
+    while True:
+        try:
+            catalog.update_file(file_id, file_type=FileType.REGULAR, num_row_group=num_row_group,
+                                min_row_id=min_row_id, max_row_id=max_row_id,
+                                expected_type=FileType.TEMPORARY_INGEST)
+            return
+        except FileTypeMismatch as exc:
+            if exc.actual == FileType.REGULAR.name:
+                return  # an earlier attempt committed (outcome was unknown)
+            raise
+        except (NotFound, ConstraintViolation, InvalidCatalogArgument):
+            raise
+        except (CatalogOutcomeUnknown, CatalogError) as exc:
+            if time.monotonic() > deadline:
                 raise
-            except (NotFound, ConstraintViolation, InvalidCatalogArgument) as exc:
-                # Not transient: the row vanished or the update breaks a catalog rule.
-                self._on_fatal(f"file {file.file_id} cannot be published: {exc}")
-                raise
-            except (CatalogOutcomeUnknown, CatalogError) as exc:
-                if time.monotonic() > deadline:
-                    self._on_fatal(f"file {file.file_id}: the catalog refused the publish for "
-                                   f"{self._give_up_after_s:.0f}s: {exc}")
-                    raise
-                PUBLISH_RETRIES.inc()
-                log.warning("ingest_publish_retry", file_id=file.file_id, error=str(exc))
-                time.sleep(self._retry_s)
+            PUBLISH_RETRIES.inc()
+            log.warning("ingest_publish_retry", file_id=file_id, error=str(exc))
+            time.sleep(retry_s)
 
 
 class IngestPipeline:

@@ -29,16 +29,18 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from retina_common import exit_codes
-from retina_common.bulk_loader import DEFAULT_CHUNK_ROWS, BulkLoader, LoadFailed
+from retina_common.bulk_loader import (
+    DEFAULT_CHUNK_ROWS,
+    BulkLoader,
+    LoadFailed,
+    parquet_batches,
+)
 from retina_common.catalog import Catalog, CatalogError, NotFound, TableRecord
 from retina_common.client import channel
 from retina_common.config import Config, ConfigError
@@ -80,11 +82,6 @@ class LoadSpec:
     lease_ms: int
 
 
-def _batches(files: tuple[str, ...]) -> Iterator[pa.RecordBatch]:
-    for path in files:
-        yield from pq.ParquetFile(path).iter_batches(batch_size=65_536)
-
-
 def load_files(spec: LoadSpec, task: LoadTask) -> tuple[int, int, int]:
     """One task: its files through a BulkLoader whose load ids are the task's own (a
     retry is answered for what an earlier attempt committed); (rows, chunks, files)."""
@@ -99,7 +96,7 @@ def load_files(spec: LoadSpec, task: LoadTask) -> tuple[int, int, int]:
                             chunk_rows=spec.chunk_rows, timeout_s=spec.rpc_timeout_s,
                             lease_ms=spec.lease_ms, id_prefix=f"{spec.job_id}.{task.index}")
         try:
-            report = loader.load(_batches(task.files))
+            report = loader.load(parquet_batches(task.files))
         except LoadFailed as exc:
             raise TaskError(f"{REFUSED_MARK} task {task.index}: {exc}") from None
         except grpc.RpcError as exc:
