@@ -73,6 +73,14 @@ SWEEPERS_ARGS ?= --minutes 5 --sample-s 10
 bench-sweepers: setup
 	@$(PY) bench/bench_sweepers.py $(SWEEPERS_ARGS)
 
+# Storage GC beside a steady write load (bench/bench_gc_writers.py, docs/performance.md
+# "Storage GC beside writers"): writer and freshness p99 with and without three GC runs.
+GC_WRITERS_ARGS ?= --seconds 90
+
+.PHONY: bench-gc-writers
+bench-gc-writers: setup
+	@$(PY) bench/bench_gc_writers.py $(GC_WRITERS_ARGS)
+
 # Retina beside Delta Lake, Iceberg and Paimon on one CDC workload (bench/bench_peers.py,
 # docs/performance.md). The peers run in their own virtual environment, .venv-peers
 # (pypaimon pins pyarrow below Retina's), made here once; e.g.

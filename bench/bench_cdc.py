@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import functools
 import os
 import platform
 import random
@@ -35,6 +36,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -73,7 +75,8 @@ def setup(state: ClusterState) -> str:
         "probe": [ColumnSpec("id", "int64"), ColumnSpec("sent_ns", "int64")]})
 
 
-def start_pipeline(state: ClusterState, ddl: str, tables: dict[str, list[ColumnSpec]]) -> str:
+def start_pipeline(state: ClusterState, ddl: str, tables: dict[str, list[ColumnSpec]],
+                   node_env: dict[str, str] | None = None) -> str:
     """The source database made with ``ddl``, its ``public`` tables in the catalog (keyed
     by ``id``, in schema bench), both Retina nodes and retina-cdc following those tables;
     the source's DSN once the query gate sees both nodes READY (bench_change_feed.py too)."""
@@ -87,7 +90,7 @@ def start_pipeline(state: ClusterState, ddl: str, tables: dict[str, list[ColumnS
     for name, columns in tables.items():
         catalog.create_table(SCHEMA, name, columns, ["id"])
     catalog.close()
-    start_retina_servers(state)
+    start_retina_servers(state, node_env)
     start_cdc(state, {
         "RETINA__CDC__SOURCE": "postgres", "RETINA__CDC__SOURCE_DSN": dsn,
         "RETINA__CDC__SCHEMA": SCHEMA,
@@ -120,9 +123,14 @@ class Writer:
                         [v for row in values for v in row])
 
 
-def steady(dsn: str, reader: SnapshotReader, rate: int, seconds: float) -> dict:
+def steady(dsn: str, reader: SnapshotReader, rate: int, seconds: float,
+           write: Callable[[], None] | None = None) -> dict:
+    """``write`` commits one 10-row source transaction (default: 10 inserts into
+    readings); bench_gc_writers.py brings updates and deletes."""
     rows_per_txn = 10
-    writer = Writer(dsn, 1, 1)
+    if write is None:
+        writer = Writer(dsn, 1, 1)
+        write = functools.partial(writer.transaction, rows_per_txn)
     stop = threading.Event()
     sent: dict[int, int] = {}
     seen: dict[int, int] = {}
@@ -170,7 +178,7 @@ def steady(dsn: str, reader: SnapshotReader, rate: int, seconds: float) -> dict:
         delay = due - time.monotonic()
         if delay > 0:
             time.sleep(delay)  # pacing the load, not synchronisation
-        writer.transaction(rows_per_txn)
+        write()
         n += 1
     achieved = n * rows_per_txn / (time.monotonic() - started)
     stop.set()
@@ -270,6 +278,22 @@ def marker_visible(reader: SnapshotReader, timeout_s: float = 300) -> float:
     raise SystemExit(f"burst: the marker was not visible within {timeout_s:.0f} s")
 
 
+def private_cluster(prefix: str) -> tuple[Path, ClusterState]:
+    """Quiet logging and a private local cluster in a new directory (the bench's own)."""
+    configure_logging("bench", "warning")
+    state_dir = Path(tempfile.mkdtemp(prefix=prefix))
+    os.chmod(state_dir, 0o755)
+    return state_dir, start_cluster(state_dir, log=lambda _m: None)
+
+
+def release_cluster(state: ClusterState, state_dir: Path, keep_logs: str | None) -> None:
+    """Stop the private cluster, keep its logs where asked, and remove its directory."""
+    stop_cluster(state, log=lambda _m: None)
+    if keep_logs:
+        shutil.copytree(state_dir / "logs", keep_logs, dirs_exist_ok=True)
+    shutil.rmtree(state_dir, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -278,10 +302,7 @@ def main() -> None:
     parser.add_argument("--burst-rows", type=int, default=200_000)
     parser.add_argument("--keep-logs", help="copy the cluster's logs to this directory")
     args = parser.parse_args()
-    configure_logging("bench", "warning")
-    state_dir = Path(tempfile.mkdtemp(prefix="retina-bench-cdc-"))
-    os.chmod(state_dir, 0o755)
-    state = start_cluster(state_dir, log=lambda _m: None)
+    state_dir, state = private_cluster("retina-bench-cdc-")
     try:
         dsn = setup(state)
         reader = SnapshotReader(state.trans_listen, load_topology(state.topology_path))
@@ -289,10 +310,7 @@ def main() -> None:
         b = burst(dsn, reader, args.burst_rows, s["rows"])
         reader.close()
     finally:
-        stop_cluster(state, log=lambda _m: None)
-        if args.keep_logs:
-            shutil.copytree(state_dir / "logs", args.keep_logs, dirs_exist_ok=True)
-        shutil.rmtree(state_dir, ignore_errors=True)
+        release_cluster(state, state_dir, args.keep_logs)
     print(f"setup: {os.cpu_count()} cores, Python {platform.python_version()}, "
           f"{platform.platform()}; etcd, PostgreSQL (source + catalog, durable), TransServer, "
           "2 Retina nodes, retina-cdc and this load generator on one machine")

@@ -235,10 +235,10 @@ DDL = "CREATE TABLE readings (id int8 PRIMARY KEY, sensor int4, value float8, se
 class SourceWriter:
     """10-row source transactions: 7 inserts, 2 updates and 1 delete of earlier rows."""
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, first_id: int = 1) -> None:
         self.conn = psycopg2.connect(dsn)
-        self.rng = random.Random(1)
-        self.next_id = 1
+        self.rng = random.Random(first_id)
+        self.next_id = first_id
         self.live: list[int] = []
         self.timed = 0  # inserts + updates: the changes that carry sent_ns
 

@@ -156,6 +156,9 @@ class RetinaConfig:
     # these extra arguments (e.g. "--master spark://host:7077 --deleted-threshold 0.3").
     gc_job_interval_ms: int = 0
     gc_job_args: str = ""
+    # The job runs under `nice -n` this (0-19): on a machine it shares with the node, Spark
+    # takes the CPU the write path leaves (docs/performance.md, "Storage GC beside writers").
+    gc_job_nice: int = 10
     # Sweepers (docs/write-paths/sweepers.md): a round this often while READY (0:
     # never; RunSweeper / `retina-gc sweep` on demand). TEMPORARY_* files older than
     # the TTL (by their name's time; it must exceed gc_prepare_ttl_ms) are removed
@@ -362,6 +365,8 @@ def _check(config: Config) -> None:
                  "gc_retired_retention_ms"):
         if getattr(rc, name) < 0:
             raise ConfigError(f"retina.{name} must not be negative")
+    if not 0 <= rc.gc_job_nice <= 19:
+        raise ConfigError(f"retina.gc_job_nice must be between 0 and 19, not {rc.gc_job_nice}")
     problem = orphan_grace_problem(rc.orphan_grace_ms)
     if problem:
         raise ConfigError(f"retina.orphan_grace_ms: {problem}")

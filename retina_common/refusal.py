@@ -44,6 +44,11 @@ HELD_BY_BUFFER_READ = "held by a write-buffer read"
 # rewrite was rolled back in place (nothing changed, the files stay as they were) and is
 # gone; the job leaves the group for its next run, which prepares it again.
 ROLLED_BACK_FOR_BUFFER_READ = "rolled back for a write-buffer read"
+# In the details of a PrepareGcRewrite refused ABORTED because one of its files is the
+# output of an earlier rewrite that both checkpoint slots do not hold yet (its journal entry
+# is SWAPPED_NOT_CHECKPOINTED until the second checkpoint after its commit): nothing changed;
+# a run after that checkpoint can merge it. The job's report counts these apart.
+AWAITING_CHECKPOINT = "awaiting its second checkpoint"
 # In the details of a MarkReady refused FAILED_PRECONDITION because a registered replay
 # source was not replayed (a writer registered during the replay, say): nothing changed,
 # the node stays AWAITING_REPLAY, and a driver replays again with every source.

@@ -65,15 +65,27 @@ class _RangeMap:
         # ever flushed on this node).
         self._columns = [np.empty(0, np.int64) for _ in range(5)]
         self._built = 0
+        # file id -> row-id start -> its range: a file's ranges without a scan of the map
+        # (a Storage GC commit reads those of every old file it replaces).
+        self._by_file: dict[int, dict[int, RowIdRange]] = {}
 
     def add(self, r: RowIdRange) -> None:
         i = bisect.bisect_left(self._starts, r.row_id_start)
         self._built = min(self._built, i)
         if i < len(self._starts) and self._starts[i] == r.row_id_start:
+            self._unindex(self._ranges[i])
             self._ranges[i] = r  # idempotent re-add
-            return
-        self._starts.insert(i, r.row_id_start)
-        self._ranges.insert(i, r)
+        else:
+            self._starts.insert(i, r.row_id_start)
+            self._ranges.insert(i, r)
+        self._by_file.setdefault(r.file_id, {})[r.row_id_start] = r
+
+    def _unindex(self, r: RowIdRange) -> None:
+        of_file = self._by_file.get(r.file_id)
+        if of_file is not None:
+            of_file.pop(r.row_id_start, None)
+            if not of_file:
+                del self._by_file[r.file_id]
 
     def _arrays(self) -> list[np.ndarray]:
         n = len(self._ranges)
@@ -116,7 +128,8 @@ class _RangeMap:
         return RowLocation(r.file_id, r.rg_id, r.rg_row_offset + (row_id - r.row_id_start))
 
     def remove_file(self, file_id: int) -> list[RowIdRange]:
-        removed = [r for r in self._ranges if r.file_id == file_id]
+        removed = self.of_file(file_id)
+        self._by_file.pop(file_id, None)
         if removed:
             kept = [r for r in self._ranges if r.file_id != file_id]
             # The current prefix of the arrays is compacted the same way (in C); the rest
@@ -131,7 +144,9 @@ class _RangeMap:
         return removed
 
     def of_file(self, file_id: int) -> list[RowIdRange]:
-        return [r for r in self._ranges if r.file_id == file_id]
+        """The file's ranges in row-id order."""
+        of_file = self._by_file.get(file_id, {})
+        return [of_file[start] for start in sorted(of_file)]
 
 
 

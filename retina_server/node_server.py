@@ -172,7 +172,7 @@ def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> 
                       stop, is_ready=is_ready)
     sweeper.load_files = loads.protected_files
     job = GcJobLauncher(node_id, config_path, rc.gc_job_interval_ms / 1000, rc.gc_job_args,
-                        stop, is_ready=is_ready)
+                        stop, is_ready=is_ready, nice=rc.gc_job_nice)
 
     def start_gc() -> None:
         scheduler.start()

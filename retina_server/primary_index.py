@@ -219,10 +219,16 @@ class PrimaryIndex:
         was replaced or deleted since) is left alone. One durable LMDB transaction;
         idempotent, and the reverse call undoes it. Returns versions switched."""
         switched = 0
+        if not len(keys) == len(from_rows) == len(to_rows):
+            raise ValueError("switch_primary: keys and rows differ in length")
+        # In the index's order: each descent starts where the last ended (the switch holds
+        # the node's one LMDB write transaction, which every writer waits for).
+        order = self.index_order(keys).tolist()
         try:
             with self._env.begin(write=True, db=self._primary) as txn:
                 cursor = txn.cursor(db=self._primary)
-                for key, old, new in zip(keys, from_rows, to_rows, strict=True):
+                for i in order:
+                    key, old, new = keys[i], from_rows[i], to_rows[i]
                     prefix = self._prefix(table_id, key)
                     want = _ROW.pack(old)
                     if not cursor.set_range(prefix):

@@ -238,7 +238,9 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
                                                  request.timestamp)
             return pb.QueryVisibilityResponse(
                 file_id=request.file_id,
-                first_block_id=self._node.stream_position(request.file_id), row_groups=[
+                first_block_id=self._node.stream_position(request.file_id),
+                gc_hold=self._gc.hold_of(request.file_id) if request.want_gc_hold else "",
+                row_groups=[
                 pb.RowGroupVisibility(rg_id=rg, row_count=count,
                                       deleted_bitmap=bitmap_to_bytes(bits, count))
                 for rg, count, bits in groups])

@@ -15,8 +15,10 @@ The job never makes a file REGULAR and never touches an index or visibility. Per
    output takes the place of the files it replaced, which its name does not show); its
    size comes from storage. A group is a run of files of ONE stream, CONSECUTIVE in that
    order (the node refuses anything else): a file whose deleted fraction is at least
-   ``--deleted-threshold`` alone, or a run of at least two small files
-   (``< --small-file-bytes``) merged up to ``--target-file-bytes``. A file whose
+   ``--deleted-threshold`` alone, or at least two small files (``< --small-file-bytes``)
+   of comparable size (``--size-ratio``, ``--min-tier-bytes``: size-tiered, see
+   storage_gc_plan.py) merged up to ``--target-file-bytes``; a file its node holds
+   (QueryVisibility's gc_hold) is in no group. A file whose
    visibility the node cannot answer at safeGcTs (FAILED_PRECONDITION snapshot_expired:
    its visibility base is above it), or that was replaced since the listing, is skipped
    for this run and reported, and its stream is left alone (its place is unknown);
@@ -64,6 +66,8 @@ from spark_jobs.common import add_spark_arguments, fail, load, parse_conf, short
 from spark_jobs.storage_gc_driver import PROG, StorageGcJob, code_exit
 from spark_jobs.storage_gc_plan import (
     DEFAULT_DELETED_THRESHOLD,
+    DEFAULT_MIN_TIER_BYTES,
+    DEFAULT_SIZE_RATIO,
     DEFAULT_SMALL_FILE_BYTES,
     DEFAULT_TARGET_FILE_BYTES,
 )
@@ -97,6 +101,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target-file-bytes", type=int, default=DEFAULT_TARGET_FILE_BYTES,
                    help="a merged file grows up to about this size "
                         f"(default {DEFAULT_TARGET_FILE_BYTES})")
+    p.add_argument("--size-ratio", type=float, default=DEFAULT_SIZE_RATIO,
+                   help="size-tiered merging: an older small file joins a group only while it "
+                        "is at most this times the group's size so far, so a merged file is "
+                        "rewritten again only once that share of its size arrived beside it "
+                        f"(default {DEFAULT_SIZE_RATIO})")
+    p.add_argument("--min-tier-bytes", type=int, default=DEFAULT_MIN_TIER_BYTES,
+                   help="in that comparison, files and groups below this count as this size "
+                        f"(default {DEFAULT_MIN_TIER_BYTES}: the smallest files are one tier)")
     p.add_argument("--row-group-rows", type=int, default=DEFAULT_ROW_GROUP_ROWS,
                    help=f"rows per row group of a new file (default {DEFAULT_ROW_GROUP_ROWS})")
     p.add_argument("--max-groups", type=int, default=0,
@@ -129,6 +141,8 @@ def check_args(args: argparse.Namespace, config: Config) -> str | None:
         return "--deleted-threshold must be between 0 and 1"
     if args.small_file_bytes < 0 or args.target_file_bytes < 1:
         return "--small-file-bytes must not be negative, --target-file-bytes must be positive"
+    if args.size_ratio <= 0 or args.min_tier_bytes < 0:
+        return "--size-ratio must be positive, --min-tier-bytes must not be negative"
     if args.row_group_rows < 1 or args.max_groups < 0 or args.groups_per_wave < 1:
         return "--row-group-rows and --groups-per-wave must be positive, --max-groups >= 0"
     if args.lease_ms < 3000:

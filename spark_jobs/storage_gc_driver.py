@@ -24,7 +24,11 @@ from retina_common.config import Config
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
-from retina_common.refusal import HELD_BY_BUFFER_READ, ROLLED_BACK_FOR_BUFFER_READ
+from retina_common.refusal import (
+    AWAITING_CHECKPOINT,
+    HELD_BY_BUFFER_READ,
+    ROLLED_BACK_FOR_BUFFER_READ,
+)
 from retina_common.retry import RETRYABLE_CODES, Backoff, rpc_with_retry
 from retina_common.storage import object_size
 from retina_common.topology import Topology
@@ -52,8 +56,8 @@ STATS_THREADS = 8
 
 # Outcomes of a group, as printed and in --json.
 PLANNED, COMMITTED, REFUSED, FAILED = "PLANNED", "COMMITTED", "REFUSED", "FAILED"
-# The node said "not now" (ABORTED: its files are in another rewrite that no checkpoint
-# pair holds yet, or the cutoff is below a fold under way, or a read holds an old file
+# The node said "not now" (ABORTED: a file is in another rewrite, or an output that no
+# checkpoint pair holds yet, or the cutoff is below a fold under way, or a read holds an old file
 # through its write-buffer fetch): left for the next run.
 BUSY = "BUSY"
 # How long commits held for write-buffer readers are asked again before their groups are
@@ -164,6 +168,8 @@ class JobState:
     tables: list[str] = field(default_factory=list)
     files_listed: int = 0
     skipped: list[Skipped] = field(default_factory=list)
+    # Files their node would not let go now (QueryVisibility's gc_hold): in no group.
+    held: list[dict[str, Any]] = field(default_factory=list)
     groups: list[GroupReport] = field(default_factory=list)
     spark_start_s: float = 0.0
     task_seconds: float = 0.0
@@ -195,7 +201,8 @@ class StorageGcJob:
         self.topology = topology
         self.log = log
         self.thresholds = Thresholds(args.deleted_threshold, args.small_file_bytes,
-                                     args.target_file_bytes)
+                                     args.target_file_bytes, args.size_ratio,
+                                     args.min_tier_bytes)
         self.state = JobState()
         self._held_lock = threading.Lock()
         self._held_until: float | None = None  # the run's held-commit window (HELD_RETRY_S)
@@ -226,7 +233,8 @@ class StorageGcJob:
                            f"its node {parsed.node_id} is not in the topology")
         try:
             visibility = rpc_with_retry(lambda: stub.QueryVisibility(rpb.QueryVisibilityRequest(
-                file_id=f.file_id, timestamp=self.state.safe_gc_ts, trans_id=trans.trans_id),
+                file_id=f.file_id, timestamp=self.state.safe_gc_ts, trans_id=trans.trans_id,
+                want_gc_hold=True),
                 timeout=RPC_TIMEOUT_S))
         except grpc.RpcError as exc:
             if exc.code() in RETRYABLE_CODES:
@@ -245,7 +253,7 @@ class StorageGcJob:
         except OSError as exc:
             return Skipped(table, f.file_id, f.name, f"size from storage: {exc}")
         return FileStats(ref, parsed.node_id, parsed.vnode, visibility.first_block_id, size,
-                         rows, deleted)
+                         rows, deleted, visibility.gc_hold)
 
     def plan(self, trans: tpb.BeginTransResponse, schema: str, table: str) -> list[Group]:
         listing = rpc_with_retry(lambda: self.trans.ListQueryFiles(tpb.ListQueryFilesRequest(
@@ -257,6 +265,8 @@ class StorageGcJob:
         with ThreadPoolExecutor(STATS_THREADS) as pool:
             stats = list(pool.map(lambda f: self.file_stats(trans, name, f), files))
         usable = [s for s in stats if isinstance(s, FileStats)]
+        self.state.held.extend({"table": name, "file_id": u.ref.file_id, "name": u.ref.name,
+                                "reason": u.hold} for u in usable if u.hold)
         for s in stats:
             if isinstance(s, Skipped):
                 self.state.skipped.append(s)
@@ -480,9 +490,13 @@ class StorageGcJob:
         state.groups = reports
         print(f"{PROG}: safeGcTs {state.safe_gc_ts}, snapshot {trans.timestamp}: "
               f"{state.files_listed} files listed in {len(state.tables)} table(s), "
-              f"{len(state.skipped)} skipped, {len(groups)} group(s) planned", flush=True)
+              f"{len(state.skipped)} skipped, {len(state.held)} held by their node, "
+              f"{len(groups)} group(s) planned", flush=True)
         for s in state.skipped:
             print(f"  skipped {s.table} file {s.file_id} ({s.name}): {s.reason}", flush=True)
+        for h in state.held:
+            print(f"  held {h['table']} file {h['file_id']} ({h['name']}): {h['reason']}",
+                  flush=True)
         if args.dry_run or not groups:
             for report in reports:
                 print_group(report)
@@ -539,6 +553,7 @@ class StorageGcJob:
                               "files_listed": state.files_listed, "exit_code": code,
                               "totals": totals,
                               "skipped": [asdict(s) for s in state.skipped],
+                              "held": state.held,
                               "groups": [asdict(g) for g in state.groups]}), flush=True)
         return code
 
@@ -550,8 +565,15 @@ def totals_of(state: JobState) -> dict[str, Any]:
         "committed": len(committed),
         "refused": sum(g.outcome == REFUSED for g in state.groups),
         "busy": sum(g.outcome == BUSY for g in state.groups),
+        # BUSY because a file is an earlier output both checkpoint slots do not hold yet:
+        # what back-to-back runs closer than two checkpoint intervals meet.
+        "busy_awaiting_checkpoint": sum(g.outcome == BUSY and AWAITING_CHECKPOINT in g.reason
+                                        for g in state.groups),
         "failed": sum(g.outcome == FAILED for g in state.groups),
         "skipped_files": len(state.skipped),
+        "held_files": len(state.held),
+        "held_awaiting_checkpoint": sum(AWAITING_CHECKPOINT in h["reason"]
+                                        for h in state.held),
         "files_before": sum(len(g.old_files) for g in committed),
         "files_after": len(committed),
         "rows_kept": sum(g.rows_kept for g in committed),
@@ -585,12 +607,22 @@ def print_group(g: GroupReport) -> None:
         print(f"{head}:{status} {g.reason}", flush=True)
 
 
+def _held(t: dict[str, Any]) -> str:
+    waiting = t.get("held_awaiting_checkpoint", 0)
+    return (f"{t.get('held_files', 0)} held by their node ({waiting} awaiting their second "
+            "checkpoint)")
+
+
 def summary_line(t: dict[str, Any], dry_run: bool) -> str:
     if dry_run:
-        return f"dry run: {t['groups']} group(s) planned, nothing changed"
+        return f"dry run: {t['groups']} group(s) planned, {_held(t)}, nothing changed"
+    waiting = t.get("busy_awaiting_checkpoint", 0)
+    busy = (f"{t['busy']} busy (next run; {waiting} of them hold an earlier rewrite's output "
+            "that is awaiting its second checkpoint)" if waiting else
+            f"{t['busy']} busy (next run)")
     return (f"done: {t['committed']} of {t['groups']} group(s) committed, {t['refused']} "
-            f"refused, {t['busy']} busy (next run), {t['failed']} failed, "
-            f"{t['skipped_files']} file(s) skipped; files "
+            f"refused, {busy}, {t['failed']} failed, "
+            f"{t['skipped_files']} file(s) skipped, {_held(t)}; files "
             f"{t['files_before']} -> {t['files_after']}, rows kept {t['rows_kept']:,} dropped "
             f"{t['rows_dropped']:,}, {_mib(t['bytes_before'])} -> {_mib(t['bytes_after'])} "
             f"in {t['seconds']:.2f} s (Spark start-up {t['spark_start_s']:.1f} s, Spark phase "

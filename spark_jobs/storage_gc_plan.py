@@ -2,10 +2,28 @@
 rewritten together. Pure: the driver gathers each listed file's stream, place, size
 and deleted rows (:class:`FileStats`), and :func:`plan_table` groups them, run by run
 inside one stream, never across a file whose place is unknown.
+
+**The compaction policy is size-tiered** (MERGES_ONLY_COMPARABLE_SIZES). Small files are
+merged with neighbours of comparable size only: walking a run of consecutive small files
+from the newest, an older file joins the group only while it is at most ``size_ratio``
+times what the group already holds (and the newest at most that times the second; the
+group stays under the target), so no file of a group is more than ``size_ratio`` times
+the rest of it; below
+``min_tier_bytes`` (256 KiB) every file counts as that size, so the smallest files, mostly
+Parquet footer, are one tier. A merged file past that floor is therefore rewritten again
+only once at least ``1 / size_ratio`` of its size has arrived beside it: a row is
+rewritten about min_tier_bytes / (what arrives between runs) times below the floor, then
+at most log_(1 + 1/size_ratio)(small_file_bytes / min_tier_bytes) + 1 times (6 at the
+defaults) before its file stops being small; one run rewrites what arrived since the last
+one plus at most min_tier_bytes per stream and the tiers that doubled, never the whole
+table. The rule is RocksDB's and Paimon's universal compaction (their
+size ratio of 1 %). A file over the deleted threshold is still rewritten for its deleted
+rows whatever its size: each such rewrite reclaims at least that fraction of it.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,6 +34,8 @@ MiB = 1 << 20
 DEFAULT_DELETED_THRESHOLD = 0.2
 DEFAULT_SMALL_FILE_BYTES = 8 * MiB
 DEFAULT_TARGET_FILE_BYTES = 128 * MiB
+DEFAULT_SIZE_RATIO = 1.0
+DEFAULT_MIN_TIER_BYTES = 256 * 1024
 
 
 # --- what the plan is made of: plain, picklable data ------------------------------------------
@@ -32,6 +52,9 @@ class FileStats:
     size_bytes: int
     rows: int  # every row of the file (QueryVisibility's row counts)
     deleted: int  # rows deleted at safeGcTs
+    # Why its node would refuse a rewrite of it now (QueryVisibility's gc_hold): such a
+    # file is in no group this run and separates runs like a large file.
+    hold: str = ""
 
     @property
     def deleted_fraction(self) -> float:
@@ -53,6 +76,13 @@ class Thresholds:
     deleted_threshold: float = DEFAULT_DELETED_THRESHOLD
     small_file_bytes: int = DEFAULT_SMALL_FILE_BYTES
     target_file_bytes: int = DEFAULT_TARGET_FILE_BYTES
+    # An older small file joins a group only while it is at most this times the group's
+    # size so far (MERGES_ONLY_COMPARABLE_SIZES).
+    size_ratio: float = DEFAULT_SIZE_RATIO
+    # Files and groups below this count as this size in that comparison: the smallest
+    # files (a flush's worth, mostly Parquet footer) are one tier, whatever rows of them
+    # were deleted (Cassandra's size-tiered min_sstable_size).
+    min_tier_bytes: int = DEFAULT_MIN_TIER_BYTES
 
 
 @dataclass(frozen=True)
@@ -87,43 +117,75 @@ def _estimated_bytes(f: FileStats) -> float:
 
 def plan_stream(schema: str, table: str, files: Sequence[FileStats],
                 thresholds: Thresholds) -> list[Group]:
-    """The groups of ONE stream. ``files`` are every listed, usable file of the stream;
-    a file that is neither small nor over the threshold separates runs, so every group
-    is consecutive in the stream's order."""
+    """The groups of ONE stream, in its order. ``files`` are every listed, usable file of
+    the stream; a file that is not small separates runs (and is a group of its own when it
+    is over the deleted threshold), so every group is consecutive in the stream's order.
+    A held file (``hold``: its node would refuse it now) is in no group and separates
+    runs too."""
     ordered = sorted(files, key=lambda f: f.position)
     if len({(f.node, f.vnode) for f in ordered}) > 1:
         raise ValueError("plan_stream expects the files of one stream")
+    for before, after in itertools.pairwise(ordered):
+        if before.position == after.position:
+            raise ValueError(f"two files of stream ({after.node}, {after.vnode}) share "
+                             f"position {after.position}")
     groups: list[Group] = []
     run: list[FileStats] = []
-
-    def dirty(f: FileStats) -> bool:
-        # A file with nothing deleted is never rewritten for its deletions, even at a
-        # threshold of 0: the rewrite would reclaim nothing.
-        return f.deleted > 0 and f.deleted_fraction >= thresholds.deleted_threshold
-
-    def close_run() -> None:
-        if len(run) >= 2:
-            groups.append(Group(schema, table, run[0].node, run[0].vnode, tuple(run), "small"))
-        elif len(run) == 1 and dirty(run[0]):
-            groups.append(Group(schema, table, run[0].node, run[0].vnode, tuple(run), "deleted"))
-        run.clear()
-
-    previous: int | None = None
     for f in ordered:
-        if previous is not None and f.position == previous:
-            raise ValueError(f"two files of stream ({f.node}, {f.vnode}) share position "
-                             f"{f.position}")
-        previous = f.position
-        if f.size_bytes < thresholds.small_file_bytes:
-            if run and sum(map(_estimated_bytes, run)) + _estimated_bytes(f) \
-                    > thresholds.target_file_bytes:
-                close_run()
+        if f.size_bytes < thresholds.small_file_bytes and not f.hold:
             run.append(f)
             continue
-        close_run()
-        if dirty(f):
+        groups.extend(_tiers(schema, table, run, thresholds))
+        run = []
+        if _dirty(f, thresholds) and not f.hold:
             groups.append(Group(schema, table, f.node, f.vnode, (f,), "deleted"))
-    close_run()
+    groups.extend(_tiers(schema, table, run, thresholds))
+    return groups
+
+
+def _dirty(f: FileStats, thresholds: Thresholds) -> bool:
+    # A file with nothing deleted is never rewritten for its deletions, even at a
+    # threshold of 0: the rewrite would reclaim nothing.
+    return f.deleted > 0 and f.deleted_fraction >= thresholds.deleted_threshold
+
+
+def _tiers(schema: str, table: str, run: Sequence[FileStats],
+           thresholds: Thresholds) -> list[Group]:
+    """MERGES_ONLY_COMPARABLE_SIZES over one run of consecutive small files: from the
+    newest, an older file joins the group while it is at most ``size_ratio`` times the
+    group's size so far (both counted as at least ``min_tier_bytes``), the second file
+    only if the newest is at most ``size_ratio`` times it too, and the group stays within
+    the target; otherwise it starts the next group. So every file of a group is at most
+    ``size_ratio`` times the rest of it. A group of one is rewritten only for its deleted
+    rows."""
+    groups: list[Group] = []
+    members: list[FileStats] = []
+    held = 0.0
+
+    def close() -> None:
+        if not members:
+            return
+        files = tuple(reversed(members))  # the stream's order
+        first = files[0]
+        if len(files) >= 2:
+            groups.append(Group(schema, table, first.node, first.vnode, files, "small"))
+        elif _dirty(first, thresholds):
+            groups.append(Group(schema, table, first.node, first.vnode, files, "deleted"))
+
+    floor, ratio = thresholds.min_tier_bytes, thresholds.size_ratio
+    for f in reversed(run):
+        size = _estimated_bytes(f)
+        # The newest member is held to the same rule by the second: a large new file
+        # (a bulk load's, a file rewritten alone) takes in no small older neighbour.
+        newest_too_big = len(members) == 1 and max(held, floor) > ratio * max(size, floor)
+        if members and (max(size, floor) > ratio * max(held, floor) or newest_too_big
+                        or held + size > thresholds.target_file_bytes):
+            close()
+            members, held = [], 0.0
+        members.append(f)
+        held += size
+    close()
+    groups.reverse()
     return groups
 
 

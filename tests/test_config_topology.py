@@ -44,6 +44,7 @@ def test_config_file_then_environment_overrides(tmp_path: Path) -> None:
     ("not toml = = =", {}, "not valid TOML"),
     ("[retina]\norphan_grace_ms = 1\n", {}, "orphan_grace_ms: 1 ms is below the minimum"),
     ("", {"RETINA__RETINA__ORPHAN_GRACE_MS": "3599999"}, "below the minimum orphan grace"),
+    ("[retina]\ngc_job_nice = 20\n", {}, "gc_job_nice must be between 0 and 19, not 20"),
 ])
 def test_config_refuses_unknown_or_malformed_settings(tmp_path: Path, text: str,
                                                       env: dict[str, str], message: str) -> None:

@@ -19,6 +19,7 @@ from retina_common.codec import COMMIT_TS, GC_REWRITE_ID_KEY
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.reader import HIDDEN
+from retina_common.refusal import AWAITING_CHECKPOINT
 from spark_jobs.storage_gc_arrow import new_file_schema
 
 from . import gc
@@ -475,6 +476,34 @@ def test_malformed_and_out_of_protocol_rewrites_are_refused_and_change_nothing(
     assert {f.file_id for f in gc.streams(plane, "orders")[(node, vnode)]} == set(ids)
     assert plane.read("orders") == plane.model.rows["orders"]
     gc.end(plane, trans_id)
+
+
+@pytest.mark.integration
+def test_a_busy_prepare_says_which_rewrite_holds_the_files_and_why(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    """ABORTED, nothing changed, and the details say what the files wait for: a rewrite
+    prepared and not committed, or a committed output both checkpoint slots do not hold
+    yet (AWAITING_CHECKPOINT, which the job's report counts apart)."""
+    plane = make_plane(checkpoint_interval_ms=3_600_000)
+    load(plane, catalog, rows=160, delete_every=10**6)  # every file keeps rows
+    node, vnode, files = biggest_stream(plane)
+    assert len(files) >= 4
+    held = gc.prepare(plane, node, "orders", vnode, files[:2])
+    err = rpc_error(lambda: gc.prepare(plane, node, "orders", vnode, files[1:3],
+                                       held.trans_id))
+    assert err.code() == grpc.StatusCode.ABORTED, err.details()
+    assert f"in rewrite {held.reply.rewrite_id}, not committed yet" in err.details()
+    done = gc.commit(plane, held, gc.write_new_file(plane, held))
+    gc.end(plane, held.trans_id)
+    stream = gc.streams(plane, "orders")[(node, vnode)]
+    assert stream[0].file_id == done.new_file_id
+    trans_id = gc.begin_read(plane)
+    err = rpc_error(lambda: gc.prepare(plane, node, "orders", vnode, stream[:2], trans_id))
+    gc.end(plane, trans_id)
+    assert err.code() == grpc.StatusCode.ABORTED, err.details()
+    assert AWAITING_CHECKPOINT in err.details() and held.reply.rewrite_id in err.details()
+    assert gc.streams(plane, "orders")[(node, vnode)] == stream
+    assert plane.read("orders") == plane.model.rows["orders"]
 
 
 # --- the journal is never read as absent -------------------------------------------------------

@@ -11,9 +11,11 @@ with the model of the data plane (tests/dataplane.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -37,6 +39,7 @@ from retina_common.codec import COMMIT_TS
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
+from retina_common.refusal import AWAITING_CHECKPOINT
 from retina_common.storage import open_parquet, root_uri, write_durably
 from spark_jobs import storage_gc_arrow as gc_arrow
 from spark_jobs import storage_gc_plan as gc_plan
@@ -93,6 +96,99 @@ def test_a_large_clean_file_separates_runs_and_a_lone_small_file_stays() -> None
              stats(5, 50 * MiB), stats(6, MiB, deleted=30), stats(7, 50 * MiB, deleted=40)]
     assert seqs(gc_plan.plan_stream("s", "t", files, LIMITS)) == [
         ("small", [1, 2]), ("deleted", [6]), ("deleted", [7])]
+
+
+def test_a_merged_file_waits_until_as_much_again_arrived_beside_it() -> None:
+    # MERGES_ONLY_COMPARABLE_SIZES: a 4 MiB merged file and three new 0.5 MiB files: the
+    # new files merge with each other, the big one stays; once 4 MiB arrived it joins.
+    few = [stats(1, 4 * MiB)] + [stats(s, MiB // 2) for s in (2, 3, 4)]
+    assert seqs(gc_plan.plan_stream("s", "t", few, LIMITS)) == [("small", [2, 3, 4])]
+    enough = [stats(1, 4 * MiB)] + [stats(s, MiB // 2) for s in range(2, 10)]
+    assert seqs(gc_plan.plan_stream("s", "t", enough, LIMITS)) == [
+        ("small", list(range(1, 10)))]
+    # A larger ratio lets it join earlier; a lone big file over the threshold still goes.
+    eager = gc_plan.Thresholds(0.2, 8 * MiB, 20 * MiB, size_ratio=3.0)
+    assert seqs(gc_plan.plan_stream("s", "t", few, eager)) == [("small", [1, 2, 3, 4])]
+    dirty = [stats(1, 4 * MiB, deleted=30)] + [stats(s, MiB // 2) for s in (2, 3)]
+    assert seqs(gc_plan.plan_stream("s", "t", dirty, LIMITS)) == [("deleted", [1]),
+                                                                  ("small", [2, 3])]
+    # A file its node holds (gc_hold) is in no group, even over the threshold, and
+    # separates the files around it.
+    held = [stats(1, MiB // 2), stats(2, MiB // 2), dataclasses.replace(
+        stats(3, MiB // 2, deleted=90), hold="awaiting"), stats(4, MiB // 2),
+        stats(5, MiB // 2)]
+    assert seqs(gc_plan.plan_stream("s", "t", held, LIMITS)) == [("small", [1, 2]),
+                                                                 ("small", [4, 5])]
+
+
+def test_runs_of_the_plan_rewrite_what_arrived_not_the_whole_stream() -> None:
+    """300 GC runs over one stream, each after 25 new files of 4 KiB arrived, merging every
+    planned group into one file (the old plan merged every small file again each run, so
+    run k rewrote k times what arrived). Under MERGES_ONLY_COMPARABLE_SIZES a byte is
+    rewritten about 256 KiB / 100 KiB times below the tier floor, then once per doubling
+    of its file (log2(8 MiB / 256 KiB) + 1), a run rewrites on average at most that many
+    times what arrived, and no run more than the small files can hold, however large the
+    stream grew (30 MB by the end)."""
+    unit, arrivals, runs, small, floor = 4096, 25, 300, 8 * MiB, 256 * 1024
+    limits = gc_plan.Thresholds(0.2, small, 128 * MiB, min_tier_bytes=floor)
+    files: list[tuple[int, int, int]] = []  # (position, bytes, times its bytes were rewritten)
+    position, per_run, most = 0, [], 0
+    for _run in range(runs):
+        for _ in range(arrivals):
+            position += 1
+            files.append((position, unit, 0))
+        listed = [stats(p, size, rows=max(1, size // 64)) for p, size, _n in files]
+        groups = gc_plan.plan_stream("s", "t", listed, limits)
+        by_position = {p: (size, n) for p, size, n in files}
+        merged = {f.position for g in groups for f in g.files}
+        files = [f for f in files if f[0] not in merged]
+        rewritten = 0
+        for g in groups:
+            size = sum(by_position[f.position][0] for f in g.files)
+            times = max(by_position[f.position][1] for f in g.files) + 1
+            most = max(most, times)
+            rewritten += size
+            files.append((g.files[0].position, size, times))
+        files.sort()
+        per_run.append(rewritten)
+    arrived = arrivals * unit
+    levels = -(-floor // arrived) + (small // floor).bit_length()
+    assert sum(size for _p, size, _n in files) == runs * arrived  # nothing lost or doubled
+    assert most <= levels, most
+    assert sum(per_run) <= levels * runs * arrived, sum(per_run) / (runs * arrived)
+    assert max(per_run) <= 2 * small + arrived, max(per_run)
+    assert max(per_run[-100:]) <= max(per_run[:200])  # flat: not growing with the stream
+
+
+def test_no_file_of_a_merged_group_is_larger_than_the_rest_of_it() -> None:
+    """MERGES_ONLY_COMPARABLE_SIZES on random streams (sizes from bytes to the small-file
+    size, deleted rows, held files): every file of a merged group is at most size_ratio
+    times the rest of the group (both floored), groups are consecutive runs of unheld
+    files, and no file is in two groups."""
+    rng = random.Random(29)
+    for ratio in (0.5, 1.0, 3.0):
+        limits = gc_plan.Thresholds(0.2, 8 * MiB, 20 * MiB, size_ratio=ratio,
+                                    min_tier_bytes=64 * 1024)
+        floor = limits.min_tier_bytes
+        for _ in range(300):
+            files = []
+            for p in range(1, rng.randint(2, 30)):
+                rows = rng.randint(1, 1000)
+                f = stats(p, int(rng.choice([1e3, 5e4, 3e5, 2e6, 7e6]) * rng.uniform(0.5, 1.5)),
+                          rows=rows, deleted=rng.choice([0, 0, rows // 10, rows // 2]))
+                files.append(dataclasses.replace(f, hold="held") if rng.random() < 0.1 else f)
+            groups = gc_plan.plan_stream("s", "t", files, limits)
+            seen: set[int] = set()
+            for g in groups:
+                positions = [f.position for f in g.files]
+                assert positions == list(range(positions[0], positions[0] + len(positions)))
+                assert not any(f.hold for f in g.files) and not seen & set(positions)
+                seen |= set(positions)
+                if g.kind != "small":
+                    continue
+                sizes = [f.size_bytes * (1 - f.deleted_fraction) for f in g.files]
+                for s in sizes:
+                    assert max(s, floor) <= ratio * max(sum(sizes) - s, floor) + 1e-6, sizes
 
 
 def test_plan_table_keeps_streams_apart_and_leaves_a_stream_with_a_skipped_file_alone(
@@ -430,6 +526,40 @@ def test_the_job_reclaims_deleted_rows_and_compacts_while_reads_stay_exact(
     assert again.returncode == 0, again.stdout + again.stderr
     assert report_of(again.stdout)["totals"]["groups"] == 0
     assert plane.read("orders") == model
+
+
+@pytest.mark.integration
+def test_a_run_right_after_another_plans_around_outputs_awaiting_their_checkpoint(
+        make_plane: Callable[..., DataPlane]) -> None:
+    """Back-to-back runs closer than two checkpoints: the last run's outputs are held by
+    their node (QueryVisibility's gc_hold), so the plan leaves them out and merges the new
+    files beside them; the report lists them and why, and nothing is BUSY."""
+    plane = make_plane(checkpoint_interval_ms=3_600_000)
+    load(plane)
+    first = run_gc(plane)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    outputs = {g["new_file"]["file_id"] for g in report_of(first.stdout)["groups"]
+               if g["outcome"] == "COMMITTED"}
+    assert outputs
+    for start in (1000, 1020, 1040):  # new small files beside every output
+        plane.commit({"orders": {"inserts": [order(i) for i in range(start, start + 20)]}})
+        settle(plane)
+    advance(plane)
+    settle(plane)
+    # A ratio that would let every output join the new files beside it.
+    second = run_gc(plane, "--size-ratio", "1000")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    report = report_of(second.stdout)
+    totals = report["totals"]
+    assert {h["file_id"] for h in report["held"]} == outputs
+    assert all(AWAITING_CHECKPOINT in h["reason"] for h in report["held"])
+    assert totals["held_files"] == totals["held_awaiting_checkpoint"] == len(outputs)
+    assert f"{len(outputs)} held by their node ({len(outputs)} awaiting their second " \
+        "checkpoint)" in second.stdout
+    assert totals["busy"] == 0 and totals["committed"] == totals["groups"] > 0
+    assert not outputs & {f["file_id"] for g in report["groups"] for f in g["old_files"]}
+    assert outputs <= {f.file_id for f in files_of(plane, FileType.REGULAR)}
+    assert plane.read("orders") == plane.model.rows["orders"]
 
 
 @pytest.mark.integration

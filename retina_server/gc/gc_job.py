@@ -5,7 +5,8 @@ scheduler (cron, Airflow) a deployment would never reclaim space. So a READY
 node can run the job for its own streams (``--node <self>``) every interval,
 one run at a time, as a child process: ``python -m spark_jobs.storage_gc
 --config <this config> --node <self> --all-tables <retina.gc_job_args>``
-(``--master spark://...`` in ``gc_job_args`` sends the work to a cluster).
+(``--master spark://...`` in ``gc_job_args`` sends the work to a cluster), under
+``nice -n <retina.gc_job_nice>`` (default 10).
 Off by default (interval 0): the job is as often run by an operator's
 scheduler. A run's exit code and summary line are logged and counted; a
 failed run is retried at the next interval, never sooner.
@@ -42,9 +43,12 @@ def require_spark() -> None:
 class GcJobLauncher:
     def __init__(self, node_id: str, config_path: str, interval_s: float, extra_args: str,
                  stop: threading.Event, is_ready: Callable[[], bool],
-                 timeout_s: float = 3600.0) -> None:
-        self._argv = [sys.executable, "-m", "spark_jobs.storage_gc", "--config", config_path,
-                      "--node", node_id, "--all-tables", *shlex.split(extra_args)]
+                 timeout_s: float = 3600.0, nice: int = 0) -> None:
+        # Under nice: in local mode Spark shares the node's cores, and the write path must
+        # not wait behind it (`nice` is coreutils, on every Linux the node runs on).
+        self._argv = ["nice", "-n", str(nice)] if nice else []
+        self._argv += [sys.executable, "-m", "spark_jobs.storage_gc", "--config", config_path,
+                       "--node", node_id, "--all-tables", *shlex.split(extra_args)]
         self._interval = interval_s
         self._stop = stop
         self._is_ready = is_ready

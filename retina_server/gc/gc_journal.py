@@ -226,6 +226,8 @@ class GcJournal:
         # Held across a write's check and its rename: the compare-and-set of write().
         self._write_lock = threading.Lock()
         self._entries: dict[str, JournalEntry] = {}
+        # The open ones among them (few: final entries stay for the lineage retention).
+        self._open: dict[str, JournalEntry] = {}
 
     def load(self) -> list[JournalEntry]:
         """Read every record; raises CorruptJournal on the first that does not check.
@@ -240,6 +242,7 @@ class GcJournal:
             entries[entry.rewrite_id] = entry
         with self._lock:
             self._entries = entries
+            self._open = {k: e for k, e in entries.items() if e.state in OPEN_STATES}
         return self.entries()
 
     def entries(self) -> list[JournalEntry]:
@@ -251,7 +254,8 @@ class GcJournal:
             return self._entries.get(rewrite_id)
 
     def open_entries(self) -> list[JournalEntry]:
-        return [e for e in self.entries() if e.state in OPEN_STATES]
+        with self._lock:
+            return sorted(self._open.values(), key=lambda e: (e.created_at_ms, e.rewrite_id))
 
     def write(self, entry: JournalEntry, before: Failpoint, after: Failpoint) -> JournalEntry:
         """Make ``entry`` durable (replacing its previous state), between two failpoints.
@@ -278,6 +282,10 @@ class GcJournal:
             fsync_dir(self._dir)
             with self._lock:
                 self._entries[entry.rewrite_id] = entry
+                if entry.state in OPEN_STATES:
+                    self._open[entry.rewrite_id] = entry
+                else:
+                    self._open.pop(entry.rewrite_id, None)
         after.hit()
         return entry
 

@@ -22,14 +22,16 @@ this node's naming scheme. Nothing durable happens.
 1. verify the new file against the survivors the node computes itself (row
    count, primary keys and commit timestamps, row by row, in Arrow);
 2. reserve row ids; journal INDEX_SWITCHING (write-ahead: everything below can
-   be undone); set the new file's row-id hull (it is still TEMPORARY_GC);
+   be undone); set the new file's row-id hull (it is still TEMPORARY_GC); the
+   MainIndex ranges of the new file (durable; its row ids are new, so nothing
+   reaches them before the switch, and the stream's writers do not wait for them);
 3. under the stream's publisher and buffer locks (the switch only): check
    CUTOFF_UNCHANGED_SINCE_PREPARE (the rows deleted at or below the cutoff are
    those prepare took; otherwise roll back, ABORTED) and step 0 again;
    new-file visibility, ``baseTimestamp = cutoff`` and one chain item per
    delete after the cutoff, including deletes that arrived while Spark
-   rewrote; MainIndex ranges of the new file (durable); the primary switch
-   (every version still on an old row moves to its new row);
+   rewrote; the primary switch (every version still on an old row moves to its
+   new row, in the index's key order);
    ``atomicSwapFiles(new, olds, cleanupAt)``; journal SWAPPED_NOT_CHECKPOINTED;
    the registry and visibility index move to the new file (the old files'
    visibility stays, frozen, for readers whose file list predates the swap);
@@ -50,7 +52,7 @@ import functools
 import threading
 import time
 import uuid
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -58,7 +60,7 @@ from datetime import UTC, datetime
 import grpc
 import numpy as np
 import pyarrow as pa
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 from pyroaring import BitMap
 
 from retina_common import failpoints as fp
@@ -75,7 +77,12 @@ from retina_common.catalog import (
 from retina_common.catalog.errors import SwapPreconditionFailed
 from retina_common.codec import COMMIT_TS, GC_REWRITE_ID_KEY, EncodingError, encode_primary_keys
 from retina_common.log import get_logger
-from retina_common.refusal import HELD_BY_BUFFER_READ, ROLLED_BACK_FOR_BUFFER_READ, Refusal
+from retina_common.refusal import (
+    AWAITING_CHECKPOINT,
+    HELD_BY_BUFFER_READ,
+    ROLLED_BACK_FOR_BUFFER_READ,
+    Refusal,
+)
 from retina_common.retry import until_deadline
 from retina_common.storage import delete_quietly, object_size, open_parquet
 from retina_server.gc.gc_journal import (
@@ -106,6 +113,10 @@ PENDING = Gauge("retina_gc_pending_rewrites", "Rewrites prepared, not committed 
 HELD_BY_READERS = Counter("retina_gc_commits_held_by_readers_total",
                           "Commits refused because a live read got rows of an old file from "
                           "a write buffer (BUFFER_FETCH_HOLDS_FILE)")
+# Where a commit's time goes; "locked" is the time the stream's writers wait for (the switch
+# under the publisher and buffer locks), "lock_wait" the time the commit waited for them.
+COMMIT_SECONDS = Histogram("retina_gc_commit_seconds", "CommitGcRewrite time by phase",
+                           ["phase"], buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5))
 # Computed at scrape time (the gauges above change only when the journal does, so an entry
 # that is stuck would look frozen): the "GC journal stuck" alert reads this one.
 JOURNAL_STATE_AGE = Gauge("retina_gc_journal_state_age_seconds",
@@ -113,6 +124,7 @@ JOURNAL_STATE_AGE = Gauge("retina_gc_journal_state_age_seconds",
                           ["state"])
 
 
+_LAST_TS = (1 << 63) - 1  # above every timestamp
 # Answers to repeated commits kept in memory; older ones are rebuilt from the journal.
 DONE_KEPT = 1000
 
@@ -172,6 +184,33 @@ class CommitResult:
     chain_items: int
     journal_state: str
     outcome: str = "COMMITTED"
+
+
+class _PhaseTimer:
+    """The phases of one commit, in milliseconds (a log line) and into COMMIT_SECONDS."""
+
+    def __init__(self) -> None:
+        self._start = self._last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = now - self._last
+        self._last = now
+
+    def span(self, phase: str, since: float) -> None:
+        """A phase that holds laps of its own (the time under the stream locks)."""
+        self.phases[phase] = time.perf_counter() - since
+
+    def observe(self) -> None:
+        for phase, seconds in self.phases.items():
+            COMMIT_SECONDS.labels(phase=phase).observe(seconds)
+        COMMIT_SECONDS.labels(phase="total").observe(self._last - self._start)
+
+    def fields(self) -> dict[str, float]:
+        out = {f"{p}_ms": round(s * 1000, 1) for p, s in self.phases.items()}
+        out["commit_ms"] = round((self._last - self._start) * 1000, 1)
+        return out
 
 
 def _refuse(code: grpc.StatusCode, message: str) -> Refusal:
@@ -322,12 +361,10 @@ class StorageGc:
         self._drop_orphaned(set(old_ids))
         with self._lock:
             self._expire()
-            busy = {m.file_id for p in self._pending.values() for m in p.old}
-            busy |= self._journal.protected_files() | self.load_files()
-            clash = sorted(busy & set(old_ids))
-            if clash:
-                raise _refuse(grpc.StatusCode.ABORTED,
-                              f"files {clash} are in another rewrite; try again later")
+            busy = self._why_busy(set(old_ids))
+            if busy:
+                raise _refuse(grpc.StatusCode.ABORTED, f"{busy}; nothing changed, a later run "
+                                                       "can rewrite them")
             if self._stream_run(table, vnode, old_ids) != old:  # a commit landed meanwhile
                 raise _refuse(grpc.StatusCode.ABORTED,
                               "the stream changed while the rewrite was prepared; try again")
@@ -361,6 +398,38 @@ class StorageGc:
                  rewrite_id=pending.rewrite_id, old_files=old_ids, cutoff_ts=safe_gc_ts,
                  expected_rows=pending.expected_rows, file_name=name)
         return pending
+
+    def hold_of(self, file_id: int) -> str:
+        """Why a rewrite of ``file_id`` would be refused now for a reason that lasts (an
+        open journal entry, a bulk load; empty: none); the job's plan leaves such a file
+        out (QueryVisibility's ``gc_hold``). A rewrite only prepared is not reported: its
+        job may have died, and the prepare that names the file drops it then."""
+        return self._why_held({file_id})
+
+    def _why_busy(self, wanted: set[int]) -> str:
+        """Why some of ``wanted`` cannot be rewritten now (empty: they can). Under _lock."""
+        for p in self._pending.values():
+            clash = wanted & {m.file_id for m in p.old}
+            if clash:
+                return f"files {sorted(clash)} are in rewrite {p.rewrite_id}, not committed yet"
+        return self._why_held(wanted)
+
+    def _why_held(self, wanted: set[int]) -> str:
+        """The journal's and the bulk loads' holds on ``wanted`` (their own locks only)."""
+        for e in self._journal.open_entries():
+            if e.new_file_id in wanted and e.state == JournalState.SWAPPED_NOT_CHECKPOINTED:
+                return (f"file {e.new_file_id} is the output of rewrite {e.rewrite_id}, "
+                        f"{AWAITING_CHECKPOINT} (both checkpoint slots must hold it before it "
+                        "is rewritten again: the second checkpoint after its commit, see "
+                        "retina.checkpoint_interval_ms)")
+            clash = wanted & {e.new_file_id, *e.old_file_ids}
+            if clash:
+                return f"files {sorted(clash)} are in rewrite {e.rewrite_id} ({e.state.value})"
+        clash = wanted & self.load_files()
+        if clash:
+            return (f"files {sorted(clash)} belong to a bulk load whose journal record no "
+                    "checkpoint has promoted yet")
+        return ""
 
     def _stream_run(self, table: TableRecord, vnode: int,
                     old_ids: list[int]) -> list[IngestFileMeta]:
@@ -527,8 +596,10 @@ class StorageGc:
 
     def _commit(self, pending: PendingRewrite, new_file_id: int) -> CommitResult:
         node = self._node
+        timer = _PhaseTimer()
         readers = self._check_buffer_holds(pending)
         record, new_counts, plan = self._verify(pending, new_file_id)
+        timer.lap("verify")
         kept = len(plan.keys)
         start = node.index.sequences.allocate_row_ids(max(kept, 1))
         now = self._clock_ms()
@@ -562,10 +633,16 @@ class StorageGc:
                                           max_row_id=start + max(kept, 1) - 1,
                                           num_row_group=len(new_counts),
                                           expected_type=FileType.TEMPORARY_GC)
+                timer.lap("journal")
+                self._put_main_index(entry, progress)
+                timer.lap("main_index")
                 with stream.publisher.lock, stream.buffer.lock:
+                    timer.lap("lock_wait")
+                    locked_at = time.perf_counter()
                     self._check_cutoff_unchanged(pending)
                     self._check_no_new_buffer_readers(pending, readers)
-                    chain_items = self._switch(pending, entry, plan, progress)
+                    chain_items = self._switch(pending, entry, plan, progress, timer)
+                    timer.span("locked", locked_at)
             except Exception as exc:
                 if progress.swapped:
                     node.fail_closed(f"GC rewrite {pending.rewrite_id} failed after its swap "
@@ -574,6 +651,8 @@ class StorageGc:
                 self._roll_back_live(entry, plan, progress, exc)
                 raise GcRolledBack(f"rewrite {pending.rewrite_id} rolled back: {exc}") from exc
         node.forget_buffer_files(entry.old_file_ids)
+        timer.lap("after")
+        timer.observe()
         result = CommitResult(pending.rewrite_id, new_file_id, tuple(entry.old_file_ids), kept,
                               sum(len(b) for b in pending.dropped.values()), chain_items,
                               JournalState.SWAPPED_NOT_CHECKPOINTED.value)
@@ -584,7 +663,7 @@ class StorageGc:
         log.info("gc_rewrite_committed", node=node.node_id, table=pending.table.name,
                  vnode=stream.vnode, rewrite_id=pending.rewrite_id, new_file_id=new_file_id,
                  old_files=entry.old_file_ids, rows_kept=kept, rows_dropped=result.rows_dropped,
-                 chain_items=chain_items, cutoff_ts=pending.cutoff)
+                 chain_items=chain_items, cutoff_ts=pending.cutoff, **timer.fields())
         return result
 
     def _check_buffer_holds(self, pending: PendingRewrite) -> frozenset[int]:
@@ -700,8 +779,8 @@ class StorageGc:
         return record, counts, plan
 
     def _switch(self, pending: PendingRewrite, entry: JournalEntry, plan: Survivors,
-                progress: _Progress) -> int:
-        """Step 4 of the module docstring, under the stream's locks. Returns chain items."""
+                progress: _Progress, timer: _PhaseTimer) -> int:
+        """Step 3 of the module docstring, under the stream's locks. Returns chain items."""
         node, index = self._node, self._node.index
         new_id, start = entry.new_file_id, entry.new_row_id_start
         counts = list(entry.new_rg_row_counts)
@@ -709,26 +788,22 @@ class StorageGc:
         visibility, chain_items = self._new_visibility(pending, counts)
         node.visibility.stage_file(new_id, visibility)  # readable from the swap on
         fp.GC_VISIBILITY_AFTER.hit()
-        fp.GC_MAIN_INDEX_BEFORE.hit()
-        progress.main_index = True
-        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int)
-        index.main.put_main_index_entries(
-            [RowIdRange(start + int(offsets[rg]), n, new_id, rg, 0)
-             for rg, n in enumerate(counts)])
-        index.main.flush_file(new_id)
-        fp.GC_MAIN_INDEX_AFTER.hit()
+        timer.lap("visibility")
         fp.GC_PRIMARY_SWITCH_BEFORE.hit()
         progress.primary = True
         new_rows = (start + np.arange(len(plan.keys), dtype=np.int64)).tolist()
-        index.primary.switch_primary(pending.table.table_id, plan.keys, plan.old_row_ids.tolist(),
-                             new_rows)
+        index.primary.switch_primary(pending.table.table_id, plan.keys,
+                                     plan.old_row_ids.tolist(), new_rows)
         fp.GC_PRIMARY_SWITCH_AFTER.hit()
+        timer.lap("primary_switch")
         fp.GC_SWAP_BEFORE.hit()
         self._swap(entry, progress)
         fp.GC_SWAP_AFTER.hit()
+        timer.lap("swap")
         self._journal.write(entry.moved(JournalState.SWAPPED_NOT_CHECKPOINTED,
                                         self._clock_ms()),
                             fp.GC_JOURNAL_SWAPPED_BEFORE, fp.GC_JOURNAL_SWAPPED_AFTER)
+        timer.lap("journal_swapped")
         fp.GC_REGISTRY_BEFORE.hit()
         first, last = pending.old[0], pending.old[-1]
         stamps = plan.commit_ts
@@ -744,7 +819,21 @@ class StorageGc:
             node.visibility.retire_file(m.file_id)
             node.registry.unregister(m.file_id)
         fp.GC_REGISTRY_AFTER.hit()
+        timer.lap("registry")
         return chain_items
+
+    def _put_main_index(self, entry: JournalEntry, progress: _Progress) -> None:
+        """The new file's MainIndex ranges (durable), before the stream locks: its row ids
+        are new, so no writer or reader can reach them until the primary switch."""
+        fp.GC_MAIN_INDEX_BEFORE.hit()
+        progress.main_index = True
+        counts = entry.new_rg_row_counts
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+        self._node.index.main.put_main_index_entries(
+            [RowIdRange(entry.new_row_id_start + int(offsets[rg]), n, entry.new_file_id, rg, 0)
+             for rg, n in enumerate(counts)])
+        self._node.index.main.flush_file(entry.new_file_id)
+        fp.GC_MAIN_INDEX_AFTER.hit()
 
     def _new_visibility(self, pending: PendingRewrite,
                         counts: list[int]) -> tuple[list[RGVisibility], int]:
@@ -752,9 +841,11 @@ class StorageGc:
         below the cutoff are gone), and a chain item for every delete after it, read
         now under the stream lock, so deletes that raced the rewrite are carried."""
         cutoff = pending.cutoff
-        out = [RGVisibility(n, cutoff) for n in counts]
         bounds = np.cumsum(counts)
-        items: dict[tuple[int, int], list[int]] = defaultdict(list)  # (new rg, ts) -> rows
+        starts = bounds - np.asarray(counts, dtype=bounds.dtype)  # each new rg's first row
+        # new rg -> row -> its delete's timestamp (each row once: the chain keeps a row's
+        # earliest delete), built into each RGVisibility at once, not a delete() per ts.
+        chains: list[dict[int, int]] = [{} for _ in counts]
         before = 0  # survivors in earlier old row groups
         for meta, rg_counts in zip(pending.old, pending.rg_row_counts, strict=True):
             for rg, n in enumerate(rg_counts):
@@ -764,21 +855,32 @@ class StorageGc:
                                        f"{vis.base_timestamp}, above the cutoff {cutoff}")
                 dropped = pending.dropped[(meta.file_id, rg)]
                 keep = np.flatnonzero(kept_mask(n, dropped))
-                _base_ts, _base, chain = vis.snapshot()
-                for ts, row in chain:
-                    if ts <= cutoff:
-                        continue  # dropped: deleted at or below the cutoff
-                    pos = int(np.searchsorted(keep, row))
-                    if pos >= len(keep) or keep[pos] != row:
-                        raise RuntimeError(f"delete of dropped row {row} at {ts} > cutoff")
+                # Only the deletes after the cutoff (those at or below it are dropped rows),
+                # mapped to the new file's rows in numpy: this runs under the stream locks.
+                later = vis.deletes_between(cutoff, _LAST_TS)
+                if later is None:
+                    raise RuntimeError(f"file {meta.file_id} rg {rg} was folded above the "
+                                       f"cutoff {cutoff}")
+                if later:
+                    rows = np.fromiter((r for r, _t in later), np.int64, len(later))
+                    stamps = [t for _r, t in later]
+                    pos = np.searchsorted(keep, rows)
+                    found = pos < len(keep)
+                    found[found] = keep[pos[found]] == rows[found]
+                    if not found.all():
+                        bad = int(np.flatnonzero(~found)[0])
+                        raise RuntimeError(f"delete of dropped row {int(rows[bad])} at "
+                                           f"{stamps[bad]} > cutoff")
                     g = before + pos
-                    new_rg = int(np.searchsorted(bounds, g, side="right"))
-                    offset = g - (int(bounds[new_rg - 1]) if new_rg else 0)
-                    items[(new_rg, ts)].append(offset)
+                    new_rgs = np.searchsorted(bounds, g, side="right")
+                    offsets = g - starts[new_rgs]
+                    for new_rg, ts, offset in zip(new_rgs.tolist(), stamps, offsets.tolist(),
+                                                  strict=True):
+                        chains[new_rg][offset] = ts
                 before += len(keep)
-        for (rg, ts), rows in sorted(items.items(), key=lambda kv: kv[0][1]):
-            out[rg].delete(rows, ts)
-        return out, sum(len(r) for r in items.values())
+        out = [RGVisibility(n, cutoff, BitMap(), chain) for n, chain in zip(counts, chains,
+                                                                             strict=True)]
+        return out, sum(len(chain) for chain in chains)
 
     def _swap(self, entry: JournalEntry, progress: _Progress) -> None:
         cleanup_at = entry.cleanup_at_ms
