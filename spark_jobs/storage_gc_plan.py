@@ -131,15 +131,20 @@ def plan_stream(schema: str, table: str, files: Sequence[FileStats],
                              f"position {after.position}")
     groups: list[Group] = []
     run: list[FileStats] = []
+
+    def close_run() -> None:
+        for members in _tiers(run, thresholds):
+            groups.extend(_group(schema, table, members, thresholds))
+        run.clear()
+
     for f in ordered:
         if f.size_bytes < thresholds.small_file_bytes and not f.hold:
             run.append(f)
             continue
-        groups.extend(_tiers(schema, table, run, thresholds))
-        run = []
-        if _dirty(f, thresholds) and not f.hold:
-            groups.append(Group(schema, table, f.node, f.vnode, (f,), "deleted"))
-    groups.extend(_tiers(schema, table, run, thresholds))
+        close_run()
+        if not f.hold:
+            groups.extend(_group(schema, table, [f], thresholds))
+    close_run()
     return groups
 
 
@@ -149,29 +154,28 @@ def _dirty(f: FileStats, thresholds: Thresholds) -> bool:
     return f.deleted > 0 and f.deleted_fraction >= thresholds.deleted_threshold
 
 
-def _tiers(schema: str, table: str, run: Sequence[FileStats],
+def _group(schema: str, table: str, files: Sequence[FileStats],
            thresholds: Thresholds) -> list[Group]:
-    """MERGES_ONLY_COMPARABLE_SIZES over one run of consecutive small files: from the
-    newest, an older file joins the group while it is at most ``size_ratio`` times the
-    group's size so far (both counted as at least ``min_tier_bytes``), the second file
-    only if the newest is at most ``size_ratio`` times it too, and the group stays within
-    the target; otherwise it starts the next group. So every file of a group is at most
-    ``size_ratio`` times the rest of it. A group of one is rewritten only for its deleted
-    rows."""
-    groups: list[Group] = []
+    """``files`` (in the stream's order) as one rewrite, if they make one: two or more are
+    merged; one alone is rewritten only for its deleted rows."""
+    first = files[0]
+    if len(files) >= 2:
+        return [Group(schema, table, first.node, first.vnode, tuple(files), "small")]
+    if _dirty(first, thresholds):
+        return [Group(schema, table, first.node, first.vnode, tuple(files), "deleted")]
+    return []
+
+
+def _tiers(run: Sequence[FileStats], thresholds: Thresholds) -> list[list[FileStats]]:
+    """MERGES_ONLY_COMPARABLE_SIZES: one run of consecutive small files cut into groups,
+    each in the stream's order. From the newest, an older file joins the group while it is
+    at most ``size_ratio`` times the group's size so far (both counted as at least
+    ``min_tier_bytes``), the second file only if the newest is at most ``size_ratio``
+    times it too, and the group stays within the target; otherwise it starts the next
+    group. So every file of a group is at most ``size_ratio`` times the rest of it."""
+    cut: list[list[FileStats]] = []
     members: list[FileStats] = []
     held = 0.0
-
-    def close() -> None:
-        if not members:
-            return
-        files = tuple(reversed(members))  # the stream's order
-        first = files[0]
-        if len(files) >= 2:
-            groups.append(Group(schema, table, first.node, first.vnode, files, "small"))
-        elif _dirty(first, thresholds):
-            groups.append(Group(schema, table, first.node, first.vnode, files, "deleted"))
-
     floor, ratio = thresholds.min_tier_bytes, thresholds.size_ratio
     for f in reversed(run):
         size = _estimated_bytes(f)
@@ -180,13 +184,13 @@ def _tiers(schema: str, table: str, run: Sequence[FileStats],
         newest_too_big = len(members) == 1 and max(held, floor) > ratio * max(size, floor)
         if members and (max(size, floor) > ratio * max(held, floor) or newest_too_big
                         or held + size > thresholds.target_file_bytes):
-            close()
+            cut.append(members[::-1])
             members, held = [], 0.0
         members.append(f)
         held += size
-    close()
-    groups.reverse()
-    return groups
+    if members:
+        cut.append(members[::-1])
+    return cut[::-1]
 
 
 def plan_table(schema: str, table: str, files: Sequence[FileStats], listed: Sequence[FileRef],
