@@ -54,9 +54,12 @@ def free_port() -> int:
 # restarts (it is its identity), and while it is down any outgoing connection of any
 # process could take an ephemeral port as its local port, so the restart would fail
 # with "address already in use" (seen in CI: a node restarted by a recovery test). A
-# port is never handed out twice by one process.
+# port is never handed out twice by one process, and each pytest-xdist worker draws from
+# its own slice of the range: a port one worker's stopped server will bind again is
+# otherwise free for another worker to take (seen in CI: a TransServer restarted on a
+# new port that never came up).
 _PORT_FLOOR = 20000
-_handed_out: set[int] = set()
+_handed_out: dict[int, None] = {}  # in the order handed out: the oldest is forgotten first
 _ports_lock = threading.Lock()
 _random = random.SystemRandom()
 
@@ -68,10 +71,23 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default
 
 
+def _port_range() -> tuple[int, int]:
+    """[low, high) this process draws from: this xdist worker's slice, else all of it."""
+    low, high = _PORT_FLOOR, _ephemeral_low()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if worker.startswith("gw") and worker[2:].isdigit() and count > 1:
+        width = (high - low) // count
+        if width > 1000:
+            low += int(worker[2:]) % count * width
+            high = low + width
+    return low, high
+
+
 def free_ports(count: int) -> list[int]:
     """``count`` distinct free loopback ports outside the ephemeral range: every socket
     stays bound until all are chosen, so the same port is never handed out twice."""
-    high = _ephemeral_low()
+    low, high = _port_range()
     socks: list[socket.socket] = []
     chosen: list[int] = []
     try:
@@ -79,7 +95,7 @@ def free_ports(count: int) -> list[int]:
             for _ in range(count * 200):
                 if len(chosen) == count:
                     break
-                port = (_random.randrange(_PORT_FLOOR, high) if high - _PORT_FLOOR > 1000
+                port = (_random.randrange(low, high) if high - low > 1000
                         else 0)  # an odd range: let the kernel choose
                 if port in _handed_out:
                     continue
@@ -93,8 +109,12 @@ def free_ports(count: int) -> list[int]:
                 chosen.append(int(sock.getsockname()[1]))
             if len(chosen) < count:
                 raise ClusterError(f"no {count} free loopback ports in "
-                                   f"[{_PORT_FLOOR}, {high})")
-            _handed_out.update(chosen)
+                                   f"[{low}, {high})")
+            _handed_out.update(dict.fromkeys(chosen))
+            # A long run hands out more ports than a worker's slice holds: forget the oldest
+            # (their tests are long over) once half of the slice has been handed out.
+            while len(_handed_out) > max(64, (high - low) // 2):
+                del _handed_out[next(iter(_handed_out))]
         return chosen
     finally:
         for sock in socks:

@@ -24,9 +24,11 @@ from retina_common.topology import Topology
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def eventually(condition: Callable[[], Any], timeout_s: float, what: str,
+def eventually(condition: Callable[[], Any], timeout_s: float, what: str | Callable[[], str],
                interval_s: float = 0.05) -> Any:
-    """Poll until ``condition()`` is truthy and return it; fail the test at the deadline."""
+    """Poll until ``condition()`` is truthy and return it; fail the test at the deadline.
+    ``what`` may be a callable: it is asked at the deadline (a process's log then, not at
+    the call, when it is still empty)."""
     deadline = time.monotonic() + timeout_s
     last: Any = None
     while time.monotonic() < deadline:
@@ -38,7 +40,8 @@ def eventually(condition: Callable[[], Any], timeout_s: float, what: str,
             if last:
                 return last
         time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
+    described = what() if callable(what) else what
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {described}; last: {last!r}")
 
 
 def delete_prefix(store: EtcdStore, prefix: str) -> int:
@@ -79,6 +82,12 @@ class ChildProcess:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def describe(self) -> str:
+        """Whether it runs (or how it exited) and its log's tail: what a failed start shows."""
+        state = ("not started" if self.proc is None else
+                 "running" if self.alive() else f"exited with {self.proc.returncode}")
+        return f"{state}; log: {self.log_tail()}"
 
     def kill9(self) -> int | None:
         """SIGKILL (if it still runs); returns the exit status."""
@@ -137,7 +146,7 @@ class TransServerProcess(ChildProcess):
             # Its own start event first: see RetinaProcess.start (tests/dataplane.py).
             eventually(lambda: self.alive() and grpc_serving(self.address)
                        and started_count(self.log_path, "trans_server_started") > before,
-                       30, f"TransServer SERVING ({self.log_tail()})")
+                       30, lambda: f"TransServer {self.address} SERVING ({self.describe()})")
         return self
 
     def stop(self) -> None:
