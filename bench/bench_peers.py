@@ -68,6 +68,7 @@ from devtools.cluster import (
     start_retina_server,
     stop_cluster,
 )
+from retina_common import replay_sources
 from retina_common.catalog import Catalog, ColumnSpec
 from retina_common.changelog import Changelog
 from retina_common.client import TableWriter, requests_by_node
@@ -374,14 +375,19 @@ def retina_changelog(cluster: RetinaCluster, batches: list[Batch], size: int,
     source = FeedSource()
     changelog_dir = cluster.work / f"changelog-{size}"
     etcd = EtcdStore.from_config(config.etcd)
-    positions = CommitWatch(etcd, f"bench-peers-{size}")
+    writer_id = f"bench-peers-{size}"
+    positions = CommitWatch(etcd, writer_id)
+    # WRITES_HAVE_A_REPLAY_SOURCE: a node takes the connector's writes only once its
+    # changelog is registered (one writer id per changelog, as retina-cdc does).
+    replay_sources.register(etcd, writer_id, kind="cdc", changelog_root="file://" +
+                            str(changelog_dir), schema=SCHEMA)
     connector = Connector(
         source=source, changelog=Changelog("file://" + str(changelog_dir)),
         positions=positions, trans=cluster.trans,
         nodes={cluster.node: cluster.stub}, tables=table_map(cluster.catalog, SCHEMA),
         topology=cluster.topology,
         settings=dataclasses.replace(settings_of(config.cdc, config.retina.max_rows_per_request),
-                                     schema=SCHEMA))
+                                     schema=SCHEMA, writer_id=writer_id))
     worker = threading.Thread(target=connector.run, name="bench-connector", daemon=True)
     worker.start()
 
