@@ -56,6 +56,7 @@ bench: setup
 	@$(PY) bench/bench_dataplane.py --batch 5000 --batches 20
 	@$(PY) bench/bench_lookup.py
 	@$(PY) bench/bench_apply_stages.py
+	@$(PY) bench/bench_connector_stages.py
 	@$(PY) bench/bench_write_fence.py
 	@$(PY) bench/bench_history.py
 	@$(PY) bench/bench_consumers.py
