@@ -18,6 +18,7 @@ does not fit the column's precision and scale) raises
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,12 @@ from cdc_client.schema_change import SourceSchema, UnsupportedSchemaChange, evol
 from cdc_client.source import RowChange, SourceTransaction
 from retina_common.catalog import TableRecord
 from retina_common.changelog import DELETE, REPLACE, TRUNCATE, ChangeRow
-from retina_common.codec import EncodingError, encode_primary_key, value_encoder
+from retina_common.codec import (
+    EncodingError,
+    column_encoder,
+    encode_primary_key,
+    value_encoder,
+)
 from retina_common.topology import Topology
 
 
@@ -107,6 +113,11 @@ class _Shape:
         self.encode_key = _key_encoder(self.key_types)
         # The usual one-column key, looked up without a list per row.
         self.single_key = self.key_columns[0] if len(self.key_columns) == 1 else None
+        # Column-wise (_encoded_upserts): each column's encoder, and where the one-column
+        # key is among the values (its key bytes are its value's, behind their length).
+        self.column_encoders = [(c.name, column_encoder(c.type)) for c in table.columns]
+        self.single_key_at = ([c.name for c in table.columns].index(self.single_key)
+                              if self.single_key is not None else None)
 
 
 def _key_encoder(types: list[str]) -> Callable[[list[Any]], bytes]:
@@ -201,8 +212,77 @@ def _effects(change: RowChange, table: TableRecord, shape: _Shape, where: object
     return effects
 
 
-def translate(trans: SourceTransaction, tables: TableMap, topology: Topology
-              ) -> list[ChangeRow]:
+# Below this many upserts of one table in a transaction, the column-wise encoding's fixed
+# cost is more than it saves (a CDC source's typical transaction: a row or two).
+COLUMNAR_MIN_UPSERTS = 64
+
+Encoded = tuple[str, bytes, tuple[bytes, ...]]  # (Retina table, key, values) of one upsert
+
+
+def _is_upsert(change: RowChange) -> bool:
+    """An INSERT, or an UPDATE without a before image (it cannot change the key)."""
+    return change.after is not None and (
+        change.op == "insert" or (change.op == "update" and change.before is None))
+
+
+def _encoded_upserts(trans: SourceTransaction, tables: TableMap,
+                     min_upserts: int) -> dict[int, Encoded]:
+    """Change index -> (table, key, values) for the upserts of each table with ``min_upserts``
+    or more in the transaction, encoded a column at a time: the same bytes as
+    ``_key`` and ``_values`` give row by row. A table whose upserts hold anything
+    those would refuse (an unknown table or column, a missing or NULL key, a value
+    that does not fit) is left out, so the row-by-row path meets it in order and
+    raises exactly as before."""
+    by_table: dict[str, list[int]] = {}
+    for i, change in enumerate(trans.changes):
+        if _is_upsert(change):
+            by_table.setdefault(change.table, []).append(i)
+    out: dict[int, Encoded] = {}
+    for source_table, positions in by_table.items():
+        if len(positions) < min_upserts:
+            continue
+        try:
+            record = tables.table(source_table, "")
+        except Exception:  # the row-by-row path meets it again and raises it, in its order
+            continue
+        afters = [trans.changes[i].after for i in positions]
+        encoded = _encode_upserts(_shape(record), afters)  # type: ignore[arg-type]
+        if encoded is not None:
+            out.update(zip(positions, ((record.name, key, values) for key, values in encoded),
+                           strict=True))
+    return out
+
+
+def _encode_upserts(shape: _Shape, afters: list[Mapping[str, Any]]
+                    ) -> list[tuple[bytes, tuple[bytes, ...]]] | None:
+    names, required = shape.names, shape.required
+    for row in afters:
+        present = row.keys()
+        if not (names.issuperset(present) and present >= required):
+            return None
+    try:
+        columns = [encode([row.get(name) for row in afters])
+                   for name, encode in shape.column_encoders]
+    except EncodingError:
+        return None
+    if shape.single_key_at is not None:
+        key_values = columns[shape.single_key_at]
+        if not all(key_values):  # a NULL key
+            return None
+        keys = [len(v).to_bytes(4, "big") + v for v in key_values]
+    else:
+        rows = [[row.get(c) for c in shape.key_columns] for row in afters]
+        if any(v is None for values in rows for v in values):
+            return None
+        try:
+            keys = [shape.encode_key(values) for values in rows]
+        except EncodingError:
+            return None
+    return list(zip(keys, zip(*columns, strict=True), strict=True))
+
+
+def translate(trans: SourceTransaction, tables: TableMap, topology: Topology, *,
+              columnar_min_upserts: int = COLUMNAR_MIN_UPSERTS) -> list[ChangeRow]:
     """The transaction's net effects, in first-touch order, with ts 0: the
     timestamp is allocated only once the whole batch has been validated.
 
@@ -218,7 +298,12 @@ def translate(trans: SourceTransaction, tables: TableMap, topology: Topology
     # Source table -> (record, shape), once per transaction: the catalog is followed
     # before any row is read, so a table's record cannot change inside one.
     seen: dict[str, tuple[TableRecord, _Shape]] = {}
+    encoded = _encoded_upserts(trans, tables, columnar_min_upserts)
     for i, change in enumerate(trans.changes):
+        done = encoded.get(i)
+        if done is not None:  # a valid upsert of a known table, encoded with its column
+            net[(done[0], done[1])] = (REPLACE, done[2])
+            continue
         where = _Where(trans, i, change.origin)
         if change.op not in _OPERATIONS:
             raise MalformedChange(f"{where}: unknown operation {change.op!r}")
@@ -236,7 +321,9 @@ def translate(trans: SourceTransaction, tables: TableMap, topology: Topology
     truncates = [(table, vnode) for table in truncated for vnode in range(topology.virtual_nodes)]
     rows = [ChangeRow(0, seq, vnode, table, TRUNCATE, b"", None)
             for seq, (table, vnode) in enumerate(truncates)]
-    vnode_of, first = topology.vnode_of_key, len(rows)
-    rows += [ChangeRow(0, seq, vnode_of(key), table, op, key, values)
-             for seq, ((table, key), (op, values)) in enumerate(net.items(), start=first)]
+    first = len(rows)
+    vnodes = topology.vnodes_of_keys([key for _table, key in net]).tolist() if net else []
+    rows += [ChangeRow(0, seq, vnode, table, op, key, values)
+             for seq, ((table, key), (op, values)), vnode
+             in zip(itertools.count(first), net.items(), vnodes)]
     return rows

@@ -174,6 +174,49 @@ def value_encoder(type_name: str) -> Callable[[Any], bytes]:
                       general)
 
 
+@functools.lru_cache(maxsize=256)
+def column_encoder(type_name: str) -> Callable[[Sequence[Any]], list[bytes]]:
+    """``encode_value`` over a whole column (a transaction's values of one column), NULL
+    (None) as ``b""``: exactly the bytes of encoding each value, and the EncodingError
+    of the first value that does not fit. A column of an int64 or float64 column's
+    natural Python type is packed by numpy at once; a string column without the
+    per-value call; anything else (another type among the values, a value out of
+    range) value by value, as ``value_encoder`` does."""
+    encode = value_encoder(type_name)
+    fixed = {"int64": (int, np.int64, "<i8"), "float64": (float, np.float64, "<f8")}.get(type_name)
+
+    def by_value(values: Sequence[Any]) -> list[bytes]:
+        return [b"" if v is None else encode(v) for v in values]
+
+    if type_name == "string":
+        def strings(values: Sequence[Any]) -> list[bytes]:
+            try:
+                return [b"" if v is None else b"\x01" + v.encode() if type(v) is str
+                        else encode(v) for v in values]
+            except UnicodeEncodeError:  # a lone surrogate: encode says so, value by value
+                return by_value(values)
+        return strings
+    if fixed is None:
+        return by_value
+    natural, dtype, layout = fixed
+    width = np.dtype(layout).itemsize
+
+    def packed(values: Sequence[Any]) -> list[bytes]:
+        present = [v for v in values if v is not None]
+        if not all(type(v) is natural for v in present):
+            return by_value(values)
+        try:
+            raw = np.fromiter(present, dtype, len(present)).astype(layout, copy=False).tobytes()
+        except OverflowError:  # an int out of the int64 range: encode's own error
+            return by_value(values)
+        out = [raw[i:i + width] for i in range(0, len(raw), width)]
+        if len(present) == len(values):
+            return out
+        it = iter(out)
+        return [b"" if v is None else next(it) for v in values]
+    return packed
+
+
 def _fast_path(natural: type, pack: Callable[[Any], bytes] | None,
                general: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
     """``general`` behind a shortcut for the type's natural Python type (an int for
