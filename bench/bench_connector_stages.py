@@ -11,7 +11,8 @@ side is ``bench_apply_stages.py``; the RPCs between them and the commit are in
 
 The workload is ``bench_peers.py``'s (seed 15: 70 % inserts, 20 % updates, 10 %
 deletes of a 6-column table keyed by an int64, each micro-batch collapsed to its net
-effect per key), one source transaction per micro-batch, 8 virtual nodes. Prints the
+effect per key), one source transaction per micro-batch, 8 virtual nodes on one node
+(the requests stage splits the rows by node as the connector does). Prints the
 median of each stage per micro-batch, its microseconds per change and its share of
 the connector's total; asserts nothing.
 
@@ -33,15 +34,22 @@ from typing import Any
 import pyarrow as pa
 from bench_peers import COLUMNS, SCHEMA, generate, micro_batches
 
+from cdc_client.connector import stamped
 from cdc_client.source import RowChange, SourceTransaction
 from cdc_client.translate import TableMap, translate
 from retina_common.catalog.model import ColumnRecord, TableRecord
-from retina_common.changelog import Changelog, ChangeRow, LoggedTransaction, encode_segment
-from retina_common.changelog_replay import requests
+from retina_common.changelog import (
+    Changelog,
+    ChangeRow,
+    LoggedTransaction,
+    encode_segment,
+    transaction_positions,
+)
+from retina_common.changelog_replay import by_node, requests
 from retina_common.columnar import COLUMNAR_MIN_ROWS
 from retina_common.topology import Topology
 
-STAGES = ("source objects", "translate", "changelog encode", "changelog append",
+STAGES = ("source objects", "translate", "stamp", "changelog encode", "changelog append",
           "requests", "serialise")
 TABLE = "t"
 
@@ -75,13 +83,17 @@ def measure(rows: int, batch: int, root: Path) -> tuple[dict[str, list[float]], 
         trans = timed(times, "source objects", source_objects)
         translated: list[ChangeRow] = timed(times, "translate",
                                             lambda t=trans: translate(t, tables, topology))
-        for row in translated:
-            row.ts = i
-        timed(times, "changelog encode", lambda r=translated: encode_segment(r))
-        logged = LoggedTransaction(i, str(i), str(i), 0, translated)
-        timed(times, "changelog append", lambda t=logged: changelog.append([t]))
-        made = timed(times, "requests", lambda r=translated: list(requests(
-            SCHEMA, {TABLE: table}, r, 10_000, COLUMNAR_MIN_ROWS)))
+        rows = timed(times, "stamp", lambda r=translated, ts=i: stamped(r, ts))
+        timed(times, "changelog encode", lambda r=rows: encode_segment(r))
+        logged = LoggedTransaction(i, str(i), str(i), 0, rows)
+        record = timed(times, "changelog append", lambda t=logged: changelog.append([t]))
+
+        def node_requests(r: list[ChangeRow] = rows, rec: Any = record) -> list[Any]:
+            positions = transaction_positions([rec])
+            return [q for node_rows in by_node(r, topology).values()
+                    for q in requests(SCHEMA, {TABLE: table}, node_rows, 10_000,
+                                      COLUMNAR_MIN_ROWS, positions=positions)]
+        made = timed(times, "requests", node_requests)
         timed(times, "serialise", lambda m=made: [q.SerializeToString() for q in m])
         changes += b.changes
     return times, changes
@@ -102,19 +114,35 @@ def report(batch: int, times: dict[str, list[float]], changes: int) -> None:
           f"   (= {per_batch / total * 1000:,.0f} changes/s on one core, before any RPC)")
 
 
+def filesystem(path: Path) -> str:
+    """The type of the file system ``path`` is on (Linux: the longest mount point)."""
+    try:
+        mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return "unknown"
+    resolved = str(path.resolve())
+    best = max((m for m in mounts if len(m) > 2 and (resolved + "/").startswith(
+        m[1].rstrip("/") + "/")), key=lambda m: len(m[1]), default=None)
+    return best[2] if best else "unknown"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=100_000, help="changes per batch size")
     parser.add_argument("--batch", type=int, action="append",
                         help="changes per micro-batch (repeatable; default 100 and 5000)")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="where the changelog goes (default: the system's temporary "
+                             "directory; on a tmpfs its fsyncs cost nothing)")
     args = parser.parse_args()
     sizes = args.batch or [100, 5000]
     print(f"setup: {platform.platform()}, Python {platform.python_version()}, pyarrow "
           f"{pa.__version__}; {args.rows} changes per batch size (bench_peers' workload, "
-          f"seed 15); one source transaction per micro-batch; 8 virtual nodes; the "
-          f"changelog on a local directory (fsynced); in one process, no cluster")
-    with tempfile.TemporaryDirectory(prefix="retina-connector-stages-") as tmp:
+          f"seed 15); one source transaction per micro-batch; 8 virtual nodes; in one "
+          f"process, no cluster")
+    with tempfile.TemporaryDirectory(prefix="retina-connector-stages-", dir=args.dir) as tmp:
+        print(f"the changelog (fsynced) under {tmp}, on a {filesystem(Path(tmp))} file system")
         for size in sizes:
             times, changes = measure(args.rows, size, Path(tmp))
             report(size, times, changes)

@@ -225,32 +225,30 @@ def _is_upsert(change: RowChange) -> bool:
         change.op == "insert" or (change.op == "update" and change.before is None))
 
 
-def _encoded_upserts(trans: SourceTransaction, tables: TableMap,
-                     min_upserts: int) -> dict[int, Encoded]:
-    """Change index -> (table, key, values) for the upserts of each table with ``min_upserts``
-    or more in the transaction, encoded a column at a time: the same bytes as
-    ``_key`` and ``_values`` give row by row. A table whose upserts hold anything
-    those would refuse (an unknown table or column, a missing or NULL key, a value
-    that does not fit) is left out, so the row-by-row path meets it in order and
-    raises exactly as before."""
+def _upserts_by_table(trans: SourceTransaction) -> dict[str, list[int]]:
     by_table: dict[str, list[int]] = {}
     for i, change in enumerate(trans.changes):
         if _is_upsert(change):
             by_table.setdefault(change.table, []).append(i)
-    out: dict[int, Encoded] = {}
-    for source_table, positions in by_table.items():
-        if len(positions) < min_upserts:
-            continue
-        try:
-            record = tables.table(source_table, "")
-        except Exception:  # the row-by-row path meets it again and raises it, in its order
-            continue
-        afters = [trans.changes[i].after for i in positions]
-        encoded = _encode_upserts(_shape(record), afters)  # type: ignore[arg-type]
-        if encoded is not None:
-            out.update(zip(positions, ((record.name, key, values) for key, values in encoded),
-                           strict=True))
-    return out
+    return by_table
+
+
+def _encoded_upserts(trans: SourceTransaction, record: TableRecord, shape: _Shape,
+                     positions: list[int]) -> dict[int, Encoded]:
+    """Change index -> (table, key, values) for a table's upserts (at ``positions``),
+    encoded a column at a time: the same bytes as ``_key`` and ``_values`` give row by
+    row. None of them if any holds something those would refuse (an unknown column, a
+    missing or NULL key, a value that does not fit): the row-by-row path then meets it
+    in order and raises exactly as before."""
+    afters = [trans.changes[i].after for i in positions]
+    try:
+        encoded = _encode_upserts(shape, afters)  # type: ignore[arg-type]
+    except Exception:  # an encoder outside its contract: the row path raises it, in order
+        return {}
+    if encoded is None:
+        return {}
+    return dict(zip(positions, ((record.name, key, values) for key, values in encoded),
+                    strict=True))
 
 
 def _encode_upserts(shape: _Shape, afters: list[Mapping[str, Any]]
@@ -298,7 +296,10 @@ def translate(trans: SourceTransaction, tables: TableMap, topology: Topology, *,
     # Source table -> (record, shape), once per transaction: the catalog is followed
     # before any row is read, so a table's record cannot change inside one.
     seen: dict[str, tuple[TableRecord, _Shape]] = {}
-    encoded = _encoded_upserts(trans, tables, columnar_min_upserts)
+    # A table's upserts are encoded a column at a time (when it has many) once its record
+    # is looked up, at its first change: one lookup per table, and in order.
+    upserts = _upserts_by_table(trans)
+    encoded: dict[int, Encoded] = {}
     for i, change in enumerate(trans.changes):
         done = encoded.get(i)
         if done is not None:  # a valid upsert of a known table, encoded with its column
@@ -311,6 +312,13 @@ def translate(trans: SourceTransaction, tables: TableMap, topology: Topology, *,
         if known is None:
             record = tables.table(change.table, where)
             known = seen[change.table] = (record, _shape(record))
+            positions = upserts.get(change.table, [])
+            if len(positions) >= columnar_min_upserts:
+                encoded.update(_encoded_upserts(trans, record, known[1], positions))
+                done = encoded.get(i)
+                if done is not None:
+                    net[(done[0], done[1])] = (REPLACE, done[2])
+                    continue
         table, shape = known
         if change.op == "truncate":
             truncated[table.name] = None

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -59,6 +60,7 @@ def free_port() -> int:
 # otherwise free for another worker to take (seen in CI: a TransServer restarted on a
 # new port that never came up).
 _PORT_FLOOR = 20000
+_MIN_SLICE = 256  # a test holds ~10 ports at once: room for a few dozen in flight
 _handed_out: dict[int, None] = {}  # in the order handed out: the oldest is forgotten first
 _ports_lock = threading.Lock()
 _random = random.SystemRandom()
@@ -77,10 +79,16 @@ def _port_range() -> tuple[int, int]:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if worker.startswith("gw") and worker[2:].isdigit() and count > 1:
+        # A worker xdist starts in place of a crashed one gets a new id (gwN for N workers)
+        # and shares a slice with a live one: as before slices, for that run only.
         width = (high - low) // count
-        if width > 1000:
+        if width >= _MIN_SLICE:
             low += int(worker[2:]) % count * width
             high = low + width
+        else:
+            warnings.warn(f"{count} test workers share {high - low} ports: fewer than "
+                          f"{_MIN_SLICE} each, so they draw from all of them, and two may "
+                          "hand out the same port", stacklevel=3)
     return low, high
 
 
@@ -95,7 +103,7 @@ def free_ports(count: int) -> list[int]:
             for _ in range(count * 200):
                 if len(chosen) == count:
                     break
-                port = (_random.randrange(low, high) if high - low > 1000
+                port = (_random.randrange(low, high) if high - low >= _MIN_SLICE
                         else 0)  # an odd range: let the kernel choose
                 if port in _handed_out:
                     continue

@@ -306,7 +306,7 @@ def _encode_float(type_name: str, value: Any) -> bytes:
         if math.isinf(number) and isinstance(value, Decimal) and value.is_finite():
             raise OverflowError("beyond the float range")  # float() made it infinite
         return _STRUCT[type_name].pack(number)
-    except (OverflowError, struct.error) as exc:
+    except (OverflowError, struct.error, ValueError) as exc:  # ValueError: a signalling NaN
         raise EncodingError(f"{value} does not fit a {type_name}: {exc}") from None
 
 
@@ -368,6 +368,8 @@ def _unscaled(value: Decimal, precision: int, scale: int) -> int:
         raise EncodingError(f"{value} has more than {precision} digits")
     if shift >= 0:
         unscaled = coefficient * 10 ** shift
+    elif -shift > len(digits):  # a non-zero coefficient below 10**-shift: not a whole number
+        raise EncodingError(f"{value} has more than {scale} fractional digits")
     else:
         unscaled, rest = divmod(coefficient, 10 ** -shift)
         if rest:

@@ -21,6 +21,6 @@ def test_every_stage_is_reported_for_each_batch_size() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "B=100: 20 micro-batches" in out and "B=1000: 2 micro-batches" in out, out
-    for stage in ("source objects", "translate", "changelog encode", "changelog append",
+    for stage in ("source objects", "translate", "stamp", "changelog encode", "changelog append",
                   "requests", "serialise", "connector total"):
         assert out.count(f"\n{stage} ") == 2, (stage, out)

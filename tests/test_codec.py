@@ -84,3 +84,16 @@ def test_primary_key_problems_name_the_first_malformed_key() -> None:
     no_marker = raw[:12] + b"\x02x"  # the value without its 0x01 marker
     assert primary_key_problem(mixed, [no_marker]) == (0, "key column 1 (string) lacks its "
                                                           "0x01 marker")
+
+
+def test_a_value_no_column_can_hold_is_refused_promptly_with_an_encoding_error() -> None:
+    """Only EncodingError, whatever the value (the connector stops on it and names the
+    event; any other error would restart it on the same event forever), and at once:
+    a decimal of a huge negative exponent once built ``10**100000000`` first."""
+    with pytest.raises(EncodingError, match="does not fit a float64"):
+        encode_value("float64", Decimal("sNaN"))
+    with pytest.raises(EncodingError, match="more than 2 fractional digits"):
+        encode_value("decimal(10,2)", Decimal("1e-100000000"))  # a hang: the suite's timeout
+    # Trailing zeros below the scale are still exact.
+    assert encode_value("decimal(10,2)", Decimal("1000e-5")) == \
+        encode_value("decimal(10,2)", Decimal("0.01"))

@@ -40,3 +40,11 @@ def test_outside_xdist_the_whole_range_is_drawn_from(monkeypatch: pytest.MonkeyP
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
     assert cluster._port_range() == (cluster._PORT_FLOOR, cluster._ephemeral_low())
+
+
+def test_too_many_workers_for_slices_say_so_and_share_the_range(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw5")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "200")
+    with pytest.warns(UserWarning, match="200 test workers share"):
+        assert cluster._port_range() == (cluster._PORT_FLOOR, cluster._ephemeral_low())
