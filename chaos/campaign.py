@@ -72,6 +72,8 @@ EXPECTED_EXITS = {exit_codes.OK, exit_codes.FAILED, exit_codes.UNAVAILABLE,
 # The stream of the fault kinds that joined late (faults.LATE_FAULTS), apart from the
 # fault's own stream so that the other kinds' draws stay as they were.
 LATE_FAULT_STREAM = 0x5BA4C
+# The first episode's ADD COLUMN (run_episode), apart from the workload's own draws.
+SCHEMA_STREAM = 0x5C4E3A
 
 
 def episode_seed(seed: int, episode: int) -> int:
@@ -296,6 +298,12 @@ class Campaign:
                            load=lambda: self._load(load_rng))
         for _ in range(fault_rng.randint(1, 2)):
             ctx.write()
+        if episode == self.episode_numbers()[0]:
+            # Every campaign changes the source schema at least once: the workload's own
+            # ADD COLUMNs are rare draws, and how many draws an episode makes depends on
+            # its timing (a fixed seed once drew none in CI). From a stream of its own, so
+            # no other draw moves; before the fault, which the connector follows it through.
+            self._add_column(random.Random(derived ^ SCHEMA_STREAM), episode)
         book.before_fault()
         if self.follower is not None:
             self.follower.before_fault()
