@@ -243,8 +243,8 @@ def _encoded_upserts(trans: SourceTransaction, record: TableRecord, shape: _Shap
     afters = [trans.changes[i].after for i in positions]
     try:
         encoded = _encode_upserts(shape, afters)  # type: ignore[arg-type]
-    except Exception:  # an encoder outside its contract: the row path raises it, in order
-        return {}
+    except Exception:  # EncodingError, or an encoder outside its contract: the row path
+        return {}      # meets the value again and raises, in order
     if encoded is None:
         return {}
     return dict(zip(positions, ((record.name, key, values) for key, values in encoded),
@@ -258,11 +258,8 @@ def _encode_upserts(shape: _Shape, afters: list[Mapping[str, Any]]
         present = row.keys()
         if not (names.issuperset(present) and present >= required):
             return None
-    try:
-        columns = [encode([row.get(name) for row in afters])
-                   for name, encode in shape.column_encoders]
-    except EncodingError:
-        return None
+    columns = [encode([row.get(name) for row in afters])
+               for name, encode in shape.column_encoders]
     if shape.single_key_at is not None:
         key_values = columns[shape.single_key_at]
         if not all(key_values):  # a NULL key
@@ -272,10 +269,7 @@ def _encode_upserts(shape: _Shape, afters: list[Mapping[str, Any]]
         rows = [[row.get(c) for c in shape.key_columns] for row in afters]
         if any(v is None for values in rows for v in values):
             return None
-        try:
-            keys = [shape.encode_key(values) for values in rows]
-        except EncodingError:
-            return None
+        keys = [shape.encode_key(values) for values in rows]
     return list(zip(keys, zip(*columns, strict=True), strict=True))
 
 
@@ -301,25 +295,22 @@ def translate(trans: SourceTransaction, tables: TableMap, topology: Topology, *,
     upserts = _upserts_by_table(trans)
     encoded: dict[int, Encoded] = {}
     for i, change in enumerate(trans.changes):
+        if i not in encoded:
+            where = _Where(trans, i, change.origin)
+            if change.op not in _OPERATIONS:
+                raise MalformedChange(f"{where}: unknown operation {change.op!r}")
+            if change.table not in seen:
+                record = tables.table(change.table, where)
+                seen[change.table] = (record, _shape(record))
+                positions = upserts.get(change.table, [])
+                if len(positions) >= columnar_min_upserts:
+                    encoded.update(_encoded_upserts(trans, record, seen[change.table][1],
+                                                    positions))
         done = encoded.get(i)
         if done is not None:  # a valid upsert of a known table, encoded with its column
             net[(done[0], done[1])] = (REPLACE, done[2])
             continue
-        where = _Where(trans, i, change.origin)
-        if change.op not in _OPERATIONS:
-            raise MalformedChange(f"{where}: unknown operation {change.op!r}")
-        known = seen.get(change.table)
-        if known is None:
-            record = tables.table(change.table, where)
-            known = seen[change.table] = (record, _shape(record))
-            positions = upserts.get(change.table, [])
-            if len(positions) >= columnar_min_upserts:
-                encoded.update(_encoded_upserts(trans, record, known[1], positions))
-                done = encoded.get(i)
-                if done is not None:
-                    net[(done[0], done[1])] = (REPLACE, done[2])
-                    continue
-        table, shape = known
+        table, shape = seen[change.table]
         if change.op == "truncate":
             truncated[table.name] = None
             net = {k: v for k, v in net.items() if k[0] != table.name}
