@@ -16,6 +16,7 @@ positions (source_positions.py) are a named database of the same environment
 from __future__ import annotations
 
 import bisect
+import itertools
 import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -130,6 +131,35 @@ def _split_prefix(prefix: bytes) -> tuple[int, bytes]:
     (table_id,) = _TABLE.unpack(prefix[:8])
     (length,) = _LEN.unpack(prefix[8:12])
     return table_id, prefix[12:12 + length]
+
+
+def _versioned(cursor: lmdb.Cursor[bytes], prefixes: list[bytes]) -> list[int]:
+    """The positions of ``prefixes`` (version prefixes) that have at least one version.
+
+    Sorted prefixes are walked against the index: the first entry at or after
+    ``prefixes[i]`` has prefix ``found``, and every prefix from ``i`` up to ``found``
+    has no version (its versions would sort between ``prefixes[i]`` and that entry:
+    prefixes of one table and key length are of one length, so a smaller one is smaller
+    at a byte, whatever follows it). So a load of keys the index holds nothing between
+    (a new table, a new range of ids) costs one descent, not one per key; keys that
+    interleave with the index's cost a descent each, as a lookup per key would.
+    Unsorted prefixes are looked up one by one."""
+    set_range, key_at = cursor.set_range, cursor.key
+    if any(a >= b for a, b in itertools.pairwise(prefixes)):
+        return [i for i, p in enumerate(prefixes) if set_range(p) and key_at().startswith(p)]
+    versioned: list[int] = []
+    i, n = 0, len(prefixes)
+    while i < n:
+        if not set_range(prefixes[i]):
+            break  # nothing at or after it: no later prefix has a version either
+        found = key_at()[:-8]
+        if found < prefixes[i]:  # no version entry is shaped so: the walk would not move
+            raise IndexBackendError(f"primary index entry {key_at().hex()} is not a version")
+        i = bisect.bisect_left(prefixes, found, i)
+        if i < n and prefixes[i] == found:
+            versioned.append(i)
+            i += 1
+    return versioned
 
 
 class PrimaryIndex:
@@ -252,25 +282,18 @@ class PrimaryIndex:
         may not insert: a key whose latest version at or before ``ts`` is a row (live, or
         an orphan only a resolution could sort out), or that has any version after ``ts``
         (a later write the load would slip under). A key with no version, or whose
-        versions up to ``ts`` end in a tombstone, is free. One descent per key, in a
-        comprehension; given in the index's order (``index_order``), each descent starts
-        where the last ended in the B-tree's pages. Only keys with versions are walked."""
+        versions up to ``ts`` end in a tombstone, is free. Keys with versions are found by
+        ``_versioned`` (one descent per run of keys the index holds nothing between), and
+        only their versions are walked."""
         prefixes = self._prefixes(table_id, keys)
         tombstone = _ROW.pack(TOMBSTONE)
         clash = []
         try:
             with self.transaction(write=False) as txn:
                 cursor = txn.cursor(db=self._primary)
-                set_range, key_at = cursor.set_range, cursor.key
-                head = _TABLE.pack(table_id)
-                if not set_range(head) or not key_at().startswith(head):
-                    return []  # the table has no version at all: nothing can clash
-                found = [key_at() if set_range(p) else b"" for p in prefixes]
-                versioned = [i for i, (p, f) in enumerate(zip(prefixes, found, strict=True))
-                             if f.startswith(p)]
-                for i in versioned:
+                for i in _versioned(cursor, prefixes):
                     prefix = prefixes[i]
-                    set_range(prefix)
+                    cursor.set_range(prefix)
                     latest = None
                     for version, value in cursor:
                         if not version.startswith(prefix) or len(version) != len(prefix) + 8:

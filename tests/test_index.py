@@ -297,3 +297,47 @@ def test_keys_are_stored_reversed_and_an_older_index_keeps_its_layout(tmp_path: 
         assert txn.get(b"key_layout", db=reopened._meta) == LAYOUT_LEGACY
     assert reopened.latest(1, keys[:3], 5).tolist() == [7, 8, 9]
     assert reopened.load_conflicts(1, keys[:4], 6) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_load_conflicts_match_a_model_of_every_key(tmp_path: Path, seed: int) -> None:
+    """LOAD_KEYS_HAVE_NO_LIVE_VERSION, against a model: versions of other tables and
+    key widths around the load's, runs of keys with no version between keys with one
+    (the walk's skips), tombstones, versions after the load's timestamp; the keys in
+    the index's order (the walk) and shuffled (one lookup each) give the same answer."""
+    from retina_server.primary_index import PrimaryIndex
+
+    rng = random.Random(seed)
+    index = PrimaryIndex(tmp_path / "primary")
+    table, load_ts = 7, 50
+    versions: dict[bytes, list[tuple[int, int]]] = {}  # the load table's, by key
+    for other in (6, 8):  # neighbours in the index's order on both sides
+        index.put_primary_entries_only(other, [i.to_bytes(8, "little") for i in range(40)],
+                                       range(40), ts=3)
+    index.put_primary_entries_only(table, [b"ab", b"abc"], [1, 2], ts=4)  # other widths
+    universe = [i.to_bytes(8, "little") for i in range(400)]
+    for key in rng.sample(universe, 120):
+        for ts in sorted(rng.sample(range(1, 80), rng.randint(1, 3))):
+            row = TOMBSTONE if rng.random() < 0.4 else rng.randint(0, 10**6)
+            if row == TOMBSTONE:
+                index.tombstone_primary_resolved(table, [key], ts=ts)
+            else:
+                index.put_primary_entries_only(table, [key], [row], ts=ts)
+            versions.setdefault(key, []).append((ts, row))
+
+    def clashes(key: bytes) -> bool:
+        stamps = versions.get(key, [])
+        if any(ts > load_ts for ts, _row in stamps):
+            return True
+        upto = [row for ts, row in stamps if ts <= load_ts]
+        return bool(upto) and upto[-1] != TOMBSTONE
+
+    load = rng.sample(universe, 250)
+    ordered = [load[i] for i in index.index_order(load)]
+    expected = [i for i, key in enumerate(ordered) if clashes(key)]
+    assert 0 < len(expected) < len(ordered)
+    assert index.load_conflicts(table, ordered, load_ts) == expected
+    shuffled = rng.sample(ordered, len(ordered))
+    assert sorted(shuffled[i] for i in index.load_conflicts(table, shuffled, load_ts)) == \
+        sorted(ordered[i] for i in expected)
+    assert index.load_conflicts(table, [k for k in universe if k not in versions], load_ts) == []
