@@ -55,6 +55,7 @@ bench: setup
 	@$(PY) bench/bench_dataplane.py
 	@$(PY) bench/bench_dataplane.py --batch 5000 --batches 20
 	@$(PY) bench/bench_lookup.py
+	@$(PY) bench/bench_partial_updates.py
 	@$(PY) bench/bench_apply_stages.py
 	@$(PY) bench/bench_connector_stages.py
 	@$(PY) bench/bench_write_fence.py

@@ -24,13 +24,14 @@ from typing import Any
 import grpc
 
 from retina_common.catalog import TableRecord
-from retina_common.codec import EncodingError, encode_primary_key, value_encoder
+from retina_common.codec import EncodingError, decode_column, encode_primary_key, value_encoder
 from retina_common.columnar import (
     COLUMNAR_MIN_ROWS,
     ROW_FORM_ONLY,
     ColumnarError,
     encode_delete_keys,
     encode_insert_values,
+    encode_partial_rows,
 )
 from retina_common.config import TlsConfig
 from retina_common.pb import retina_pb2 as pb
@@ -77,12 +78,22 @@ class TableWriter:
         return tuple(b"" if (v := row.get(name)) is None else encode(v)
                      for name, encode in self._encoders)
 
+    def partial_values(self, row: Row) -> tuple[tuple[str, ...], list[bytes]]:
+        """A partial update's target columns (the row's, in its order) and their values
+        in the row form's encoding (NULL: empty)."""
+        if self._encoders is None:
+            self._encoders = [(c.name, value_encoder(c.type)) for c in self.table.columns]
+        encoders = dict(self._encoders)
+        return tuple(row), [b"" if v is None else encoders[name](v) for name, v in row.items()]
+
     def updates(self, ts: int, *, deletes: Iterable[Row] = (), inserts: Iterable[Row] = (),
-                replaces: Iterable[Row] = ()) -> dict[str, list[pb.TableUpdateData]]:
+                replaces: Iterable[Row] = (), partials: Iterable[Row] = ()
+                ) -> dict[str, list[pb.TableUpdateData]]:
         """node id -> TableUpdateData (one per virtual node) for one transaction at ``ts``.
 
         ``deletes`` need only the key columns; ``replaces`` are full rows sent
-        as DELETE + INSERT.
+        as DELETE + INSERT; ``partials`` are partial updates: rows of their target
+        columns only (every key column among them; docs/encoding.md, "Partial updates").
         """
         by_vnode: dict[int, _Stream] = {}
         routes: dict[bytes, int] = {}  # a replaced key is routed once, not twice
@@ -117,33 +128,45 @@ class TableWriter:
             insert(self.key(row), row)
         for key, row in zip(replaced_keys, replaces, strict=True):
             insert(key, row)
+        for row in partials:
+            key = self.key(row)
+            stream(key).partials.append((key, *self.partial_values(row)))
         per_node: dict[str, list[pb.TableUpdateData]] = defaultdict(list)
         for vnode, s in sorted(by_vnode.items()):
             data = pb.TableUpdateData(table_name=self.table.name,
                                       primary_index_id=self.table.primary_index_id,
                                       timestamp=ts, virtual_node_id=vnode)
             fill_update(data, self.table, s.deletes, s.insert_keys, s.insert_values,
-                        self.min_columnar_rows if self.columnar else ROW_FORM_ONLY)
+                        self.min_columnar_rows if self.columnar else ROW_FORM_ONLY,
+                        s.partials)
             per_node[self.topology.node_of_vnode(vnode)].append(data)
         return dict(per_node)
 
 
+# A partial update: its key, target columns and their values in the row form's encoding.
+Partial = tuple[bytes, tuple[str, ...], list[bytes]]
+
+
 def fill_update(data: pb.TableUpdateData, table: TableRecord, deletes: Sequence[bytes],
                 insert_keys: Sequence[bytes], insert_values: Sequence[Sequence[bytes]],
-                min_columnar_rows: int) -> None:
-    """Put one update's deleted keys and inserted rows (values in the row form's
-    encoding) into ``data``: in the columnar form from ``min_columnar_rows`` items on,
-    else, or if a value does not decode or a row is wider than ``table``, in the row
-    form (the node then refreshes its table record, or refuses the row with the row
-    form's message)."""
-    if len(deletes) + len(insert_keys) >= min_columnar_rows:
+                min_columnar_rows: int, partials: Sequence[Partial] = ()) -> None:
+    """Put one update's deleted keys, inserted rows (values in the row form's encoding)
+    and partial updates into ``data``: in the columnar form from ``min_columnar_rows``
+    items on if the partial updates share their targets (the columnar form holds one
+    target list), else, or if a value does not decode or a row is wider than ``table``,
+    in the row form (the node then refreshes its table record, or refuses the row with
+    the row form's message)."""
+    items = len(deletes) + len(insert_keys) + len(partials)
+    if items >= min_columnar_rows and len({p[1] for p in partials}) <= 1:
         try:
             rows = encode_insert_values(table, insert_values) if insert_values else b""
-        except (EncodingError, ColumnarError):
+            partial_rows = _partial_rows(table, partials) if partials else b""
+        except (EncodingError, ColumnarError, KeyError):
             pass
         else:
             data.delete_keys_arrow = encode_delete_keys(deletes) if deletes else b""
             data.insert_rows_arrow = rows
+            data.partial_rows_arrow = partial_rows
             return
 
     def index_key(key: bytes) -> pb.IndexKey:
@@ -156,6 +179,18 @@ def fill_update(data: pb.TableUpdateData, table: TableRecord, deletes: Sequence[
         item = data.insert_data.add()
         item.index_keys.append(index_key(key))
         item.col_values.extend(values)
+    for key, targets, values in partials:
+        partial = data.partial_data.add(target_columns=targets, col_values=values)
+        partial.index_keys.append(index_key(key))
+
+
+def _partial_rows(table: TableRecord, partials: Sequence[Partial]) -> bytes:
+    """``partial_rows_arrow`` of partial updates that share their targets."""
+    targets = partials[0][1]
+    types = {c.name: c.type for c in table.columns}
+    columns = [decode_column(types[name], values) for name, values in
+               zip(targets, zip(*(p[2] for p in partials), strict=True), strict=True)]
+    return encode_partial_rows(table, targets, columns)
 
 
 @dataclass
@@ -165,6 +200,7 @@ class _Stream:
     deletes: list[bytes] = field(default_factory=list)
     insert_keys: list[bytes] = field(default_factory=list)
     insert_values: list[list[bytes]] = field(default_factory=list)
+    partials: list[Partial] = field(default_factory=list)
 
 
 def requests_by_node(schema: str, updates: Iterable[dict[str, list[pb.TableUpdateData]]]

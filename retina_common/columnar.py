@@ -95,6 +95,18 @@ def encode_insert_values(table: TableRecord, rows: Sequence[Sequence[bytes]]) ->
     return encode_insert_rows(table, columns)
 
 
+def encode_partial_rows(table: TableRecord, targets: Sequence[str],
+                        columns: Sequence[pa.Array]) -> bytes:
+    """``partial_rows_arrow``: partial updates of the ``targets`` columns (the key columns
+    among them), one array per target in that order."""
+    by_name = {c.name: c for c in table.columns}
+    unknown = [t for t in targets if t not in by_name]
+    if unknown:
+        raise ColumnarError(f"{table.name} has no column {unknown[0]}")
+    schema = pa.schema([pa.field(t, arrow_type(by_name[t].type)) for t in targets])
+    return _ipc(pa.record_batch(list(columns), schema=schema))
+
+
 def _plain_rows(data: bytes, what: str) -> int:
     """The rows of a stream, read from its messages' metadata without decoding them,
     after checking every message is the schema or an uncompressed record batch.
@@ -205,6 +217,35 @@ def decode_insert_rows(data: bytes, table: TableRecord) -> pa.Table:
     if rows.schema.names != expected.names or rows.schema.types != expected.types:
         raise ColumnarError(f"insert_rows_arrow columns are {_describe(rows.schema)}, not "
                             f"{_describe(expected)}")
+    return rows
+
+
+def partial_targets(data: bytes) -> list[str]:
+    """The target column names ``partial_rows_arrow`` declares (schema only)."""
+    try:
+        return list(pa.ipc.open_stream(pa.py_buffer(data)).schema.names)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise ColumnarError(f"partial_rows_arrow is not a valid Arrow IPC stream: {exc}"
+                            ) from None
+
+
+def decode_partial_rows(data: bytes, table: TableRecord) -> pa.Table:
+    """The rows of ``partial_rows_arrow``: its columns are target columns of ``table``,
+    by name and Arrow type, none twice (the caller checks the key columns are among
+    them and has refreshed ``table`` if it names a column ``table`` lacks)."""
+    rows = _read(data, "partial_rows_arrow")
+    names = rows.schema.names
+    by_name = {c.name: c for c in table.columns}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ColumnarError(f"partial_rows_arrow names column {unknown[0]!r}, which "
+                            f"{table.name} does not have")
+    if len(set(names)) != len(names):
+        raise ColumnarError(f"partial_rows_arrow names a column twice: {names}")
+    wrong = [f"{f.name}: {f.type} (not {arrow_type(by_name[f.name].type)})"
+             for f in rows.schema if f.type != arrow_type(by_name[f.name].type)]
+    if wrong:
+        raise ColumnarError(f"partial_rows_arrow columns of other types: {wrong}")
     return rows
 
 

@@ -76,11 +76,13 @@ def replay_requests(node: str, schema: str, writers: Mapping[str, TableWriter],
                     changelog: Iterable[ChangelogEntry], starts: pb.GetRecoveryReplayTsResponse,
                     context: pb.RecoveryReplayContext) -> Iterator[pb.UpdateRecordRequest]:
     """The changelog from the replay starts as ``node``'s replay requests: every
-    insert and replace as DELETE + INSERT, every delete as DELETE."""
+    insert and replace as DELETE + INSERT, every delete as DELETE, every partial update
+    as itself."""
     for ts, changes in changelog:
         per_table = [writers[t].updates(
             ts, deletes=ops.get("deletes", ()),
-            replaces=[*ops.get("inserts", ()), *ops.get("replaces", ())])
+            replaces=[*ops.get("inserts", ()), *ops.get("replaces", ())],
+            partials=ops.get("partials", ()))
             for t, ops in changes.items()]
         request = requests_by_node(schema, per_table).get(node)
         if request is None:

@@ -308,7 +308,19 @@ class RowLookup:
             NOT_FOUND.inc(len(answer.found) - found)
             return answer
 
-    def _read(self, request: LookupRequest) -> LookupAnswer:
+    def rows_before(self, table: TableRecord, keys: list[bytes], ts: int) -> LookupAnswer:
+        """Every column of the rows ``keys`` had just before ``ts`` (each key's latest
+        version below it): a partial update's base (partial_update.py). Read inside the
+        write's apply, under the stream locks of the keys' virtual nodes, so no row of
+        theirs moves meanwhile (no reread), before the apply's first effect (what its
+        own earlier parts write, partial_update takes from them). The row a version
+        names is the base, as it is the row a DELETE at ``ts`` removes (DELETE_TARGETS):
+        the visibility is not asked, so a row group folded above ``ts`` (a replay's
+        first timestamps) answers too."""
+        return self._read(LookupRequest(table, keys, [c.name for c in table.columns], ts - 1),
+                          deletes=False)
+
+    def _read(self, request: LookupRequest, deletes: bool = True) -> LookupAnswer:
         table, ts = request.table, request.ts
         index = self._node.index
         row_ids = index.primary.latest(table.table_id, request.keys, ts)
@@ -346,7 +358,8 @@ class RowLookup:
                 continue
             visibility, rows = found
             rows_at = offsets[start:end]
-            dead = visibility.deleted_among(rows_at, ts)
+            dead = visibility.deleted_among(rows_at, ts) if deletes else \
+                np.zeros(len(rows_at), bool)
             if dead is None:
                 base = visibility.base_timestamp
                 raise snapshot_expired(f"snapshot {ts} is below the visibility base {base} of "

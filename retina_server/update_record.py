@@ -14,6 +14,9 @@ converges instead).
 A TableUpdateData in the columnar form (``retina_common.columnar``: Arrow IPC
 key and row streams) is decoded and validated in full first; its keys are
 computed from the rows' key columns, and every rule above applies to it too.
+NULL in a NOT NULL column is refused (NOT_NULL_HOLDS). Partial updates (either
+form) are checked here too: their target columns (PARTIAL_TARGETS_NAME_THE_KEY), values,
+key bytes and routes; the apply merges them (partial_update.py).
 
 An ordinary request (no RecoveryReplayContext) is then admitted by the node's write
 fence under its stream locks (write_fence.py, LATE_WRITES_FENCED): if any of its
@@ -65,6 +68,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,16 +91,20 @@ from retina_common.columnar import (
     ColumnarError,
     decode_delete_keys,
     decode_insert_rows,
+    decode_partial_rows,
+    partial_targets,
     row_count,
     stream_width,
 )
 from retina_common.pb import retina_pb2 as pb
 from retina_common.refusal import Refusal
 from retina_common.schema_evolution import pad_values
+from retina_server import partial_update
 from retina_server.index import Resolution
 from retina_server.index_errors import IndexBackendError
 from retina_server.main_index import RowIdRange
 from retina_server.node import NodeFailedClosed, RetinaNode, Stream
+from retina_server.prepared_update import PartialRows, PreparedUpdate
 from retina_server.primary_index import MAX_KEY_BYTES
 from retina_server.source_positions import MAX_POSITION_BYTES
 from retina_server.write_buffer import AppendHandle, SettleMode
@@ -105,18 +113,6 @@ from retina_server.write_fence import Fenced
 PARTS = Counter("retina_update_record_parts_total",
                 "TableUpdateData that passed validation, by wire form (docs/encoding.md)",
                 ["form"])
-
-
-@dataclass
-class PreparedUpdate:
-    table: TableRecord
-    vnode: int
-    ts: int
-    delete_keys: list[bytes]
-    insert_keys: list[bytes]
-    insert_columns: list[pa.Array]
-    truncate: bool = False  # every live key of (table, vnode) deleted first
-    source_position: str = ""  # the commit's source position (source_positions.py)
 
 
 def _invalid(message: str) -> Refusal:
@@ -165,10 +161,11 @@ def _check_source_positions(request: pb.UpdateRecordRequest) -> None:
 def _rows(tud: pb.TableUpdateData) -> int:
     """The delete and insert items of ``tud`` in either form (a columnar payload's
     batch headers are read, not its values)."""
-    rows = len(tud.delete_data) + len(tud.insert_data)
+    rows = len(tud.delete_data) + len(tud.insert_data) + len(tud.partial_data)
     try:
         return (rows + row_count(tud.delete_keys_arrow, "delete_keys_arrow")
-                + row_count(tud.insert_rows_arrow, "insert_rows_arrow"))
+                + row_count(tud.insert_rows_arrow, "insert_rows_arrow")
+                + row_count(tud.partial_rows_arrow, "partial_rows_arrow"))
     except ColumnarError as exc:
         raise _invalid(f"{tud.table_name}: {exc}") from None
 
@@ -256,19 +253,22 @@ def _prepare_one(node: RetinaNode, schema_name: str, tud: pb.TableUpdateData,
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                       f"virtual node {vnode} belongs to {owner}, not {node.node_id}")
     routes: dict[bytes, int] = {}
-    if tud.delete_keys_arrow or tud.insert_rows_arrow:
-        if tud.delete_data or tud.insert_data:
+    if tud.delete_keys_arrow or tud.insert_rows_arrow or tud.partial_rows_arrow:
+        if tud.delete_data or tud.insert_data or tud.partial_data:
             raise _invalid(f"{tud.table_name}: a TableUpdateData carries its rows either as "
-                           "delete_data/insert_data or as delete_keys_arrow/"
-                           "insert_rows_arrow, not both")
+                           "delete_data/insert_data/partial_data or as delete_keys_arrow/"
+                           "insert_rows_arrow/partial_rows_arrow, not both")
         delete_keys = _columnar_deletes(node, tud, routes)
         table, insert_keys, columns = _columnar_inserts(node, schema_name, table, tud, routes)
+        table, partials = _columnar_partials(node, schema_name, table, tud, routes)
     else:
         delete_keys = _keys(table, tud, list(tud.delete_data), "delete", node, routes)
         insert_keys = _keys(table, tud, list(tud.insert_data), "insert", node, routes)
         columns = []
+        table, partials = _row_partials(node, schema_name, table, tud, routes)
     if len(set(insert_keys)) != len(insert_keys):
         raise _invalid(f"{tud.table_name}: duplicate keys in one insert batch")
+    _check_keys_once(tud.table_name, delete_keys, insert_keys, partials)
     rows: list[Any] = []
     if insert_keys and not columns:
         table, widths = _table_for_widths(node, schema_name, table, tud)
@@ -278,7 +278,7 @@ def _prepare_one(node: RetinaNode, schema_name: str, tud: pb.TableUpdateData,
         else:  # a row encoded for an older schema version: NULL for the columns added since
             rows = [pad_values(row.col_values, width) for row in tud.insert_data]
     update = PreparedUpdate(table, vnode, tud.timestamp, delete_keys, insert_keys, columns,
-                            tud.truncate, tud.source_position)
+                            tud.truncate, tud.source_position, partials)
     if rows:
         pending.append(_RowInserts(update, tud.table_name, rows))
     return update
@@ -315,6 +315,7 @@ def _decode_row_inserts(pending: list[_RowInserts]) -> None:
             if not _keys_are_row_bytes(pk, p.update.insert_keys, p.rows):
                 _check_keys_match_rows(table, p.name, p.update.insert_keys, own)
             p.update.insert_columns = own
+        check_not_null(table, group[0].name, columns, "insert")
 
 
 def _columnar_deletes(node: RetinaNode, tud: pb.TableUpdateData,
@@ -352,10 +353,128 @@ def _columnar_inserts(node: RetinaNode, schema_name: str, table: TableRecord,
     columns += [pa.nulls(n, arrow_type(c.type)) for c in table.columns[len(columns):]]
     pk = _key_positions(table)
     _check_key_columns_present(table, tud.table_name, columns, pk)
+    check_not_null(table, tud.table_name, columns, "insert")
     keys = encode_primary_keys([table.columns[p].type for p in pk],
                                [columns[p] for p in pk]).to_pylist()
     _check_routes(node, tud, keys, "insert", routes)
     return table, keys, columns
+
+
+def _row_partials(node: RetinaNode, schema_name: str, table: TableRecord,
+                  tud: pb.TableUpdateData, routes: dict[bytes, int]
+                  ) -> tuple[TableRecord, list[PartialRows]]:
+    """``partial_data``, grouped by target columns, each target's values decoded as one
+    column. The table record is read again once if a target names a column it lacks
+    (one added since it was cached)."""
+    items = list(tud.partial_data)
+    if not items:
+        return table, []
+    name = tud.table_name
+    keys = _keys(table, tud, items, "partial", node, routes)
+    table = _table_naming(node, schema_name, table,
+                          {n for item in items for n in item.target_columns})
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(tuple(item.target_columns), []).append(i)
+    out = []
+    for names, positions in groups.items():
+        targets = _targets(table, name, names, f"partial {positions[0]}")
+        short = [i for i in positions if len(items[i].col_values) != len(names)]
+        if short:
+            i = short[0]
+            raise _invalid(f"{name}: partial {i} has {len(items[i].col_values)} values for "
+                           f"{len(names)} target columns")
+        columns = []
+        per_target = zip(*(items[i].col_values for i in positions), strict=True)
+        for t, values in zip(targets, per_target, strict=True):
+            try:
+                columns.append(decode_column(table.columns[t].type, values))
+            except EncodingError as exc:
+                raise _invalid(f"{name}.{table.columns[t].name}: {exc}") from None
+        group_keys = [keys[i] for i in positions]
+        aligned = _aligned(table, targets, columns)
+        _check_keys_match_rows(table, name, group_keys, aligned, "partial")
+        check_not_null(table, name, aligned, "partial")
+        out.append(PartialRows(targets, group_keys, columns))
+    return table, out
+
+
+def _columnar_partials(node: RetinaNode, schema_name: str, table: TableRecord,
+                       tud: pb.TableUpdateData, routes: dict[bytes, int]
+                       ) -> tuple[TableRecord, list[PartialRows]]:
+    """``partial_rows_arrow``: one group, its targets the stream's columns; each row's
+    key bytes computed from its key columns."""
+    if not tud.partial_rows_arrow:
+        return table, []
+    name = tud.table_name
+    try:
+        names = partial_targets(tud.partial_rows_arrow)
+        table = _table_naming(node, schema_name, table, set(names))
+        rows = decode_partial_rows(tud.partial_rows_arrow, table)
+        columns = [c.combine_chunks() for c in rows.columns]
+    except ColumnarError as exc:
+        raise _invalid(f"{name}: {exc}") from None
+    except pa.ArrowException as exc:
+        raise _invalid(f"{name}: partial_rows_arrow: {exc}") from None
+    if not rows.num_rows:
+        return table, []
+    targets = _targets(table, name, tuple(names), "partial_rows_arrow")
+    aligned = _aligned(table, targets, columns)
+    pk = _key_positions(table)
+    _check_key_columns_present(table, name, aligned, pk, "partial")
+    key_columns = [c for c in (aligned[p] for p in pk) if c is not None]
+    keys = encode_primary_keys([table.columns[p].type for p in pk], key_columns).to_pylist()
+    _check_routes(node, tud, keys, "partial", routes)
+    check_not_null(table, name, aligned, "partial")
+    return table, [PartialRows(targets, keys, columns)]
+
+
+def _table_naming(node: RetinaNode, schema_name: str, table: TableRecord,
+                  names: set[str]) -> TableRecord:
+    """``table``, or its record read again if it lacks one of ``names``."""
+    if names <= {c.name for c in table.columns}:
+        return table
+    return node.refresh_table(schema_name, table.name)
+
+
+def _targets(table: TableRecord, name: str, names: tuple[str, ...],
+             what: str) -> tuple[int, ...]:
+    """PARTIAL_TARGETS_NAME_THE_KEY: the ordinals of target columns ``names``: known,
+    none twice, every primary-key column among them (INVALID_ARGUMENT otherwise)."""
+    ordinal = {c.name: i for i, c in enumerate(table.columns)}
+    unknown = [n for n in names if n not in ordinal]
+    if unknown:
+        raise _invalid(f"{name}: {what} names target column {unknown[0]!r}, which the "
+                       "table does not have")
+    if len(set(names)) != len(names):
+        raise _invalid(f"{name}: {what} names a target column twice: {list(names)}")
+    missing = [k for k in table.primary_key if k not in names]
+    if missing:
+        raise _invalid(f"{name}: {what} lacks primary-key column {missing[0]} among its "
+                       "target columns (every key column is a target)")
+    return tuple(ordinal[n] for n in names)
+
+
+def _aligned(table: TableRecord, targets: tuple[int, ...],
+             columns: list[pa.Array]) -> list[pa.Array | None]:
+    """``columns`` at their targets' places among the table's columns (None elsewhere)."""
+    aligned: list[pa.Array | None] = [None] * len(table.columns)
+    for t, column in zip(targets, columns, strict=True):
+        aligned[t] = column
+    return aligned
+
+
+def _check_keys_once(name: str, delete_keys: list[bytes], insert_keys: list[bytes],
+                     partials: list[PartialRows]) -> None:
+    """A key of a partial update is nowhere else in its TableUpdateData."""
+    keys = [k for p in partials for k in p.keys]
+    if not keys:
+        return
+    if len(set(keys)) != len(keys):
+        raise _invalid(f"{name}: a key has two partial updates in one TableUpdateData")
+    if not set(keys).isdisjoint(delete_keys) or not set(keys).isdisjoint(insert_keys):
+        raise _invalid(f"{name}: a key of a partial update is also deleted or inserted in "
+                       "the same TableUpdateData")
 
 
 def _key_positions(table: TableRecord) -> list[int]:
@@ -363,13 +482,27 @@ def _key_positions(table: TableRecord) -> list[int]:
     return [position[c] for c in table.primary_key]
 
 
-def _check_key_columns_present(table: TableRecord, name: str, columns: list[pa.Array],
-                               pk: list[int]) -> None:
+def _check_key_columns_present(table: TableRecord, name: str,
+                               columns: Sequence[pa.Array | None], pk: list[int],
+                               what: str = "insert") -> None:
     for p in pk:
-        if columns[p].null_count:
-            i = pc.index(columns[p].is_null(), True).as_py()
-            raise _invalid(f"{name}: insert {i} has a NULL in key column "
+        column = columns[p]
+        assert column is not None  # every key column is a target
+        if column.null_count:
+            i = pc.index(column.is_null(), True).as_py()
+            raise _invalid(f"{name}: {what} {i} has a NULL in key column "
                            f"{table.columns[p].name}")
+
+
+def check_not_null(table: TableRecord, name: str, columns: Sequence[pa.Array | None],
+                   what: str) -> None:
+    """NOT_NULL_HOLDS: no NULL in a NOT NULL column (INVALID_ARGUMENT naming the column and
+    the first offending row). ``columns`` line up with the table's; None: not given."""
+    for column, values in zip(table.columns, columns, strict=False):
+        if values is not None and values.null_count and not column.accepts_null \
+                and column.pk_position is None:  # a NULL key is refused as such
+            i = pc.index(values.is_null(), True).as_py()
+            raise _invalid(f"{name}: {what} {i} has NULL in NOT NULL column {column.name}")
 
 
 def _table_for_widths(node: RetinaNode, schema_name: str, table: TableRecord,
@@ -421,23 +554,24 @@ def _keys_are_row_bytes(pk: list[int], keys: list[bytes], rows: list[Any]) -> bo
 
 
 def _check_keys_match_rows(table: TableRecord, name: str, keys: list[bytes],
-                           columns: list[pa.Array]) -> None:
+                           columns: Sequence[pa.Array | None], what: str = "insert") -> None:
     """Every insert's key columns are non-NULL and encode to exactly its key bytes.
 
     The index would otherwise file the row under a key its columns do not
     carry. One batch compare; only an offending row is looked at by itself."""
     pk = _key_positions(table)
-    _check_key_columns_present(table, name, columns, pk)
+    _check_key_columns_present(table, name, columns, pk, what)
     types = [table.columns[p].type for p in pk]
-    expected = encode_primary_keys(types, [columns[p] for p in pk])
+    key_columns = [c for c in (columns[p] for p in pk) if c is not None]
+    expected = encode_primary_keys(types, key_columns)
     same = pc.equal(expected, pa.array(keys, pa.binary()))
     if pc.all(same).as_py():
         return
     i = pc.index(same, False).as_py()
-    values = [encode_values(t, columns[p].slice(i, 1))[0].as_py()
-              for t, p in zip(types, pk, strict=True)]
+    values = [encode_values(t, c.slice(i, 1))[0].as_py()
+              for t, c in zip(types, key_columns, strict=True)]
     column = _first_disagreeing_column(keys[i], values)
-    raise _invalid(f"{name}: insert {i} key column {table.columns[pk[column]].name} does not "
+    raise _invalid(f"{name}: {what} {i} key column {table.columns[pk[column]].name} does not "
                    "match the row's value (the key bytes disagree with the row)")
 
 
@@ -481,7 +615,8 @@ def _check_no_live_inserts(node: RetinaNode, updates: list[PreparedUpdate]) -> N
 
 
 def apply(node: RetinaNode, updates: list[PreparedUpdate], *, fenced: bool = True,
-          writer_id: str = "", check_live: bool = True) -> pb.UpdateRecordResponse:
+          writer_id: str = "", check_live: bool = True,
+          base_rows: partial_update.BaseRows | None = None) -> pb.UpdateRecordResponse:
     """Apply a validated request. ``fenced``: an ordinary write (of ``writer_id``),
     admitted only above the write floor (LATE_WRITES_FENCED; refused: recorded first,
     refused_writes.py); a recovery replay passes False. ``writer_id``: the request's,
@@ -489,7 +624,8 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate], *, fenced: bool = Tru
     False: no ALREADY_EXISTS check of standalone inserts (recovery's re-application of
     a bulk load, bulk_load.py, whose keys were checked at its commit against the whole
     history: after the rewind an older row of a key can look live until the replay of
-    its delete, which lands below the load's version)."""
+    its delete, which lands below the load's version). ``base_rows``: the node's row
+    reader, which partial updates merge with (partial_update.py)."""
     node.check_writable()
     streams = {(u.table.table_id, u.vnode): node.stream(u.table, u.vnode) for u in updates}
     order = [streams[k] for k in sorted(streams)]
@@ -512,6 +648,9 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate], *, fenced: bool = Tru
             fp.UPDATE_RECORD_FENCE_AFTER.hit()
         try:
             with node.index.primary.write_batch():
+                # Before anything applies: a refusal of a merge leaves nothing behind.
+                updates = partial_update.fold(node, updates, streams, base_rows,
+                                              replay=not fenced)
                 if check_live:
                     _check_no_live_inserts(node, updates)
                 truncates = _TruncateTargets(node)

@@ -105,7 +105,8 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             updates = prepare(self._node, request, self._max_rows)
             self._writers.admit(request.writer_id)  # WRITES_HAVE_A_REPLAY_SOURCE
             self._node.check_writable()
-            response = apply(self._node, updates, writer_id=request.writer_id)
+            response = apply(self._node, updates, writer_id=request.writer_id,
+                             base_rows=self._lookup)
         response.request_id = request.request_id
         APPLIED_ROWS.labels(op="delete").inc(response.deleted_rows)
         APPLIED_ROWS.labels(op="insert").inc(response.inserted_rows)
@@ -129,7 +130,7 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             if admitted.inexact_from is not None:  # read_history.py
                 self._node.history.rebuilt_inexactly(admitted.inexact_from)
             return apply(self._node, admitted.apply, fenced=False,
-                         writer_id=request.writer_id)
+                         writer_id=request.writer_id, base_rows=self._lookup)
 
     def _admit_read(self, ts: int, trans_id: int, snapshot_read: bool) -> int:
         """READY, a live read transaction whose snapshot is not below ``ts`` and that this
@@ -254,7 +255,7 @@ class RetinaService(pb_grpc.RetinaWorkerServiceServicer):
             recovery_attempt_token=str(s["token"]), checkpoint_id=int(s["checkpoint_id"]),
             recovery_epoch=int(s["recovery_epoch"]), replay_ts_ready=bool(s["replay_ts_ready"]),
             node_id=self._node.node_id, phase=str(s["phase"]),
-            failure_reason=str(s["failure_reason"]), accepts_columnar=True,
+            failure_reason=str(s["failure_reason"]), accepts_columnar=True, accepts_partial=True,
             rebuilt_history=[pb.RebuiltHistory(from_ts=a, to_ts=b)
                              for a, b in self._node.history.gaps()],
             **self._checkpoint_status())

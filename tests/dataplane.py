@@ -249,7 +249,8 @@ class DataPlane:
     # --- writing -------------------------------------------------------------------
     def commit(self, changes: Mapping[str, Mapping[str, Iterable[Mapping[str, Any]]]],
                writer_id: str = "") -> tuple[int, dict[str, rpb.UpdateRecordResponse]]:
-        """One source transaction: ``{table: {"deletes"|"inserts"|"replaces": rows}}``.
+        """One source transaction: ``{table: {"deletes"|"inserts"|"replaces"|"partials":
+        rows}}`` (a partial update's row holds its target columns only).
 
         Sends one request per node (naming ``writer_id``; none: an anonymous write),
         commits after every node acknowledged, and updates the model. Returns the
@@ -278,6 +279,10 @@ class DataPlane:
                 rows.pop(writer.key(row), None)
             for row in [*ops.get("inserts", ()), *ops.get("replaces", ())]:
                 rows[writer.key(row)] = dict(row)
+            columns = [c.name for c in self.tables[table].columns]
+            for row in ops.get("partials", ()):
+                key = writer.key(row)
+                rows[key] = {**(rows.get(key) or dict.fromkeys(columns)), **row}
         self.model.history.append((ts, self.model.snapshot()))
         self.changelog.append((ts, {t: {k: list(v) for k, v in ops.items()}
                                     for t, ops in changes.items()}))

@@ -537,6 +537,22 @@ def test_kill_during_add_and_delete(catalog: Catalog, path_id: int, cli_config: 
 
 
 @pytest.mark.integration
+def test_cli_creates_not_null_columns_and_refuses_another_flag(catalog: Catalog,
+                                                               cli_config: Path) -> None:
+    catalog.create_schema("flags")
+    bad = _cli(cli_config, "", "create-table", "flags", "t", "--column", "id:int64",
+               "--column", "v:string:nonnull", "--primary-key", "id")
+    assert bad.returncode == 1 and "'nonnull' is not 'notnull'" in bad.stderr
+    assert catalog.list_tables("flags") == []
+    good = _cli(cli_config, "", "create-table", "flags", "t", "--column", "id:int64",
+                "--column", "v:string:notnull", "--column", "w:decimal(12,2)",
+                "--primary-key", "id")
+    assert good.returncode == 0, good.stderr
+    assert [(c.name, c.type, c.nullable) for c in catalog.get_table("flags", "t").columns] == \
+        [("id", "int64", False), ("v", "string", False), ("w", "decimal(12,2)", True)]
+
+
+@pytest.mark.integration
 def test_cli_refusals_use_exit_code_1(catalog: Catalog, path_id: int, cli_config: Path) -> None:
     f = regular(catalog, path_id, 1)
     result = _cli(cli_config, "", "update-file", str(f.file_id), "--cleanup-at", "5")
@@ -553,7 +569,7 @@ def test_cli_a_bad_column_lists_the_valid_types(catalog: Catalog, cli_config: Pa
                   "--primary-key", "id")
     assert result.returncode == 1, result.stderr
     assert ("unknown column type 'int46'; valid types: " if ":" in column
-            else "--column 'id' is not name:type (types: ") in result.stderr
+            else "--column 'id' is not name:type[:notnull] (types: ") in result.stderr
     assert ("boolean, int32, int64, float32, float64, string, binary, date32, timestamp_us, "
             "decimal(P,S) with 1 <= P <= 38 and S <= P") in result.stderr
     assert catalog.list_tables("typos") == []
@@ -610,3 +626,45 @@ def test_idle_connections_are_reused_and_a_dead_one_is_replaced(
     assert len(catalog.list_tables("pool")) == 20
     catalog.create_table("pool", "after", [ColumnSpec("id", "int64")], ["id"])
     assert len(catalog.list_tables("pool")) == 21
+
+
+@pytest.mark.integration
+def test_not_null_columns_are_stored_and_a_catalog_of_version_2_keeps_its_columns_nullable(
+        catalog_dsn: str) -> None:
+    """Catalog version 3: a column created NOT NULL reads back so, a key column is never
+    nullable, an added column always is; a catalog bootstrapped at version 2 (every
+    column nullable then) is migrated with its columns as they were."""
+    from retina_common.catalog.schema import MIGRATIONS
+
+    with psycopg2.connect(catalog_dsn) as conn, conn.cursor() as cur:
+        cur.execute("CREATE TABLE catalog_version (id SMALLINT PRIMARY KEY CHECK (id = 1), "
+                    "version INT NOT NULL, updated_at TIMESTAMPTZ NOT NULL DEFAULT now())")
+        cur.execute(MIGRATIONS[1])
+        cur.execute(MIGRATIONS[2])
+        cur.execute("INSERT INTO catalog_version (id, version) VALUES (1, 2)")
+        cur.execute("INSERT INTO schemas (name) VALUES ('s') RETURNING schema_id")
+        schema_id = cur.fetchone()[0]
+        cur.execute("INSERT INTO tables (schema_id, name) VALUES (%s, 'old') "
+                    "RETURNING table_id", (schema_id,))
+        table_id = cur.fetchone()[0]
+        cur.execute("INSERT INTO columns (table_id, name, type, ordinal, pk_position) VALUES "
+                    "(%s, 'id', 'int64', 0, 0), (%s, 'v', 'string', 1, NULL)",
+                    (table_id, table_id))
+    cat = Catalog(catalog_dsn)
+    try:
+        assert cat.bootstrap() == 2
+        old = cat.get_table("s", "old")
+        assert [(c.name, c.nullable, c.accepts_null) for c in old.columns] == \
+            [("id", True, False), ("v", True, True)]
+        new = cat.create_table("s", "new", [ColumnSpec("id", "int64"),
+                                            ColumnSpec("a", "string", nullable=False),
+                                            ColumnSpec("b", "int64")], ["id"])
+        assert [(c.name, c.nullable, c.accepts_null) for c in new.columns] == \
+            [("id", False, False), ("a", False, False), ("b", True, True)]
+        with pytest.raises(InvalidCatalogArgument, match="only a nullable column"):
+            cat.add_column("s", "new", "c", "int64", nullable=False)
+        added = cat.add_column("s", "new", "c", "int64")
+        assert added.columns[-1].nullable and added.columns[-1].accepts_null
+        assert cat.get_table("s", "new") == added
+    finally:
+        cat.close()

@@ -97,8 +97,8 @@ def _table_in(cur: Any, schema_name: str, name: str, *, lock: bool = False) -> T
     row = cur.fetchone()
     if row is None:
         raise NotFound(f"table {schema_name}.{name} does not exist")
-    cur.execute("SELECT column_id, name, type, ordinal, pk_position, since_version FROM columns "
-                "WHERE table_id = %s ORDER BY ordinal", (row[0],))
+    cur.execute("SELECT column_id, name, type, ordinal, pk_position, since_version, nullable "
+                "FROM columns WHERE table_id = %s ORDER BY ordinal", (row[0],))
     columns = tuple(ColumnRecord(*c) for c in cur.fetchall())
     return TableRecord(table_id=row[0], schema_id=row[1], schema_name=schema_name, name=name,
                        primary_index_id=row[2], columns=columns, schema_version=row[3])
@@ -288,7 +288,8 @@ class Catalog:
 
     def create_table(self, schema_name: str, name: str, columns: Sequence[ColumnSpec],
                      primary_key: Sequence[str]) -> TableRecord:
-        """Create a table with its columns; a primary index id is allocated for it."""
+        """Create a table with its columns; a primary index id is allocated for it. A
+        column is stored NOT NULL if its spec says so or it is part of the primary key."""
         check_name("table", name)
         if not columns:
             raise InvalidCatalogArgument("a table needs at least one column")
@@ -310,11 +311,13 @@ class Catalog:
             cur.execute("INSERT INTO tables (schema_id, name) VALUES (%s, %s) RETURNING table_id",
                         (row[0], name))
             table_id = cur.fetchone()[0]
-            for ordinal, (col, col_type) in enumerate(zip(names, types, strict=True)):
+            for ordinal, (spec, col_type) in enumerate(zip(columns, types, strict=True)):
+                col = spec.name
                 pk_position = primary_key.index(col) if col in primary_key else None
-                cur.execute("INSERT INTO columns (table_id, name, type, ordinal, pk_position) "
-                            "VALUES (%s, %s, %s, %s, %s)",
-                            (table_id, col, col_type, ordinal, pk_position))
+                cur.execute("INSERT INTO columns (table_id, name, type, ordinal, pk_position, "
+                            "nullable) VALUES (%s, %s, %s, %s, %s, %s)",
+                            (table_id, col, col_type, ordinal, pk_position,
+                             spec.nullable and pk_position is None))
             return table_id
 
         self._transaction(body)

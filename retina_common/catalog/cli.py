@@ -3,6 +3,7 @@
     retina-catalog bootstrap
     retina-catalog create-schema NAME
     retina-catalog create-table SCHEMA TABLE --column id:int64 --column v:string --primary-key id
+                   (--column name:type:notnull: a NOT NULL column)
     retina-catalog show-table SCHEMA TABLE
     retina-catalog add-column SCHEMA TABLE NAME TYPE   (nullable; idempotent)
     retina-catalog add-path SCHEMA TABLE URI
@@ -70,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("create-table")
     p.add_argument("schema")
     p.add_argument("table")
-    p.add_argument("--column", action="append", required=True, help="name:type")
+    p.add_argument("--column", action="append", required=True,
+                   help="name:type, or name:type:notnull for a NOT NULL column")
     p.add_argument("--primary-key", required=True, help="comma-separated column names")
     p = sub.add_parser("show-table")
     p.add_argument("schema")
@@ -123,9 +125,12 @@ def _run(catalog: Catalog, args: argparse.Namespace) -> Any:
         for spec in args.column:
             name, sep, type_name = spec.partition(":")
             if not sep:
-                raise argparse.ArgumentTypeError(f"--column {spec!r} is not name:type "
+                raise argparse.ArgumentTypeError(f"--column {spec!r} is not name:type[:notnull] "
                                                  f"(types: {VALID_COLUMN_TYPES})")
-            columns.append(ColumnSpec(name, type_name))
+            type_name, _, flag = type_name.partition(":")
+            if flag not in ("", "notnull"):
+                raise argparse.ArgumentTypeError(f"--column {spec!r}: {flag!r} is not 'notnull'")
+            columns.append(ColumnSpec(name, type_name, nullable=flag != "notnull"))
         return catalog.create_table(args.schema, args.table, columns, args.primary_key.split(","))
     if cmd == "show-table":
         return catalog.get_table(args.schema, args.table)

@@ -73,6 +73,7 @@ def check_column_type(type_name: str) -> str:
 class ColumnSpec:
     name: str
     type: str
+    nullable: bool = True  # False: NOT NULL (a primary-key column is NOT NULL whatever it says)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,12 @@ class ColumnRecord:
     ordinal: int
     pk_position: int | None
     since_version: int = 1  # the table schema version that added it (1: created with it)
+    nullable: bool = True  # False: NOT NULL; a primary-key column never holds NULL either
+
+    @property
+    def accepts_null(self) -> bool:
+        """Whether a row may hold NULL here: a nullable column outside the primary key."""
+        return self.nullable and self.pk_position is None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from retina_common.failpoints import (
     CATALOG_BOOTSTRAP_COMMIT_BEFORE,
 )
 
-CURRENT_VERSION = 2
+CURRENT_VERSION = 3
 _ADVISORY_LOCK = 0x5245_5449_4E41  # "RETINA"
 
 _V1 = """
@@ -94,7 +94,16 @@ ALTER TABLE columns ADD CONSTRAINT columns_added_not_key
     CHECK (since_version = 1 OR pk_position IS NULL);
 """
 
-MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2}
+# NOT NULL columns (docs/catalog.md, "NOT NULL columns"): a column created NOT NULL refuses
+# NULL in every row written to it (INVALID_ARGUMENT). Columns of an older catalog stay
+# nullable; an added column is always nullable (rows written before it hold none).
+_V3 = """
+ALTER TABLE columns ADD COLUMN nullable BOOLEAN NOT NULL DEFAULT TRUE;
+ALTER TABLE columns ADD CONSTRAINT columns_added_nullable
+    CHECK (since_version = 1 OR nullable);
+"""
+
+MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2, 3: _V3}
 
 
 def bootstrap(conn: Any) -> int:

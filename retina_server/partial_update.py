@@ -1,0 +1,248 @@
+"""Partial updates: a row given only its target columns, merged with the key's row.
+
+A partial update (``TableUpdateData.partial_data`` / ``partial_rows_arrow``, validated
+by update_record.prepare) names its target columns, the key columns among them. Inside
+the apply, under the request's stream locks and admitted by the write fence, before
+anything of the request is applied, :func:`fold` turns every partial update into a
+replace: a DELETE of the key and an INSERT of the merged row, which the apply then
+writes like any other replace (DELETE_TARGETS, REPLACE_WRITES_ONE_VERSION, the same
+compensation). The merged row is the key's *base* row with the target columns set to
+the values given (NULL is a value); a key with no base gets NULL outside the targets.
+The stored result is always a whole row, so every reader (snapshots, AS OF, lookups,
+the change feed) sees whole rows.
+
+The base is the key's row just before the update's timestamp T, in timestamp order:
+the row the request's own earlier parts left (an insert, a replace, a merged partial
+update; none after a delete or a TRUNCATE of its virtual node), otherwise the row of
+the key's latest version below T in the index (``RowLookup.rows_before``). A version
+at exactly T is not a base: only this same update writes at T (one timestamp is one
+source transaction, and a key has one net change in it), so it is a copy a retry or a
+replay left, and the DELETE at T removes it.
+
+Invariants:
+
+* PARTIAL_BASE_IS_BEFORE_T: the base is what the key held just before T, so applying
+  the same update again (a retry, a recovery replay after the index was rewound to
+  below T) merges the same row: exactly once through crashes.
+* PARTIAL_UPDATES_IN_TIMESTAMP_ORDER: a partial update of a key that already has a
+  version after T from another write (a later write applied first) is refused
+  FAILED_PRECONDITION with nothing applied: merged now, it would not reach the later
+  row, and that row would miss its columns. Every writer sends a key's changes in
+  timestamp order (the connector commits one micro-batch before the next; replay goes in
+  timestamp order), so this refuses only a writer that does not. Versions after T at
+  timestamps the same request writes the key at are its own, left by an earlier attempt
+  of it (a retry whose answer was lost): the retry merges the same rows over them in
+  order. A recovery replay is not checked: every write then comes from a changelog in
+  timestamp order, and a version after T is a copy of a write the replay made before (a
+  replay task retried), which it writes again the same.
+* NOT_NULL_HOLDS: a key with no base gets NULL outside its targets; if such a column
+  is NOT NULL, the request is refused INVALID_ARGUMENT naming the column and the key,
+  with nothing of it applied (checked here, before the apply's first effect).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Protocol
+
+import grpc
+import numpy as np
+import pyarrow as pa
+from prometheus_client import Counter
+
+from retina_common.catalog import TableRecord
+from retina_common.codec import arrow_type
+from retina_common.refusal import Refusal
+from retina_server.node import RetinaNode, Stream
+from retina_server.prepared_update import PartialRows, PreparedUpdate
+from retina_server.row_lookup import LookupAnswer
+
+PARTIAL_ROWS = Counter("retina_partial_update_rows_total",
+                       "Partial updates merged, by where their base row came from",
+                       ["base"])
+
+# A base row of the request itself: the columns of an earlier part's inserts and the row.
+_Source = tuple[list[pa.Array], int]
+
+
+class BaseRows(Protocol):
+    def rows_before(self, table: TableRecord, keys: list[bytes], ts: int) -> LookupAnswer:
+        ...
+
+
+@dataclasses.dataclass
+class _RequestState:
+    """What the request's parts folded so far did, per (table, virtual node)."""
+
+    rows: dict[tuple[int, int], dict[bytes, _Source | None]] = \
+        dataclasses.field(default_factory=dict)
+    cleared: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+    written_at: dict[tuple[int, bytes], int] = dataclasses.field(default_factory=dict)
+    truncated_at: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+
+    def record(self, u: PreparedUpdate) -> None:
+        tid, stream = u.table.table_id, (u.table.table_id, u.vnode)
+        rows = self.rows.setdefault(stream, {})
+        if u.truncate:
+            rows.clear()
+            self.cleared.add(stream)
+            self.truncated_at[stream] = max(self.truncated_at.get(stream, 0), u.ts)
+        for key in u.delete_keys:
+            rows[key] = None
+        for i, key in enumerate(u.insert_keys):
+            rows[key] = (u.insert_columns, i)
+        for key in (*u.delete_keys, *u.insert_keys):
+            self.written_at[(tid, key)] = max(self.written_at.get((tid, key), 0), u.ts)
+
+
+@dataclasses.dataclass
+class _OwnWrites:
+    """The timestamps a request writes each key at (a TRUNCATE: every key of its
+    virtual node), to tell its own versions from another write's."""
+
+    keys: dict[tuple[int, bytes], set[int]] = dataclasses.field(default_factory=dict)
+    truncates: dict[tuple[int, int], set[int]] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, updates: list[PreparedUpdate]) -> _OwnWrites:
+        own = cls()
+        for u in updates:
+            tid = u.table.table_id
+            for key in (*u.delete_keys, *u.insert_keys, *(k for p in u.partials for k in p.keys)):
+                own.keys.setdefault((tid, key), set()).add(u.ts)
+            if u.truncate:
+                own.truncates.setdefault((tid, u.vnode), set()).add(u.ts)
+        return own
+
+    def stamps(self, tid: int, vnode: int, key: bytes) -> set[int]:
+        return self.keys.get((tid, key), set()) | self.truncates.get((tid, vnode), set())
+
+
+def fold(node: RetinaNode, updates: list[PreparedUpdate],
+         streams: Mapping[tuple[int, int], Stream], base_rows: BaseRows | None, *,
+         replay: bool = False) -> list[PreparedUpdate]:
+    """The request's updates with every partial update folded into a replace of its
+    merged row, in request order; raises Refusal (nothing applied yet) as the module
+    says. ``replay``: a recovery replay's request (no order check)."""
+    if not any(u.partials for u in updates):
+        return updates
+    if base_rows is None:
+        raise RuntimeError("partial updates need the node's row reader")
+    state = _RequestState()
+    own = None if replay else _OwnWrites.of(updates)
+    folded = []
+    for u in updates:
+        if u.partials:
+            u = _fold_one(node, streams[(u.table.table_id, u.vnode)], u, base_rows, state,
+                          own)
+        state.record(u)
+        folded.append(u)
+    return folded
+
+
+def _fold_one(node: RetinaNode, stream: Stream, u: PreparedUpdate, base_rows: BaseRows,
+              state: _RequestState, own: _OwnWrites | None) -> PreparedUpdate:
+    table = stream.table  # the stream's schema version is u.table's or newer
+    keys = [k for p in u.partials for k in p.keys]
+    if own is not None:
+        _check_order(node, u, keys, state, own)
+    bases, combined = _bases(table, u, keys, base_rows, state)
+    merged: list[list[pa.Array]] = []  # per group, per column
+    start = 0
+    for p in u.partials:
+        group_bases = bases[start:start + len(p.keys)]
+        merged.append(_merge_group(table, u, p, group_bases, combined))
+        start += len(p.keys)
+    found = sum(b is not None for b in bases)
+    PARTIAL_ROWS.labels(base="row").inc(found)
+    PARTIAL_ROWS.labels(base="none").inc(len(keys) - found)
+    columns = [pa.concat_arrays([g[c] for g in merged]) for c in range(len(table.columns))]
+    if u.insert_keys:
+        n = len(u.insert_keys)
+        whole = list(u.insert_columns) + [pa.nulls(n, arrow_type(c.type))
+                                          for c in table.columns[len(u.insert_columns):]]
+        columns = [pa.concat_arrays([a, b]) for a, b in zip(whole, columns, strict=True)]
+    return dataclasses.replace(u, table=table, delete_keys=[*u.delete_keys, *keys],
+                               insert_keys=[*u.insert_keys, *keys], insert_columns=columns,
+                               partials=[])
+
+
+def _check_order(node: RetinaNode, u: PreparedUpdate, keys: list[bytes],
+                 state: _RequestState, own: _OwnWrites) -> None:
+    """PARTIAL_UPDATES_IN_TIMESTAMP_ORDER, against the index (versions after T that are
+    not the request's own) and the request's earlier parts (none after T)."""
+    tid = u.table.table_id
+    later = [keys[i] for i, stamps in
+             node.index.primary.versions_after(tid, keys, u.ts).items()
+             if not set(stamps) <= own.stamps(tid, u.vnode, keys[i])]
+    later += [k for k in keys if state.written_at.get((tid, k), 0) > u.ts]
+    if state.truncated_at.get((tid, u.vnode), 0) > u.ts:
+        later += keys[:1]
+    if later:
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"{u.table.name}: a partial update at timestamp {u.ts} of key "
+                      f"{later[0].hex()}, which has a write after it already "
+                      f"(PARTIAL_UPDATES_IN_TIMESTAMP_ORDER): send a key's changes in "
+                      "timestamp order; nothing was applied")
+
+
+def _bases(table: TableRecord, u: PreparedUpdate, keys: list[bytes], base_rows: BaseRows,
+           state: _RequestState) -> tuple[list[int | None], list[pa.Array]]:
+    """Per key, its base row's place in ``combined`` (None: no base); ``combined`` holds,
+    per column, the base rows read from the index and files, then those of the
+    request's earlier parts."""
+    stream = (table.table_id, u.vnode)
+    if u.truncate:  # the update's own TRUNCATE applies first: no key has a row
+        return [None] * len(keys), [pa.nulls(0, arrow_type(c.type)) for c in table.columns]
+    earlier = state.rows.get(stream, {})
+    cleared = stream in state.cleared
+    stored = [k for k in keys if k not in earlier] if not cleared else []
+    answer = base_rows.rows_before(table, stored, u.ts) if stored else None
+    rank: dict[bytes, int] = {}
+    if answer is not None:
+        ranks = np.cumsum(answer.found) - 1
+        rank = {k: int(r) for k, f, r in zip(stored, answer.found.tolist(), ranks.tolist(),
+                                             strict=True) if f}
+    n_stored = 0 if answer is None else answer.rows.num_rows
+    extra: list[_Source] = []
+    bases: list[int | None] = []
+    for key in keys:
+        if key in earlier:
+            source = earlier[key]
+            if source is None:
+                bases.append(None)
+            else:
+                bases.append(n_stored + len(extra))
+                extra.append(source)
+        else:
+            bases.append(rank.get(key))
+    combined: list[pa.Array] = []
+    for c, column in enumerate(table.columns):
+        kind = arrow_type(column.type)
+        parts: list[pa.Array] = []
+        if answer is not None:
+            parts.append(answer.rows.column(c).combine_chunks())
+        parts += [cols[c].slice(i, 1) if c < len(cols) else pa.nulls(1, kind)
+                  for cols, i in extra]
+        combined.append(pa.concat_arrays(parts) if parts else pa.nulls(0, kind))
+    return bases, combined
+
+
+def _merge_group(table: TableRecord, u: PreparedUpdate, p: PartialRows,
+                 bases: list[int | None], combined: list[pa.Array]) -> list[pa.Array]:
+    """The merged rows of one group, a whole row each (NOT_NULL_HOLDS checked)."""
+    missing = [i for i, b in enumerate(bases) if b is None]
+    take = pa.array(bases, pa.int64())
+    out = []
+    for c, column in enumerate(table.columns):
+        if c in p.targets:
+            out.append(p.columns[p.targets.index(c)])
+            continue
+        if missing and not column.accepts_null:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{u.table.name}: a partial update inserts key "
+                          f"{p.keys[missing[0]].hex()} (it has no row) without NOT NULL "
+                          f"column {column.name} among its targets; nothing was applied")
+        out.append(combined[c].take(take))
+    return out
