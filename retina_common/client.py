@@ -84,6 +84,9 @@ class TableWriter:
         if self._encoders is None:
             self._encoders = [(c.name, value_encoder(c.type)) for c in self.table.columns]
         encoders = dict(self._encoders)
+        unknown = [name for name in row if name not in encoders]
+        if unknown:
+            raise EncodingError(f"{self.table.name} has no column {unknown[0]!r}")
         return tuple(row), [b"" if v is None else encoders[name](v) for name, v in row.items()]
 
     def updates(self, ts: int, *, deletes: Iterable[Row] = (), inserts: Iterable[Row] = (),
@@ -161,7 +164,7 @@ def fill_update(data: pb.TableUpdateData, table: TableRecord, deletes: Sequence[
         try:
             rows = encode_insert_values(table, insert_values) if insert_values else b""
             partial_rows = _partial_rows(table, partials) if partials else b""
-        except (EncodingError, ColumnarError, KeyError):
+        except (EncodingError, ColumnarError):
             pass
         else:
             data.delete_keys_arrow = encode_delete_keys(deletes) if deletes else b""

@@ -53,6 +53,7 @@ import grpc
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from prometheus_client import Counter, Gauge, Histogram
 
 from retina_common import failpoints as fp
@@ -372,6 +373,7 @@ class BulkLoads:
                        for i in range(parquet.metadata.num_row_groups))
         if not counts or any(c == 0 for c in counts):
             raise _refuse(bad, f"load file {f.name} is empty or has an empty row group")
+        _check_not_null(table, f.name, parquet)
         by_name = {c.name: c for c in table.columns}
         names = list(table.primary_key)
         try:
@@ -619,6 +621,26 @@ class _Phases:
 
 class LoadJournalMismatch(Exception):
     """A journaled load cannot be re-applied (its file or table is gone): fail closed."""
+
+
+def _check_not_null(table: TableRecord, name: str, parquet: pq.ParquetFile) -> None:
+    """NOT_NULL_HOLDS for a load file: no NULL in a NOT NULL column (INVALID_ARGUMENT),
+    from the row groups' statistics, or the column itself where a row group has none.
+    The key columns are checked with the keys."""
+    meta = parquet.metadata
+    for i, column in enumerate(table.columns):
+        if column.accepts_null or column.pk_position is not None:
+            continue
+        nulls = 0
+        for rg in range(meta.num_row_groups):
+            stats = meta.row_group(rg).column(i).statistics
+            if stats is not None and stats.has_null_count:
+                nulls += stats.null_count
+            else:
+                nulls += parquet.read_row_group(rg, columns=[column.name]).column(0).null_count
+        if nulls:
+            raise _refuse(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"load file {name}: {nulls} NULL(s) in NOT NULL column {column.name}")
 
 
 def _ranges(f: LoadedFile) -> list[RowIdRange]:

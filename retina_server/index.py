@@ -118,12 +118,14 @@ class LocalIndexService:
                 for a, b in zip(at_ts, before, strict=True)]
 
     def delete_targets(self, table_id: int, keys: Sequence[bytes],
-                       baseline: Callable[[int], bool], ts: int) -> DeleteTargets | None:
+                       baseline: Callable[[int], bool], ts: int,
+                       later: dict[int, int] | None = None) -> DeleteTargets | None:
         """resolve_for_delete, grouped by row group for the visibility update (None on
         a backend error). The normal case (no version at exactly ``ts``) is resolved a
         batch at a time: one array lookup of every predecessor in the MainIndex instead
-        of an object per key. The rare case takes resolve_for_delete's path."""
-        pairs = self.primary.candidates(table_id, keys, ts)
+        of an object per key. The rare case takes resolve_for_delete's path. ``later``:
+        as for ``PrimaryIndex.candidates``."""
+        pairs = self.primary.candidates(table_id, keys, ts, later)
         if pairs is None:
             return None
         if any(at is not None and at != TOMBSTONE for at, _ in pairs):

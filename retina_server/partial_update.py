@@ -24,17 +24,19 @@ Invariants:
 * PARTIAL_BASE_IS_BEFORE_T: the base is what the key held just before T, so applying
   the same update again (a retry, a recovery replay after the index was rewound to
   below T) merges the same row: exactly once through crashes.
-* PARTIAL_UPDATES_IN_TIMESTAMP_ORDER: a partial update of a key that already has a
-  version after T from another write (a later write applied first) is refused
-  FAILED_PRECONDITION with nothing applied: merged now, it would not reach the later
-  row, and that row would miss its columns. Every writer sends a key's changes in
-  timestamp order (the connector commits one micro-batch before the next; replay goes in
-  timestamp order), so this refuses only a writer that does not. Versions after T at
-  timestamps the same request writes the key at are its own, left by an earlier attempt
-  of it (a retry whose answer was lost): the retry merges the same rows over them in
-  order. A recovery replay is not checked: every write then comes from a changelog in
-  timestamp order, and a version after T is a copy of a write the replay made before (a
-  replay task retried), which it writes again the same.
+* PARTIAL_UPDATES_IN_TIMESTAMP_ORDER: a partial update of a key that has a version
+  after T and none at T (a later write applied first) is refused FAILED_PRECONDITION with
+  nothing applied: merged now, it would not reach the later row, and that row would miss
+  its columns. Every writer sends a key's changes in timestamp order (the connector
+  commits one micro-batch before the next; replay goes in timestamp order), so this
+  refuses only a writer that does not. A version at T is this same update applied
+  before (one timestamp is one transaction, one change per key in it): the later
+  versions were written after it, over the row it merged, so the retry (a request
+  whose answer was lost, sent again after the micro-batch's later requests) merges
+  the same row again, and its new copy ends at the next version
+  (SUPERSEDED_COPIES_END_AT_THE_NEXT_VERSION, update_record.py). A recovery replay is
+  not checked: every write then comes from a changelog in timestamp order, and a version
+  after T is a copy of a write the replay made before (a replay task retried).
 * NOT_NULL_HOLDS: a key with no base gets NULL outside its targets; if such a column
   is NOT NULL, the request is refused INVALID_ARGUMENT naming the column and the key,
   with nothing of it applied (checked here, before the apply's first effect).
@@ -96,29 +98,6 @@ class _RequestState:
             self.written_at[(tid, key)] = max(self.written_at.get((tid, key), 0), u.ts)
 
 
-@dataclasses.dataclass
-class _OwnWrites:
-    """The timestamps a request writes each key at (a TRUNCATE: every key of its
-    virtual node), to tell its own versions from another write's."""
-
-    keys: dict[tuple[int, bytes], set[int]] = dataclasses.field(default_factory=dict)
-    truncates: dict[tuple[int, int], set[int]] = dataclasses.field(default_factory=dict)
-
-    @classmethod
-    def of(cls, updates: list[PreparedUpdate]) -> _OwnWrites:
-        own = cls()
-        for u in updates:
-            tid = u.table.table_id
-            for key in (*u.delete_keys, *u.insert_keys, *(k for p in u.partials for k in p.keys)):
-                own.keys.setdefault((tid, key), set()).add(u.ts)
-            if u.truncate:
-                own.truncates.setdefault((tid, u.vnode), set()).add(u.ts)
-        return own
-
-    def stamps(self, tid: int, vnode: int, key: bytes) -> set[int]:
-        return self.keys.get((tid, key), set()) | self.truncates.get((tid, vnode), set())
-
-
 def fold(node: RetinaNode, updates: list[PreparedUpdate],
          streams: Mapping[tuple[int, int], Stream], base_rows: BaseRows | None, *,
          replay: bool = False) -> list[PreparedUpdate]:
@@ -130,23 +109,22 @@ def fold(node: RetinaNode, updates: list[PreparedUpdate],
     if base_rows is None:
         raise RuntimeError("partial updates need the node's row reader")
     state = _RequestState()
-    own = None if replay else _OwnWrites.of(updates)
     folded = []
     for u in updates:
         if u.partials:
             u = _fold_one(node, streams[(u.table.table_id, u.vnode)], u, base_rows, state,
-                          own)
+                          check_order=not replay)
         state.record(u)
         folded.append(u)
     return folded
 
 
 def _fold_one(node: RetinaNode, stream: Stream, u: PreparedUpdate, base_rows: BaseRows,
-              state: _RequestState, own: _OwnWrites | None) -> PreparedUpdate:
+              state: _RequestState, check_order: bool) -> PreparedUpdate:
     table = stream.table  # the stream's schema version is u.table's or newer
     keys = [k for p in u.partials for k in p.keys]
-    if own is not None:
-        _check_order(node, u, keys, state, own)
+    if check_order:
+        _check_order(node, u, keys, state)
     bases, combined = _bases(table, u, keys, base_rows, state)
     merged: list[list[pa.Array]] = []  # per group, per column
     start = 0
@@ -169,13 +147,16 @@ def _fold_one(node: RetinaNode, stream: Stream, u: PreparedUpdate, base_rows: Ba
 
 
 def _check_order(node: RetinaNode, u: PreparedUpdate, keys: list[bytes],
-                 state: _RequestState, own: _OwnWrites) -> None:
-    """PARTIAL_UPDATES_IN_TIMESTAMP_ORDER, against the index (versions after T that are
-    not the request's own) and the request's earlier parts (none after T)."""
+                 state: _RequestState) -> None:
+    """PARTIAL_UPDATES_IN_TIMESTAMP_ORDER, against the index (a version after T, and
+    none at T) and the request's earlier parts (none after T)."""
     tid = u.table.table_id
-    later = [keys[i] for i, stamps in
-             node.index.primary.versions_after(tid, keys, u.ts).items()
-             if not set(stamps) <= own.stamps(tid, u.vnode, keys[i])]
+    index = node.index.primary
+    after = [keys[i] for i in index.versions_after(tid, keys, u.ts)]
+    pairs = index.candidates(tid, after, u.ts) if after else []
+    if pairs is None:
+        raise Refusal(grpc.StatusCode.UNAVAILABLE, "primary index backend error")
+    later = [k for k, (at, _before) in zip(after, pairs, strict=True) if at is None]
     later += [k for k in keys if state.written_at.get((tid, k), 0) > u.ts]
     if state.truncated_at.get((tid, u.vnode), 0) > u.ts:
         later += keys[:1]

@@ -379,32 +379,40 @@ class PrimaryIndex:
         finally:
             self._batch.txn = None
 
-    def candidates(self, table_id: int, keys: Sequence[bytes],
-                    ts: int) -> list[tuple[int | None, int | None]] | None:
+    def candidates(self, table_id: int, keys: Sequence[bytes], ts: int,
+                   later: dict[int, int] | None = None
+                   ) -> list[tuple[int | None, int | None]] | None:
         """Per key: (the version at exactly ts, the latest version before ts); each a
-        rowId, TOMBSTONE or None. None on a backend error."""
+        rowId, TOMBSTONE or None. None on a backend error. ``later``, if given, gets the
+        timestamp of each key's first version after ``ts``, by position (no extra
+        descent: the scan lands there first)."""
         try:
             batch = getattr(self._batch, "txn", None)
             if batch is not None:
-                return self._scan(batch, table_id, keys, ts)
+                return self._scan(batch, table_id, keys, ts, later)
             with self._env.begin(db=self._primary) as txn:
-                return self._scan(txn, table_id, keys, ts)
+                return self._scan(txn, table_id, keys, ts, later)
         except lmdb.Error as exc:
             log.error("primary_index_read_failed", table=table_id, error=str(exc))
             return None
 
     def _scan(self, txn: lmdb.Transaction[bytes], table_id: int, keys: Sequence[bytes],
-              ts: int) -> list[tuple[int | None, int | None]]:
+              ts: int, later: dict[int, int] | None = None
+              ) -> list[tuple[int | None, int | None]]:
         cursor = txn.cursor(db=self._primary)
         bound, own = _TS.pack(ts + 1), _TS.pack(ts)
         unpack = _ROW.unpack
         set_range, prev, last = cursor.set_range, cursor.prev, cursor.last
         key_at, value_at = cursor.key, cursor.value
         out: list[tuple[int | None, int | None]] = []
-        for prefix in self._prefixes(table_id, keys):
+        for i, prefix in enumerate(self._prefixes(table_id, keys)):
             at: int | None = None
             before: int | None = None
-            moved = prev() if set_range(prefix + bound) else last()
+            after = set_range(prefix + bound)
+            if after and later is not None and (next_version := key_at()).startswith(prefix) \
+                    and len(next_version) == len(prefix) + 8:
+                later[i] = _TS.unpack(next_version[-8:])[0]
+            moved = prev() if after else last()
             if moved and (found := key_at()).startswith(prefix):
                 if found == prefix + own:
                     at = unpack(value_at())[0]

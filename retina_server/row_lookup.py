@@ -69,6 +69,7 @@ from retina_common.storage import open_parquet
 from retina_server.node import RetinaNode
 from retina_server.row_gather import RowGroupRows, assemble, assemble_few
 from retina_server.row_group_cache import RowGroupCache
+from retina_server.row_moves import MovesInProgress
 from retina_server.visibility import RGVisibility
 from retina_server.write_buffer import Block, FileState, IngestFile
 
@@ -316,16 +317,36 @@ class RowLookup:
         own earlier parts write, partial_update takes from them). The row a version
         names is the base, as it is the row a DELETE at ``ts`` removes (DELETE_TARGETS):
         the visibility is not asked, so a row group folded above ``ts`` (a replay's
-        first timestamps) answers too."""
-        return self._read(LookupRequest(table, keys, [c.name for c in table.columns], ts - 1),
-                          deletes=False)
+        first timestamps) answers too; and the versions below ``ts`` are exact from the
+        pruning horizon on (a replay may start right at it). Moves outside the stream
+        locks (a GC rollback, a sweep) are watched as a lookup watches them
+        (ROW_READS_SEE_NO_MOVE): waited for briefly, then MovesInProgress (UNAVAILABLE:
+        the writer sends it again). A version whose row this node cannot read (an orphan:
+        its file is gone) is refused FAILED_PRECONDITION rather than merged as no row:
+        the merge would put NULL where the row had values."""
+        moves = self._node.row_moves
+        sequence = moves.settled(self._settle_timeout_s / 10)
+        answer = self._read(LookupRequest(table, keys, [c.name for c in table.columns],
+                                          ts - 1), deletes=False, horizon_ts=ts)
+        if not moves.unchanged_since(sequence):
+            raise MovesInProgress("rows moved while a partial update read its base rows")
+        versions = self._node.index.primary.latest(table.table_id, keys, ts - 1)
+        lost = np.flatnonzero((versions >= 0) & ~answer.found)
+        if len(lost):
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{table.name}: key {keys[int(lost[0])].hex()} has a version below "
+                          f"{ts} whose row this node cannot read (row id "
+                          f"{int(versions[lost[0]])}: an orphan); a partial update is not "
+                          "merged without its row; nothing was applied")
+        return answer
 
-    def _read(self, request: LookupRequest, deletes: bool = True) -> LookupAnswer:
+    def _read(self, request: LookupRequest, deletes: bool = True,
+              horizon_ts: int | None = None) -> LookupAnswer:
         table, ts = request.table, request.ts
         index = self._node.index
         row_ids = index.primary.latest(table.table_id, request.keys, ts)
         horizon = index.primary.pruned_below  # read after the versions: see PrimaryIndex
-        if ts < horizon:
+        if (ts if horizon_ts is None else horizon_ts) < horizon:
             raise snapshot_expired(f"snapshot {ts} is below the primary index's pruning "
                                    f"horizon {horizon} (versions below it are gone)", horizon)
         positions = np.flatnonzero(row_ids >= 0)

@@ -110,6 +110,9 @@ from retina_server.source_positions import MAX_POSITION_BYTES
 from retina_server.write_buffer import AppendHandle, SettleMode
 from retina_server.write_fence import Fenced
 
+SUPERSEDED = Counter("retina_update_record_superseded_rows_total",
+                     "Rows written at a timestamp below their key's next version, deleted at "
+                     "it (SUPERSEDED_COPIES_END_AT_THE_NEXT_VERSION)")
 PARTS = Counter("retina_update_record_parts_total",
                 "TableUpdateData that passed validation, by wire form (docs/encoding.md)",
                 ["form"])
@@ -135,7 +138,7 @@ def prepare(node: RetinaNode, request: pb.UpdateRecordRequest,
                 for tud in request.table_update_data]
     _decode_row_inserts(pending)
     columnar = sum(1 for t in request.table_update_data
-                   if t.delete_keys_arrow or t.insert_rows_arrow)
+                   if t.delete_keys_arrow or t.insert_rows_arrow or t.partial_rows_arrow)
     PARTS.labels(form="columnar").inc(columnar)
     PARTS.labels(form="row").inc(len(prepared) - columnar)
     return prepared
@@ -314,8 +317,8 @@ def _decode_row_inserts(pending: list[_RowInserts]) -> None:
             start += n
             if not _keys_are_row_bytes(pk, p.update.insert_keys, p.rows):
                 _check_keys_match_rows(table, p.name, p.update.insert_keys, own)
+            check_not_null(table, p.name, own, "insert")
             p.update.insert_columns = own
-        check_not_null(table, group[0].name, columns, "insert")
 
 
 def _columnar_deletes(node: RetinaNode, tud: pb.TableUpdateData,
@@ -393,8 +396,8 @@ def _row_partials(node: RetinaNode, schema_name: str, table: TableRecord,
                 raise _invalid(f"{name}.{table.columns[t].name}: {exc}") from None
         group_keys = [keys[i] for i in positions]
         aligned = _aligned(table, targets, columns)
-        _check_keys_match_rows(table, name, group_keys, aligned, "partial")
-        check_not_null(table, name, aligned, "partial")
+        _check_keys_match_rows(table, name, group_keys, aligned, "partial", positions)
+        check_not_null(table, name, aligned, "partial", positions)
         out.append(PartialRows(targets, group_keys, columns))
     return table, out
 
@@ -484,25 +487,28 @@ def _key_positions(table: TableRecord) -> list[int]:
 
 def _check_key_columns_present(table: TableRecord, name: str,
                                columns: Sequence[pa.Array | None], pk: list[int],
-                               what: str = "insert") -> None:
+                               what: str = "insert", rows: Sequence[int] | None = None) -> None:
     for p in pk:
         column = columns[p]
         assert column is not None  # every key column is a target
         if column.null_count:
             i = pc.index(column.is_null(), True).as_py()
+            i = i if rows is None else rows[i]
             raise _invalid(f"{name}: {what} {i} has a NULL in key column "
                            f"{table.columns[p].name}")
 
 
 def check_not_null(table: TableRecord, name: str, columns: Sequence[pa.Array | None],
-                   what: str) -> None:
+                   what: str, rows: Sequence[int] | None = None) -> None:
     """NOT_NULL_HOLDS: no NULL in a NOT NULL column (INVALID_ARGUMENT naming the column and
-    the first offending row). ``columns`` line up with the table's; None: not given."""
+    the first offending row: its place in its TableUpdateData, ``rows[i]`` if given).
+    ``columns`` line up with the table's; None: not given."""
     for column, values in zip(table.columns, columns, strict=False):
         if values is not None and values.null_count and not column.accepts_null \
                 and column.pk_position is None:  # a NULL key is refused as such
             i = pc.index(values.is_null(), True).as_py()
-            raise _invalid(f"{name}: {what} {i} has NULL in NOT NULL column {column.name}")
+            row = i if rows is None else rows[i]
+            raise _invalid(f"{name}: {what} {row} has NULL in NOT NULL column {column.name}")
 
 
 def _table_for_widths(node: RetinaNode, schema_name: str, table: TableRecord,
@@ -554,13 +560,14 @@ def _keys_are_row_bytes(pk: list[int], keys: list[bytes], rows: list[Any]) -> bo
 
 
 def _check_keys_match_rows(table: TableRecord, name: str, keys: list[bytes],
-                           columns: Sequence[pa.Array | None], what: str = "insert") -> None:
+                           columns: Sequence[pa.Array | None], what: str = "insert",
+                           rows: Sequence[int] | None = None) -> None:
     """Every insert's key columns are non-NULL and encode to exactly its key bytes.
 
     The index would otherwise file the row under a key its columns do not
     carry. One batch compare; only an offending row is looked at by itself."""
     pk = _key_positions(table)
-    _check_key_columns_present(table, name, columns, pk, what)
+    _check_key_columns_present(table, name, columns, pk, what, rows)
     types = [table.columns[p].type for p in pk]
     key_columns = [c for c in (columns[p] for p in pk) if c is not None]
     expected = encode_primary_keys(types, key_columns)
@@ -571,6 +578,7 @@ def _check_keys_match_rows(table: TableRecord, name: str, keys: list[bytes],
     values = [encode_values(t, c.slice(i, 1))[0].as_py()
               for t, c in zip(types, key_columns, strict=True)]
     column = _first_disagreeing_column(keys[i], values)
+    i = i if rows is None else rows[i]
     raise _invalid(f"{name}: {what} {i} key column {table.columns[pk[column]].name} does not "
                    "match the row's value (the key bytes disagree with the row)")
 
@@ -647,17 +655,21 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate], *, fenced: bool = Tru
                 raise
             fp.UPDATE_RECORD_FENCE_AFTER.hit()
         try:
+            # Before anything applies (a refusal of a merge leaves nothing behind), and
+            # before the node's LMDB write transaction opens: reading a base row may go
+            # to a file in storage, and every other stream's write waits for that batch.
+            updates = partial_update.fold(node, updates, streams, base_rows,
+                                          replay=not fenced)
             with node.index.primary.write_batch():
-                # Before anything applies: a refusal of a merge leaves nothing behind.
-                updates = partial_update.fold(node, updates, streams, base_rows,
-                                              replay=not fenced)
                 if check_live:
                     _check_no_live_inserts(node, updates)
                 truncates = _TruncateTargets(node)
                 for u in updates:
                     stream = streams[(u.table.table_id, u.vnode)]
-                    deleted = _apply_truncate(node, u, truncates) + _apply_deletes(node, u)
-                    inserted = _stage_inserts(node, stream, u, staged)
+                    later: dict[bytes, int] = {}  # key -> its first version after u.ts
+                    deleted = _apply_truncate(node, u, truncates) + \
+                        _apply_deletes(node, u, later)
+                    inserted = _stage_inserts(node, stream, u, staged, later)
                     truncates.inserted(u)
                     response.results.add(table_name=u.table.name, virtual_node_id=u.vnode,
                                          deleted_rows=deleted, inserted_rows=inserted)
@@ -734,14 +746,20 @@ def _apply_truncate(node: RetinaNode, u: PreparedUpdate, targets: _TruncateTarge
     return _apply_deletes(node, dataclasses.replace(u, delete_keys=keys)) if keys else 0
 
 
-def _apply_deletes(node: RetinaNode, u: PreparedUpdate) -> int:
+def _apply_deletes(node: RetinaNode, u: PreparedUpdate,
+                   later: dict[bytes, int] | None = None) -> int:
+    """The update's DELETEs (DELETE_TARGETS); ``later`` gets each deleted key's first
+    version after ``u.ts``, if it has one (SUPERSEDED_COPIES_END_AT_THE_NEXT_VERSION)."""
     if not u.delete_keys:
         return 0
     tid = u.table.table_id
     keys = list(dict.fromkeys(u.delete_keys))
-    targets = node.index.delete_targets(tid, keys, node.in_baseline, u.ts)
+    after: dict[int, int] = {}
+    targets = node.index.delete_targets(tid, keys, node.in_baseline, u.ts, after)
     if targets is None:
         raise Refusal(grpc.StatusCode.UNAVAILABLE, "primary index backend error")
+    if later is not None:
+        later.update((keys[i], ts) for i, ts in after.items())
     by_rg, found_keys = targets.rows_by_rg, targets.found_keys
     deleted = sum(node.rg_visibility(f, rg).delete(rows, u.ts) for (f, rg), rows in by_rg.items())
     # REPLACE_WRITES_ONE_VERSION: a key this update re-inserts gets its version at u.ts
@@ -756,12 +774,20 @@ def _apply_deletes(node: RetinaNode, u: PreparedUpdate) -> int:
 
 
 def _stage_inserts(node: RetinaNode, stream: Stream, u: PreparedUpdate,
-                   staged: list[tuple[Stream, PreparedUpdate, list[AppendHandle]]]) -> int:
+                   staged: list[tuple[Stream, PreparedUpdate, list[AppendHandle]]],
+                   later: dict[bytes, int] | None = None) -> int:
     """Append pending → putMainIndexEntries → putPrimaryEntriesOnly (in the batch).
 
     The handles are recorded in ``staged`` as soon as they exist, even those
     of an append that fails part-way (a new file cannot be registered), so a
-    failure at any later point compensates them."""
+    failure at any later point compensates them.
+
+    SUPERSEDED_COPIES_END_AT_THE_NEXT_VERSION: a key of a replace that already has a
+    version after ``u.ts`` (``later``: an earlier attempt of the same write was followed
+    by later writes of the key before this retry, or a write of another writer at a
+    later timestamp came first) gets its row deleted at that version's timestamp, so the
+    row is visible exactly until the key's next version: without it, the row would stay
+    visible beside the later one (a key twice in every snapshot after it)."""
     n = len(u.insert_keys)
     if not n:
         return 0
@@ -779,7 +805,23 @@ def _stage_inserts(node: RetinaNode, stream: Stream, u: PreparedUpdate,
     node.index.primary.put_primary_entries_only(  # the batch's abort is the undo
         u.table.table_id, u.insert_keys, range(first_row_id, first_row_id + n), u.ts,
         keep_previous=False)
+    if later:
+        _end_superseded(u.insert_keys, handles, later)
     return n
+
+
+def _end_superseded(keys: list[bytes], handles: list[AppendHandle],
+                    later: dict[bytes, int]) -> None:
+    """Delete each inserted row whose key has a later version at that version's
+    timestamp (``_stage_inserts``); rows are in ``keys`` order across the handles."""
+    position = 0
+    for h in handles:
+        for offset, key in enumerate(keys[position:position + h.count]):
+            ends = later.get(key)
+            if ends is not None:
+                SUPERSEDED.inc()
+                h.block.visibility.delete([h.start + offset], ends)
+        position += h.count
 
 
 def _compensate(node: RetinaNode, stream: Stream, u: PreparedUpdate,

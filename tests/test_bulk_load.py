@@ -19,7 +19,8 @@ import pytest
 
 from retina_common import file_names
 from retina_common.bulk_loader import BulkLoader, LoadFailed, LoadRefused
-from retina_common.catalog import Catalog, FileType
+from retina_common.catalog import Catalog, ColumnSpec, FileType
+from retina_common.client import TableWriter
 from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2_grpc as rpb_grpc
 
@@ -126,6 +127,31 @@ def test_a_load_of_a_live_key_is_refused_and_changes_nothing(
     loaded(plane, range(0, 20))
     assert plane.read("orders") == plane.model.rows["orders"]
     del catalog
+
+
+@pytest.mark.integration
+def test_a_load_with_null_in_a_not_null_column_is_refused_and_changes_nothing(
+        make_plane: Callable[..., DataPlane], catalog: Catalog) -> None:
+    """NOT_NULL_HOLDS for the loader's files: checked from their statistics at the
+    commit, INVALID_ARGUMENT, nothing loaded; the same rows with a value load."""
+    plane = make_plane(nodes=1)
+    table = catalog.create_table(SCHEMA, "strict", [
+        ColumnSpec("id", "int64"), ColumnSpec("name", "string", nullable=False)], ["id"])
+    plane.tables["strict"] = table
+    plane.writers["strict"] = TableWriter(table, plane.topology)
+    nodes = {n: rpb_grpc.RetinaWorkerServiceStub(grpc.insecure_channel(n))
+             for n in plane.nodes}
+    load = BulkLoader(SCHEMA, table, plane.topology, plane.trans.stub(), nodes,
+                      chunk_rows=1_000, row_group_rows=300, timeout_s=60)
+    names = [f"n{i}" for i in range(50)]
+    names[17] = None
+    with pytest.raises(LoadRefused) as err:
+        load.load(pa.table({"id": pa.array(range(50), pa.int64()), "name": names}))
+    assert "NOT NULL column name" in str(err.value)
+    assert plane.read("strict") == {}
+    names[17] = "n17"
+    load.load(pa.table({"id": pa.array(range(50), pa.int64()), "name": names}))
+    assert sorted(r["name"] for r in plane.read("strict").values()) == sorted(names)
 
 
 # A node killed in PrepareBulkLoad is asked again once it is back (the loader retries

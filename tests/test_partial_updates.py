@@ -321,3 +321,62 @@ def test_a_kill_after_the_index_commit_of_a_merge_replays_and_a_retry_converge(
     assert expected[writer.key({"id": 99})] == {"id": 99, "customer": None, "amount": None,
                                                 "note": "new"}
     assert plane.read("orders") == expected
+
+
+@pytest.mark.parametrize("resent", ["all", "first"])
+def test_a_micro_batch_sent_again_from_its_first_request_converges(
+        make_plane: Callable[..., DataPlane], resent: str) -> None:
+    """A micro-batch split into requests, one per transaction, whose answers were lost:
+    the writer sends all of them again from the first (as the connector does), or only
+    the first. The keys already have versions after the first request's timestamp (the
+    later parts): nothing is refused, each resent row is visible only until its key's
+    next version (SUPERSEDED_COPIES_END_AT_THE_NEXT_VERSION: no key twice, for replaces
+    and partial updates alike), and every snapshot equals the model, also after a
+    restart."""
+    plane = make_plane(nodes=1)
+    rng = random.Random(5)
+    plane.commit({"orders": {"replaces": [order(i, rng) for i in range(1, 4)]}})
+    stub = plane.trans.stub()
+    trans = [begin_write(stub) for _ in range(3)]
+    batch = [{"partials": [{"id": 1, "note": "p1"}], "replaces": [order(2, rng)]},
+             {"partials": [{"id": 1, "customer": "p2"}], "replaces": [order(2, rng)],
+              "deletes": [{"id": 3}]},
+             {"partials": [{"id": 3, "note": "back"}, {"id": 1, "amount": None}]}]
+    writer = plane.writers["orders"]
+    node = plane.nodes[0]
+    requests = [requests_by_node(SCHEMA, [writer.updates(t.timestamp, **ops)])[node]
+                for t, ops in zip(trans, batch, strict=True)]
+    for t, ops in zip(trans, batch, strict=True):
+        record(plane, t.timestamp, ops)
+    for request in requests + (requests if resent == "all" else requests[:1]):
+        plane.retinas[node].stub.UpdateRecord(request, timeout=30)
+    for t in trans:
+        stub.CommitTrans(tpb.CommitTransRequest(trans_id=t.trans_id), timeout=10)
+    assert plane.read("orders") == plane.model.rows["orders"]
+    snapshots = dict(plane.model.history)
+    for t in trans:
+        assert plane.read_at("orders", t.timestamp) == snapshots[t.timestamp]["orders"]
+    restart_and_recover(plane, node)
+    assert plane.read("orders") == plane.model.rows["orders"]
+
+
+def test_replaces_applied_out_of_timestamp_order_keep_one_row_per_key(
+        make_plane: Callable[..., DataPlane]) -> None:
+    """Two writers' replaces of one key, the later timestamp applied first: the earlier
+    row is visible exactly until the later version (SUPERSEDED_COPIES_END_AT_THE_NEXT_
+    VERSION), so every snapshot holds the key once, with the row of its timestamp."""
+    plane = make_plane(nodes=1)
+    rng = random.Random(3)
+    plane.commit({"orders": {"replaces": [order(i, rng) for i in range(4)]}})
+    stub = plane.trans.stub()
+    early, late = begin_write(stub), begin_write(stub)
+    writer = plane.writers["orders"]
+    first, second = ({"replaces": [order(1, rng), order(2, rng)]},
+                     {"replaces": [order(1, rng)], "deletes": [{"id": 2}]})
+    send_at(plane, [late], [writer.updates(late.timestamp, **second)])
+    send_at(plane, [early], [writer.updates(early.timestamp, **first)])
+    record(plane, early.timestamp, first)
+    record(plane, late.timestamp, second)
+    assert plane.read("orders") == plane.model.rows["orders"]
+    snapshots = dict(plane.model.history)
+    assert plane.read_at("orders", early.timestamp) == snapshots[early.timestamp]["orders"]
