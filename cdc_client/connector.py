@@ -649,7 +649,8 @@ def _ms(seconds: float) -> float:
 def stamped(rows: list[ChangeRow], ts: int) -> list[ChangeRow]:
     """The rows with their transaction's timestamp (built directly: dataclasses.replace
     costs several microseconds a row, a measurable share of a 5,000-row batch)."""
-    return [ChangeRow(ts, r.seq, r.vnode, r.table, r.op, r.key, r.values) for r in rows]
+    return [ChangeRow(ts, r.seq, r.vnode, r.table, r.op, r.key, r.values, r.targets)
+            for r in rows]
 
 
 class _TableRecords(dict):

@@ -23,11 +23,16 @@ sends them, so replay never re-encodes and never consults the source.
 A segment row is one net effect of one transaction on one key: ``op`` 0 is a
 DELETE, 1 a CDC replace (DELETE + INSERT of the same key); or ``op`` 2, a
 TRUNCATE of the table in the segment's virtual node (empty key, applied
-before the other rows of its timestamp). Replay reads a
+before the other rows of its timestamp); or ``op`` 3, a partial update
+(docs/encoding.md, "Partial updates"): ``values`` are its target columns'
+values, in the order of the row's ``targets`` (a ``targets`` column the segment
+has only when it holds a partial update). Replay reads a
 virtual node from a timestamp, inclusive, in (ts, seq) order.
 
 The record format: ``RCLB2 <length> <crc32c>\\n`` then a JSON body of that
-length (``RCLB1`` for a record of the older layout, or of a batch without rows).
+length (``RCLB1`` for a record of the older layout, or of a batch without rows;
+``RCLB3`` for a batch holding a partial update, so that a reader from before
+partial updates stops at it, CorruptChangelog, instead of replaying one as a DELETE).
 A corrupt record or segment raises :class:`CorruptChangelog`; it is
 never read as absent.
 
@@ -67,13 +72,14 @@ if TYPE_CHECKING:
     from retina_common.config import Config
 
 # TRUNCATE: every row of the table in the row's virtual node (key b"", no values).
-DELETE, REPLACE, TRUNCATE = 0, 1, 2
+DELETE, REPLACE, TRUNCATE, PARTIAL = 0, 1, 2, 3
 # RCLB2: a record naming a batch's shared segment (``dir``). A connector or replay job
 # from before that layout reads it as not a record (CorruptChangelog, a clear stop)
 # instead of looking for per-virtual-node files that are not there. RCLB1 records
 # (one segment per virtual node) are still read.
 _MAGIC = "RCLB2"
 _MAGIC_V1 = "RCLB1"
+_MAGIC_PARTIAL = "RCLB3"  # a batch with a partial update (op 3): see the module doc
 _WATERMARK_MAGIC = "RCLW1"
 WATERMARK_NAME = "retained_from.rcw"
 _RECORD = re.compile(r"^(\d{20})-(\d{20})\.rec$")
@@ -82,6 +88,7 @@ SEGMENT_SCHEMA = pa.schema([
     ("key", pa.binary()), ("values", pa.list_(pa.binary())),
 ])
 SHARED_SEGMENT_SCHEMA = SEGMENT_SCHEMA.append(pa.field("vnode", pa.int32()))
+TARGETS_FIELD = pa.field("targets", pa.list_(pa.string()))  # partial updates only
 
 
 def changelog_root(config: Config) -> str:
@@ -124,6 +131,8 @@ class ChangeRow:
     op: int
     key: bytes
     values: tuple[bytes, ...] | None  # encoded column values; None for DELETE
+    # A partial update's target columns (``values`` holds theirs, in this order).
+    targets: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -160,6 +169,7 @@ class BatchRecord:
     last_ts: int
     transactions: tuple[dict, ...]  # {"ts", "position", "sourceTxid", "commitTimeMs", "rows"}
     segments: tuple[SegmentRef, ...]
+    partial: bool = False  # it holds a partial update (RCLB3)
 
     @property
     def name(self) -> str:
@@ -177,14 +187,15 @@ class BatchRecord:
                           "length": s.length, "crc32c": s.crc32c,
                           **({"dir": s.dir} if s.dir else {})} for s in self.segments],
         }, separators=(",", ":")).encode()
-        magic = _MAGIC if any(s.dir for s in self.segments) else _MAGIC_V1
+        magic = _MAGIC_PARTIAL if self.partial else \
+            _MAGIC if any(s.dir for s in self.segments) else _MAGIC_V1
         return f"{magic} {len(body)} {crc32c.crc32c(body)}\n".encode() + body
 
     @classmethod
     def parse(cls, data: bytes, where: str) -> BatchRecord:
         head, _, body = data.partition(b"\n")
         parts = head.decode(errors="replace").split(" ")
-        if len(parts) != 3 or parts[0] not in (_MAGIC, _MAGIC_V1) or \
+        if len(parts) != 3 or parts[0] not in (_MAGIC, _MAGIC_V1, _MAGIC_PARTIAL) or \
                 not all(p.isdigit() for p in parts[1:]):
             raise CorruptChangelog(f"{where}: not a changelog batch record")
         if len(body) != int(parts[1]) or crc32c.crc32c(body) != int(parts[2]):
@@ -193,7 +204,7 @@ class BatchRecord:
         return cls(int(d["firstTs"]), int(d["lastTs"]), tuple(d["transactions"]),
                    tuple(SegmentRef(int(s["vnode"]), s["name"], int(s["rows"]),
                                     int(s["length"]), int(s["crc32c"]), s.get("dir", ""))
-                         for s in d["segments"]))
+                         for s in d["segments"]), parts[0] == _MAGIC_PARTIAL)
 
 
 def transaction_positions(records: Iterable[BatchRecord]) -> dict[int, str]:
@@ -239,6 +250,10 @@ def encode_segment(rows: list[ChangeRow], *, with_vnode: bool = True) -> bytes:
     if with_vnode:
         columns["vnode"] = pa.array([r.vnode for r in rows], pa.int32())
         schema = SHARED_SEGMENT_SCHEMA
+    if any(r.op == PARTIAL for r in rows):
+        columns["targets"] = pa.array([None if r.targets is None else list(r.targets)
+                                       for r in rows], TARGETS_FIELD.type)
+        schema = schema.append(TARGETS_FIELD)
     out = io.BytesIO()
     pq.write_table(pa.table(columns, schema=schema), out, compression="zstd")
     return out.getvalue()
@@ -258,10 +273,13 @@ def decode_segment(data: bytes, vnodes: set[int], only: int | None = None
         assert only is not None, "a one-virtual-node segment needs its virtual node"
         vnode_of = [only] * table.num_rows
     cols = [table.column(n).to_pylist() for n in names]
+    targets = table.column("targets").to_pylist() if "targets" in table.column_names \
+        else [None] * table.num_rows
     out: dict[int, list[ChangeRow]] = {}
-    for v, ts, seq, t, op, key, values in zip(vnode_of, *cols, strict=True):
+    for v, ts, seq, t, op, key, values, names_ in zip(vnode_of, *cols, targets, strict=True):
         out.setdefault(v, []).append(
-            ChangeRow(ts, seq, v, t, op, key, None if values is None else tuple(values)))
+            ChangeRow(ts, seq, v, t, op, key, None if values is None else tuple(values),
+                      None if names_ is None else tuple(names_)))
     return out
 
 
@@ -297,7 +315,7 @@ class Changelog:
         record = BatchRecord(first, last, tuple(
             {"ts": t.ts, "position": t.position, "sourceTxid": t.source_txid,
              "commitTimeMs": t.commit_time_ms, "rows": len(t.rows)} for t in transactions),
-            tuple(refs))
+            tuple(refs), any(r.op == PARTIAL for t in transactions for r in t.rows))
         storage.write_durably(self._uri("batches"), record.name, record.to_bytes())
         CDC_CHANGELOG_RECORD_AFTER.hit()
         return record

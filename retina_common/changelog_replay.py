@@ -3,10 +3,11 @@
 Rows become one ``TableUpdateData`` per (timestamp, table, virtual node): a
 DELETE as a deleted key; a replace as a deleted key plus an inserted row of
 the same key (Retina applies the DELETE first); a TRUNCATE as ``truncate =
-true`` (applied before both). Requests are cut at ``max_rows`` items, so none
-exceeds the server's ``max_rows_per_request`` (the connector uses the smaller
-of ``cdc.request_max_rows`` and ``retina.max_rows_per_request``), and at about
-``REQUEST_MAX_BYTES`` of values.
+true`` (applied before both); a partial update as itself (``partial_data``, or
+``partial_rows_arrow`` when the update's partial updates share their targets).
+Requests are cut at ``max_rows`` items, so none exceeds the server's
+``max_rows_per_request`` (the connector uses the smaller of ``cdc.request_max_rows``
+and ``retina.max_rows_per_request``), and at about ``REQUEST_MAX_BYTES`` of values.
 
 An update of ``min_columnar_rows`` items or more goes in the columnar form
 (``retina_common.columnar``, Arrow IPC: ``delete_keys_arrow`` and
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 
 from retina_common.catalog import Catalog, TableRecord
 from retina_common.changelog import (
+    PARTIAL,
     REPLACE,
     TRUNCATE,
     BatchRecord,
@@ -61,8 +63,11 @@ class _Update:
                                  timestamp=self.ts, virtual_node_id=self.vnode,
                                  truncate=self.truncate, source_position=self.source_position)
         replaces = [r for r in self.rows if r.op == REPLACE]
-        fill_update(tud, self.table, [r.key for r in self.rows], [r.key for r in replaces],
-                    [r.values or () for r in replaces], self.min_columnar_rows)
+        partials = [(r.key, r.targets or (), list(r.values or ())) for r in self.rows
+                    if r.op == PARTIAL]
+        fill_update(tud, self.table, [r.key for r in self.rows if r.op != PARTIAL],
+                    [r.key for r in replaces], [r.values or () for r in replaces],
+                    self.min_columnar_rows, partials)
         return tud
 
 

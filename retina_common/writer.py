@@ -241,8 +241,8 @@ class DurableWriter:
                 raise WriteInDoubt(f"BeginTrans for a redo: {exc.code().name}: "
                                    f"{exc.details()}; an earlier attempt is logged and will "
                                    "be applied") from None
-            stamped = [ChangeRow(begun.timestamp, seq, r.vnode, r.table, r.op, r.key, r.values)
-                       for seq, r in enumerate(rows)]
+            stamped = [ChangeRow(begun.timestamp, seq, r.vnode, r.table, r.op, r.key, r.values,
+                                 r.targets) for seq, r in enumerate(rows)]
             self._in_doubt = True  # until acknowledged: see __init__
             try:
                 record = self.changelog.append([LoggedTransaction(

@@ -9,6 +9,7 @@ import pytest
 
 from retina_common.changelog import (
     DELETE,
+    PARTIAL,
     REPLACE,
     WATERMARK_NAME,
     BatchRecord,
@@ -219,3 +220,22 @@ def test_a_shared_segment_that_lost_rows_of_a_virtual_node_is_corrupt(tmp_path: 
     assert [r.key for r in log.read({0: 0})] == [b"a"]
     with pytest.raises(CorruptChangelog, match="virtual node 2"):
         list(log.read({2: 0}))
+
+
+def test_partial_updates_keep_their_targets_and_mark_their_batch(tmp_path: Path) -> None:
+    """A partial update (op 3) is read back with its target columns; its batch record is
+    RCLB3, so a reader from before partial updates stops at it (CorruptChangelog)
+    instead of replaying it as a DELETE; a batch without one stays RCLB2, its segment
+    without a targets column, and reads as before."""
+    log = Changelog(str(tmp_path))
+    partial = ChangeRow(10, 1, 1, "t", PARTIAL, b"b", (b"\x01x", b""), ("id", "note"))
+    first = log.append([LoggedTransaction(10, "p10", "x10", 0, [
+        ChangeRow(10, 0, 0, "t", REPLACE, b"a", (b"\x01a",)), partial])])
+    second = log.append([txn(11, [(0, b"c", REPLACE)])])
+    assert first.partial and not second.partial
+    head = (tmp_path / "batches" / first.name).read_bytes()[:6]
+    assert head == b"RCLB3 "
+    assert (tmp_path / "batches" / second.name).read_bytes()[:6] == b"RCLB2 "
+    rows = list(log.read({0: 0, 1: 0}))
+    assert rows[1] == partial and rows[0].targets is None and rows[2].targets is None
+    assert [rec.partial for rec in log.records()] == [True, False]

@@ -10,12 +10,15 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
 from retina_common.catalog import Catalog, ColumnSpec
+from retina_common.changelog import DELETE, PARTIAL, Changelog, ChangeRow, LoggedTransaction
+from retina_common.changelog_replay import requests
 from retina_common.client import TableWriter, requests_by_node
 from retina_common.codec import value_encoder
 from retina_common.pb import retina_pb2 as rpb
@@ -380,3 +383,48 @@ def test_replaces_applied_out_of_timestamp_order_keep_one_row_per_key(
     assert plane.read("orders") == plane.model.rows["orders"]
     snapshots = dict(plane.model.history)
     assert plane.read_at("orders", early.timestamp) == snapshots[early.timestamp]["orders"]
+
+
+@pytest.mark.parametrize("min_columnar_rows", [1, 1 << 30])
+def test_partial_updates_logged_in_a_changelog_replay_as_themselves(
+        make_plane: Callable[..., DataPlane], tmp_path: Path, min_columnar_rows: int) -> None:
+    """Partial updates written to a changelog (op 3 with their targets) and sent from it
+    as a connector's send and a replay build them (changelog_replay.requests), in the
+    columnar form and in the row form: the table equals the model."""
+    plane = make_plane(nodes=1)
+    rng = random.Random(21)
+    plane.commit({"orders": {"replaces": [order(i, rng) for i in range(6)]}})
+    writer, table = plane.writers["orders"], plane.tables["orders"]
+    stub = plane.trans.stub()
+    trans = [begin_write(stub) for _ in range(2)]
+    batch = [{"deletes": [{"id": 3}],
+              "partials": [{"id": 1, "note": "a"}, {"id": 2, "note": "b"},
+                           {"id": 7, "customer": "new"}]},
+             {"partials": [{"id": 1, "amount": Decimal("1.25")}, {"id": 3, "note": "again"}]}]
+    logged = []
+    for t, ops in zip(trans, batch, strict=True):
+        rows = []
+        for row in ops.get("deletes", ()):
+            key = writer.key(row)
+            rows.append(ChangeRow(t.timestamp, len(rows), plane.topology.vnode_of_key(key),
+                                  "orders", DELETE, key, None))
+        for row in ops["partials"]:
+            key = writer.key(row)
+            targets, values = writer.partial_values(row)
+            rows.append(ChangeRow(t.timestamp, len(rows), plane.topology.vnode_of_key(key),
+                                  "orders", PARTIAL, key, tuple(values), targets))
+        logged.append(LoggedTransaction(t.timestamp, f"p{t.timestamp}", "x", 0, rows))
+        record(plane, t.timestamp, ops)
+    log = Changelog(str(tmp_path / "changelog"))
+    log.append(logged)
+    node = plane.nodes[0]
+    read = list(log.read(dict.fromkeys(range(plane.topology.virtual_nodes), 0)))
+    assert sum(r.op == PARTIAL for r in read) == 5
+    for request in requests(SCHEMA, {"orders": table}, read, 500, min_columnar_rows):
+        parts = request.table_update_data
+        assert any(t.partial_rows_arrow if min_columnar_rows == 1 else t.partial_data
+                   for t in parts)
+        plane.retinas[node].stub.UpdateRecord(request, timeout=30)
+    for t in trans:
+        stub.CommitTrans(tpb.CommitTransRequest(trans_id=t.trans_id), timeout=10)
+    assert plane.read("orders") == plane.model.rows["orders"]
