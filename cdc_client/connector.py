@@ -173,6 +173,7 @@ class Connector:
         # node -> its columnar threshold, from its last GetRetinaStatus (unknown: the row
         # form, which every node takes).
         self._min_columnar: dict[str, int] = {}
+        self._accepts_partial: dict[str, bool] = {}  # GetRetinaStatus.accepts_partial
         self._extended_at = 0.0
         self._held: Item | None = None  # a bulk chunk that closed the batch before it
         self._snapshot = SnapshotLoader(settings.schema, topology, trans, self.nodes,
@@ -482,7 +483,8 @@ class Connector:
                                         self.settings.request_max_rows,
                                         self._min_columnar.get(node, ROW_FORM_ONLY),
                                         writer_id=self.settings.writer_id,
-                                        positions=positions):
+                                        positions=positions,
+                                        accepts_partial=self._accepts_partial.get(node, False)):
                     stub.UpdateRecord(request, timeout=self.settings.rpc_timeout_s)
                 return
             except grpc.RpcError as exc:
@@ -514,6 +516,7 @@ class Connector:
         except grpc.RpcError:
             return False
         self._min_columnar[node] = min_columnar_rows(status.accepts_columnar)
+        self._accepts_partial[node] = status.accepts_partial
         if status.state == pb.READY:
             return False
         if status.state == pb.FAILED:
@@ -552,7 +555,8 @@ class Connector:
             try:
                 for request in merged_replay_requests(
                         logs, vnode_starts, context, self.settings.request_max_rows,
-                        min_columnar_rows=self._min_columnar.get(node, ROW_FORM_ONLY)):
+                        min_columnar_rows=self._min_columnar.get(node, ROW_FORM_ONLY),
+                        accepts_partial=self._accepts_partial.get(node, False)):
                     n = changelog_rows(request)
                     yield request
                     counter["rows"] += n

@@ -141,7 +141,8 @@ def _recover(cluster: Cluster, node: str, logs: list[ReplayLog],
         check_retained(logs, vnode_starts)  # before the first request: nothing half-sent
         for request in merged_replay_requests(
                 logs, vnode_starts, context, REQUEST_MAX_ROWS,
-                min_columnar_rows=min_columnar_rows(status.accepts_columnar)):
+                min_columnar_rows=min_columnar_rows(status.accepts_columnar),
+                accepts_partial=status.accepts_partial):
             counted["rows"] += changelog_rows(request)
             counted["requests"] += 1
             yield request

@@ -71,6 +71,11 @@ class _Update:
         return tud
 
 
+class PartialUpdatesRefused(ValueError):
+    """A partial update for a node that does not say ``accepts_partial``: a node built
+    before partial updates would drop them and acknowledge the request."""
+
+
 # A request is cut here too, whatever its row count: a Retina node takes messages of up
 # to 64 MiB (retina_common.grpc_server), and wide rows reach that before max_rows.
 REQUEST_MAX_BYTES = 16 * 1024 * 1024
@@ -78,19 +83,27 @@ REQUEST_MAX_BYTES = 16 * 1024 * 1024
 
 def requests(schema: str, tables: Mapping[str, TableRecord], rows: Iterable[ChangeRow],
              max_rows: int = 5000, min_columnar_rows: int = COLUMNAR_MIN_ROWS, *,
-             writer_id: str = "", positions: Mapping[int, str] | None = None
-             ) -> Iterator[pb.UpdateRecordRequest]:
+             writer_id: str = "", positions: Mapping[int, str] | None = None,
+             accepts_partial: bool = False) -> Iterator[pb.UpdateRecordRequest]:
     """Rows (already in (ts, seq) order, all for one node) as requests of at
     most ``max_rows`` delete/insert items each, as Retina counts them (a
     replace is two), and about ``REQUEST_MAX_BYTES`` of values; an update of
     ``min_columnar_rows`` items or more in the columnar form. ``writer_id``: the
     registered replay source whose changelog holds the rows. ``positions``: ts -> the
     source position the changelog records for that transaction, set on every
-    TableUpdateData of the ts (``transaction_positions``; none: empty)."""
+    TableUpdateData of the ts (``transaction_positions``; none: empty).
+    ``accepts_partial``: the node's ``GetRetinaStatus.accepts_partial``; a partial update
+    for a node that does not say so raises PartialUpdatesRefused, nothing of its request
+    sent."""
     positions = positions or {}
     current: dict[tuple[int, str, int], _Update] = {}
     count = size = 0
     for row in rows:
+        if row.op == PARTIAL and not accepts_partial:
+            raise PartialUpdatesRefused(
+                f"a partial update of {row.table} at ts {row.ts} for a node that does not "
+                "say accepts_partial (built before partial updates, it would drop it): "
+                "upgrade the Retina nodes first")
         weight = 2 if row.op == REPLACE else 1
         # Values' bytes, a key twice (the delete and the insert) and a per-row margin.
         row_bytes = 2 * len(row.key) + 16 + (sum(map(len, row.values)) if row.values else 0)
@@ -122,8 +135,8 @@ def replay_requests(changelog: Changelog, schema: str, tables: Mapping[str, Tabl
                     starts: Mapping[int, int], context: pb.RecoveryReplayContext | None,
                     max_rows: int, upto_ts: int | None = None,
                     records: Sequence[BatchRecord] | None = None, *,
-                    min_columnar_rows: int = COLUMNAR_MIN_ROWS, writer_id: str = ""
-                    ) -> Iterator[pb.UpdateRecordRequest]:
+                    min_columnar_rows: int = COLUMNAR_MIN_ROWS, writer_id: str = "",
+                    accepts_partial: bool = False) -> Iterator[pb.UpdateRecordRequest]:
     """The changelog of the virtual nodes in ``starts`` (vnode → first ts,
     inclusive), as requests carrying ``context`` (recovery replay) or none
     (backfill), each transaction with the source position its record holds."""
@@ -131,7 +144,8 @@ def replay_requests(changelog: Changelog, schema: str, tables: Mapping[str, Tabl
         records = changelog.records(min(starts.values())) if starts else []
     rows = changelog.read(starts, upto_ts, records)
     for request in requests(schema, tables, rows, max_rows, min_columnar_rows,
-                            writer_id=writer_id, positions=transaction_positions(records)):
+                            writer_id=writer_id, positions=transaction_positions(records),
+                            accepts_partial=accepts_partial):
         if context is not None:
             request.recovery_replay_context.CopyFrom(context)
         yield request
@@ -139,9 +153,10 @@ def replay_requests(changelog: Changelog, schema: str, tables: Mapping[str, Tabl
 
 def changelog_rows(request: pb.UpdateRecordRequest) -> int:
     """Changelog rows in a request: each is exactly one deleted key (a
-    ``delete_data`` entry or a row of ``delete_keys_arrow``), or a ``truncate``
-    flag."""
+    ``delete_data`` entry or a row of ``delete_keys_arrow``), a ``truncate``
+    flag, or a partial update."""
     return sum(len(t.delete_data) + row_count(t.delete_keys_arrow) + int(t.truncate)
+               + len(t.partial_data) + row_count(t.partial_rows_arrow)
                for t in request.table_update_data)
 
 
@@ -219,7 +234,8 @@ class SourceGap(ChangelogGap):
 
 def merged_replay_requests(logs: Sequence[ReplayLog], starts: Mapping[int, int],
                            context: pb.RecoveryReplayContext, max_rows: int, *,
-                           min_columnar_rows: int = COLUMNAR_MIN_ROWS
+                           min_columnar_rows: int = COLUMNAR_MIN_ROWS,
+                           accepts_partial: bool = False
                            ) -> Iterator[pb.UpdateRecordRequest]:
     """Every log's rows of the virtual nodes in ``starts`` (inclusive), merged in
     timestamp order (timestamps are unique across writers: one TransServer issues them),
@@ -241,6 +257,6 @@ def merged_replay_requests(logs: Sequence[ReplayLog], starts: Mapping[int, int],
         log = logs[index]
         for request in requests(log.schema, log.tables, (item[4] for item in run), max_rows,
                                 min_columnar_rows, writer_id=log.writer_id,
-                                positions=positions[index]):
+                                positions=positions[index], accepts_partial=accepts_partial):
             request.recovery_replay_context.CopyFrom(context)
             yield request

@@ -191,6 +191,9 @@ def _partial_rows(table: TableRecord, partials: Sequence[Partial]) -> bytes:
     """``partial_rows_arrow`` of partial updates that share their targets."""
     targets = partials[0][1]
     types = {c.name: c.type for c in table.columns}
+    unknown = [name for name in targets if name not in types]
+    if unknown:  # a column added since ``table`` was read: the row form, the node re-reads
+        raise ColumnarError(f"{table.name} has no column {unknown[0]!r}")
     columns = [decode_column(types[name], values) for name, values in
                zip(targets, zip(*(p[2] for p in partials), strict=True), strict=True)]
     return encode_partial_rows(table, targets, columns)

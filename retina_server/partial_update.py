@@ -58,6 +58,7 @@ from retina_common.codec import arrow_type
 from retina_common.refusal import Refusal
 from retina_server.node import RetinaNode, Stream
 from retina_server.prepared_update import PartialRows, PreparedUpdate
+from retina_server.primary_index import TOMBSTONE
 from retina_server.row_lookup import LookupAnswer
 
 PARTIAL_ROWS = Counter("retina_partial_update_rows_total",
@@ -123,9 +124,16 @@ def _fold_one(node: RetinaNode, stream: Stream, u: PreparedUpdate, base_rows: Ba
               state: _RequestState, check_order: bool) -> PreparedUpdate:
     table = stream.table  # the stream's schema version is u.table's or newer
     keys = [k for p in u.partials for k in p.keys]
+    at = node.index.primary.candidates(table.table_id, keys, u.ts)  # versions at T
+    if at is None:
+        raise Refusal(grpc.StatusCode.UNAVAILABLE, "primary index backend error")
+    applied = {k for k, (row, _before) in zip(keys, at, strict=True)
+               if row is not None and row != TOMBSTONE}
+    # A tombstone at T: its transaction's TRUNCATE, applied by another request.
+    truncated = {k for k, (row, _before) in zip(keys, at, strict=True) if row == TOMBSTONE}
     if check_order:
-        _check_order(node, u, keys, state)
-    bases, combined = _bases(table, u, keys, base_rows, state)
+        _check_order(node, u, keys, state, applied)
+    bases, combined = _bases(table, u, keys, base_rows, state, truncated)
     merged: list[list[pa.Array]] = []  # per group, per column
     start = 0
     for p in u.partials:
@@ -147,16 +155,13 @@ def _fold_one(node: RetinaNode, stream: Stream, u: PreparedUpdate, base_rows: Ba
 
 
 def _check_order(node: RetinaNode, u: PreparedUpdate, keys: list[bytes],
-                 state: _RequestState) -> None:
+                 state: _RequestState, applied: set[bytes]) -> None:
     """PARTIAL_UPDATES_IN_TIMESTAMP_ORDER, against the index (a version after T, and
-    none at T) and the request's earlier parts (none after T)."""
+    no row at T: ``applied`` holds the keys with one) and the request's earlier parts
+    (none after T)."""
     tid = u.table.table_id
-    index = node.index.primary
-    after = [keys[i] for i in index.versions_after(tid, keys, u.ts)]
-    pairs = index.candidates(tid, after, u.ts) if after else []
-    if pairs is None:
-        raise Refusal(grpc.StatusCode.UNAVAILABLE, "primary index backend error")
-    later = [k for k, (at, _before) in zip(after, pairs, strict=True) if at is None]
+    after = [keys[i] for i in node.index.primary.versions_after(tid, keys, u.ts)]
+    later = [k for k in after if k not in applied]
     later += [k for k in keys if state.written_at.get((tid, k), 0) > u.ts]
     if state.truncated_at.get((tid, u.vnode), 0) > u.ts:
         later += keys[:1]
@@ -169,16 +174,19 @@ def _check_order(node: RetinaNode, u: PreparedUpdate, keys: list[bytes],
 
 
 def _bases(table: TableRecord, u: PreparedUpdate, keys: list[bytes], base_rows: BaseRows,
-           state: _RequestState) -> tuple[list[int | None], list[pa.Array]]:
+           state: _RequestState, truncated: set[bytes]
+           ) -> tuple[list[int | None], list[pa.Array]]:
     """Per key, its base row's place in ``combined`` (None: no base); ``combined`` holds,
     per column, the base rows read from the index and files, then those of the
-    request's earlier parts."""
+    request's earlier parts. ``truncated``: keys with a tombstone at T, the TRUNCATE of
+    the update's own transaction sent in another request: no base either."""
     stream = (table.table_id, u.vnode)
     if u.truncate:  # the update's own TRUNCATE applies first: no key has a row
         return [None] * len(keys), [pa.nulls(0, arrow_type(c.type)) for c in table.columns]
     earlier = state.rows.get(stream, {})
     cleared = stream in state.cleared
-    stored = [k for k in keys if k not in earlier] if not cleared else []
+    stored = [k for k in keys if k not in earlier and k not in truncated] if not cleared \
+        else []
     answer = base_rows.rows_before(table, stored, u.ts) if stored else None
     rank: dict[bytes, int] = {}
     if answer is not None:

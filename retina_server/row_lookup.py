@@ -320,16 +320,25 @@ class RowLookup:
         first timestamps) answers too; and the versions below ``ts`` are exact from the
         pruning horizon on (a replay may start right at it). Moves outside the stream
         locks (a GC rollback, a sweep) are watched as a lookup watches them
-        (ROW_READS_SEE_NO_MOVE): waited for briefly, then MovesInProgress (UNAVAILABLE:
-        the writer sends it again). A version whose row this node cannot read (an orphan:
+        (ROW_READS_SEE_NO_MOVE), without waiting for one (the caller holds stream locks a
+        move may need): read again, a few times, then MovesInProgress (UNAVAILABLE: the
+        writer sends it again). A version whose row this node cannot read (an orphan:
         its file is gone) is refused FAILED_PRECONDITION rather than merged as no row:
         the merge would put NULL where the row had values."""
         moves = self._node.row_moves
-        sequence = moves.settled(self._settle_timeout_s / 10)
-        answer = self._read(LookupRequest(table, keys, [c.name for c in table.columns],
-                                          ts - 1), deletes=False, horizon_ts=ts)
-        if not moves.unchanged_since(sequence):
-            raise MovesInProgress("rows moved while a partial update read its base rows")
+        request = LookupRequest(table, keys, [c.name for c in table.columns], ts - 1)
+        for _attempt in range(3):
+            sequence, running = moves.now()
+            try:
+                answer = self._read(request, deletes=False, horizon_ts=ts)
+            except Exception:
+                if running or not moves.unchanged_since(sequence):
+                    continue  # what failed may be what moved
+                raise
+            if not running and moves.unchanged_since(sequence):
+                break
+        else:
+            raise MovesInProgress("rows kept moving while a partial update read its base rows")
         versions = self._node.index.primary.latest(table.table_id, keys, ts - 1)
         lost = np.flatnonzero((versions >= 0) & ~answer.found)
         if len(lost):

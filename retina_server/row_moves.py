@@ -80,6 +80,12 @@ class RowMoves:
                 self._settled.wait(left)
             return self._sequence
 
+    def now(self) -> tuple[int, bool]:
+        """The sequence number and whether a change runs, without waiting (a reader
+        that holds stream locks must not wait for a change that may need them)."""
+        with self._lock:
+            return self._sequence, bool(self._running)
+
     def unchanged_since(self, sequence: int) -> bool:
         """True when no change started since :meth:`settled` returned ``sequence``."""
         return self._sequence == sequence

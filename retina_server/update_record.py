@@ -669,6 +669,8 @@ def apply(node: RetinaNode, updates: list[PreparedUpdate], *, fenced: bool = Tru
                     later: dict[bytes, int] = {}  # key -> its first version after u.ts
                     deleted = _apply_truncate(node, u, truncates) + \
                         _apply_deletes(node, u, later)
+                    if check_live:  # a bulk load's re-application: no key has a later one
+                        _later_of_standalone_inserts(node, u, later)
                     inserted = _stage_inserts(node, stream, u, staged, later)
                     truncates.inserted(u)
                     response.results.add(table_name=u.table.name, virtual_node_id=u.vnode,
@@ -771,6 +773,20 @@ def _apply_deletes(node: RetinaNode, u: PreparedUpdate,
     if tombstoned:
         node.index.primary.tombstone_primary_resolved(tid, tombstoned, u.ts)
     return deleted
+
+
+def _later_of_standalone_inserts(node: RetinaNode, u: PreparedUpdate,
+                                 later: dict[bytes, int]) -> None:
+    """``later`` for the inserts no DELETE of the update scanned (an INSERT alone; beside
+    a TRUNCATE): their keys' first versions after ``u.ts``."""
+    deleted = set(u.delete_keys)
+    alone = [k for k in u.insert_keys if k not in deleted]
+    if not alone:
+        return
+    after: dict[int, int] = {}
+    if node.index.primary.candidates(u.table.table_id, alone, u.ts, after) is None:
+        raise Refusal(grpc.StatusCode.UNAVAILABLE, "primary index backend error")
+    later.update((alone[i], ts) for i, ts in after.items())
 
 
 def _stage_inserts(node: RetinaNode, stream: Stream, u: PreparedUpdate,

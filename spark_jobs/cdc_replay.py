@@ -24,7 +24,11 @@ A task needs only plain, picklable data (the changelog root, the schema,
 table records, a virtual node, its range, the context fields) and opens its
 own gRPC channel. UNAVAILABLE is retried with backoff inside the task, then
 the task fails and Spark may run it again: replaying a row twice is harmless,
-it is a DELETE + INSERT of one key at one timestamp.
+it is a DELETE + INSERT of one key at one timestamp (a partial update merges the
+same row again; a copy left under a later version ends at it). In backfill mode
+(no recovery context) a partial update whose key another writer wrote later is
+refused FAILED_PRECONDITION (PARTIAL_UPDATES_IN_TIMESTAMP_ORDER) and the task fails:
+a backfill of partial updates must not overlap later writes of their keys.
 
 Both modes first compare every virtual node's start with the changelog's
 retention low-watermark (``Changelog.retained_from``): a start below it needs
@@ -145,6 +149,7 @@ class VnodeTask:
     from_ts: int  # inclusive
     to_ts: int | None  # inclusive; None: to the end of the changelog
     accepts_columnar: bool = False  # the node's GetRetinaStatus.accepts_columnar
+    accepts_partial: bool = False  # the node's GetRetinaStatus.accepts_partial
 
 
 @dataclass(frozen=True)
@@ -183,10 +188,12 @@ def task_requests(spec: JobSpec, task: VnodeTask) -> Iterator[pb.UpdateRecordReq
                 *(ReplayLog(o.writer_id, o.schema, Changelog(o.changelog_root),
                             _Tables(o.schema, o.tables)) for o in spec.others)]
         return merged_replay_requests(logs, {task.vnode: task.from_ts}, context,
-                                      spec.max_rows, min_columnar_rows=columnar)
+                                      spec.max_rows, min_columnar_rows=columnar,
+                                      accepts_partial=task.accepts_partial)
     return replay_requests(changelog, spec.schema, _Tables(spec.schema, spec.tables),
                            {task.vnode: task.from_ts}, context, spec.max_rows, task.to_ts,
-                           records, min_columnar_rows=columnar, writer_id=spec.writer_id)
+                           records, min_columnar_rows=columnar, writer_id=spec.writer_id,
+                           accepts_partial=task.accepts_partial)
 
 
 def replay_vnode(spec: JobSpec, task: VnodeTask) -> VnodeResult:
@@ -311,7 +318,7 @@ def plan_recovery(node: str, mode_name: str, wait_s: float, topology: Topology,
     gap = replay_gap(changelog, vnode_starts, f"{node} stays RECOVERING")
     if gap is not None:
         return gap
-    tasks = [VnodeTask(v, node, s, None, status.accepts_columnar)
+    tasks = [VnodeTask(v, node, s, None, status.accepts_columnar, status.accepts_partial)
              for v, s in sorted(vnode_starts.items())]
     print(f"{node}: recovery attempt {token_hash(context.token)}, checkpoint "
           f"{context.checkpoint_id}, {mode_name} mode: replaying {len(tasks)} virtual nodes "
@@ -333,6 +340,7 @@ def plan_backfill(args: argparse.Namespace, topology: Topology,
     if gap is not None:
         return gap
     accepts_columnar: dict[str, bool] = {}
+    accepts_partial: dict[str, bool] = {}
     for node in topology.nodes:
         with channel(node) as ch:
             try:
@@ -348,8 +356,10 @@ def plan_backfill(args: argparse.Namespace, topology: Topology,
                               "recover it first, backfill writes only to READY nodes",
                         exit_codes.UNAVAILABLE)
         accepts_columnar[node] = status.accepts_columnar
+        accepts_partial[node] = status.accepts_partial
     tasks = [VnodeTask(v, topology.node_of_vnode(v), args.from_ts, args.to_ts,
-                       accepts_columnar[topology.node_of_vnode(v)])
+                       accepts_columnar[topology.node_of_vnode(v)],
+                       accepts_partial[topology.node_of_vnode(v)])
              for v in range(topology.virtual_nodes)]
     print(f"backfill of ts {args.from_ts}..{'end' if args.to_ts is None else args.to_ts} "
           f"into {len(topology.nodes)} nodes, {len(tasks)} virtual nodes", flush=True)

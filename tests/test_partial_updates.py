@@ -18,7 +18,7 @@ import pytest
 
 from retina_common.catalog import Catalog, ColumnSpec
 from retina_common.changelog import DELETE, PARTIAL, Changelog, ChangeRow, LoggedTransaction
-from retina_common.changelog_replay import requests
+from retina_common.changelog_replay import PartialUpdatesRefused, requests
 from retina_common.client import TableWriter, requests_by_node
 from retina_common.codec import value_encoder
 from retina_common.pb import retina_pb2 as rpb
@@ -125,7 +125,7 @@ def record(plane: DataPlane, ts: int, ops: Mapping[str, list]) -> None:
     writer = plane.writers["orders"]
     for row in ops.get("deletes", ()):
         rows.pop(writer.key(row), None)
-    for row in ops.get("replaces", ()):
+    for row in [*ops.get("inserts", ()), *ops.get("replaces", ())]:
         rows[writer.key(row)] = dict(row)
     for row in ops.get("partials", ()):
         key = writer.key(row)
@@ -367,15 +367,16 @@ def test_replaces_applied_out_of_timestamp_order_keep_one_row_per_key(
         make_plane: Callable[..., DataPlane]) -> None:
     """Two writers' replaces of one key, the later timestamp applied first: the earlier
     row is visible exactly until the later version (SUPERSEDED_COPIES_END_AT_THE_NEXT_
-    VERSION), so every snapshot holds the key once, with the row of its timestamp."""
+    VERSION), so every snapshot holds the key once, with the row of its timestamp; a
+    standalone INSERT (no DELETE scanned the key) too."""
     plane = make_plane(nodes=1)
     rng = random.Random(3)
     plane.commit({"orders": {"replaces": [order(i, rng) for i in range(4)]}})
     stub = plane.trans.stub()
     early, late = begin_write(stub), begin_write(stub)
     writer = plane.writers["orders"]
-    first, second = ({"replaces": [order(1, rng), order(2, rng)]},
-                     {"replaces": [order(1, rng)], "deletes": [{"id": 2}]})
+    first, second = ({"replaces": [order(1, rng), order(2, rng)], "inserts": [order(50, rng)]},
+                     {"replaces": [order(1, rng), order(50, rng)], "deletes": [{"id": 2}]})
     send_at(plane, [late], [writer.updates(late.timestamp, **second)])
     send_at(plane, [early], [writer.updates(early.timestamp, **first)])
     record(plane, early.timestamp, first)
@@ -420,7 +421,10 @@ def test_partial_updates_logged_in_a_changelog_replay_as_themselves(
     node = plane.nodes[0]
     read = list(log.read(dict.fromkeys(range(plane.topology.virtual_nodes), 0)))
     assert sum(r.op == PARTIAL for r in read) == 5
-    for request in requests(SCHEMA, {"orders": table}, read, 500, min_columnar_rows):
+    with pytest.raises(PartialUpdatesRefused, match="accepts_partial"):  # an older node
+        list(requests(SCHEMA, {"orders": table}, read, 500, min_columnar_rows))
+    for request in requests(SCHEMA, {"orders": table}, read, 500, min_columnar_rows,
+                            accepts_partial=plane.status(node).accepts_partial):
         parts = request.table_update_data
         assert any(t.partial_rows_arrow if min_columnar_rows == 1 else t.partial_data
                    for t in parts)
@@ -428,3 +432,26 @@ def test_partial_updates_logged_in_a_changelog_replay_as_themselves(
     for t in trans:
         stub.CommitTrans(tpb.CommitTransRequest(trans_id=t.trans_id), timeout=10)
     assert plane.read("orders") == plane.model.rows["orders"]
+
+
+def test_a_partial_update_sent_apart_from_its_truncate_starts_from_no_row(
+        make_plane: Callable[..., DataPlane]) -> None:
+    """A transaction's TRUNCATE and its partial update of a key at the same T in two
+    requests (a changelog replay cuts requests inside a timestamp): the TRUNCATE's
+    tombstone at T means the key has no row, so the partial update inserts one with
+    NULL outside its targets, not the truncated row's values."""
+    from .test_truncate_apply import truncate
+
+    plane = make_plane(nodes=1)
+    rng = random.Random(9)
+    plane.commit({"orders": {"replaces": [order(i, rng) for i in range(5)]}})
+    stub = plane.trans.stub()
+    trans = begin_write(stub)
+    node = plane.nodes[0]
+    for request in (truncate(plane, trans.timestamp)[node], requests_by_node(SCHEMA, [
+            plane.writers["orders"].updates(trans.timestamp,
+                                            partials=[{"id": 1, "note": "after"}])])[node]):
+        plane.retinas[node].stub.UpdateRecord(request, timeout=30)
+    stub.CommitTrans(tpb.CommitTransRequest(trans_id=trans.trans_id), timeout=10)
+    assert list(plane.read("orders").values()) == [
+        {"id": 1, "customer": None, "amount": None, "note": "after"}]
