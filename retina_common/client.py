@@ -67,6 +67,7 @@ class TableWriter:
         self._types = {c.name: c.type for c in table.columns}
         self._pk = table.primary_key
         self._encoders: list[tuple[str, Callable[[Any], bytes]]] | None = None
+        self._encoder_of: dict[str, Callable[[Any], bytes]] | None = None
 
     def key(self, row: Row) -> bytes:
         return encode_primary_key([self._types[c] for c in self._pk], [row[c] for c in self._pk])
@@ -83,7 +84,9 @@ class TableWriter:
         in the row form's encoding (NULL: empty)."""
         if self._encoders is None:
             self._encoders = [(c.name, value_encoder(c.type)) for c in self.table.columns]
-        encoders = dict(self._encoders)
+        if self._encoder_of is None:
+            self._encoder_of = dict(self._encoders)
+        encoders = self._encoder_of
         unknown = [name for name in row if name not in encoders]
         if unknown:
             raise EncodingError(f"{self.table.name} has no column {unknown[0]!r}")

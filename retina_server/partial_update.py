@@ -124,16 +124,18 @@ def _fold_one(node: RetinaNode, stream: Stream, u: PreparedUpdate, base_rows: Ba
               state: _RequestState, check_order: bool) -> PreparedUpdate:
     table = stream.table  # the stream's schema version is u.table's or newer
     keys = [k for p in u.partials for k in p.keys]
-    at = node.index.primary.candidates(table.table_id, keys, u.ts)  # versions at T
-    if at is None:
+    later: dict[int, int] = {}  # position -> the key's first version after T
+    versions = node.index.primary.candidates(table.table_id, keys, u.ts, later)
+    if versions is None:
         raise Refusal(grpc.StatusCode.UNAVAILABLE, "primary index backend error")
-    applied = {k for k, (row, _before) in zip(keys, at, strict=True)
-               if row is not None and row != TOMBSTONE}
+    applied = {k for k, (at, _before) in zip(keys, versions, strict=True)
+               if at is not None and at != TOMBSTONE}
     # A tombstone at T: its transaction's TRUNCATE, applied by another request.
-    truncated = {k for k, (row, _before) in zip(keys, at, strict=True) if row == TOMBSTONE}
+    truncated = {k for k, (at, _before) in zip(keys, versions, strict=True) if at == TOMBSTONE}
     if check_order:
-        _check_order(node, u, keys, state, applied)
-    bases, combined = _bases(table, u, keys, base_rows, state, truncated)
+        _check_order(u, [keys[i] for i in later], keys, state, applied)
+    before = {k: b for k, (_at, b) in zip(keys, versions, strict=True)}
+    bases, combined = _bases(table, u, keys, base_rows, state, truncated, before)
     merged: list[list[pa.Array]] = []  # per group, per column
     start = 0
     for p in u.partials:
@@ -154,13 +156,12 @@ def _fold_one(node: RetinaNode, stream: Stream, u: PreparedUpdate, base_rows: Ba
                                partials=[])
 
 
-def _check_order(node: RetinaNode, u: PreparedUpdate, keys: list[bytes],
+def _check_order(u: PreparedUpdate, after: list[bytes], keys: list[bytes],
                  state: _RequestState, applied: set[bytes]) -> None:
-    """PARTIAL_UPDATES_IN_TIMESTAMP_ORDER, against the index (a version after T, and
-    no row at T: ``applied`` holds the keys with one) and the request's earlier parts
+    """PARTIAL_UPDATES_IN_TIMESTAMP_ORDER, against the index (``after``: keys with a
+    version after T; ``applied``: keys with a row at T) and the request's earlier parts
     (none after T)."""
     tid = u.table.table_id
-    after = [keys[i] for i in node.index.primary.versions_after(tid, keys, u.ts)]
     later = [k for k in after if k not in applied]
     later += [k for k in keys if state.written_at.get((tid, k), 0) > u.ts]
     if state.truncated_at.get((tid, u.vnode), 0) > u.ts:
@@ -174,13 +175,17 @@ def _check_order(node: RetinaNode, u: PreparedUpdate, keys: list[bytes],
 
 
 def _bases(table: TableRecord, u: PreparedUpdate, keys: list[bytes], base_rows: BaseRows,
-           state: _RequestState, truncated: set[bytes]
+           state: _RequestState, truncated: set[bytes], before: dict[bytes, int | None]
            ) -> tuple[list[int | None], list[pa.Array]]:
     """Per key, its base row's place in ``combined`` (None: no base); ``combined`` holds,
-    per column, the base rows read from the index and files, then those of the
-    request's earlier parts. ``truncated``: keys with a tombstone at T, the TRUNCATE of
-    the update's own transaction sent in another request: no base either."""
+    per column some group does not target, the base rows read from the index and files,
+    then those of the request's earlier parts. ``truncated``: keys with a tombstone at T,
+    the TRUNCATE of the update's own transaction sent in another request: no base
+    either. ``before``: each key's latest version below T; one that names a row the read
+    did not find (an orphan: its file is gone) is refused FAILED_PRECONDITION rather than
+    merged as no row, which would put NULL where the row had values."""
     stream = (table.table_id, u.vnode)
+    needed = [any(c not in p.targets for p in u.partials) for c in range(len(table.columns))]
     if u.truncate:  # the update's own TRUNCATE applies first: no key has a row
         return [None] * len(keys), [pa.nulls(0, arrow_type(c.type)) for c in table.columns]
     earlier = state.rows.get(stream, {})
@@ -193,6 +198,12 @@ def _bases(table: TableRecord, u: PreparedUpdate, keys: list[bytes], base_rows: 
         ranks = np.cumsum(answer.found) - 1
         rank = {k: int(r) for k, f, r in zip(stored, answer.found.tolist(), ranks.tolist(),
                                              strict=True) if f}
+    lost = [k for k in stored if k not in rank and before[k] not in (None, TOMBSTONE)]
+    if lost:
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"{table.name}: key {lost[0].hex()} has a version below {u.ts} whose "
+                      f"row this node cannot read (row id {before[lost[0]]}: an orphan); a "
+                      "partial update is not merged without its row; nothing was applied")
     n_stored = 0 if answer is None else answer.rows.num_rows
     extra: list[_Source] = []
     bases: list[int | None] = []
@@ -209,6 +220,9 @@ def _bases(table: TableRecord, u: PreparedUpdate, keys: list[bytes], base_rows: 
     combined: list[pa.Array] = []
     for c, column in enumerate(table.columns):
         kind = arrow_type(column.type)
+        if not needed[c]:  # every group sets it: no base value is read
+            combined.append(pa.nulls(0, kind))
+            continue
         parts: list[pa.Array] = []
         if answer is not None:
             parts.append(answer.rows.column(c).combine_chunks())

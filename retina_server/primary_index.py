@@ -422,26 +422,6 @@ class PrimaryIndex:
             out.append((at, before))
         return out
 
-    def versions_after(self, table_id: int, keys: Sequence[bytes], ts: int
-                       ) -> dict[int, list[int]]:
-        """Per position of ``keys`` that has versions (rows or tombstones) after ``ts``,
-        their timestamps; the open batch's own writes included."""
-        bound = _TS.pack(ts + 1)
-        later: dict[int, list[int]] = {}
-        try:
-            with self.transaction(write=False) as txn:
-                cursor = txn.cursor(db=self._primary)
-                for i, prefix in enumerate(self._prefixes(table_id, keys)):
-                    if not cursor.set_range(prefix + bound):
-                        continue
-                    for version in cursor.iternext(values=False):
-                        if not version.startswith(prefix) or len(version) != len(prefix) + 8:
-                            break
-                        later.setdefault(i, []).append(_TS.unpack(version[-8:])[0])
-        except lmdb.Error as exc:
-            raise IndexBackendError(f"primary index read failed: {exc}") from exc
-        return later
-
     def latest(self, table_id: int, keys: Sequence[bytes], ts: int) -> np.ndarray:
         """Per key, its latest version at or before ``ts``: the row id, or TOMBSTONE (-1)
         when that version is a tombstone or the key has none: the key's row at snapshot

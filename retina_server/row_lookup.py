@@ -322,9 +322,7 @@ class RowLookup:
         locks (a GC rollback, a sweep) are watched as a lookup watches them
         (ROW_READS_SEE_NO_MOVE), without waiting for one (the caller holds stream locks a
         move may need): read again, a few times, then MovesInProgress (UNAVAILABLE: the
-        writer sends it again). A version whose row this node cannot read (an orphan:
-        its file is gone) is refused FAILED_PRECONDITION rather than merged as no row:
-        the merge would put NULL where the row had values."""
+        writer sends it again)."""
         moves = self._node.row_moves
         request = LookupRequest(table, keys, [c.name for c in table.columns], ts - 1)
         for _attempt in range(3):
@@ -339,14 +337,6 @@ class RowLookup:
                 break
         else:
             raise MovesInProgress("rows kept moving while a partial update read its base rows")
-        versions = self._node.index.primary.latest(table.table_id, keys, ts - 1)
-        lost = np.flatnonzero((versions >= 0) & ~answer.found)
-        if len(lost):
-            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"{table.name}: key {keys[int(lost[0])].hex()} has a version below "
-                          f"{ts} whose row this node cannot read (row id "
-                          f"{int(versions[lost[0]])}: an orphan); a partial update is not "
-                          "merged without its row; nothing was applied")
         return answer
 
     def _read(self, request: LookupRequest, deletes: bool = True,

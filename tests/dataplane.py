@@ -272,6 +272,13 @@ class DataPlane:
             stub.RollbackTrans(tpb.RollbackTransRequest(trans_id=trans.trans_id), timeout=10)
             raise
         stub.CommitTrans(tpb.CommitTransRequest(trans_id=trans.trans_id), timeout=10)
+        self.record(ts, changes)
+        return ts, responses
+
+    def record(self, ts: int, changes: Mapping[str, Mapping[str, Iterable[Mapping[str, Any]]]]
+               ) -> None:
+        """One committed source transaction at ``ts`` into the model, its history and the
+        plane's changelog (its replay source), as ``commit`` takes it."""
         for table, ops in changes.items():
             rows = self.model.rows[table]
             writer = self.writers[table]
@@ -286,7 +293,6 @@ class DataPlane:
         self.model.history.append((ts, self.model.snapshot()))
         self.changelog.append((ts, {t: {k: list(v) for k, v in ops.items()}
                                     for t, ops in changes.items()}))
-        return ts, responses
 
     # --- reading -------------------------------------------------------------------
     def read(self, table: str) -> dict[bytes, dict[str, Any]]:
