@@ -44,3 +44,9 @@ SNAPSHOT_ROWS = Counter("cdc_snapshot_rows_total",
                         "Rows the PostgreSQL initial snapshot has read (handed to the batch loop)")
 SNAPSHOT_IN_PROGRESS = Gauge("cdc_snapshot_in_progress",
                              "1 while the PostgreSQL initial snapshot is being read")
+UNCHANGED_KEPT = Counter("cdc_unchanged_values_kept_total",
+                         "Source values left out of a row (an unchanged TOAST value, a "
+                         "Debezium placeholder) and sent as a partial update: the node keeps "
+                         "the row's current value", ["source"])
+PARTIAL_ROWS = Counter("cdc_partial_update_rows_total",
+                       "Partial updates the connector committed (a row with some columns)")

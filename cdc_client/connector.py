@@ -49,6 +49,7 @@ from cdc_client.source import Source, SourceTransaction
 from cdc_client.translate import TableMap
 from retina_common.catalog import TableRecord
 from retina_common.changelog import (
+    PARTIAL,
     Changelog,
     ChangelogGap,
     ChangeRow,
@@ -56,6 +57,7 @@ from retina_common.changelog import (
     transaction_positions,
 )
 from retina_common.changelog_replay import (
+    PartialUpdatesRefused,
     ReplayLog,
     by_node,
     changelog_rows,
@@ -284,6 +286,7 @@ class Connector:
         m.BATCH_SECONDS.observe(time.monotonic() - started)
         m.TRANSACTIONS.inc(len(batch.transactions))
         m.ROWS.inc(rows)
+        m.PARTIAL_ROWS.inc(sum(row.op == PARTIAL for r in batch.rows for row in r))
         m.PENDING.set(0)
         last = batch.transactions[-1]
         m.LAG_SECONDS.set(max(0, self._clock_ms() - last.commit_time_ms) / 1000)
@@ -364,6 +367,7 @@ class Connector:
             self._process_bulk(batch)
             return
         t0 = time.monotonic()
+        self._check_partial_accepted(batch)
         began = began or self._begin(len(batch.transactions))
         CDC_BATCH_BEGIN_AFTER.hit()
         ids = [t.trans_id for t in began]
@@ -403,6 +407,35 @@ class Connector:
                  ms={"collect": batch.collect_ms, "begin": _ms(t1 - t0),
                      "changelog": _ms(t2 - t1), "send": _ms(t3 - t2),
                      "commit_ack": _ms(time.monotonic() - t3)})
+
+    def _check_partial_accepted(self, batch: Batch) -> None:
+        """Before a batch with partial updates is logged: every node they go to says
+        ``accepts_partial`` (a node built before them would drop them and acknowledge),
+        or ConnectorStopped with nothing logged or sent; logged, the rows would stop
+        every later replay into that node too. A node that cannot be asked now is asked
+        again with backoff, as for a send."""
+        vnodes = {r.vnode for rows in batch.rows for r in rows if r.op == PARTIAL}
+        for node in sorted({self.topology.node_of_vnode(v) for v in vnodes}):
+            backoff = Backoff(FIRST_PAUSE_S, self.settings.backoff_max_s)
+            while not self._accepts_partial.get(node, False):
+                if node in self._accepts_partial:
+                    raise ConnectorStopped(
+                        f"{node} does not say accepts_partial (built before partial updates, "
+                        "it would drop them): upgrade the Retina nodes first, or set "
+                        "cdc.unchanged_toast = \"read-source\" and route whole rows "
+                        "(docs/operations.md, mixed versions); nothing of the batch was "
+                        "logged or sent")
+                try:
+                    status = self.nodes[node].GetRetinaStatus(pb.GetRetinaStatusRequest(),
+                                                              timeout=5)
+                except grpc.RpcError as exc:
+                    if exc.code() not in RETRYABLE_CODES:
+                        raise ConnectorStopped(f"GetRetinaStatus of {node} refused: "
+                                               f"{exc.code().name}: {exc.details()}") from None
+                    log.warning("cdc_node_unavailable", node=node, error=exc.details())
+                    self._pause(backoff)
+                    continue
+                self._accepts_partial[node] = status.accepts_partial
 
     def _store_position(self, committed: CommittedPosition) -> None:
         # EtcdUnavailable: nothing changed, so the same compare-and-swap again.
@@ -487,6 +520,10 @@ class Connector:
                                         accepts_partial=self._accepts_partial.get(node, False)):
                     stub.UpdateRecord(request, timeout=self.settings.rpc_timeout_s)
                 return
+            except PartialUpdatesRefused as exc:
+                # _check_partial_accepted asked before the batch was logged; a node that
+                # says otherwise now was replaced by an older build meanwhile.
+                raise ConnectorStopped(str(exc)) from None
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.ABORTED:  # the node's write fence
                     raise BatchExpired(f"UpdateRecord to {node}: {exc.details()}") from None
@@ -567,6 +604,8 @@ class Connector:
                         self._extend(self._open_ids)
             except ChangelogGap as gap:  # retention ran while we replayed
                 raise self._replay_gap(node, gap) from None
+            except PartialUpdatesRefused as exc:  # the node's status was read by _recover
+                raise ConnectorStopped(str(exc)) from None
             # Retention may have dropped a batch after it was listed: the
             # low-watermark rises before any delete, so this sees it.
             self._check_retained(node, vnode_starts, logs)

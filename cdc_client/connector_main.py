@@ -26,7 +26,7 @@ import functools
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -35,6 +35,7 @@ import structlog
 from cdc_client.changelog_pruning import run_retention
 from cdc_client.connector import Connector, ConnectorStopped, ReplayGap, Settings
 from cdc_client.positions import ConnectorFenced, PositionStore
+from cdc_client.routes import RouteError, Routes
 from cdc_client.schema_change import UnsupportedSchemaChange
 from cdc_client.source import Source, SourceError
 from cdc_client.translate import MalformedChange, TableMap
@@ -49,7 +50,7 @@ from retina_common.catalog import (
 from retina_common.changelog import Changelog, CorruptChangelog, changelog_root
 from retina_common.changelog_replay import registered_logs
 from retina_common.client import channel
-from retina_common.config import CdcConfig, ConfigError
+from retina_common.config import UNCHANGED_TOAST_MODES, CdcConfig, CdcRoute, ConfigError
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.keys import LIFECYCLE_PREFIX
 from retina_common.log import configure_logging
@@ -91,6 +92,9 @@ def check_source(cdc: CdcConfig) -> None:
                           f"got {cdc.snapshot_mode!r}")
     if cdc.snapshot_chunk_rows < 1:
         raise ConfigError("cdc.snapshot_chunk_rows must be at least 1")
+    if cdc.unchanged_toast not in UNCHANGED_TOAST_MODES:
+        raise ConfigError(f"cdc.unchanged_toast: expected one of {UNCHANGED_TOAST_MODES}, "
+                          f"got {cdc.unchanged_toast!r}")
 
 
 def open_source(cdc: CdcConfig, start_after: str | None,
@@ -101,7 +105,8 @@ def open_source(cdc: CdcConfig, start_after: str | None,
         return PostgresSource(cdc.source_dsn, slot=cdc.slot, publication=cdc.publication,
                               tables=list(cdc.source_tables) or None, start_after=start_after,
                               snapshot_mode=cdc.snapshot_mode,
-                              snapshot_chunk_rows=cdc.snapshot_chunk_rows)
+                              snapshot_chunk_rows=cdc.snapshot_chunk_rows,
+                              unchanged_toast=cdc.unchanged_toast)
     from cdc_client.sources.debezium import DebeziumFileSource
     return DebeziumFileSource(Path(cdc.debezium_dir), start_after=start_after,
                               unavailable_placeholder=cdc.debezium_unavailable_placeholder,
@@ -109,10 +114,12 @@ def open_source(cdc: CdcConfig, start_after: str | None,
 
 
 def primary_keys(tables: TableMap) -> Callable[[str], tuple[str, ...] | None]:
-    """Source table -> the primary key of the Retina table it maps to (None: no such
-    table, which translate reports): the Debezium source finds a transaction's
-    earlier write of a row by it."""
+    """Source table -> the primary key of the Retina table it maps to, in source column
+    names (None: no such table, which translate reports): the Debezium source finds a
+    transaction's earlier write of a row by it."""
     def keys(source_table: str) -> tuple[str, ...] | None:
+        if tables.routes is not None and tables.routes.routed(source_table):
+            return tables.routes.source_key(source_table, tables.lookup)
         record = tables.lookup(tables.schema, source_table.rsplit(".", 1)[-1])
         return None if record is None else tuple(record.primary_key)
     return keys
@@ -121,7 +128,9 @@ def primary_keys(tables: TableMap) -> Callable[[str], tuple[str, ...] | None]:
 CATALOG_LOOKUP_RETRY_S = 60.0
 
 
-def table_map(catalog: Catalog, schema: str) -> TableMap:
+def table_map(catalog: Catalog, schema: str, routes: Sequence[CdcRoute] = ()) -> TableMap:
+    """The connector's view of the catalog: tables by name, cached; schema evolution;
+    and ``[[cdc.routes]]``, checked against the catalog here (RouteError)."""
     @functools.cache
     def lookup(schema_name: str, name: str) -> TableRecord | None:
         # Only "no such table" makes an event malformed. A catalog that is away is
@@ -147,7 +156,10 @@ def table_map(catalog: Catalog, schema: str) -> TableMap:
             on_retry=lambda exc: log.warning("cdc_catalog_add_column_retry",
                                              table=f"{schema_name}.{name}", column=column,
                                              error=str(exc)))
-    return TableMap(schema, lookup, add_column)
+    routed = Routes(schema, routes) if routes else None
+    if routed is not None:
+        routed.check(lookup)
+    return TableMap(schema, lookup, add_column, routed)
 
 
 def node_stubs(topology: Topology) -> dict[str, retina_pb2_grpc.RetinaWorkerServiceStub]:
@@ -223,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         # its changelog is registered for every recovery driver to replay.
         replay_sources.register(etcd, config.cdc.name, kind="cdc",
                                 changelog_root=changelog_root(config), schema=config.cdc.schema)
-        tables = table_map(catalog, config.cdc.schema)
+        tables = table_map(catalog, config.cdc.schema, config.cdc.routes)
         source = open_source(config.cdc, committed.position if committed else None, tables)
-    except (ConfigError, ReplaySourceError) as exc:
+    except (ConfigError, ReplaySourceError, RouteError) as exc:
         print(f"retina-cdc: {exc}", file=sys.stderr)
         return exit_codes.USAGE
     except SourceError as exc:  # the source is reachable but not usable as it is (a slot)

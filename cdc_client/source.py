@@ -30,6 +30,10 @@ class SourceError(Exception):
     """The source stream is malformed or out of protocol; the connector stops."""
 
 
+class MalformedChange(Exception):
+    """A source change that does not fit the Retina table; the connector stops."""
+
+
 @dataclass(frozen=True)
 class RowChange:
     """One row effect of a source transaction.
@@ -42,6 +46,13 @@ class RowChange:
     float, Decimal, bool, str, bytes, date, datetime, time) or None.
     ``origin`` names where the change is in the source (a Debezium
     ``file:line``), for errors; it is not part of the change's value.
+    ``partial``: ``after`` names only the columns to set, and every column it
+    leaves out keeps the row's current value (an unchanged TOAST value the
+    source left out, a route's columns: docs/encoding.md, "Partial updates").
+    Without it, a row that lacks columns the table was created with is a
+    partial update too (a Debezium minimal row image), and a row that lacks
+    only columns added later is whole, NULL there (decoded with the source's
+    older relation).
     """
 
     table: str
@@ -49,6 +60,7 @@ class RowChange:
     before: Mapping[str, Any] | None
     after: Mapping[str, Any] | None
     origin: str = field(default="", compare=False)
+    partial: bool = False
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,18 @@
 
 INSERT, UPDATE and upsert become a CDC replace (DELETE + INSERT of the same
 key); DELETE stays a DELETE; an UPDATE that changes the primary key becomes a
-DELETE of the old key and a replace of the new one. Several changes of one
-key inside a transaction collapse to their net effect, since Retina applies a
-request's DELETEs before its INSERTs at one timestamp.
+DELETE of the old key and a replace of the new one. A row that lacks columns the
+table was created with (an unchanged TOAST value left out, a Debezium ``after``
+with some columns, a route naming some of its target's columns) is a partial
+update of the columns it has (docs/encoding.md, "Partial updates"). Several
+changes of one key inside a transaction collapse to their net effect (``_net``),
+since Retina applies a request's DELETEs before its INSERTs at one timestamp.
+Routed source tables (``[[cdc.routes]]``, cdc_client/routes.py) are rewritten as
+changes of their targets first.
 
 The whole transaction is checked against the Retina catalog before anything
 is allocated, logged or sent: an unknown table, a missing or NULL key column,
-a column the table does not have, a missing column, or a value its type
+a column the table does not have, or a value its type
 cannot hold exactly (``encode_value`` raises ``EncodingError``: a Python type
 that contradicts the column type, an out-of-range integer, a decimal that
 does not fit the column's precision and scale) raises
@@ -23,10 +28,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from cdc_client.routes import Routes
 from cdc_client.schema_change import SourceSchema, UnsupportedSchemaChange, evolve, plan
-from cdc_client.source import RowChange, SourceTransaction
+from cdc_client.source import MalformedChange, RowChange, SourceTransaction
 from retina_common.catalog import TableRecord
-from retina_common.changelog import DELETE, REPLACE, TRUNCATE, ChangeRow
+from retina_common.changelog import DELETE, PARTIAL, REPLACE, TRUNCATE, ChangeRow
 from retina_common.codec import (
     EncodingError,
     column_encoder,
@@ -34,10 +40,6 @@ from retina_common.codec import (
     value_encoder,
 )
 from retina_common.topology import Topology
-
-
-class MalformedChange(Exception):
-    """A source change that does not fit the Retina table; the connector stops."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,9 @@ class TableMap:
     # Schema evolution (schema, table, column, type) -> the table as committed; None: a
     # source schema change that needs a column is refused (cdc_client/schema_change.py).
     add_column: Callable[[str, str, str, str], TableRecord] | None = None
+    # [[cdc.routes]] (cdc_client/routes.py): routed source tables' changes are rewritten
+    # as changes of their targets before anything else.
+    routes: Routes | None = None
 
     def forget(self) -> None:
         """Drop cached table records (a table gained a column)."""
@@ -164,29 +169,44 @@ def _key(table: TableRecord, shape: _Shape, row: Mapping[str, Any], where: objec
         raise MalformedChange(f"{where}: primary key of {table.name}: {exc}") from None
 
 
-def _values(table: TableRecord, shape: _Shape, row: Mapping[str, Any],
-            where: object) -> tuple[bytes, ...]:
+def _values(table: TableRecord, shape: _Shape, row: Mapping[str, Any], where: object,
+            partial: bool = False) -> tuple[tuple[bytes, ...], tuple[str, ...] | None]:
+    """The row's encoded values and, for a partial update, its target columns (the
+    columns left out keep their current values); targets None for a whole row. A row
+    is a partial update when its change says so (``RowChange.partial``) and it lacks
+    any column, or when it lacks a column the table was created with; a row lacking
+    only columns added later is whole (NULL there: see RowChange)."""
     keys = row.keys()
-    if not (shape.names.issuperset(keys) and keys >= shape.required):
+    if not shape.names.issuperset(keys):
         extra = sorted(set(row) - shape.names)
-        absent = [c.name for c in table.columns if c.name not in row and c.since_version == 1]
         raise MalformedChange(f"{where}: schema mismatch for {table.name}: "
-                              f"unknown column(s) {extra}, missing column(s) {absent}")
+                              f"unknown column(s) {extra}")
+    if not keys >= (shape.names if partial else shape.required):
+        return _partial_values(table, shape, row, where)
     get = row.get
     try:  # every value at once; a value that does not fit is looked for again below
         return tuple([b"" if (v := get(name)) is None else encode(v)
-                      for name, encode in shape.named_encoders])
+                      for name, encode in shape.named_encoders]), None
     except EncodingError:
         pass
-    out = []
-    for col, encode in shape.encoders:
-        value = row.get(col.name)
-        try:
-            out.append(b"" if value is None else encode(value))
-        except EncodingError as exc:  # the codec's only error for a value that does not fit
-            raise MalformedChange(f"{where}: column {table.name}.{col.name} ({col.type}): "
-                                  f"cannot encode {_shown(value)}: {exc}") from None
-    return tuple(out)
+    return tuple(_encoded(table, col, encode, row.get(col.name), where)
+                 for col, encode in shape.encoders), None
+
+
+def _partial_values(table: TableRecord, shape: _Shape, row: Mapping[str, Any],
+                    where: object) -> tuple[tuple[bytes, ...], tuple[str, ...]]:
+    present = [(col, encode) for col, encode in shape.encoders if col.name in row]
+    return (tuple(_encoded(table, col, encode, row[col.name], where) for col, encode in present),
+            tuple(col.name for col, _encode in present))
+
+
+def _encoded(table: TableRecord, col: Any, encode: Callable[[Any], bytes], value: Any,
+             where: object) -> bytes:
+    try:
+        return b"" if value is None else encode(value)
+    except EncodingError as exc:  # the codec's only error for a value that does not fit
+        raise MalformedChange(f"{where}: column {table.name}.{col.name} ({col.type}): "
+                              f"cannot encode {_shown(value)}: {exc}") from None
 
 
 def _shown(value: Any) -> str:
@@ -194,22 +214,64 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
+# One net effect of a key: (op, values, targets); targets only for a PARTIAL.
+Effect = tuple[int, tuple[bytes, ...] | None, tuple[str, ...] | None]
+
+
 def _effects(change: RowChange, table: TableRecord, shape: _Shape, where: object
-             ) -> list[tuple[bytes, int, tuple[bytes, ...] | None]]:
+             ) -> list[tuple[bytes, Effect]]:
     if change.op == "delete":
         if change.before is None:
             raise MalformedChange(f"{where}: delete without a before image")
-        return [(_key(table, shape, change.before, where), DELETE, None)]
+        return [(_key(table, shape, change.before, where), (DELETE, None, None))]
     if change.after is None:
         raise MalformedChange(f"{where}: {change.op} without an after image")
     key = _key(table, shape, change.after, where)
-    effects: list[tuple[bytes, int, tuple[bytes, ...] | None]] = []
+    effects: list[tuple[bytes, Effect]] = []
+    values, targets = _values(table, shape, change.after, where, change.partial)
     if change.op == "update" and change.before is not None:
         old = _key(table, shape, change.before, where)
         if old != key:  # a primary-key change
-            effects.append((old, DELETE, None))
-    effects.append((key, REPLACE, _values(table, shape, change.after, where)))
+            if targets is not None and not change.partial:
+                # The new key's row would take NULL where the old row had values: the
+                # columns left out are not "keep current" for another key.
+                raise MalformedChange(f"{where}: an update of {table.name} that changes the "
+                                      f"primary key lacks column(s) "
+                                      f"{[c for c in shape.names if c not in change.after]}")
+            effects.append((old, (DELETE, None, None)))
+    effects.append((key, (REPLACE, values, None) if targets is None
+                    else (PARTIAL, values, targets)))
     return effects
+
+
+def _net(prior: Effect | None, effect: Effect, table: TableRecord) -> Effect:
+    """A key's net effect in a transaction after ``prior`` (None: the key has none yet).
+    A partial update merges with what the transaction wrote before it
+    (PARTIAL_BASE_IS_BEFORE_T at the node would otherwise take the row from before the
+    transaction): over a replace it is a replace of the merged row; over a delete, a
+    replace with NULL outside its targets (the node refuses it for a NOT NULL column:
+    NOT_NULL_HOLDS); over a partial update, one partial update of both targets, the
+    later value winning. After a TRUNCATE of its table in the transaction it stays a
+    partial update: the node gives a key no base row at a timestamp whose TRUNCATE
+    covers it."""
+    op, values, targets = effect
+    if op != PARTIAL:
+        return effect
+    assert values is not None and targets is not None
+    if prior is None:
+        return effect
+    names = [c.name for c in table.columns]
+    if prior[0] == DELETE:
+        row = dict.fromkeys(names, b"")
+    elif prior[0] == REPLACE:
+        row = dict(zip(names, prior[1] or (), strict=True))
+    else:  # an earlier partial update: both targets, in the table's column order
+        row = dict(zip(prior[2] or (), prior[1] or (), strict=True))
+        row.update(zip(targets, values, strict=True))
+        merged = [n for n in names if n in row]
+        return PARTIAL, tuple(row[n] for n in merged), tuple(merged)
+    row.update(zip(targets, values, strict=True))
+    return REPLACE, tuple(row[n] for n in names), None
 
 
 # Below this many upserts of one table in a transaction, the column-wise encoding's fixed
@@ -220,8 +282,9 @@ Encoded = tuple[str, bytes, tuple[bytes, ...]]  # (Retina table, key, values) of
 
 
 def _is_upsert(change: RowChange) -> bool:
-    """An INSERT, or an UPDATE without a before image (it cannot change the key)."""
-    return change.after is not None and (
+    """An INSERT, or an UPDATE without a before image (it cannot change the key), of a
+    whole row (a partial one goes row by row)."""
+    return change.after is not None and not change.partial and (
         change.op == "insert" or (change.op == "update" and change.before is None))
 
 
@@ -283,9 +346,11 @@ def translate(trans: SourceTransaction, tables: TableMap, topology: Topology, *,
     the table deletes its rows), placed before all other rows: Retina applies
     it before the DELETEs and INSERTs of the same timestamp, so rows written
     after it in the transaction survive."""
+    if tables.routes is not None:
+        trans = tables.routes.rewrite(trans, tables.lookup)
     for schema in trans.schemas:  # the catalog follows the source before any row is read
         tables.follow(schema, f"source transaction {trans.source_txid} at {trans.position}")
-    net: dict[tuple[str, bytes], tuple[int, tuple[bytes, ...] | None]] = {}
+    net: dict[tuple[str, bytes], Effect] = {}
     truncated: dict[str, None] = {}
     # Source table -> (record, shape), once per transaction: the catalog is followed
     # before any row is read, so a table's record cannot change inside one.
@@ -308,21 +373,21 @@ def translate(trans: SourceTransaction, tables: TableMap, topology: Topology, *,
                                                     positions))
         done = encoded.get(i)
         if done is not None:  # a valid upsert of a known table, encoded with its column
-            net[(done[0], done[1])] = (REPLACE, done[2])
+            net[(done[0], done[1])] = (REPLACE, done[2], None)
             continue
         table, shape = seen[change.table]
         if change.op == "truncate":
             truncated[table.name] = None
             net = {k: v for k, v in net.items() if k[0] != table.name}
             continue
-        for key, op, values in _effects(change, table, shape, where):
-            net[(table.name, key)] = (op, values)
+        for key, effect in _effects(change, table, shape, where):
+            net[(table.name, key)] = _net(net.get((table.name, key)), effect, table)
     truncates = [(table, vnode) for table in truncated for vnode in range(topology.virtual_nodes)]
     rows = [ChangeRow(0, seq, vnode, table, TRUNCATE, b"", None)
             for seq, (table, vnode) in enumerate(truncates)]
     first = len(rows)
     vnodes = topology.vnodes_of_keys([key for _table, key in net]).tolist() if net else []
-    rows += [ChangeRow(0, seq, vnode, table, op, key, values)
-             for seq, ((table, key), (op, values)), vnode
+    rows += [ChangeRow(0, seq, vnode, table, op, key, values, targets)
+             for seq, ((table, key), (op, values, targets)), vnode
              in zip(itertools.count(first), net.items(), vnodes)]
     return rows

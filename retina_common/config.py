@@ -175,6 +175,23 @@ class RetinaConfig:
     anonymous_writes: bool = False
 
 
+# cdc.unchanged_toast: leave an unchanged TOAST value out (a partial update) or read it.
+UNCHANGED_TOAST_MODES = ("keep-current", "read-source")
+
+
+@dataclass(frozen=True)
+class CdcRoute:
+    """One ``[[cdc.routes]]`` entry: the changes of source table ``source``
+    (``schema.table``) go to Retina table ``target`` (in ``cdc.schema``), each of its
+    ``columns`` (source column, target column) renamed; other source columns are
+    left out. A route that names only some of the target's columns writes partial
+    updates (docs/cdc.md, "Routes: one wide table from several sources")."""
+
+    source: str
+    target: str
+    columns: tuple[tuple[str, str], ...]
+
+
 @dataclass(frozen=True)
 class CdcConfig:
     # Names the committed-position key in etcd; one running connector per name.
@@ -220,6 +237,14 @@ class CdcConfig:
     request_max_rows: int = 10_000
     node_check_interval_ms: int = 1000
     retention_interval_s: int = 60
+    # postgres: an UPDATE that left a TOASTed value alone does not carry it.
+    # "keep-current" sends it as a partial update without that column (the node keeps
+    # the row's value); "read-source" reads the value from the source at commit, for
+    # nodes built before partial updates (docs/cdc.md).
+    unchanged_toast: str = "keep-current"
+    # [[cdc.routes]]: source tables (or column subsets) mapped onto a target table;
+    # a source table with no route goes to the table of its own name.
+    routes: tuple[CdcRoute, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -260,6 +285,8 @@ class Config:
 def _convert(name: str, kind: Any, raw: Any) -> Any:
     """Coerce a TOML value or an environment string to the field's type."""
     origin = typing.get_origin(kind)
+    if origin is tuple and typing.get_args(kind)[0] is CdcRoute:
+        return _routes(name, raw)
     if origin is tuple:
         items = raw.split(",") if isinstance(raw, str) else raw
         if not isinstance(items, list | tuple):
@@ -283,6 +310,50 @@ def _convert(name: str, kind: Any, raw: Any) -> Any:
             raise ConfigError(f"{name}: expected a string, got {raw!r}")
         return str(raw)
     raise ConfigError(f"{name}: unsupported setting type {kind!r}")
+
+
+def _routes(name: str, raw: Any) -> tuple[CdcRoute, ...]:
+    """``[[cdc.routes]]``: ``source``, ``target`` and ``columns``, either a list of
+    column names (the same name on both sides) or a table source column -> target
+    column. Checked here for shape; against the catalog when the connector starts."""
+    if not isinstance(raw, list):
+        raise ConfigError(f"{name}: expected [[{name}]] tables in the config file "
+                          f"(routes cannot be set from the environment), got {raw!r}")
+    routes, seen = [], set()
+    for i, entry in enumerate(raw):
+        where = f"{name}[{i}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{where}: expected a table with source, target and columns")
+        unknown = sorted(set(entry) - {"source", "target", "columns"})
+        if unknown:
+            raise ConfigError(f"{where}: unknown setting(s) {unknown}")
+        source, target, columns = entry.get("source"), entry.get("target"), \
+            entry.get("columns")
+        if not isinstance(source, str) or source.count(".") != 1 or "" in source.split("."):
+            raise ConfigError(f"{where}.source: expected schema.table, got {source!r}")
+        if not isinstance(target, str) or not target or "." in target:
+            raise ConfigError(f"{where}.target: expected a table name (of cdc.schema), "
+                              f"got {target!r}")
+        pairs = _route_columns(f"{where}.columns", columns)
+        targets = [t for _s, t in pairs]
+        if len(set(targets)) != len(targets):
+            raise ConfigError(f"{where}.columns: a target column is named twice: {targets}")
+        if (source, target) in seen:
+            raise ConfigError(f"{where}: a second route from {source} to {target}; "
+                              "name all its columns in one")
+        seen.add((source, target))
+        routes.append(CdcRoute(source, target, pairs))
+    return tuple(routes)
+
+
+def _route_columns(where: str, raw: Any) -> tuple[tuple[str, str], ...]:
+    if isinstance(raw, list) and raw and all(isinstance(c, str) and c for c in raw):
+        return tuple((c, c) for c in raw)
+    if isinstance(raw, Mapping) and raw and \
+            all(isinstance(k, str) and k and isinstance(v, str) and v for k, v in raw.items()):
+        return tuple(raw.items())
+    raise ConfigError(f"{where}: expected a non-empty list of column names or a table "
+                      f"source column = \"target column\", got {raw!r}")
 
 
 def _apply(obj: Any, values: Mapping[str, Any], where: str) -> Any:

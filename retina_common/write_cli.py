@@ -1,6 +1,6 @@
 """``retina-write``: write rows to a Retina table durably, from the shell.
 
-    retina-write --writer ID SCHEMA.TABLE [--rows JSON] [--delete]
+    retina-write --writer ID SCHEMA.TABLE [--rows JSON] [--delete | --partial]
 
 Rows are JSON objects (``--rows '[{"id": 1, "name": "a"}]'``, or one object per line
 on standard input). Each call is one transaction through
@@ -8,8 +8,10 @@ on standard input). Each call is one transaction through
 durably under ``<storage.root>/_writers/ID``, then sent and committed, so the rows
 survive a crash of any node (docs/operations.md, "Writing to Retina"). A row is an
 upsert: a row whose key exists replaces it. ``--delete`` deletes the rows' keys (only
-the key columns are needed). A decimal column takes a number or a string; a binary
-column takes a string (its UTF-8 bytes).
+the key columns are needed). ``--partial`` sets only the columns each row names (the
+key columns among them): the row's other columns keep their values, and a key with no
+row gets NULL there (docs/encoding.md, "Partial updates"). A decimal column takes a
+number or a string; a binary column takes a string (its UTF-8 bytes).
 
 Prints the transaction's commit timestamp. Exit codes: 0 committed; 1 refused, or in
 doubt (logged but not confirmed: it is applied by the next ``retina-write`` with the
@@ -93,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the writer id: one changelog, one process at a time")
     parser.add_argument("table", help="SCHEMA.TABLE")
     parser.add_argument("--rows", help="a JSON array of row objects (default: stdin)")
-    parser.add_argument("--delete", action="store_true", help="delete the rows' keys")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--delete", action="store_true", help="delete the rows' keys")
+    mode.add_argument("--partial", action="store_true",
+                      help="set only the columns each row names (the key among them)")
     parser.add_argument("--lease-ms", type=int, default=WriterSettings.lease_ms,
                         help="the write transaction's lease (default %(default)s): if this "
                              "process dies mid-commit, reads wait at most this long for it")
@@ -120,20 +125,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return exit_codes.USAGE
     try:
-        return _write(writer, schema, table, rows, args.delete)
+        return _write(writer, schema, table, rows,
+                      "delete" if args.delete else "partial" if args.partial else "upsert")
     finally:
         writer.close()
 
 
 def _write(writer: DurableWriter, schema: str, table: str, rows: list[dict[str, Any]],
-           delete: bool) -> int:
+           mode: str) -> int:
     try:
         writer.open()
         record = writer.table_record(table)
         typed_rows: list[Row] = [typed(record, r) for r in rows]
-        changes = TableChanges(deletes=typed_rows) if delete else TableChanges(typed_rows)
+        changes = {"delete": TableChanges(deletes=typed_rows),
+                   "partial": TableChanges(partials=typed_rows)}.get(mode,
+                                                                     TableChanges(typed_rows))
         ts = writer.commit({table: changes})
-    except (NotFound, UsageError, KeyError, ReplaySourceError, EncodingError,
+    except (NotFound, UsageError, KeyError, ReplaySourceError, EncodingError, ValueError,
             grpc.RpcError, WriteRefused, WriteInDoubt, EtcdError, CatalogError) as exc:
         message, code = _failure(exc, f"{schema}.{table}")
         print(f"{PROG}: {message}", file=sys.stderr)
@@ -153,6 +161,8 @@ def _failure(exc: Exception, table: str) -> tuple[str, int]:
         return str(exc), exit_codes.USAGE
     if isinstance(exc, EncodingError):
         return f"refused: {exc}", exit_codes.FAILED
+    if isinstance(exc, ValueError):  # a partial row refused (the message says what was logged)
+        return f"refused: {exc}", exit_codes.USAGE
     if isinstance(exc, grpc.RpcError):
         return (f"the TransServer answered {exc.code().name}: {exc.details()}; nothing of "
                 "this transaction was logged or sent", exit_codes.FAILED)

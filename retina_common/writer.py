@@ -28,7 +28,14 @@ node's recovery replay may apply it earlier. If it did not reach the log, nothin
 of it was sent, and nothing of it ever appears.
 
 Rows are upserts: an insert of a key that exists replaces the row (it is sent as
-DELETE + INSERT, the CDC form). One process per writer id at a time; a key should
+DELETE + INSERT, the CDC form). A *partial* row (``partials``: the key columns and
+the columns to set) is a partial update: the row's other columns keep their values
+(docs/encoding.md, "Partial updates"). It is logged with its target columns, so a
+resend or a replay merges the same row. What the node would refuse whatever its state
+(a column the table does not have, a target list without the key, a key written twice
+in one transaction) raises ValueError before anything is logged; partial updates go
+only to nodes that say ``accepts_partial`` (PartialUpdatesRefused, nothing logged).
+One process per writer id at a time; a key should
 be written by one writer (two writers that resend in-doubt transactions over each
 other's keys could put an older value back).
 """
@@ -46,10 +53,18 @@ import grpc
 
 from retina_common import replay_sources, storage
 from retina_common.catalog import Catalog, TableRecord
-from retina_common.changelog import DELETE, REPLACE, Changelog, ChangeRow, LoggedTransaction
-from retina_common.changelog_replay import by_node, requests
+from retina_common.changelog import (
+    DELETE,
+    PARTIAL,
+    REPLACE,
+    Changelog,
+    ChangeRow,
+    LoggedTransaction,
+)
+from retina_common.changelog_replay import PartialUpdatesRefused, by_node, requests
 from retina_common.changelog_retention import horizon
 from retina_common.client import Row, TableWriter, channel
+from retina_common.codec import EncodingError
 from retina_common.config import Config
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.failpoints import (
@@ -58,6 +73,7 @@ from retina_common.failpoints import (
     WRITER_COMMIT_BEFORE,
 )
 from retina_common.log import get_logger
+from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import retina_pb2_grpc, trans_pb2_grpc
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.retry import RETRYABLE_CODES, Backoff
@@ -86,10 +102,12 @@ class _Expired(Exception):
 
 @dataclass
 class TableChanges:
-    """One table's part of a transaction: rows to upsert, and keys to delete."""
+    """One table's part of a transaction: rows to upsert, keys to delete, and partial
+    rows (the key and the columns to set). A key is in one of them at most."""
 
     upserts: list[Row] = field(default_factory=list)
     deletes: list[Row] = field(default_factory=list)
+    partials: list[Row] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -120,6 +138,7 @@ class DurableWriter:
         self.settings = settings or WriterSettings()
         self._kind = kind
         self._tables: dict[str, TableWriter] = {}
+        self._accepts_partial: set[str] = set()  # nodes whose GetRetinaStatus said so
         self._commits = 0
         self._opened = False
         # A transaction of this process was logged and then not acknowledged (its
@@ -180,9 +199,10 @@ class DurableWriter:
 
     # --- writing ------------------------------------------------------------------------
     def write(self, table: str, *, upserts: Iterable[Row] = (),
-              deletes: Iterable[Row] = ()) -> int:
+              deletes: Iterable[Row] = (), partials: Iterable[Row] = ()) -> int:
         """One transaction on one table; returns its commit timestamp."""
-        return self.commit({table: TableChanges(list(upserts), list(deletes))})
+        return self.commit({table: TableChanges(list(upserts), list(deletes),
+                                                list(partials))})
 
     def commit(self, changes: Mapping[str, TableChanges]) -> int:
         """One transaction over several tables of the writer's schema. Returns the
@@ -198,19 +218,44 @@ class DurableWriter:
             return self._apply(rows)
 
     def _encode(self, changes: Mapping[str, TableChanges]) -> list[ChangeRow]:
-        """The net effect per key (the last change of a key wins), timestamp 0."""
-        net: dict[tuple[str, bytes], ChangeRow] = {}
+        """The net effect per key (the last of its deletes and upserts wins), timestamp
+        0. Raises ValueError (nothing logged) for a partial row the node would refuse
+        whatever its state, or whose key has another change in the transaction (which
+        would come first is not for the writer to guess)."""
+        rows: dict[tuple[str, bytes], ChangeRow] = {}
+
+        def add(table: str, key: bytes, op: int, values: tuple[bytes, ...] | None,
+                targets: tuple[str, ...] | None = None) -> None:
+            prior = rows.get((table, key))
+            if prior is not None and PARTIAL in (op, prior.op):
+                raise ValueError(f"{table}: key {key.hex()} has a partial row and another "
+                                 "change in one transaction; give it one change (nothing "
+                                 "was logged)")
+            rows[(table, key)] = ChangeRow(0, 0, self._topology.vnode_of_key(key), table, op,
+                                           key, values, targets)
+
         for table, part in changes.items():
             writer = self._table(table)
             for row in part.deletes:
-                key = writer.key(row)
-                net[(table, key)] = ChangeRow(0, 0, self._topology.vnode_of_key(key), table,
-                                              DELETE, key, None)
+                add(table, writer.key(row), DELETE, None)
             for row in part.upserts:
-                key = writer.key(row)
-                net[(table, key)] = ChangeRow(0, 0, self._topology.vnode_of_key(key), table,
-                                              REPLACE, key, writer.values(row))
-        return list(net.values())
+                add(table, writer.key(row), REPLACE, writer.values(row))
+            for row in part.partials:
+                add(table, *self._partial(writer, row))
+        return list(rows.values())
+
+    @staticmethod
+    def _partial(writer: TableWriter, row: Row
+                 ) -> tuple[bytes, int, tuple[bytes, ...], tuple[str, ...]]:
+        missing = [c for c in writer.table.primary_key if c not in row]
+        if missing:  # PARTIAL_TARGETS_NAME_THE_KEY
+            raise ValueError(f"{writer.table.name}: a partial row without its key column(s) "
+                             f"{missing} (nothing was logged)")
+        try:
+            targets, values = writer.partial_values(row)
+        except EncodingError as exc:
+            raise ValueError(f"{writer.table.name}: {exc} (nothing was logged)") from None
+        return writer.key(row), PARTIAL, tuple(values), targets
 
     def _table(self, name: str) -> TableWriter:
         writer = self._tables.get(name)
@@ -226,9 +271,10 @@ class DurableWriter:
     def _records(self) -> dict[str, TableRecord]:
         return {name: w.table for name, w in self._tables.items()}
 
-    def _apply(self, rows: Sequence[ChangeRow]) -> int:
+    def _apply(self, rows: Sequence[ChangeRow], resend: bool = False) -> int:
         """Log, send and commit ``rows`` as one transaction; again at a new timestamp
-        when the first one ended under it."""
+        when the first one ended under it. ``resend``: an in-doubt transaction."""
+        self._check_partial_accepted(rows, resend)
         logged = False
         while True:
             try:
@@ -270,13 +316,42 @@ class DurableWriter:
             self._in_doubt = False
             return int(begun.timestamp)
 
+    def _check_partial_accepted(self, rows: Sequence[ChangeRow], resend: bool) -> None:
+        """Before a transaction with partial updates is logged (or sent again): every
+        node it goes to says ``accepts_partial`` (a node built before them would drop
+        them), or PartialUpdatesRefused. A node that cannot be asked is asked again
+        until the send deadline, then WriteRefused (WriteInDoubt for a resend: it is
+        logged). ``resend``: an in-doubt transaction, already in the log."""
+        partial = [r for r in rows if r.op == PARTIAL]
+        kept = "it stays in doubt" if resend else "nothing was logged"
+        for node in sorted(by_node(partial, self._topology)):
+            deadline = time.monotonic() + self.settings.send_deadline_s
+            backoff = Backoff(0.05, self.settings.backoff_max_s)
+            while node not in self._accepts_partial:
+                try:
+                    status = self._nodes[node].GetRetinaStatus(
+                        rpb.GetRetinaStatusRequest(), timeout=self.settings.rpc_timeout_s)
+                except grpc.RpcError as exc:
+                    if exc.code() in RETRYABLE_CODES and time.monotonic() < deadline:
+                        backoff.pause()
+                        continue
+                    error = WriteInDoubt if resend else WriteRefused
+                    raise error(f"{node} cannot say whether it accepts partial updates "
+                                f"({exc.code().name}: {exc.details()}); {kept}") from None
+                if not status.accepts_partial:
+                    raise PartialUpdatesRefused(
+                        f"{node} does not say accepts_partial (built before partial updates, "
+                        f"it would drop them): upgrade the Retina nodes first; {kept}")
+                self._accepts_partial.add(node)
+
     def _send(self, rows: Sequence[ChangeRow], trans_id: int, position: str) -> None:
         tables = self._records()
         positions = {rows[0].ts: position} if rows else {}
         for node, node_rows in sorted(by_node(rows, self._topology).items()):
             for request in requests(self.schema, tables, node_rows,
                                     min_columnar_rows=self.settings.min_columnar_rows,
-                                    writer_id=self.writer_id, positions=positions):
+                                    writer_id=self.writer_id, positions=positions,
+                                    accepts_partial=node in self._accepts_partial):
                 self._send_one(node, request, trans_id)
 
     def _send_one(self, node: str, request: Any, trans_id: int) -> None:
@@ -363,7 +438,7 @@ class DurableWriter:
                     self._table(row.table)
                 log.warning("writer_in_doubt_resent", writer_id=self.writer_id, logged_ts=ts,
                             rows=len(rows))
-                self._apply(rows)
+                self._apply(rows, resend=True)
                 done += 1
         return done
 

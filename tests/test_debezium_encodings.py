@@ -607,22 +607,46 @@ def test_placeholder_bytes_are_the_base64_of_its_text() -> None:
 
 
 @pytest.mark.parametrize("fields", [("doc",), ("payload",), ("payload", "doc")])
-def test_unavailable_value_without_a_record_of_it_stops_the_source(
+def test_unavailable_value_without_a_record_of_it_is_left_out_as_a_partial_update(
         tmp_path: Path, fields: tuple[str, ...]) -> None:
+    """An update that keeps its key: the field is left out of ``after`` (the node keeps
+    the row's current value), never stored as the placeholder."""
     table = DebeziumTable("readings", READINGS_PG)
-    old = reading(1)
+    new = {**reading(1), "amount": Decimal("2.00")}
     # REPLICA IDENTITY DEFAULT: no before image of an update that keeps the key.
     write(tmp_path / "0001.json",
-          table.transaction([("u", None, {**old, "amount": Decimal("2.00")})],
-                            raw_after={0: _placeholders(fields)}))
-    source = DebeziumFileSource(tmp_path, primary_key=_keys)
+          table.transaction([("u", None, new)], raw_after={0: _placeholders(fields)}))
+    tx = DebeziumFileSource(tmp_path, primary_key=_keys).poll(2)
+    assert tx is not None
+    kept = {n: v for n, v in new.items() if n not in fields}
+    assert tx.changes == (RowChange("public.readings", "update", None, kept, partial=True),)
+
+
+@pytest.mark.parametrize("fields", [("doc",), ("payload", "doc")])
+def test_unavailable_value_of_an_update_whose_key_cannot_be_told_stops_the_source(
+        tmp_path: Path, fields: tuple[str, ...]) -> None:
+    """Without the table's key (no Retina table maps the source table), or with a before
+    image naming another key (a key change: the new key's row is not the one that held
+    the value), there is no row to keep the value of."""
+    table = DebeziumTable("readings", READINGS_PG)
+    new = {**reading(1), "amount": Decimal("2.00")}
+    write(tmp_path / "0001.json",
+          table.transaction([("u", None, new)], raw_after={0: _placeholders(fields)}))
     with pytest.raises(SourceError) as caught:
-        source.poll(2)
+        DebeziumFileSource(tmp_path).poll(2)
     text = str(caught.value)
     assert text.startswith(f"0001.json:2: event without the value of field(s) {list(fields)} "
                            "(op 'u', table public.readings, transaction 571:"), text
     assert "ALTER TABLE public.readings REPLICA IDENTITY FULL" in text
     assert DEFAULT_PLACEHOLDER in text
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    events = table.transaction([("u", reading(2), new)], raw_after={0: _placeholders(fields)})
+    before = events[1]["payload"]["before"]
+    before.update(_placeholders(fields))  # the old row's TOASTed values: not sent either
+    write(moved / "0001.json", events)
+    with pytest.raises(SourceError, match=r"event without the value of field"):
+        DebeziumFileSource(moved, primary_key=_keys).poll(2)
 
 
 def test_unavailable_value_is_taken_from_the_before_image(tmp_path: Path) -> None:
@@ -649,13 +673,15 @@ def test_unavailable_value_is_taken_from_the_transactions_earlier_write(tmp_path
     tx = DebeziumFileSource(tmp_path, primary_key=_keys).poll(2)
     assert tx is not None
     assert [c.after for c in tx.changes] == [inserted, updated, again]
-    # Another row's write is not this row's value; neither is one of another transaction.
+    # Another row's write is not this row's value; neither is one of another transaction:
+    # the field is left out (a partial update keeps the row's current value).
+    other = {**reading(8), "amount": Decimal("1.00")}
     write(tmp_path / "0001.json",
-          table.transaction([("u", None, {**reading(8), "amount": Decimal("1.00")})],
-                            raw_after={0: _placeholders(("doc",))}))
+          table.transaction([("u", None, other)], raw_after={0: _placeholders(("doc",))}))
     source = DebeziumFileSource(tmp_path, primary_key=_keys, start_after=tx.position)
-    with pytest.raises(SourceError, match=r"field\(s\) \['doc'\]"):
-        source.poll(2)
+    later = source.poll(2)
+    assert later is not None
+    assert later.changes[0].after == {n: v for n, v in other.items() if n != "doc"}
 
 
 def test_unavailable_value_in_an_insert_stops_the_source(tmp_path: Path) -> None:
@@ -767,6 +793,12 @@ def test_connector_stores_debezium_values_in_retina_types(readings_cdc: CdcPlane
     write(events / "0003.json", table.transaction(
         [("u", old4, rows[4]), ("c", None, inserted5), ("u", None, rows[5])],
         raw_after={0: _placeholders(("payload", "doc")), 2: _placeholders(("payload", "doc"))}))
+    cdc.converged(expected_readings(cdc, list(rows.values())))
+    # No record of the values at all (no before image, no earlier write): a partial update,
+    # and the node keeps the row's doc and payload.
+    rows[2] = {**rows[2], "amount": Decimal("7.00")}
+    write(events / "0004.json", table.transaction(
+        [("u", None, rows[2])], raw_after={0: _placeholders(("payload", "doc"))}))
     cdc.converged(expected_readings(cdc, list(rows.values())))
 
 

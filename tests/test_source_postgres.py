@@ -52,11 +52,13 @@ class SourceDb:
     sources: list[PostgresSource] = field(default_factory=list)
 
     def open(self, start_after: str | None = None, dsn: str | None = None,
-             snapshot_mode: str = "never", chunk_rows: int = 5000) -> PostgresSource:
+             snapshot_mode: str = "never", chunk_rows: int = 5000,
+             unchanged_toast: str = "keep-current") -> PostgresSource:
         # Streaming tests: no initial snapshot unless asked (tests/test_pg_snapshot.py).
         source = PostgresSource(dsn or self.dsn, slot=self.slot, publication=self.publication,
                                 tables=PUBLISHED, start_after=start_after,
-                                snapshot_mode=snapshot_mode, snapshot_chunk_rows=chunk_rows)
+                                snapshot_mode=snapshot_mode, snapshot_chunk_rows=chunk_rows,
+                                unchanged_toast=unchanged_toast)
         self.sources.append(source)
         return source
 
@@ -322,10 +324,33 @@ def big_text(db: SourceDb) -> str:
     return text
 
 
-def test_unchanged_toast_value_is_read_from_the_source(db: SourceDb) -> None:
+def test_unchanged_toast_value_is_left_out_when_the_key_stays(db: SourceDb) -> None:
+    """keep-current (the default): an update that keeps its key and leaves a TOASTed
+    value alone lacks that column (a partial update: the node keeps the row's value),
+    and nothing is read from the source. A key change still reads it: the new key's row
+    is not the one that held the value."""
     text = big_text(db)
     db.execute(("INSERT INTO notes VALUES (1, %s, 0), (2, %s, 0)", (text, text[::-1])))
     source = db.open()
+    db.execute("UPDATE notes SET flag = 1 WHERE id = 1")
+    db.execute("UPDATE notes SET flag = 2 WHERE id = 2", "UPDATE notes SET id = 3 WHERE id = 2")
+    db.execute("UPDATE notes SET flag = 4 WHERE id = 1", "DELETE FROM notes WHERE id = 1")
+    first, second, third = collect(source, 3)
+    assert [(c.op, c.before, c.after, c.partial) for c in first.changes] == \
+        [("update", {"id": 1}, {"id": 1, "flag": 1}, True)]
+    assert [(c.op, c.before) for c in second.changes] == [("update", {"id": 2}),
+                                                          ("update", {"id": 2})]
+    assert second.changes[0].after == {"id": 2, "flag": 2}
+    assert second.changes[1].after == {"id": 3, "body": text[::-1], "flag": 2}
+    # A later delete of the row changes nothing: the update is not read, only left out.
+    assert [(c.op, c.after) for c in third.changes] == [("update", {"id": 1, "flag": 4}),
+                                                        ("delete", None)]
+
+
+def test_unchanged_toast_value_is_read_from_the_source(db: SourceDb) -> None:
+    text = big_text(db)
+    db.execute(("INSERT INTO notes VALUES (1, %s, 0), (2, %s, 0)", (text, text[::-1])))
+    source = db.open(unchanged_toast="read-source")
     db.execute("UPDATE notes SET flag = 1 WHERE id = 1")
     db.execute("UPDATE notes SET flag = 2 WHERE id = 2", "UPDATE notes SET id = 3 WHERE id = 2")
     first, second = collect(source, 2)
@@ -341,7 +366,7 @@ def test_unchanged_toast_value_is_read_from_the_source(db: SourceDb) -> None:
 def test_unchanged_toast_value_within_its_transaction_and_of_a_deleted_row(db: SourceDb
                                                                          ) -> None:
     text = big_text(db)
-    source = db.open()
+    source = db.open(unchanged_toast="read-source")
     # The insert in the same transaction holds the value.
     db.execute(("INSERT INTO notes VALUES (1, %s, 0)", (text,)),
                "UPDATE notes SET flag = 1 WHERE id = 1")

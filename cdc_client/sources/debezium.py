@@ -14,8 +14,11 @@ numbers are parsed as ``Decimal``, so no digit of a decimal is lost.
 Debezium's unavailable-value placeholder (an unchanged TOASTed value under
 REPLICA IDENTITY DEFAULT) is never stored: an UPDATE takes the value from its
 own ``before`` image (REPLICA IDENTITY FULL) or from the row as an earlier
-change of the same transaction wrote it; else the source stops (SourceError,
-exit 3) naming the event and the fields (docs/cdc.md).
+change of the same transaction wrote it; else an UPDATE that keeps its key
+leaves the field out, a partial update that keeps the row's current value.
+An event whose ``after`` lacks fields is a partial update of the fields it has
+(translate). A placeholder that cannot be kept (an insert, a key change) stops
+the source (SourceError, exit 3), naming the event and the fields (docs/cdc.md).
 
 A transaction's position is ``file:line`` of the line that completed it, so
 positions order by (file name, line number). The files are the durable
@@ -39,6 +42,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, cast
 
+from cdc_client.cdc_metrics import UNCHANGED_KEPT as _KEPT
 from cdc_client.source import Op, RowChange, SourceError, SourceTransaction
 from cdc_client.sources.debezium_values import (
     DEFAULT_PLACEHOLDER,
@@ -48,6 +52,7 @@ from cdc_client.sources.debezium_values import (
     row_decoder,
 )
 
+UNCHANGED_KEPT = _KEPT.labels(source="debezium-file")
 SUFFIXES = (".json", ".jsonl")
 CHUNK_BYTES = 1 << 20
 POLL_STEP_S = 0.05
@@ -288,10 +293,12 @@ class DebeziumFileSource:
         if before is not None:
             # Only its key identifies the row; an unavailable value there is no value.
             before = {n: v for n, v in before.items() if v is not UNAVAILABLE}
+        kept = False
         if op != "delete" and after is not None and _unavailable(after):
-            after = self._fill_unavailable(message, table, op, before, after, line)
+            filled = self._fill_unavailable(message, table, op, before, after, line)
+            kept, after = len(filled) < len(after), filled
         return RowChange(table, op, None if op == "insert" else before,
-                         None if op == "delete" else after, origin=line.where)
+                         None if op == "delete" else after, origin=line.where, partial=kept)
 
     def _row(self, message: Mapping[str, Any], schema: Any, key: str, line: _Line,
              *, required: bool) -> dict[str, Any] | None:
@@ -315,9 +322,12 @@ class DebeziumFileSource:
                           line: _Line) -> dict[str, Any]:
         """An UPDATE that left a TOASTed value alone carries the placeholder for it.
         Taken, exactly, from the event's old row (REPLICA IDENTITY FULL) or from this
-        transaction's own earlier write of the row; else the source stops: no other
-        record of the value exists for a file source, and storing the placeholder
-        would corrupt the row silently."""
+        transaction's own earlier write of the row. Else, when the update keeps its
+        key, the field is left out: a partial update, and the node keeps the row's
+        current value, the value the row had before this update (transactions apply
+        in commit order). Otherwise (an insert, a key that changed or cannot be told)
+        the source stops: no other record of the value exists for a file source, and
+        storing the placeholder would corrupt the row silently."""
         prior: Mapping[str, Any] = {}
         if op == "update" and self._open is not None:
             key = self._row_key(table, before if before else after)
@@ -330,6 +340,9 @@ class DebeziumFileSource:
                     filled[name] = value
                     break
         missing = _unavailable(filled)
+        if missing and op == "update" and self._keeps_key(table, before, filled):
+            UNCHANGED_KEPT.inc(len(missing))
+            return {n: v for n, v in filled.items() if v is not UNAVAILABLE}
         if missing:
             raise SourceError(
                 f"{line.where}: event without the value of field(s) {missing} "
@@ -339,6 +352,17 @@ class DebeziumFileSource:
                 f"run ALTER TABLE {table} REPLICA IDENTITY FULL at the source so Debezium "
                 f"sends the old value (docs/cdc.md)")
         return filled
+
+    def _keeps_key(self, table: str, before: Mapping[str, Any] | None,
+                   after: Mapping[str, Any]) -> bool:
+        """Whether an update certainly keeps its row's key: its key is known and whole,
+        and its before image (when it has one) names the same key. Without a before
+        image the key did not change (Debezium sends a key change as a delete and a
+        create)."""
+        key = self._row_key(table, after)
+        if key is None:
+            return False
+        return not before or self._row_key(table, before) == key
 
     def _row_key(self, table: str, row: Mapping[str, Any]) -> tuple[Any, ...] | None:
         columns = self._primary_key(table) if self._primary_key is not None else None

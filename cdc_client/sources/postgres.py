@@ -28,6 +28,7 @@ import psycopg2.extras
 import structlog
 from psycopg2 import sql
 
+from cdc_client.cdc_metrics import UNCHANGED_KEPT as _KEPT
 from cdc_client.schema_change import (
     SourceSchema,
     pg_source_schema,
@@ -58,9 +59,11 @@ from cdc_client.sources.pgoutput import (
     replication_dsn,
     vanished,
 )
+from retina_common.config import UNCHANGED_TOAST_MODES
 from retina_common.retry import Backoff
 
 log = structlog.get_logger("cdc")
+UNCHANGED_KEPT = _KEPT.labels(source="postgres")
 
 def _without_nulls(row: Mapping[str, Any]) -> dict[str, Any]:
     # A 'K' tuple carries the key columns and nulls in place of the rest.
@@ -185,10 +188,15 @@ class PostgresSource:
 
     def __init__(self, dsn: str, *, slot: str, publication: str,
                  tables: Sequence[str] | None = None, start_after: str | None = None,
-                 snapshot_mode: str = "initial", snapshot_chunk_rows: int = 5000) -> None:
+                 snapshot_mode: str = "initial", snapshot_chunk_rows: int = 5000,
+                 unchanged_toast: str = "keep-current") -> None:
         if snapshot_mode not in pg_snapshot.SNAPSHOT_MODES:
             raise ValueError(f"snapshot_mode: expected one of {pg_snapshot.SNAPSHOT_MODES}, "
                              f"got {snapshot_mode!r}")
+        if unchanged_toast not in UNCHANGED_TOAST_MODES:
+            raise ValueError(f"unchanged_toast: expected one of {UNCHANGED_TOAST_MODES}, "
+                             f"got {unchanged_toast!r}")
+        self._keep_current = unchanged_toast == "keep-current"
         self._dsn = dsn
         self._slot = slot
         self._publication = publication
@@ -398,14 +406,21 @@ class PostgresSource:
             after = self._fill_unchanged(relation, open_tx, before, old, after)
         open_tx.rows.pop((relation.table, _key_of(relation, before)), None)
         open_tx.rows[(relation.table, _key_of(relation, after))] = after
-        return RowChange(relation.table, "update", before, after)
+        # Fewer columns than the relation: unchanged values left out, kept by the node.
+        return RowChange(relation.table, "update", before, after,
+                         partial=len(after) < len(relation.columns))
 
     def _fill_unchanged(self, relation: Relation, open_tx: _OpenTransaction,
                         before: Mapping[str, Any], old: Mapping[str, Any],
                         after: dict[str, Any]) -> dict[str, Any]:
         """An UPDATE that left a TOASTed value alone does not send it (REPLICA
         IDENTITY DEFAULT). Taken, exactly, from the old row (REPLICA IDENTITY
-        FULL) or from this transaction's own earlier write of the row; else
+        FULL) or from this transaction's own earlier write of the row. Else, with
+        ``unchanged_toast = "keep-current"`` and the key unchanged, left out: the
+        update is a partial update and the node keeps the row's value, which is the
+        value the source row had before this update (the connector applies the
+        source's transactions in commit order). Otherwise (a key change: the new
+        key's row in Retina is not the one that held the value; or "read-source")
         read from the source at commit (:meth:`_read_unchanged`)."""
         prior = open_tx.rows.get((relation.table, _key_of(relation, before)), {})
         filled = dict(after)
@@ -415,14 +430,18 @@ class PostgresSource:
                 if value is not UNCHANGED:
                     filled[name] = value
                     break
-        if _unchanged(filled):
-            if any(c.is_key and filled[c.name] is UNCHANGED for c in relation.columns) or \
-                    not any(c.is_key for c in relation.columns):
-                raise SourceError(
-                    f"{relation.table}: UPDATE without the value of TOASTed column(s) "
-                    f"{_unchanged(filled)} and no replica identity key to read it by; "
-                    f"run ALTER TABLE {relation.table} REPLICA IDENTITY FULL")
-            open_tx.unresolved.append((len(open_tx.changes), relation))
+        if not _unchanged(filled):
+            return filled
+        if any(c.is_key and filled[c.name] is UNCHANGED for c in relation.columns) or \
+                not any(c.is_key for c in relation.columns):
+            raise SourceError(
+                f"{relation.table}: UPDATE without the value of TOASTed column(s) "
+                f"{_unchanged(filled)} and no replica identity key to read it by; "
+                f"run ALTER TABLE {relation.table} REPLICA IDENTITY FULL")
+        if self._keep_current and _key_of(relation, before) == _key_of(relation, filled):
+            UNCHANGED_KEPT.inc(len(_unchanged(filled)))
+            return {n: v for n, v in filled.items() if v is not UNCHANGED}
+        open_tx.unresolved.append((len(open_tx.changes), relation))
         return filled
 
     def _commit(self, message: Commit) -> SourceTransaction | None:
