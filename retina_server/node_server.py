@@ -37,8 +37,9 @@ from retina_common.checkpoint_store import CheckpointBody, CheckpointStore
 from retina_common.config import Config, ConfigError, split_host_port
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.grpc_server import ServerHandle
+from retina_common.keys import checkpoint_slot_key
 from retina_common.lifecycle_record import LifecycleState
-from retina_common.log import configure_logging
+from retina_common.log import configure_logging, get_logger
 from retina_common.metrics import serve_metrics
 from retina_common.pb import retina_pb2, retina_pb2_grpc, trans_pb2_grpc
 from retina_common.process_config import load_process_config
@@ -105,6 +106,7 @@ def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> 
     RPC served, nothing announced. Raises CatalogError or OSError when a dependency
     cannot be opened (the catalog, the node's state directory, its listen address)."""
     rc = config.retina
+    log = get_logger(component="node_server")
     host, port = split_host_port(node_id)
     catalog = Catalog(config.catalog.dsn, pool_max=config.catalog.pool_max,
                       connect_timeout_s=config.catalog.connect_timeout_s)
@@ -134,10 +136,24 @@ def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> 
         return machine.phase == Phase.READY
 
     checkpoint_store = CheckpointStore(etcd, node_id, storage, topology.topology_hash)
+    # The lowest replay start a restart could use: it bounds the prune horizon and every
+    # Storage GC cutoff (GC_CUTOFF_BELOW_REPLAY_FLOOR).
+    replay_floor = ReplayFloor()
     gc = StorageGc(node, catalog, journal, trans.safe_gc_ts,
                    GcSettings(rc.gc_retired_retention_ms, rc.gc_prepare_ttl_ms),
-                   trans_live=trans.trans_live)
-    replay_floor = ReplayFloor()
+                   trans_live=trans.trans_live, replay_floor=replay_floor.floor)
+    previous_slot = checkpoint_slot_key(node_id, "previous")
+
+    def previous_slot_empty() -> bool:
+        """Whether the install just done left ``previous`` empty (there was no ``current``
+        to move): then a restart can load that checkpoint or none. Read under the
+        checkpoint lock, so no other install runs meanwhile; unknown counts as not empty
+        (the floor stays lower, never higher)."""
+        try:
+            return etcd.get(previous_slot) is None
+        except EtcdError as exc:
+            log.warning("checkpoint_previous_slot_unread", node=node_id, error=str(exc))
+            return False
     loads = BulkLoads(node, catalog, load_journal,
                       LoadSettings(prepare_ttl_ms=rc.load_prepare_ttl_ms,
                                    record_min_age_ms=rc.load_record_min_age_ms))
@@ -145,7 +161,13 @@ def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> 
 
     def observe_checkpoint(body: CheckpointBody) -> None:
         starts = derive(body.header.checkpoint_applied_ts, body.segments, node.owned_vnodes, [])
-        replay_floor.observe(body.header.checkpoint_id, starts.node_replay_from_ts)
+        only_slot = previous_slot_empty()
+        replay_floor.observe(body.header.checkpoint_id, starts.node_replay_from_ts,
+                             only_slot=only_slot)
+        log.info("replay_floor_observed", node=node_id,
+                 checkpoint_id=body.header.checkpoint_id,
+                 node_replay_from_ts=starts.node_replay_from_ts, only_slot=only_slot,
+                 replay_floor_ts=replay_floor.floor())
         loads.observe_checkpoint(starts)
 
     recovery = RecoveryCoordinator(

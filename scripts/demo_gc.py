@@ -90,6 +90,9 @@ def gc_act(state: ClusterState, check: Callable[[bool, str], None], schema: str,
     try:
         more_writes(20)  # safeGcTs passes the workload's last deletes
         wait_for(lambda: settled(catalog), 30, "the write buffers to be published")
+        # And so does every replay start a restart could use: a rewrite drops only rows
+        # deleted below both checkpoint slots' (GC_CUTOFF_BELOW_REPLAY_FLOOR).
+        checkpoint_twice(state)
         before = stored(catalog, schema, tables)
         code, report, seconds = run_job(state, schema)
         totals = report.get("totals", {})

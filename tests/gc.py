@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 
 from retina_common import file_names
 from retina_common.catalog import FileRecord, FileType
+from retina_common.log import logged_events
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 from retina_common.storage import open_parquet, write_durably
@@ -72,9 +73,51 @@ def end(dp: DataPlane, trans_id: int) -> None:
     dp.trans.stub().CommitTrans(tpb.CommitTransRequest(trans_id=trans_id), timeout=10)
 
 
+def replay_floor(dp: DataPlane, node: str) -> int:
+    """The node's replay floor after its last checkpoint, from the ``replay_floor_observed``
+    lines its current process logged (0: none yet)."""
+    log = dp.retinas[node].log_path
+    started = [e["timestamp"] for e in logged_events(log, "retina_server_started")]
+    events = [e for e in logged_events(log, "replay_floor_observed")
+              if not started or e["timestamp"] >= started[-1]]
+    return int(events[-1]["replay_floor_ts"]) if events else 0
+
+
+def raise_replay_floor(dp: DataPlane, nodes: list[str] | None = None,
+                       above: int | None = None, timeout_s: float = 60) -> None:
+    """GC_CUTOFF_BELOW_REPLAY_FLOOR: a rewrite drops the rows deleted at or below ``above``
+    only once its node's replay floor is above it. ``above`` defaults to the safeGcTs the
+    plane's last source transaction allowed (its timestamp - 1: what the rewrites of a
+    test drop). A checkpoint starts at most at HWM - 1, so the HWM is first moved two past
+    ``above`` if it is not (a write transaction that writes nothing, rolled back); then
+    each node whose floor is not above ``above`` yet checkpoints (CreateCheckpoint) until
+    it is: both slots start above it once every row written at or below it is
+    published."""
+    stub = dp.trans.stub()
+    if above is None:
+        above = max(dp.changelog[-1][0] - 1 if dp.changelog else 0, 1)
+    hwm = stub.GetHighWatermark(tpb.GetHighWatermarkRequest(), timeout=10).high_watermark
+    for _ in range(above + 2 - hwm):
+        empty = stub.BeginTrans(tpb.BeginTransRequest(), timeout=10)
+        stub.RollbackTrans(tpb.RollbackTransRequest(trans_id=empty.trans_id), timeout=10)
+    for node in nodes or dp.nodes:
+        def passed(node: str = node) -> bool:
+            if replay_floor(dp, node) > above:
+                return True
+            dp.checkpoint(node)
+            return replay_floor(dp, node) > above
+        eventually(passed, timeout_s, lambda node=node: f"the replay floor of {node} "
+                   f"({replay_floor(dp, node)}) to pass {above}", interval_s=0.1)
+
+
 def prepare(dp: DataPlane, node: str, table: str, vnode: int, old: list[FileRecord],
-            trans_id: int | None = None) -> Prepared:
+            trans_id: int | None = None, raise_floor: bool = True) -> Prepared:
+    """PrepareGcRewrite at safeGcTs. With ``raise_floor``, the node's replay floor is first
+    raised above the safeGcTs of the plane's last source transaction (checkpoints only if
+    it is not yet), so the cutoff drops every row deleted before that transaction."""
     trans_id = trans_id or begin_read(dp)
+    if raise_floor:
+        raise_replay_floor(dp, [node])
     safe = dp.trans.stub().GetSafeGcTimestamp(tpb.GetSafeGcTimestampRequest(),
                                               timeout=10).safe_gc_ts
     reply = dp.retinas[node].stub.PrepareGcRewrite(rpb.PrepareGcRewriteRequest(

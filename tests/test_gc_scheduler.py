@@ -400,15 +400,15 @@ def test_the_fold_fence_is_raised_before_the_pins_are_read(tmp_path: Path) -> No
         fences.append(("pins read", sched.fold_fence()))
         return pins[0]
 
-    def replay_floor() -> int:  # a prepare landing here missed the round's pin read
-        fences.append(("after the read", sched.fold_fence()))
+    def replay_floor() -> int:  # read first: it bounds the announcement
+        fences.append(("replay floor read", sched.fold_fence()))
         return 0
 
     sched = GcScheduler(node, lambda: safe[0], gc_floor, replay_floor, 3600,
                         threading.Event())
     assert sched.fold_fence() == 0
     assert sched.run_once().fold_ts == 12
-    assert fences == [("pins read", 12), ("after the read", 12)]
+    assert fences == [("replay floor read", 0), ("pins read", 12)]
     assert sched.fold_fence() == 12
     pins[0] = 14  # a pinned cutoff limits the fold; the fence is what was folded
     safe[0] = 20

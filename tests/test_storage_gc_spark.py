@@ -46,6 +46,7 @@ from spark_jobs import storage_gc_plan as gc_plan
 from spark_jobs import storage_gc_task as gc_task
 from spark_jobs.common import REFUSED_MARK, FileRef
 
+from . import gc
 from .dataplane import SCHEMA, DataPlane
 from .support import ROOT, eventually
 
@@ -451,7 +452,9 @@ def advance(plane: DataPlane) -> None:
 
 def load(plane: DataPlane, rows: int = 160, batch: int = 20, delete_every: int = 3) -> int:
     """``rows`` orders over many small files (a file per batch and stream), then every
-    ``delete_every``-th deleted; returns the number deleted."""
+    ``delete_every``-th deleted; returns the number deleted. Every node's replay floor
+    ends above the deletes: the job's cutoff is not lowered below them
+    (GC_CUTOFF_BELOW_REPLAY_FLOOR)."""
     for first in range(0, rows, batch):
         plane.commit({"orders": {"inserts": [order(i) for i in range(first, first + batch)]}})
         settle(plane)
@@ -459,6 +462,7 @@ def load(plane: DataPlane, rows: int = 160, batch: int = 20, delete_every: int =
     plane.commit({"orders": {"deletes": [{"id": i} for i in doomed]}})
     advance(plane)
     settle(plane)
+    gc.raise_replay_floor(plane)
     return len(doomed)
 
 
@@ -801,6 +805,7 @@ def test_a_stream_whose_rows_are_all_deleted_is_rewritten_to_an_empty_file(
     plane.commit({"orders": {"deletes": [{"id": i} for i in gone]}})
     advance(plane)
     settle(plane)
+    gc.raise_replay_floor(plane)
     result = run_gc(plane)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = report_of(result.stdout)
@@ -862,6 +867,7 @@ def test_a_commit_held_by_a_write_buffer_read_leaves_its_group_busy_and_the_run_
             plane.commit({"orders": {"inserts": [order(i) for i in range(first, first + 20)]}})
             settle(plane)
         advance(plane)
+        gc.raise_replay_floor(plane)
         held = run_gc(plane)
         assert held.returncode == 0, held.stdout[-3000:] + held.stderr[-3000:]
         groups = report_of(held.stdout)["groups"]

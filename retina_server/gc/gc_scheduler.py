@@ -8,12 +8,17 @@ growing with the history:
    group's base (``RGVisibility.fold``), for the published files of the node
    and for the write-buffer blocks::
 
-       fold_ts = min(safeGcTs, gcFloor)
+       fold_ts = min(safeGcTs, gcFloor, replayFloor - 1)   (:func:`fold_target`)
 
    FOLD_SAFE needs ``fold_ts`` below every live read snapshot: safeGcTs is.
    A pending Storage GC rewrite reads visibility at exactly its cutoff, so no
    fold passes the lowest pending cutoff (``gcFloor``; None when none is
-   pending). Files a Storage GC swap retired are frozen and left alone. The
+   pending). A rewrite's cutoff is below ``replayFloor`` (rewrites.py,
+   GC_CUTOFF_BELOW_REPLAY_FLOOR) and visibility answers only at or above a
+   row group's base, so no fold passes ``replayFloor - 1`` either (once the
+   floor is known: with a short history retention safeGcTs is above the floor,
+   and a fold up to it would leave no file a rewrite can read).
+   Files a Storage GC swap retired are frozen and left alone. The
    write fence rises to ``fold_ts`` first (write_fence.py): a delete at or below
    it that arrived later would be folded into a base without its timestamp.
 2. **Prune** primary-index versions below the horizon
@@ -32,23 +37,28 @@ growing with the history:
    slots. After a crash the rewind drops every version at or above a scope's
    start and the replay resolves keys at timestamps at or above it; pruning
    below the floor keeps those resolutions exact (pruning and the rewind's
-   truncation commute). Until two checkpoints are observed the floor is 0 and
-   nothing is pruned. Pruning is incremental: the scheduler remembers the last
+   truncation commute). Until both slots are known the floor is 0 and nothing
+   is pruned (a node's first checkpoint, installed with the other slot empty, is
+   known alone). Pruning is incremental: the scheduler remembers the last
    horizon and the next round only looks at keys written since (from 0 after
    each process start); the horizon never moves down. The write fence's refusal
    records (refused_writes.py) below ``replayFloor`` go too: no replay asks for
-   them.
+   them. A Storage GC rewrite's cutoff stays below the same floor (rewrites.py,
+   GC_CUTOFF_BELOW_REPLAY_FLOOR).
 
 FOLD_FENCE (a pin racing a round): the round announces the highest timestamp
-it may fold to (safeGcTs) *before* it reads ``gcFloor``, lowers the
-announcement to ``fold_ts`` once it knows it, and replaces it by
-``last_fold_ts`` when done; :meth:`GcScheduler.fold_fence` answers the maximum
+it may fold to (``min(safeGcTs, replayFloor - 1)``) *before* it reads
+``gcFloor``, lowers the announcement to ``fold_ts`` once it knows it, and
+replaces it by ``last_fold_ts`` when done; :meth:`GcScheduler.fold_fence` answers the maximum
 of the announcement and ``last_fold_ts``. PrepareGcRewrite pins its cutoff
 first and reads the fence after, and refuses (unpinning) a cutoff below it.
 Whichever comes first, the other sees it: either the round reads the pin and
 folds no higher than the cutoff, or the prepare sees a fence at least the
-round's ``fold_ts`` and refuses. Prunes run at ``horizon <= fold_ts`` in the
-same round, so the fence covers them too.
+round's ``fold_ts`` and refuses. Prunes run at ``horizon <= fold_ts + 1`` in
+the same round (``fold_ts`` is at most ``replayFloor - 1``, the horizon at most
+``replayFloor``): a version a prune removes is of a row deleted below the
+horizon, so at or below any cutoff at or above ``fold_ts``: never of a row a
+rewrite keeps.
 
 A round is skipped (nothing changes) when the node is not READY or has failed
 closed, or when an input cannot be read (safeGcTs from the TransServer, the GC
@@ -89,6 +99,14 @@ CHAIN_ITEMS = Gauge("retina_gc_chain_items", "Deletion-chain items left after th
 PRIMARY_VERSIONS = Gauge("retina_gc_primary_versions", "Versions in the primary index")
 
 
+def fold_target(safe: int, pinned: int | None, replay: int) -> int:
+    """``fold_ts = min(safeGcTs, gcFloor, replayFloor - 1)``; the replay floor only once
+    known (> 0): no rewrite is prepared before, and the floor passes a base folded
+    meanwhile as checkpoints follow. Below 1: nothing to fold."""
+    fold_ts = safe if pinned is None else min(safe, pinned)
+    return fold_ts if replay <= 0 else min(fold_ts, replay - 1)
+
+
 @dataclass(frozen=True)
 class MaintenanceResult:
     """What one round did. ``skipped`` names why nothing was done (None: it ran)."""
@@ -107,32 +125,46 @@ class ReplayFloor:
     previous slot: a restart falls back to the previous one when the current body is
     unreadable).
 
-    0, so nothing is pruned, until two checkpoints have been observed: a process
-    that loaded only its current slot does not know the previous slot's start, and
-    that slot stays the fallback until this process publishes a checkpoint (the
-    READY checkpoint, or a later one if that fails). The first-ever checkpoint of a
-    node waits for a second one, one checkpoint interval of pruning lost.
+    0 (unknown: nothing is pruned, no Storage GC rewrite is prepared) until both slots
+    are known. A process that loaded only its current slot does not know the previous
+    slot's start, and that slot stays the fallback until this process installs a
+    checkpoint (the READY checkpoint, or a later one if that fails). A checkpoint
+    installed while the other slot was empty (``only_slot``: a node's first-ever
+    checkpoint, whose install moved no ``current`` to ``previous``) is the one slot a
+    restart can load, so it alone is the floor until the next one; without it a new
+    node would wait a checkpoint interval for its second checkpoint.
 
     Feed it the checkpoint loaded at start-up (or both slots, if both bodies are
     read) and every checkpoint whose pointer swap is known to have committed; on an
-    unknown outcome observe nothing (the floor stays lower, never higher).
-    Thread-safe."""
+    unknown outcome observe nothing (the floor stays lower, never higher: a newer
+    checkpoint never starts below an older one). ``only_slot`` only when the previous
+    slot was read empty after the install; when in doubt, leave it out. Thread-safe."""
 
     def __init__(self) -> None:
         self._slots: dict[int, int] = {}  # checkpointId -> nodeReplayFromTs
+        self._only: int | None = None  # a checkpoint installed with the other slot empty
         self._lock = threading.Lock()
 
-    def observe(self, checkpoint_id: int, node_replay_from_ts: int) -> None:
+    def observe(self, checkpoint_id: int, node_replay_from_ts: int, *,
+                only_slot: bool = False) -> None:
         with self._lock:
             known = self._slots.get(checkpoint_id)
             self._slots[checkpoint_id] = node_replay_from_ts if known is None else \
                 min(known, node_replay_from_ts)
+            if only_slot:  # nothing older can be loaded any more
+                for old in [c for c in self._slots if c < checkpoint_id]:
+                    del self._slots[old]
+                self._only = checkpoint_id
             for old in sorted(self._slots)[:-2]:  # keep the two newest checkpoints
                 del self._slots[old]
 
     def floor(self) -> int:
         with self._lock:
-            return max(min(self._slots.values()), 0) if len(self._slots) == 2 else 0
+            if len(self._slots) == 2:
+                return max(min(self._slots.values()), 0)
+            if len(self._slots) == 1 and self._only in self._slots:
+                return max(self._slots[self._only], 0)
+            return 0
 
 
 def _below_horizon(node: RetinaNode) -> Callable[[lmdb.Transaction[bytes], int], None]:
@@ -228,18 +260,24 @@ class GcScheduler:
         # Reads at or below safeGcTs can list no more files: they hold nothing now. First,
         # so a round that fails later (a floor, the fence, a prune) still lets them go.
         node.forget_buffer_reads_at_or_below(safe)
+        try:
+            # Before the announcement, which it bounds: the round folds with this value.
+            replay = int(self._replay_floor())
+        except Exception as exc:
+            return self._skip("floor_unavailable", error=str(exc),
+                              error_type=type(exc).__name__)
         with self._state_lock:  # FOLD_FENCE: announce before reading the pins
-            self._fold_intent = safe
+            self._fold_intent = fold_target(safe, None, replay)
         fold_ts = 0  # set once folding may start
         try:
             try:
                 pinned = self._gc_floor()
-                replay = int(self._replay_floor())
             except Exception as exc:
                 return self._skip("floor_unavailable", error=str(exc),
                                   error_type=type(exc).__name__)
             with self._state_lock:
-                fold_ts = self._fold_intent = safe if pinned is None else min(safe, int(pinned))
+                fold_ts = self._fold_intent = fold_target(
+                    safe, None if pinned is None else int(pinned), replay)
             return self._fold_and_prune(started, safe, pinned, replay, fold_ts)
         finally:
             with self._state_lock:  # what the fold reached, at most: now the fence
@@ -249,7 +287,9 @@ class GcScheduler:
     def _fold_and_prune(self, started: float, safe: int, pinned: int | None, replay: int,
                         fold_ts: int) -> MaintenanceResult:
         node = self._node
-        horizon = min(fold_ts, replay)
+        # PRUNE_KEEPS_ANSWERS_ABOVE_HORIZON below every replay start and every pinned
+        # cutoff; at most fold_ts + 1 (see FOLD_FENCE in the module docstring).
+        horizon = min(safe if pinned is None else min(safe, int(pinned)), replay)
 
         folded = chain = 0
         if fold_ts > 0:

@@ -2,16 +2,21 @@
 
 A Spark job (spark_jobs/storage_gc.py) rewrites old REGULAR files of one
 stream into one new file that holds their rows not deleted at or below the
-cutoff (safeGcTs), registers it TEMPORARY_GC and asks this node to commit it.
+cutoff (safeGcTs, lowered below the replay floor), registers it TEMPORARY_GC
+and asks this node to commit it.
 
 **PrepareGcRewrite** checks the group (READY; REGULAR files of this node's
-stream, consecutive in firstBlockId order, none in another rewrite; a cutoff
-at or below the TransServer's safeGcTs and at or above every old row group's
-visibility base), pins the cutoff (the GC scheduler folds no visibility
-above a pinned cutoff, so the job can read visibility at exactly it), raises
-the write fence to the cutoff (write_fence.py: no delete at or below it can
-arrive any more, so the rows it drops are final), and names the new file with
-this node's naming scheme. Nothing durable happens.
+stream, consecutive in firstBlockId order, none in another rewrite; a requested
+cutoff at or below the TransServer's safeGcTs), lowers the cutoff below the
+replay floor (GC_CUTOFF_BELOW_REPLAY_FLOOR, :func:`bounded_cutoff`: a replay
+after a crash finds every row a partial update merges with), checks it is at
+or above every old row group's visibility base, pins the cutoff (the GC
+scheduler folds no visibility above a pinned cutoff, so the job can read
+visibility at exactly it), raises the write fence to the cutoff
+(write_fence.py: no delete at or below it can arrive any more, so the rows it
+drops are final), and names the new file with this node's naming scheme.
+Nothing durable happens. The answer's ``cutoff_ts`` is the cutoff, which the
+job then uses.
 
 **CommitGcRewrite**, in this order, each durable step between two failpoints
 (docs/write-paths/storage-gc.md names every window and recovery's answer):
@@ -110,6 +115,9 @@ JOURNAL_ENTRIES = Gauge("retina_gc_journal_entries", "GC journal entries by stat
 JOURNAL_OLDEST_OPEN = Gauge("retina_gc_journal_oldest_open_age_seconds",
                             "Age of the oldest journal entry not CHECKPOINTED or ABORTED")
 PENDING = Gauge("retina_gc_pending_rewrites", "Rewrites prepared, not committed or aborted")
+CUTOFFS_LOWERED = Counter("retina_gc_cutoffs_lowered_total",
+                          "Prepared rewrites whose cutoff the replay floor lowered below the "
+                          "requested safeGcTs (GC_CUTOFF_BELOW_REPLAY_FLOOR)")
 HELD_BY_READERS = Counter("retina_gc_commits_held_by_readers_total",
                           "Commits refused because a live read got rows of an old file from "
                           "a write buffer (BUFFER_FETCH_HOLDS_FILE)")
@@ -217,6 +225,37 @@ def _refuse(code: grpc.StatusCode, message: str) -> Refusal:
     return Refusal(code, message)
 
 
+def bounded_cutoff(requested: int, replay_floor: int, visibility_base: int = 0) -> int:
+    """The cutoff a rewrite uses for a requested one (the job's safeGcTs, already checked
+    against the TransServer's), or a refusal, ABORTED, nothing changed: a later run.
+
+    GC_CUTOFF_BELOW_REPLAY_FLOOR: ``cutoff = min(requested, replay_floor - 1)``. After a
+    crash, recovery rewinds to the replay start and replays the changelog from it, and
+    a partial update at T >= the start merges with the key's row just below T
+    (PARTIAL_BASE_IS_BEFORE_T, partial_update.py): a row its own replace deleted at T.
+    A rewrite drops the rows deleted at or below its cutoff, so a cutoff at or above
+    such a T leaves that row in no file the node serves, and the replay is refused
+    (orphan base) and the recovery cannot finish. ``replay_floor`` is the lowest start
+    any crash-restart could use (gc_scheduler.ReplayFloor: both checkpoint slots), so
+    every row deleted at or after it stays. 0 is unknown (not both slots known yet).
+    The cutoff must also be at or above ``visibility_base`` (the highest base of the
+    old row groups): visibility answers at or above a base only."""
+    if replay_floor <= 1:  # unknown, or no cutoff in (0, replay_floor)
+        known = "no replay floor yet (the replay starts of both checkpoint slots are not " \
+            "known)" if replay_floor <= 0 else f"no cutoff below the replay floor {replay_floor}"
+        raise _refuse(grpc.StatusCode.ABORTED,
+                      f"{known}, GC_CUTOFF_BELOW_REPLAY_FLOOR; nothing changed, take a later run")
+    cutoff = min(requested, replay_floor - 1)
+    if cutoff < visibility_base:
+        lowered = "" if cutoff == requested else \
+            f" (safeGcTs {requested} lowered below the replay floor {replay_floor})"
+        raise _refuse(grpc.StatusCode.ABORTED,
+                      f"cutoff {cutoff}{lowered} is below the visibility base "
+                      f"{visibility_base} of these files; nothing changed, take a later run "
+                      "(a newer safe GC timestamp, or a later checkpoint)")
+    return cutoff
+
+
 # --- the survivors: shared by the commit (verification) and recovery (rollback) -------------
 def old_row_ids(ranges: list[RowIdRange], rg_row_counts: tuple[int, ...],
                 file_id: int) -> list[np.ndarray]:
@@ -305,9 +344,13 @@ class StorageGc:
     def __init__(self, node: RetinaNode, catalog: Catalog, journal: GcJournal,
                  safe_gc_ts: Callable[[], int], settings: GcSettings = GcSettings(),
                  clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
-                 trans_live: Callable[[int], bool] = lambda _trans_id: True) -> None:
+                 trans_live: Callable[[int], bool] = lambda _trans_id: True,
+                 replay_floor: Callable[[], int] = lambda: 0) -> None:
         self._node = node
         self._trans_live = trans_live
+        # The lowest replay start a crash-restart could use (gc_scheduler.ReplayFloor.floor;
+        # 0: unknown, and every prepare is refused): GC_CUTOFF_BELOW_REPLAY_FLOOR.
+        self._replay_floor = replay_floor
         self._catalog = catalog
         self._journal = journal
         self._safe_gc_ts = safe_gc_ts
@@ -354,10 +397,12 @@ class StorageGc:
                           f"unknown table {schema_name}.{table_name}: {exc}") from None
         stream = node.stream(table, vnode)
         old = self._stream_run(table, vnode, old_ids)
-        self._check_cutoff(old, safe_gc_ts)
+        # From here on the cutoff, never the requested safeGcTs: the pin, the fence, the
+        # dropped rows and the answer (the job reads visibility at exactly this cutoff).
+        cutoff, replay_floor = self._check_cutoff(old, safe_gc_ts)
         # LATE_WRITES_FENCED: no delete at or below the cutoff can arrive from now on, and
         # every one admitted before has finished, so the dropped rows read below are final.
-        node.fence.raise_to(safe_gc_ts, f"Storage GC prepare at cutoff {safe_gc_ts}")
+        node.fence.raise_to(cutoff, f"Storage GC prepare at cutoff {cutoff}")
         self._drop_orphaned(set(old_ids))
         with self._lock:
             self._expire()
@@ -377,25 +422,28 @@ class StorageGc:
             names = [regular[m.file_id] for m in old]
             counts = [tuple(node.visibility.get(m.file_id, rg).row_count
                             for rg in range(m.num_row_group)) for m in old]
-            dropped = {(m.file_id, rg): node.visibility.get(m.file_id, rg).deleted_at(safe_gc_ts)
+            dropped = {(m.file_id, rg): node.visibility.get(m.file_id, rg).deleted_at(cutoff)
                        for m in old for rg in range(m.num_row_group)}
             seq = node.index.sequences.allocate("file_seq")
             name = file_names.make(node.node_id, datetime.now(UTC), seq, vnode)
             pending = PendingRewrite(uuid.uuid4().hex, table, stream, old, names, counts,
-                                     safe_gc_ts, name,
+                                     cutoff, name,
                                      self._clock_ms() + self._settings.prepare_ttl_ms, dropped,
                                      trans_id)
             self._pending[pending.rewrite_id] = pending
             # FOLD_FENCE: pinned first, fence read after; a maintenance round that read
             # the pins before this one may already fold up to its fence.
-            if safe_gc_ts < self.fold_fence():
+            if cutoff < self.fold_fence():
                 del self._pending[pending.rewrite_id]
                 raise _refuse(grpc.StatusCode.ABORTED,
-                              f"cutoff {safe_gc_ts} is below the visibility fold under way; "
+                              f"cutoff {cutoff} is below the visibility fold under way; "
                               "take a newer safe GC timestamp")
         PENDING.set(len(self._pending))
+        if cutoff < safe_gc_ts:
+            CUTOFFS_LOWERED.inc()
         log.info("gc_rewrite_prepared", node=node.node_id, table=table.name, vnode=vnode,
-                 rewrite_id=pending.rewrite_id, old_files=old_ids, cutoff_ts=safe_gc_ts,
+                 rewrite_id=pending.rewrite_id, old_files=old_ids, cutoff_ts=cutoff,
+                 requested_cutoff_ts=safe_gc_ts, replay_floor_ts=replay_floor,
                  expected_rows=pending.expected_rows, file_name=name)
         return pending
 
@@ -450,7 +498,9 @@ class StorageGc:
                           "order; a rewrite replaces a run of neighbouring files")
         return [files[position[f]] for f in old_ids]
 
-    def _check_cutoff(self, old: list[IngestFileMeta], cutoff: int) -> None:
+    def _check_cutoff(self, old: list[IngestFileMeta], requested: int) -> tuple[int, int]:
+        """The cutoff for the requested one (:func:`bounded_cutoff`) and the replay floor
+        that bounded it; a refusal if the request is out of range or no cutoff fits."""
         try:
             safe = self._safe_gc_ts()
         except Refusal:
@@ -458,18 +508,20 @@ class StorageGc:
         except Exception as exc:
             raise _refuse(grpc.StatusCode.UNAVAILABLE,
                           f"safe GC timestamp unavailable: {exc}") from exc
-        if cutoff <= 0 or cutoff > safe:
+        if requested <= 0 or requested > safe:
             raise _refuse(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"cutoff {cutoff} is not in (0, safeGcTs {safe}]")
+                          f"cutoff {requested} is not in (0, safeGcTs {safe}]")
+        try:
+            replay_floor = int(self._replay_floor())
+        except Exception as exc:
+            raise _refuse(grpc.StatusCode.UNAVAILABLE,
+                          f"replay floor unavailable: {exc}") from exc
         # Visibility answers at or above a row group's base only (a restart restores the
         # checkpoint's at checkpointAppliedTs). The read floor is no bound here: the cutoff
         # is below every live snapshot, and a reader older than the restart is refused.
-        floor = max([0] + [self._node.visibility.get(m.file_id, rg).base_timestamp
-                           for m in old for rg in range(m.num_row_group)])
-        if cutoff < floor:
-            raise _refuse(grpc.StatusCode.ABORTED,
-                          f"cutoff {cutoff} is below the visibility base {floor} of these files; "
-                          "take a newer safe GC timestamp")
+        base = max([0] + [self._node.visibility.get(m.file_id, rg).base_timestamp
+                          for m in old for rg in range(m.num_row_group)])
+        return bounded_cutoff(requested, replay_floor, base), replay_floor
 
     def _drop_orphaned(self, files: set[int] | None = None) -> None:
         """Forget prepared rewrites whose job is gone (its read transaction ended: the
