@@ -32,12 +32,19 @@ from retina_common.etcd import EtcdStore
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.topology import Topology, load_topology
 
-from . import workload
+from . import wide, workload
 from .app_workload import APP_STREAM, AppWriter
 from .as_of_reads import AsOfReader
 from .bulk_loads import LOAD_STREAM, BulkLoads
 from .campaign_cluster import CDC, CDC_NAME, TRANS, WRITER, ChaosCluster
-from .compare import Comparison, FastSnapshotReader, converge, expected_images
+from .compare import (
+    Comparison,
+    FastSnapshotReader,
+    ModelTable,
+    committed_lsn,
+    converge,
+    expected_images,
+)
 from .faults import (
     FAULTS,
     UNREACHABLE,
@@ -56,6 +63,7 @@ from .repeatable_reads import SnapshotBook
 from .report import Anomaly, Report
 from .snapshots import SPECS, SnapshotReaders
 from .sweep import StorageAudit
+from .wide import WIDE_STREAM, WideModel, WideWorkload
 
 # 6: the workload changes the source schema only by nullable ADD COLUMNs, which the
 # connector must follow; a stop on a schema change is a finding.
@@ -112,6 +120,10 @@ class Campaign:
         self.app: AppWriter | None = None  # the application writer, per cluster
         self.loads: BulkLoads | None = None  # the bulk loader and its model, per cluster
         self.follower: FeedFollower | None = None  # the change feed's, per cluster
+        # The wide table's sources and model (chaos/wide.py), per cluster; its sources are
+        # written once the connector has committed (_wide_ready).
+        self.wide: WideWorkload | None = None
+        self._wide_started = False
         self._episode = -1
 
     def episode_numbers(self) -> list[int]:
@@ -195,6 +207,12 @@ class Campaign:
         self.app.start()
         self.loads = BulkLoads(self._table_records()[workload.LOADED_TABLE.name], topology,
                                self.cluster.state.trans_listen, list(topology.nodes))
+        # Nothing has written the routed sources but their preload (inserts): the wide
+        # table starts as the two joined.
+        model = WideModel(lambda xid: wide.txid_status(self._source(), xid), self.report.wide)
+        model.start(wide.joined_rows(self._source()))
+        self.wide = WideWorkload(model, self.report.wide)
+        self._wide_started = False
         self.book = self._snapshot_book(topology)
         self.follower = FeedFollower(
             self.reader, self.book.readers.trans, SPECS, self.report.feed,
@@ -207,7 +225,8 @@ class Campaign:
         """SNAPSHOT_IS_IMMUTABLE's snapshots, their AS OF re-reads and pins (one cluster)."""
         assert self.cluster.state is not None and self.app is not None
         cluster, app, loads = self.cluster, self.app, self.loads
-        assert loads is not None
+        assert loads is not None and self.wide is not None
+        models: list[ModelTable] = [app, loads, self.wide.model]
         readers = SnapshotReaders(self.reader, cluster.state.trans_listen, topology)
         def all_ready() -> bool:
             return cluster.alive(TRANS) and cluster.all_ready()
@@ -219,7 +238,7 @@ class Campaign:
         lookups = KeyLookups(lookup_over(readers.reader, self._table_records()),
                              self.report.lookups, [], all_ready=all_ready)
         return SnapshotBook(readers, self.report.snapshots, as_of, pins,
-                            expected=lambda: expected_images(self._source, [app, loads]),
+                            expected=lambda: expected_images(self._source, models),
                             lookups=lookups)
 
     def _table_records(self) -> dict[str, TableRecord]:
@@ -240,6 +259,9 @@ class Campaign:
                 self.app.close()
             self.report.app.update(self.app.counts)
             self.app = None
+        if self.wide is not None:
+            self.report.wide["unresolved_at_close"] += self.wide.model.unresolved
+            self.wide = None
         if self.loads is not None:
             self.loads.close()
             self.report.workload.update({f"loads_{k}": v for k, v in self.loads.counts.items()})
@@ -285,17 +307,20 @@ class Campaign:
         app_rng = random.Random(derived ^ APP_STREAM)
         # The bulk loads too (chaos/bulk_loads.py).
         load_rng = random.Random(derived ^ LOAD_STREAM)
+        # And the wide table's sources (chaos/wide.py).
+        wide_rng = random.Random(derived ^ WIDE_STREAM)
         # The snapshots too (chaos/repeatable_reads.py): adding them moved no other draw.
         assert self.book is not None
         book = self.book
         book.begin_episode(episode, random.Random(derived ^ 0x5A4E5A))
         ctx = FaultContext(self.cluster, self.tracker, fault_rng,
-                           lambda: self._write(work_rng, app_rng, load_rng, episode),
+                           lambda: self._write(work_rng, app_rng, load_rng, wide_rng, episode),
                            self._source,
                            gc_row_group_rows=self.gc_row_group_rows(),
                            evolve=lambda: self._add_column(work_rng, episode),
                            snapshots=book, app=self.app,
-                           load=lambda: self._load(load_rng))
+                           load=lambda: self._load(load_rng),
+                           source_burst=lambda going: self._wide_burst(wide_rng, going))
         for _ in range(fault_rng.randint(1, 2)):
             ctx.write()
         if episode == self.episode_numbers()[0]:
@@ -328,8 +353,7 @@ class Campaign:
         for _attempt in range(3):  # the connector may die while catching up: heal, go on
             comparison, took, caught_up = converge(
                 self.reader, self._source, self.args.converge_timeout, etcd, CDC_NAME,
-                mark_lsn, lambda: self.cluster.alive(CDC),
-                models=[self.app, *([self.loads] if self.loads else [])])
+                mark_lsn, lambda: self.cluster.alive(CDC), models=self._models())
             converge_s += took
             if self.cluster.alive(CDC) or self.broken:
                 break
@@ -402,13 +426,25 @@ class Campaign:
         if self.loads is not None:
             self.loads.load(rng)
 
+    def _models(self) -> list[ModelTable]:
+        """The tables compared with a model the campaign keeps instead of the source."""
+        return [m for m in (self.app, self.loads, self.wide.model if self.wide else None)
+                if m is not None]
+
+    def _wide_ready(self) -> bool:
+        """The wide table's sources are written once the connector has committed a
+        position (its initial snapshot's consistent point is then fixed; chaos/wide.py)."""
+        if not self._wide_started and self.etcd is not None:
+            self._wide_started = committed_lsn(self.etcd, CDC_NAME) > 0
+        return self._wide_started
+
     def _write(self, rng: random.Random, app_rng: random.Random, load_rng: random.Random,
-               episode: int) -> None:
-        """The application writer's transactions, then one workload step; a source outage
-        (the PostgreSQL fault) skips the source's part. The writer goes first: its wait
-        for answers would otherwise shift what every fault does right after a step (a
-        kill lands while the step's rows are on their way, a snapshot fetches them from
-        the write buffers...)."""
+               wide_rng: random.Random, episode: int) -> None:
+        """The application writer's transactions, then one workload step and the wide
+        table's sources' transactions; a source outage (the PostgreSQL fault) skips the
+        source's part. The writer goes first: its wait for answers would otherwise shift
+        what every fault does right after a step (a kill lands while the step's rows are
+        on their way, a snapshot fetches them from the write buffers...)."""
         if self.app is not None:
             self.app.step(app_rng)
         if self.loads is not None:
@@ -416,12 +452,30 @@ class Campaign:
         try:
             self.report.transactions += workload.step(self._source(), rng, episode,
                                                       self.report.workload)
+            if self.wide is not None:
+                self.report.transactions += self.wide.step(self._source, wide_rng,
+                                                           self._wide_ready)
         except psycopg2.Error:
             with contextlib.suppress(Exception):
                 self.conn.close()
             self.conn = None
         if self.book is not None:
             self.book.during_fault_write()
+
+    def _wide_burst(self, rng: random.Random, going: Callable[[], bool]) -> None:
+        """The wide table's sources written while PostgreSQL is being stopped (the
+        postgres_restart fault) until the stop cuts them off."""
+        if self.wide is None:
+            return
+        before = self.report.wide["transactions"]
+        try:
+            self.wide.burst(self._source, rng, self._wide_ready, going)
+        except psycopg2.Error:  # what the burst waits for: the source going away
+            with contextlib.suppress(Exception):
+                self.conn.close()
+            self.conn = None
+        finally:
+            self.report.transactions += self.report.wide["transactions"] - before
 
     def _add_column(self, rng: random.Random, episode: int) -> str:
         """An ADD COLUMN and a write of it (the schema failpoints' driver); "" if none."""
@@ -594,6 +648,10 @@ class Campaign:
             self.report.app["rows_compared"] += app_table.rows
             self.report.app["undecided_keys"] += app_table.undecided
             self.report.app["undecided_applied"] += app_table.undecided_applied
+        wide_table = comparison.tables.get(workload.WIDE_TABLE.name)
+        if wide_table is not None:
+            self.report.wide["rows_compared"] += wide_table.rows
+            self.report.wide["undecided_keys"] += wide_table.undecided
         for attr in ("lost", "duplicated", "phantom", "mismatched"):
             count = comparison.total(attr)
             setattr(self.report, attr, getattr(self.report, attr) + count)

@@ -44,6 +44,7 @@ from retina_common.catalog import Catalog
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.topology import load_topology
 
+from . import wide
 from .workload import APP_TABLE, REPLICATED, SCHEMA, SOURCE_DB, create_source, create_tables
 
 TRANS = "trans"
@@ -143,7 +144,12 @@ class ChaosCluster:
                      trans_metrics=st.trans_metrics,
                      extra={"retina": RETINA_SETTINGS, "trans": TRANS_SETTINGS,
                             "cdc": self._cdc_settings()})
+        # The wide table's routes: [[cdc.routes]] tables, only in the config file (no
+        # environment override sets them); every process reads them, the connector uses them.
+        with open(st.config_path, "a") as config:
+            config.write(wide.routes_toml())
         self.source_dsn = create_source(st.postgres)
+        wide.create_sources(self.source_dsn)
         catalog = Catalog(st.postgres.dsn())
         try:
             create_tables(catalog, load_topology(st.topology_path))
@@ -172,7 +178,9 @@ class ChaosCluster:
                 "slot": "chaos_slot", "publication": "chaos_pub",
                 "metrics_listen": f"127.0.0.1:{free_port()}",
                 "changelog_root": str(self.state_dir / "changelog"),
-                "source_tables": ",".join(f"public.{t.name}" for t in REPLICATED)}
+                # The routed sources too: published, so the connector receives them.
+                "source_tables": ",".join([*(f"public.{t.name}" for t in REPLICATED),
+                                           *wide.SOURCE_TABLES])}
 
     def _parallel(self, actions: list[Callable[[], None]]) -> None:
         errors: list[BaseException] = []

@@ -7,6 +7,7 @@ import json
 import random
 import signal
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -235,6 +236,10 @@ class FaultContext:
     app: AppWriter | None = None
     # One bulk load (chaos/bulk_loads.py): the load.* points' driver.
     load: Callable[[], None] | None = None
+    # Source transactions one after another while the argument says PostgreSQL is being
+    # stopped (the wide table's, chaos/wide.py): a COMMIT whose answer the stop cuts off
+    # is one of unknown outcome, which the wide table's model must resolve.
+    source_burst: Callable[[Callable[[], bool]], None] | None = None
 
     def gc_pass(self, node: str, result: FaultResult, max_groups: int = 3,
                 race: float = 0.5, task_failpoints: str = "", failpoint_dir: str = "",
@@ -356,7 +361,30 @@ def restart_postgres(ctx: FaultContext) -> FaultResult:
     (and, with tiny ingest files, a file boundary) is usually in flight."""
     ctx.write()
     mode = ctx.rng.choice(["immediate", "fast"])
-    note = ctx.cluster.restart_postgres(ctx.rng.uniform(0.2, 2.0), mode)
+    down_s = ctx.rng.uniform(0.2, 2.0)
+    if ctx.source_burst is None or mode != "immediate":
+        # A fast shutdown waits for the walsenders' WAL to be confirmed, which a burst's
+        # last commits would hold up until it escalates (the catalog is on this server).
+        note = ctx.cluster.restart_postgres(down_s, mode)
+    else:  # the stop in a thread, source transactions committing until it cuts them off
+        done: list[str] = []
+        failed: list[BaseException] = []
+
+        def restart() -> None:
+            try:
+                done.append(ctx.cluster.restart_postgres(down_s, mode))
+            except BaseException as exc:  # ClusterError: raised again below
+                failed.append(exc)
+
+        stopper = threading.Thread(target=restart, name="chaos-pg-restart")
+        stopper.start()
+        try:
+            ctx.source_burst(stopper.is_alive)
+        finally:
+            stopper.join()
+        if failed:
+            raise failed[0]
+        note = done[0]
     ctx.write()
     return FaultResult("postgres_restart", mode, notes=[note] if note else [])
 

@@ -96,6 +96,17 @@ class Report:
     # undecided_keys (keys of transactions in doubt or unknown at a comparison) and
     # undecided_applied (of them, those found holding the transaction's value).
     app: Counter[str] = field(default_factory=Counter)
+    # The wide table two routed sources fill (chaos/wide.py): transactions (committed),
+    # transactions_<small|large|truncate>, transactions_both_sources_one_id, per statement
+    # kind its count with an effect and <kind>_noop without one, in_<both|
+    # delete_then_write|refill|large>, steps_before_first_commit (the sources left alone
+    # until the connector's first commit), bursts and burst_transactions (while an
+    # immediate PostgreSQL stop goes on), failed_before_commit; the model's rows_created,
+    # rows_merged, deleted_with_other_columns (a source's delete removed the other
+    # source's columns too), commit_unknown, unknown_committed, unknown_aborted,
+    # status_<in_progress|None> (not resolved yet), unresolved_at_close; rows_compared,
+    # undecided_keys.
+    wide: Counter[str] = field(default_factory=Counter)
     unexpected_exits: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     anomalies: list[Anomaly] = field(default_factory=list)
@@ -147,6 +158,8 @@ class Report:
                                                    sorted(self.sweep.items())) or "-"),
             f"  Spark replay retries {self.replay_text()}",
             f"  application writer   {self.app_text()}",
+            "  wide table (routes)  " + (", ".join(f"{k}={v}" for k, v in
+                                                   sorted(self.wide.items())) or "-"),
             f"  rows compared        {self.rows_compared}",
             f"  lost / duplicated / phantom / mismatched rows  {self.lost} / {self.duplicated} "
             f"/ {self.phantom} / {self.mismatched}",

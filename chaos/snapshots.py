@@ -48,7 +48,7 @@ from retina_common.topology import Topology
 from spark_jobs.common import TaskError
 from spark_jobs.snapshot_query import plan_snapshot, read_files
 
-from .workload import APP_TABLE, BY_NAME, LOADED_TABLE, SCHEMA, TABLES, Key
+from .workload import APP_TABLE, BY_NAME, LOADED_TABLE, SCHEMA, TABLES, WIDE_TABLE, Key
 
 SNAPSHOT_IS_IMMUTABLE = "SNAPSHOT_IS_IMMUTABLE"
 # Codes that refuse a read: S is no longer readable exactly (ABORTED: below a node's
@@ -70,7 +70,8 @@ READ_LEASE_MS = 120_000
 # A refusal's details as kept: long enough for a snapshot_expired's earliest readable point.
 DETAIL_CHARS = 400
 _CODE_IN_TEXT = re.compile(r": ([A-Z_]+): ")
-SPECS = {**BY_NAME, APP_TABLE.name: APP_TABLE, LOADED_TABLE.name: LOADED_TABLE}
+SPECS = {**BY_NAME, WIDE_TABLE.name: WIDE_TABLE, APP_TABLE.name: APP_TABLE,
+         LOADED_TABLE.name: LOADED_TABLE}
 
 
 # --- images: a snapshot as row digests ------------------------------------------------------
@@ -201,8 +202,9 @@ def refusal_of(exc: BaseException) -> ReadRefused:
 
 
 def tables_taken() -> tuple[str, ...]:
-    """The source tables: what the campaign's snapshots read."""
-    return tuple(t.name for t in TABLES)
+    """The connector's tables: what the campaign's snapshots read (the source tables
+    and the wide table their routed sources fill, chaos/wide.py)."""
+    return (*(t.name for t in TABLES), WIDE_TABLE.name)
 
 
 def tables_imaged() -> tuple[str, ...]:
@@ -226,7 +228,7 @@ class SnapshotReaders:
         self.channel = channel(trans_address)
         self.trans = trans_pb2_grpc.TransServiceStub(self.channel)
         self._tasks = ThreadPoolExecutor(TASKS, thread_name_prefix="chaos-spark-task")
-        self._tables = ThreadPoolExecutor(len(TABLES), thread_name_prefix="chaos-table")
+        self._tables = ThreadPoolExecutor(len(tables_taken()), thread_name_prefix="chaos-table")
 
     def close(self) -> None:
         self._tables.shutdown(wait=True)

@@ -41,6 +41,7 @@ from retina_common.reader import FILE_ID
 
 from .repeatable_reads import SnapshotBook
 from .snapshots import (
+    SPECS,
     ReadRefused,
     SnapshotReaders,
     TableImage,
@@ -49,7 +50,7 @@ from .snapshots import (
     tables_taken,
 )
 from .stalls import wait_until
-from .workload import BY_NAME, SCHEMA
+from .workload import SCHEMA
 
 if TYPE_CHECKING:  # faults.py registers the fault; this module only fills its result
     from .faults import FaultContext, FaultResult
@@ -128,7 +129,7 @@ def _split_in(ctx: FaultContext, book: SnapshotBook, trans: tpb.BeginTransRespon
     try:
         split = {t: TableImage.of(reader.assemble(trans, buffers[t].values(),
                                                   reader.list_files(trans, SCHEMA, t))
-                                  .table.to_pylist(), BY_NAME[t].pk) for t in tables_taken()}
+                                  .table.to_pylist(), SPECS[t].pk) for t in tables_taken()}
     except Exception as exc:  # a status (refused) or a file unreadable
         refused = refusal_of(exc)
         result.reads[f"split_refused_{refused.code}"] += 1

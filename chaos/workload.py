@@ -1,5 +1,7 @@
 """The random source workload. The source PostgreSQL database is the model: the
-campaign never keeps its own copy of the expected rows, it compares with the source.
+campaign never keeps its own copy of these tables' expected rows, it compares with the
+source. (The wide table two routed source tables fill is the exception: chaos/wide.py
+keeps its model, since a delete from one source removes the other's columns too.)
 
 Every statement is derived from the episode's ``random.Random`` and the source's current
 columns only (keys are drawn from small bounded key spaces, so deletes, key reuse and
@@ -174,6 +176,19 @@ LOADED_TABLE = TableSpec("loaded_items", (ColumnSpec("id", "int64"),
                          ("int8", "text", "int8"), ("id",),
                          lambda r: (r.randint(1, 10**12),),
                          lambda r: (f"l{r.randint(0, 10**6)}", r.randint(-10**9, 10**9)))
+# The wide table (chaos/wide.py): one Retina table fed by two source tables through the
+# connector's [[cdc.routes]] (public.wide_orders sets customer, and amount from its column
+# total; public.wide_payments sets paid and method), compared with a model of their
+# committed transactions instead of a source table of its own. Its ``values`` are not
+# used: chaos/wide.py draws each source's own.
+WIDE_KEYS = (1, 240)
+WIDE_TABLE = TableSpec("wide", (ColumnSpec("id", "int64"), ColumnSpec("customer", "string"),
+                                ColumnSpec("amount", "decimal(12,2)"),
+                                ColumnSpec("paid", "decimal(12,2)"),
+                                ColumnSpec("method", "string")),
+                       ("int8", "text", "numeric(12,2)", "numeric(12,2)", "text"), ("id",),
+                       lambda r: (r.randint(*WIDE_KEYS),),
+                       lambda r: (_text(r), None, None, _text(r)))
 # The last source transaction of every episode writes this table (replicated, never
 # compared): its commit LSN tells when the connector has caught up with the source.
 MARKER = TableSpec("marker", (ColumnSpec("id", "int32"), ColumnSpec("episode", "int64")),
@@ -236,11 +251,11 @@ def current_tables(conn: Any) -> tuple[TableSpec, ...]:
 
 
 def create_tables(catalog: Catalog, topology: Topology) -> None:
-    """The Retina schema: one table per source table, the application writer's table and
-    the probe table."""
+    """The Retina schema: one table per source table, the wide table the two routed
+    source tables fill, the application writer's table and the probe table."""
     del topology  # routing needs no catalog state; kept for symmetry with the callers
     catalog.create_schema(SCHEMA)
-    for table in (*REPLICATED, APP_TABLE, LOADED_TABLE):
+    for table in (*REPLICATED, WIDE_TABLE, APP_TABLE, LOADED_TABLE):
         catalog.create_table(SCHEMA, table.name, table.columns, table.pk)
     catalog.create_table(SCHEMA, PROBE_TABLE, [ColumnSpec("id", "int64"),
                                                ColumnSpec("v", "string")], ["id"])

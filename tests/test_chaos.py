@@ -16,13 +16,15 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import psycopg2
 import pytest
 
-from chaos import faults, gc_driver, pinned_snapshots, spark_task, workload
+from cdc_client.routes import route_problem
+from chaos import faults, gc_driver, pinned_snapshots, spark_task, wide, workload
 from chaos.app_model import AppModel, Txn
 from chaos.campaign import LATE_FAULT_STREAM, episode_seed, parse_args
 from chaos.compare import diff_table, lsn, position_lsn, widen
@@ -30,6 +32,8 @@ from chaos.prober import ReadinessTracker
 from chaos.report import Report
 from chaos.workload import BY_NAME
 from retina_common import failpoints
+from retina_common.catalog.model import ColumnRecord, TableRecord
+from retina_common.config import load_config
 from retina_common.pb import retina_pb2 as rpb
 from retina_common.pb import trans_pb2 as tpb
 
@@ -212,6 +216,136 @@ def test_a_column_the_retina_table_lacks_reads_null_in_the_comparison() -> None:
     got = widen([{"name": "a", "weight": 1, "note": None}], table.all_columns)
     assert diff_table(table, {("a",): ("a", 1, None, None)}, got).clean
     assert not diff_table(table, {("a",): ("a", 1, None, 5)}, got).clean
+
+
+# --- the wide table (chaos/wide.py) ----------------------------------------------------------
+def _order(key: int, customer: str | None, amount: str | None) -> wide.Upsert:
+    return wide.Upsert("wide_orders", key, (customer, None if amount is None
+                                            else Decimal(amount)))
+
+
+def _payment(key: int, paid: str | None, method: str | None) -> wide.Upsert:
+    return wide.Upsert("wide_payments", key, (None if paid is None else Decimal(paid), method))
+
+
+def _wide(key: int, customer: str | None = None, amount: str | None = None,
+          paid: str | None = None, method: str | None = None) -> tuple[Any, ...]:
+    return (key, customer, None if amount is None else Decimal(amount),
+            None if paid is None else Decimal(paid), method)
+
+
+def test_the_wide_model_merges_each_route_and_deletes_the_whole_row() -> None:
+    model = wide.WideModel()
+    model.start({(9,): _wide(9, "pre", "1.00", "1.00", "cash")})
+    model.committed([_order(1, "ann", "10.50")])  # an order: the payment's columns NULL
+    model.committed([_payment(1, "10.50", "card")])  # its payment: merged into the row
+    model.committed([_order(1, "bob", None)])  # an update of the order keeps the payment
+    model.committed([_payment(2, "3.00", None)])  # a payment for an id with no order
+    assert model.expected() == ({(1,): _wide(1, "bob", None, "10.50", "card"),
+                                 (2,): _wide(2, None, None, "3.00", None),
+                                 (9,): _wide(9, "pre", "1.00", "1.00", "cash")}, {})
+    # A payment's delete removes the whole row, the order's columns too (the order stays
+    # in its source); the next payment of that id starts from an all-NULL row.
+    model.committed([wide.Delete("wide_payments", 1)])
+    assert (1,) not in model.rows and model.counts["deleted_with_other_columns"] == 1
+    model.committed([_payment(1, "4.00", "wire")])
+    assert model.rows[(1,)] == _wide(1, None, None, "4.00", "wire")
+    # In one transaction, in order: a delete then a write of the same id, both sources of
+    # one id, a primary-key change (the old key's row deleted, the new key upserted).
+    model.committed([wide.Delete("wide_orders", 9), _order(9, "new", "2.00"),
+                     _order(3, "cy", "5.00"), _payment(3, "5.00", "card"),
+                     wide.Delete("wide_orders", 2), _order(4, "mv", "7.00")])
+    assert model.expected()[0] == {(1,): _wide(1, None, None, "4.00", "wire"),
+                                   (3,): _wide(3, "cy", "5.00", "5.00", "card"),
+                                   (4,): _wide(4, "mv", "7.00"),
+                                   (9,): _wide(9, "new", "2.00")}
+    # A TRUNCATE of either source empties the table; rows written after it stay.
+    model.committed([wide.Truncate("wide_payments"), _payment(5, "1.25", None)])
+    assert model.expected() == ({(5,): _wide(5, paid="1.25")}, {})
+
+
+def test_a_wide_commit_of_unknown_outcome_is_decided_by_the_source_in_commit_order() -> None:
+    status: dict[int, str] = {}
+    model = wide.WideModel(lambda xid: status.get(xid, "in progress"))
+    model.committed([_order(1, "ann", "1.00"), _payment(1, "1.00", "card")])
+    model.unknown(77, [wide.Delete("wide_orders", 1)])  # its COMMIT failed
+    model.committed([_payment(1, "2.00", "cash"), _order(2, "bo", "2.00")])  # after it
+    # Not known yet: key 1 is the payment merged into the old row, or over none.
+    want, either = model.expected()
+    assert want[(2,)] == _wide(2, "bo", "2.00")
+    assert either == {(1,): frozenset({_wide(1, "ann", "1.00", "2.00", "cash"),
+                                       _wide(1, paid="2.00", method="cash")})}
+    assert model.unresolved == 1 and model.counts["status_in_progress"] >= 1
+    status[77] = "committed"
+    assert model.expected() == ({(1,): _wide(1, paid="2.00", method="cash"),
+                                 (2,): _wide(2, "bo", "2.00")}, {})
+    assert model.unresolved == 0 and not model.queue
+    model.unknown(78, [_order(2, "lost", None)])
+    status[78] = "aborted"  # it never committed: nothing of it
+    model.committed([_payment(2, "9.00", None)])
+    assert model.expected()[0][(2,)] == _wide(2, "bo", "2.00", "9.00")
+    assert (model.counts["unknown_committed"], model.counts["unknown_aborted"]) == (1, 1)
+
+    # A source that does not answer: no comparison of the table (compare_once reports the
+    # error and polls again), not a guess.
+    def away(_xid: int) -> str:
+        raise psycopg2.OperationalError("the source is away")
+
+    model = wide.WideModel(away)
+    model.unknown(79, [_order(3, "x", None)])
+    with pytest.raises(psycopg2.OperationalError):
+        model.expected()
+    # More undecided transactions than it combines: not compared either.
+    model = wide.WideModel(lambda _xid: "in progress")
+    for xid in range(wide.MAX_UNRESOLVED + 1):
+        model.unknown(xid, [_order(xid, "x", None)])
+    with pytest.raises(ValueError):
+        model.expected()
+
+
+def test_the_wide_workload_draws_every_operation_on_both_sources() -> None:
+    rng = random.Random(11)
+    kinds: Counter[str] = Counter()
+    both_one_id = 0
+    for _ in range(600):
+        kind, ops = wide.plan_transaction(rng)
+        kinds[f"transaction_{kind}"] += 1
+        kinds.update(f"{op.kind} {op.route}" for op in ops)
+        kinds.update(op.group for op in ops if op.group)
+        keys: dict[int, set[str]] = {}
+        for op in ops:
+            if op.kind in ("upsert", "update"):
+                keys.setdefault(op.key, set()).add(op.route)
+        both_one_id += any(len(r) == 2 for r in keys.values())
+    for route in ("wide_orders", "wide_payments"):
+        for op in ("upsert", "insert", "update", "delete", "delete_range", "pk_change",
+                   "truncate", "bulk"):
+            assert kinds[f"{op} {route}"] > 0, (op, route)
+    assert kinds["orphan_payment wide_payments"] > 0 and kinds["orphan_payment wide_orders"] == 0
+    assert kinds["both"] > 0 and kinds["delete_then_write"] > 0 and both_one_id > 20
+    assert kinds["transaction_large"] > 0 and kinds["transaction_truncate"] > 0
+    # Large ones: more upserts than the connector encodes row by row.
+    rng = random.Random(3)
+    large = [ops for kind, ops in (wide.plan_transaction(rng) for _ in range(400))
+             if kind == "large"]
+    assert large and all(len(ops[0].rows) > 64 for ops in large)
+
+
+def test_the_wide_routes_are_a_config_file_the_connector_accepts(tmp_path: Path) -> None:
+    path = tmp_path / "retina.toml"
+    path.write_text('[cdc]\nschema = "chaos"\n' + wide.routes_toml())
+    routes = load_config(path, env={}).cdc.routes
+    assert [(r.source, r.target) for r in routes] == [("public.wide_orders", "wide"),
+                                                      ("public.wide_payments", "wide")]
+    assert dict(routes[0].columns) == {"id": "id", "customer": "customer", "total": "amount"}
+    assert dict(routes[1].columns) == {"id": "id", "paid": "paid", "method": "method"}
+    # Against the table the campaign creates: every mapped column there, the key mapped
+    # (ROUTES_NAME_THE_TARGET_KEY).
+    spec = workload.WIDE_TABLE
+    record = TableRecord(1, 1, "chaos", spec.name, 1, tuple(
+        ColumnRecord(i + 1, c.name, c.type, i, 0 if c.name in spec.pk else None)
+        for i, c in enumerate(spec.columns)))
+    assert [route_problem(r, record, "chaos") for r in routes] == ["", ""]
 
 
 def test_failpoint_selection_by_prefix() -> None:
@@ -404,6 +538,75 @@ def test_the_workload_truncates_adds_columns_and_leaves_toast_values_alone(
         for episode in range(40):
             workload.step(conn, rng, episode, counts)
         assert counts["update_toast_kept"] + counts["upsert_toast_kept"] > 0
+    finally:
+        conn.close()
+
+
+@pytest.mark.integration
+def test_the_wide_workload_runs_on_postgres_and_its_model_follows_the_sources(
+        catalog_dsn: str) -> None:
+    """The wide table's sources on a real PostgreSQL: every operation has its effect, the
+    model differs from the sources joined where a delete of one source removed the other
+    source's columns, and a COMMIT of unknown outcome is decided by txid_status."""
+    wide.create_sources(catalog_dsn)
+    conn = psycopg2.connect(catalog_dsn)
+    try:
+        counts: Counter[str] = Counter()
+        model = wide.WideModel(lambda xid: wide.txid_status(conn, xid), counts)
+        model.start(wide.joined_rows(conn))
+        assert model.rows  # the preloaded rows, through both routes
+        work = wide.WideWorkload(model, counts)
+        assert work.step(lambda: conn, random.Random(1), lambda: False) == 0
+        assert counts["steps_before_first_commit"] == 1
+        rng = random.Random(7)
+        for _ in range(150):
+            work.step(lambda: conn, rng, lambda: True)
+        for kind in ("upsert", "insert", "update", "orphan_payment", "delete",
+                     "delete_range", "pk_change", "bulk", "in_both", "in_delete_then_write",
+                     "transactions_both_sources_one_id", "rows_merged",
+                     "deleted_with_other_columns"):
+            assert counts[kind] > 0, (kind, counts)
+        rows, either = model.expected()
+        assert not either
+        joined = wide.joined_rows(conn)
+        # Every row of the model holds, per route, that source's row or NULLs; at least one
+        # source still has the row (a delete of either removes it).
+        for (key,), row in rows.items():
+            for route in wide.ROUTES:
+                with conn, conn.cursor() as cur:
+                    cur.execute(f"SELECT {', '.join(route.value_columns)} FROM "
+                                f"public.{route.source} WHERE id = %s", (key,))
+                    found = cur.fetchone()
+                at = [wide._COLUMNS.index(t) for t in route.targets]
+                mine = tuple(row[i] for i in at)
+                assert mine == tuple(found or ()) or all(v is None for v in mine), (key, row)
+            assert (key,) in joined
+        # ... and it is not the join: deletes of one source removed rows the other holds.
+        assert len(joined) > len(rows)
+        # A COMMIT whose answer is lost: committed, or not, as txid_status says.
+        for really, outcome in ((True, "committed"), (False, "aborted")):
+            class LostAnswer:
+                def __init__(self, commits: bool) -> None:
+                    self.commits = commits
+
+                def cursor(self) -> Any:
+                    return conn.cursor()
+
+                def rollback(self) -> None:
+                    conn.rollback()
+
+                def commit(self) -> None:
+                    conn.commit() if self.commits else conn.rollback()
+                    raise psycopg2.OperationalError("server closed the connection")
+
+            key = 10**6 + really
+            with pytest.raises(psycopg2.OperationalError):
+                work.transaction(LostAnswer(really), "small", [wide.Op(
+                    "upsert", "wide_orders", key, ("lost", Decimal("1.00")))])
+            assert model.unresolved == 1
+            assert model.expected()[0].get((key,)) == (
+                _wide(key, "lost", "1.00") if really else None)
+            assert counts[f"unknown_{outcome}"] == 1
     finally:
         conn.close()
 
