@@ -93,10 +93,9 @@ class Routes:
         targets, in order; the routed tables' schemas checked against their routes
         (UnsupportedSchemaChange for a mapped column the source no longer has) and
         dropped (not followed)."""
-        if not self or not any(c.table in self._by_source for c in trans.changes):
-            self._check_schemas(trans)
-            return trans
         self._check_schemas(trans)
+        if not any(c.table in self._by_source for c in trans.changes):
+            return trans
         changes: list[RowChange] = []
         for change in trans.changes:
             routes = self._by_source.get(change.table)

@@ -377,6 +377,12 @@ class CheckpointStore:
         self.cleanup()
         return pointer
 
+    def previous_empty(self) -> bool:
+        """Whether the ``previous`` slot holds nothing (a node's first install moves no
+        ``current`` there): a restart can then load ``current`` or nothing. Raises
+        EtcdError when etcd cannot say."""
+        return self._etcd.get(self._previous) is None
+
     def _slot_ids(self) -> tuple[int, set[int]] | None:
         """``current``'s checkpoint id and the ids both slots name, from one read of each
         slot; None when ``current`` is empty or a pointer is unreadable (it could name

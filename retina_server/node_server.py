@@ -37,7 +37,6 @@ from retina_common.checkpoint_store import CheckpointBody, CheckpointStore
 from retina_common.config import Config, ConfigError, split_host_port
 from retina_common.etcd import EtcdError, EtcdStore
 from retina_common.grpc_server import ServerHandle
-from retina_common.keys import checkpoint_slot_key
 from retina_common.lifecycle_record import LifecycleState
 from retina_common.log import configure_logging, get_logger
 from retina_common.metrics import serve_metrics
@@ -142,15 +141,13 @@ def wire(config: Config, config_path: str, node_id: str, topology: Topology) -> 
     gc = StorageGc(node, catalog, journal, trans.safe_gc_ts,
                    GcSettings(rc.gc_retired_retention_ms, rc.gc_prepare_ttl_ms),
                    trans_live=trans.trans_live, replay_floor=replay_floor.floor)
-    previous_slot = checkpoint_slot_key(node_id, "previous")
 
     def previous_slot_empty() -> bool:
-        """Whether the install just done left ``previous`` empty (there was no ``current``
-        to move): then a restart can load that checkpoint or none. Read under the
-        checkpoint lock, so no other install runs meanwhile; unknown counts as not empty
-        (the floor stays lower, never higher)."""
+        """Whether the install just done left ``previous`` empty: then a restart can load
+        that checkpoint or none. Read under the checkpoint lock, so no other install runs
+        meanwhile; unknown counts as not empty (the floor stays lower, never higher)."""
         try:
-            return etcd.get(previous_slot) is None
+            return checkpoint_store.previous_empty()
         except EtcdError as exc:
             log.warning("checkpoint_previous_slot_unread", node=node_id, error=str(exc))
             return False
